@@ -1,0 +1,66 @@
+// Tissue detection on a slide thumbnail, in the manner of CLAM (Lu et al., 2021, "Data-efficient
+// and weakly supervised computational pathology on whole-slide images", segmentTissue): HSV
+// saturation, median filter, Otsu threshold (Otsu, 1979), morphological close, then removal of
+// small tissue objects and small holes.
+//
+// Memory: the thumbnail is built by reading the slide in bands of rows from the finest level that
+// is not finer than needed, each band box-downsampled into the thumbnail: memory is bounded by the
+// thumbnail plus one band, whatever the slide size. A whole level is never materialised.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "slide/core/status.h"
+#include "slide/tile/image.h"
+#include "slide/tile/slide.h"
+
+namespace slide::tile {
+
+struct TissueOptions {
+  double thumbnail_mpp_um = 8.0;     // thumbnail resolution when the slide's mpp is known
+  int64_t max_thumbnail_px = 4096;   // cap on the thumbnail's longer side (coarser if needed)
+  int64_t fallback_thumbnail_px = 2048;  // longer side when the slide's mpp is unknown
+  int median_px = 7;                 // median filter size, odd, thumbnail px
+  int close_px = 5;                  // square structuring element of the close, thumbnail px
+  double min_object_um2 = 20000;     // tissue components smaller than this are dropped (needs mpp)
+  double min_hole_um2 = 20000;       // holes smaller than this are filled (needs mpp)
+  double min_object_fraction = 0.0005;  // the same bounds as fractions of the thumbnail area, used when mpp is unknown
+};
+
+struct TissueMask {
+  RgbImage thumbnail;          // RGB thumbnail
+  std::vector<uint8_t> mask;   // thumbnail.width * thumbnail.height, 1 = tissue, 0 = background
+  double downsample_x = 1;     // level-0 px per thumbnail px
+  double downsample_y = 1;
+  int otsu_threshold = 0;      // on saturation, 0..255
+
+  int64_t width() const { return thumbnail.width; }
+  int64_t height() const { return thumbnail.height; }
+  // Fraction of the whole thumbnail that is tissue, 0..1.
+  double tissue_fraction() const;
+  // Fraction of tissue in the level-0 rectangle [x_l0, x_l0 + w_l0) x [y_l0, y_l0 + h_l0),
+  // weighting thumbnail pixels by their overlap with the rectangle; 0..1. Areas outside the
+  // slide count as background.
+  double fraction_in(double x_l0, double y_l0, double w_l0, double h_l0) const;
+};
+
+// Builds a thumbnail of `slide` whose level-0 downsample is at least `downsample` (box filter,
+// bounded memory as above). Errors: those of SlideReader::read_region, with context.
+[[nodiscard]] Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, double* actual_downsample_x,
+                                              double* actual_downsample_y);
+
+// Thumbnail + mask. mpp_um is the level-0 resolution (0 if unknown: the thumbnail size and the
+// object-size bounds then follow the fallback fields). Errors: those of make_thumbnail.
+[[nodiscard]] Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options);
+
+// The mask computation alone on a given thumbnail (for tests and patch images); `um2_per_px` is
+// the area of one thumbnail pixel in µm² (0 if unknown).
+TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,
+                                      const TissueOptions& options);
+
+// Otsu's threshold of a 256-bin histogram: the t maximising the between-class variance of
+// {v <= t} and {v > t}. Returns 0 for an empty or constant histogram.
+int otsu_threshold(const std::vector<int64_t>& histogram);
+
+}  // namespace slide::tile

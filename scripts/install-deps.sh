@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs every build, test and benchmark dependency of slidestream from Debian's packages.
+# Idempotent and non-interactive: safe to run on every CI run and on a developer's machine.
+# CUDA, cuDNN and NCCL are not Debian packages: they are expected under /usr/local/cuda
+# (the build turns CUDA off when they are absent; see SLIDE_WITH_CUDA in CMakeLists.txt).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libopenslide-dev liblmdb-dev lmdb-utils libtiff-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev
+  libcli11-dev nlohmann-json3-dev doctest-dev
+  libhdf5-dev libdnnl-dev libopenmpi-dev openmpi-bin
+  python3 python3-lmdb python3-openslide python3-numpy python3-pil
+)
+# Benchmarks only (the Python peer and the gigapixel slide builder): `install-deps.sh --bench`.
+bench_packages=(python3-opencv libvips-tools time)
+
+want=("${packages[@]}")
+if [[ "${1:-}" == "--bench" ]]; then want+=("${bench_packages[@]}"); fi
+
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#want[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

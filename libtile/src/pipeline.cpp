@@ -1,1 +1,537 @@
-// placeholder: being written
+#include "slide/tile/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <sstream>
+
+#include "slide/core/file.h"
+#include "slide/core/log.h"
+#include "slide/core/progress.h"
+#include "slide/core/thread_pool.h"
+#include "slide/tile/image.h"
+#include "slide/tile/slide.h"
+
+namespace slide::tile {
+namespace fs = std::filesystem;
+using slide::core::log_info;
+using slide::core::log_warn;
+
+namespace {
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool is_slide_extension(const std::string& ext) {
+  static const char* kExts[] = {".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif"};
+  std::string e = lower(ext);
+  return std::any_of(std::begin(kExts), std::end(kExts), [&](const char* k) { return e == k; });
+}
+
+bool is_patch_extension(const std::string& ext) {
+  std::string e = lower(ext);
+  return e == ".jpg" || e == ".jpeg" || e == ".png" || e == ".tif" || e == ".tiff";
+}
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  // Plain CSV with optional double quotes around fields ("" inside quotes is a quote).
+  std::vector<std::string> out;
+  std::string cur;
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        cur += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        cur += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      out.push_back(cur);
+      cur.clear();
+    } else if (c != '\r') {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  for (auto& f : out) {
+    auto b = f.find_first_not_of(" \t");
+    auto e = f.find_last_not_of(" \t");
+    f = b == std::string::npos ? std::string() : f.substr(b, e - b + 1);
+  }
+  return out;
+}
+
+Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
+  std::ifstream in(csv);
+  if (!in) return slide::core::errno_status(errno, "open manifest " + csv);
+  std::string line;
+  int line_no = 0;
+  fs::path base = fs::path(csv).parent_path();
+  int id_col = -1, path_col = -1, label_col = -1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#') continue;
+    auto fields = split_csv_line(line);
+    if (id_col < 0) {
+      for (size_t i = 0; i < fields.size(); ++i) {
+        if (fields[i] == "slide_id") id_col = static_cast<int>(i);
+        if (fields[i] == "path") path_col = static_cast<int>(i);
+        if (fields[i] == "label") label_col = static_cast<int>(i);
+      }
+      if (id_col < 0 || path_col < 0)
+        return slide::core::invalid_argument(csv + ":" + std::to_string(line_no) +
+                                             ": the header must name the columns slide_id,path[,label]");
+      continue;
+    }
+    int need = std::max(id_col, path_col);
+    if (static_cast<int>(fields.size()) <= need)
+      return slide::core::invalid_argument(csv + ":" + std::to_string(line_no) + ": expected at least " +
+                                           std::to_string(need + 1) + " fields, got " + std::to_string(fields.size()));
+    SlideInput s;
+    s.slide_id = fields[id_col];
+    fs::path p = fields[path_col];
+    s.path = p.is_absolute() ? p.string() : (base / p).string();
+    if (label_col >= 0 && label_col < static_cast<int>(fields.size())) s.label = fields[label_col];
+    if (s.slide_id.empty() || fields[path_col].empty())
+      return slide::core::invalid_argument(csv + ":" + std::to_string(line_no) + ": empty slide_id or path");
+    out->push_back(std::move(s));
+  }
+  if (id_col < 0) return slide::core::invalid_argument(csv + ": empty manifest (no header line)");
+  return slide::core::ok_status();
+}
+
+std::string fmt_double(double v, int digits = 4) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+  return buf;
+}
+
+}  // namespace
+
+Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& paths,
+                                               const std::vector<std::string>& manifests,
+                                               const std::vector<std::string>& patch_dirs) {
+  std::vector<SlideInput> out;
+  for (const auto& p : paths) {
+    std::error_code ec;
+    auto st = fs::status(p, ec);
+    if (ec || !fs::exists(st)) return slide::core::not_found("input " + p + ": no such file or directory");
+    if (fs::is_directory(st)) {
+      std::vector<fs::path> files;
+      for (const auto& e : fs::directory_iterator(p, ec))
+        if (e.is_regular_file() && is_slide_extension(e.path().extension().string())) files.push_back(e.path());
+      if (ec) return slide::core::errno_status(ec.value(), "list directory " + p);
+      std::sort(files.begin(), files.end());
+      if (files.empty()) log_warn("no slide files in directory", {{"dir", p}});
+      for (const auto& f : files) out.push_back({f.stem().string(), f.string(), "", false});
+    } else {
+      out.push_back({fs::path(p).stem().string(), p, "", false});
+    }
+  }
+  for (const auto& m : manifests) SLIDE_RETURN_IF_ERROR(read_manifest(m, &out));
+  for (const auto& d : patch_dirs) {
+    std::error_code ec;
+    if (!fs::is_directory(d, ec)) return slide::core::not_found("patch folder " + d + ": not a directory");
+    std::vector<fs::path> classes;
+    for (const auto& e : fs::directory_iterator(d, ec))
+      if (e.is_directory()) classes.push_back(e.path());
+    std::sort(classes.begin(), classes.end());
+    if (classes.empty())
+      return slide::core::invalid_argument("patch folder " + d + ": no class sub-folders (expected DIR/<class>/*.jpg)");
+    for (const auto& c : classes) {
+      std::vector<fs::path> files;
+      for (const auto& e : fs::directory_iterator(c, ec))
+        if (e.is_regular_file() && is_patch_extension(e.path().extension().string())) files.push_back(e.path());
+      std::sort(files.begin(), files.end());
+      std::string cls = c.filename().string();
+      for (const auto& f : files) out.push_back({cls + "/" + f.stem().string(), f.string(), cls, true});
+    }
+  }
+  if (out.empty()) return slide::core::invalid_argument("no input slides: give slide files, directories, --manifest or --patches");
+  std::map<std::string, std::string> seen;
+  for (const auto& s : out) {
+    auto [it, inserted] = seen.emplace(s.slide_id, s.path);
+    if (!inserted)
+      return slide::core::invalid_argument("duplicate slide id '" + s.slide_id + "' for " + it->second + " and " + s.path +
+                                           ": give unique ids with a --manifest");
+  }
+  return out;
+}
+
+int RunSummary::count(SlideOutcomeKind kind) const {
+  return static_cast<int>(std::count_if(slides.begin(), slides.end(), [&](const SlideOutcome& o) { return o.kind == kind; }));
+}
+
+namespace {
+
+class TilingRun {
+ public:
+  TilingRun(StoreWriter& writer, const TileJobOptions& options, slide::core::ThreadPool& pool)
+      : writer_(writer), opt_(options), pool_(pool) {}
+
+  // Tiles one input. Store errors (which end the run) come back as *fatal.
+  SlideOutcome run_slide(const SlideInput& in, Status* fatal);
+
+  bool cancelled() const { return opt_.cancel && opt_.cancel->load(); }
+
+ private:
+  Status tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
+  Status tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
+
+  StoreWriter& writer_;
+  const TileJobOptions& opt_;
+  slide::core::ThreadPool& pool_;
+};
+
+// Center-crops to a square and area-downsamples to `size`; refuses to upsample.
+Result<RgbImage> fit_patch(RgbImage img, int size, const std::string& path) {
+  int64_t side = std::min(img.width, img.height);
+  if (side < size)
+    return slide::core::invalid_argument(path + ": patch is " + std::to_string(img.width) + "x" +
+                                         std::to_string(img.height) + " px, smaller than the tile size " +
+                                         std::to_string(size) + " (upsampling is refused; use --tile-size " +
+                                         std::to_string(side) + ")");
+  RgbImage out(size, size);
+  double x0 = static_cast<double>((img.width - side) / 2);
+  double y0 = static_cast<double>((img.height - side) / 2);
+  resample_area(img, x0, y0, static_cast<double>(side) / size, &out);
+  return out;
+}
+
+Status TilingRun::tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error) {
+  const int T = opt_.grid.tile_size_px;
+  SLIDE_ASSIGN_OR_RETURN(RgbImage img, read_image_file(in.path));
+  rec->vendor = "patch";
+  rec->backend = "image";
+  rec->width_l0 = img.width;
+  rec->height_l0 = img.height;
+  rec->tissue_fraction = 1;
+  rec->candidate_tiles = 1;
+  std::vector<uint8_t> payload;
+  std::string ext = lower(fs::path(in.path).extension().string());
+  bool copy_jpeg = opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && (ext == ".jpg" || ext == ".jpeg") &&
+                   img.width == T && img.height == T;
+  if (copy_jpeg) {
+    // The patch is already a JPEG of the right size: keep its bytes (no generation loss).
+    SLIDE_ASSIGN_OR_RETURN(std::string bytes, slide::core::read_file(in.path));
+    payload.assign(bytes.begin(), bytes.end());
+    rec->passthrough = true;
+  } else {
+    SLIDE_ASSIGN_OR_RETURN(RgbImage fitted, fit_patch(std::move(img), T, in.path));
+    if (opt_.encoding == TileEncoding::kJpeg) {
+      SLIDE_ASSIGN_OR_RETURN(payload, encode_jpeg(fitted.pixels.data(), T, T, opt_.jpeg_quality));
+    } else {
+      payload = std::move(fitted.pixels);
+    }
+  }
+  auto idx = writer_.begin_slide(in.slide_id);
+  if (!idx.ok()) {
+    *store_error = true;
+    return idx.status();
+  }
+  TileHeader h;
+  h.label = rec->label_index;
+  h.width = h.height = static_cast<uint32_t>(T);
+  h.encoding = opt_.encoding;
+  Status s = writer_.add_tile(h, payload);
+  if (!s.ok()) {
+    *store_error = true;
+    return s;
+  }
+  rec->level = 0;
+  rec->downsample = 1;
+  out->tiles = 1;
+  out->candidates = 1;
+  out->passthrough = rec->passthrough;
+  return slide::core::ok_status();
+}
+
+Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error) {
+  SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<SlideReader> reader, open_slide(in.path));
+  const SlideProperties& props = reader->properties();
+  rec->vendor = props.vendor;
+  rec->backend = props.backend;
+  rec->width_l0 = props.levels.at(0).width;
+  rec->height_l0 = props.levels.at(0).height;
+
+  double mpp = props.mpp_x_um;
+  rec->mpp_source = props.mpp_source;
+  if (mpp <= 0) {
+    if (opt_.source_mpp_um <= 0)
+      return slide::core::failed_precondition(
+          in.path + ": the slide has no resolution (µm/px) in its vendor metadata or TIFF resolution tags; pass "
+                    "--source-mpp with its level-0 µm/px");
+    mpp = opt_.source_mpp_um;
+    rec->mpp_source = "override";
+  }
+  rec->source_mpp_um = mpp;
+
+  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, opt_.tissue), in.path + ": tissue mask");
+  rec->tissue_fraction = tissue.tissue_fraction();
+  out->tissue_fraction = rec->tissue_fraction;
+
+  SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, opt_.grid), in.path);
+  rec->level = plan.level;
+  rec->downsample = plan.level_downsample;
+  rec->tile_mpp_um = plan.tile_mpp_um;
+  rec->candidate_tiles = static_cast<uint64_t>(plan.candidates);
+  out->candidates = rec->candidate_tiles;
+
+  if (!opt_.qc_dir.empty()) {
+    auto png = render_qc_png(tissue, plan);
+    Status qs = png.ok() ? slide::core::make_dirs(opt_.qc_dir) : png.status();
+    if (qs.ok()) {
+      std::string name = in.slide_id;
+      std::replace(name.begin(), name.end(), '/', '_');
+      qs = slide::core::write_file_atomic(opt_.qc_dir + "/" + name + ".png", *png);
+    }
+    // A QC picture that cannot be written is worth a warning, not the slide.
+    if (!qs.ok()) log_warn("QC picture not written", {{"slide", in.slide_id}, {"error", qs.to_string()}});
+  }
+
+  const bool passthrough =
+      opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && can_pass_through(*reader, plan);
+  rec->passthrough = passthrough;
+  out->passthrough = passthrough;
+
+  auto idx = writer_.begin_slide(in.slide_id);
+  if (!idx.ok()) {
+    *store_error = true;
+    return idx.status();
+  }
+  if (plan.tiles.empty()) return slide::core::ok_status();
+
+  const int T = plan.tile_size_px;
+  const SlideReader& rd = *reader;
+  const TileEncoding encoding = opt_.encoding;
+  const int quality = opt_.jpeg_quality;
+  auto make_payload = [&rd, &plan, T, encoding, quality, passthrough](const TileSpec& t) -> Result<std::vector<uint8_t>> {
+    if (passthrough) {
+      auto raw = rd.read_raw_jpeg_tile(plan.level, t.col, t.row);
+      if (!raw.ok()) return raw.status().with_context("source tile (col=" + std::to_string(t.col) +
+                                                      ", row=" + std::to_string(t.row) + ")");
+      return raw;
+    }
+    std::vector<uint8_t> rgb(static_cast<size_t>(3) * T * T);
+    Status s = read_tile(rd, plan, t, rgb.data());
+    if (!s.ok())
+      return s.with_context("tile (x0=" + std::to_string(t.x_l0) + ", y0=" + std::to_string(t.y_l0) + ")");
+    if (encoding == TileEncoding::kRawRgb) return rgb;
+    return encode_jpeg(rgb.data(), T, T, quality);
+  };
+
+  slide::core::Progress progress("tiles of " + in.slide_id, static_cast<int64_t>(plan.tiles.size()), "tiles/s",
+                                 opt_.progress);
+  const size_t window = std::max<size_t>(4, 4 * pool_.size());
+  std::deque<std::future<Result<std::vector<uint8_t>>>> inflight;
+  size_t next_submit = 0, next_write = 0;
+  Status failure;
+  while (next_write < plan.tiles.size()) {
+    while (failure.ok() && !cancelled() && next_submit < plan.tiles.size() && inflight.size() < window) {
+      const TileSpec* t = &plan.tiles[next_submit++];
+      inflight.push_back(pool_.submit([t, &make_payload] { return make_payload(*t); }));
+    }
+    if (inflight.empty()) break;  // cancelled or failed: nothing left to wait for
+    auto payload = inflight.front().get();
+    inflight.pop_front();
+    const TileSpec& t = plan.tiles[next_write++];
+    if (!failure.ok() || cancelled()) continue;  // drain the window without writing
+    if (!payload.ok()) {
+      failure = payload.status();
+      continue;
+    }
+    TileHeader h;
+    h.label = rec->label_index;
+    h.x_l0 = t.x_l0;
+    h.y_l0 = t.y_l0;
+    h.width = h.height = static_cast<uint32_t>(T);
+    h.encoding = encoding;
+    Status s = writer_.add_tile(h, *payload);
+    if (!s.ok()) {
+      *store_error = true;
+      failure = s;
+      continue;
+    }
+    progress.add(1);
+    ++out->tiles;
+  }
+  if (!failure.ok()) return failure.with_context(in.path);
+  if (cancelled()) return slide::core::cancelled(in.path + ": interrupted");
+  return slide::core::ok_status();
+}
+
+SlideOutcome TilingRun::run_slide(const SlideInput& in, Status* fatal) {
+  auto t0 = std::chrono::steady_clock::now();
+  SlideOutcome out;
+  out.slide_id = in.slide_id;
+  out.path = in.path;
+  SlideRecord rec;
+  rec.slide_id = in.slide_id;
+  rec.path = in.path;
+  rec.label = in.label;
+  rec.label_index = writer_.label_index(in.label);
+  auto st = slide::core::stat_file(in.path);
+  if (st.ok()) {
+    rec.source_size_bytes = st->size_bytes;
+    rec.source_mtime_ns = st->mtime_ns;
+  }
+  bool store_error = false;
+  Status s = st.ok() ? (in.is_patch ? tile_patch(in, &out, &rec, &store_error) : tile_wsi(in, &out, &rec, &store_error))
+                     : st.status();
+  if (s.ok()) {
+    rec.tile_count = out.tiles;
+    s = writer_.finish_slide(rec);
+    if (!s.ok()) store_error = true;
+  }
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (s.ok()) {
+    out.kind = out.tiles == 0 ? SlideOutcomeKind::kZeroTiles : SlideOutcomeKind::kTiled;
+    if (out.kind == SlideOutcomeKind::kZeroTiles)
+      log_warn("slide has zero tiles", {{"slide", in.slide_id}, {"path", in.path}, {"candidates", out.candidates},
+                                        {"tissue_fraction", fmt_double(out.tissue_fraction, 3)}});
+    else if (!in.is_patch)
+      log_info("slide tiled", {{"slide", in.slide_id}, {"tiles", out.tiles}, {"seconds", fmt_double(out.seconds)},
+                               {"passthrough", out.passthrough ? "yes" : "no"}});
+    return out;
+  }
+  out.kind = SlideOutcomeKind::kFailed;
+  out.error = s;
+  if (s.code() == slide::core::StatusCode::kCancelled) {
+    // Ctrl-C: commit what is buffered (the current transaction) and stop; the partial slide has
+    // no record, so a rerun removes its tiles and redoes it.
+    Status f = writer_.flush();
+    if (!f.ok()) *fatal = f;
+    return out;
+  }
+  if (store_error) {
+    *fatal = s;
+    return out;
+  }
+  Status a = writer_.abort_slide();
+  if (!a.ok()) *fatal = a;
+  log_warn("slide failed", {{"slide", in.slide_id}, {"error", s.to_string()}});
+  return out;
+}
+
+}  // namespace
+
+Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::string& store_dir,
+                              const TileJobOptions& options) {
+  auto t0 = std::chrono::steady_clock::now();
+  if (options.shard_count < 1 || options.shard_index < 0 || options.shard_index >= options.shard_count)
+    return slide::core::invalid_argument("shard " + std::to_string(options.shard_index) + "/" +
+                                         std::to_string(options.shard_count) + " is out of range");
+  if (options.jpeg_quality < 1 || options.jpeg_quality > 100)
+    return slide::core::invalid_argument("--jpeg-quality must be in 1..100");
+  StoreMeta meta;
+  meta.tile_size_px = options.grid.tile_size_px;
+  meta.stride_px = options.grid.stride_px > 0 ? options.grid.stride_px : options.grid.tile_size_px;
+  meta.target_mpp_um = options.grid.target_mpp_um;
+  meta.encoding = options.encoding;
+  meta.jpeg_quality = options.jpeg_quality;
+  meta.min_tissue = options.grid.min_tissue;
+  meta.shard = std::to_string(options.shard_index) + "/" + std::to_string(options.shard_count);
+  meta.command_line = options.command_line;
+  StoreWriterOptions wopt;
+  wopt.tiles_per_txn = options.tiles_per_txn;
+  SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<StoreWriter> writer, StoreWriter::open(store_dir, meta, wopt));
+
+  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, options.threads)));
+  TilingRun run(*writer, options, pool);
+  RunSummary summary;
+  size_t patches_total = 0, patches_done = 0;
+  for (const auto& in : inputs) patches_total += in.is_patch ? 1 : 0;
+  slide::core::Progress patch_progress("patches", static_cast<int64_t>(patches_total), "patches/s",
+                                       options.progress && patches_total > 0);
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const SlideInput& in = inputs[k];
+    if (static_cast<int>(k % static_cast<size_t>(options.shard_count)) != options.shard_index) continue;
+    if (run.cancelled()) {
+      summary.cancelled = true;
+      break;
+    }
+    auto done = writer->slides().find(in.slide_id);
+    if (done != writer->slides().end()) {
+      SlideOutcome o;
+      o.slide_id = in.slide_id;
+      o.path = in.path;
+      o.kind = SlideOutcomeKind::kAlreadyComplete;
+      o.tiles = done->second.tile_count;
+      o.passthrough = done->second.passthrough;
+      auto st = slide::core::stat_file(in.path);
+      if (st.ok() && (st->size_bytes != done->second.source_size_bytes || st->mtime_ns != done->second.source_mtime_ns))
+        log_warn("slide changed since it was tiled; its tiles in the store are from the old file",
+                 {{"slide", in.slide_id}, {"path", in.path}});
+      summary.slides.push_back(std::move(o));
+      continue;
+    }
+    Status fatal;
+    SlideOutcome o = run.run_slide(in, &fatal);
+    summary.tiles_written += o.tiles;
+    if (o.kind == SlideOutcomeKind::kFailed && o.error.code() == slide::core::StatusCode::kCancelled)
+      summary.cancelled = true;
+    summary.slides.push_back(std::move(o));
+    if (in.is_patch) {
+      ++patches_done;
+      patch_progress.add(1);
+    }
+    if (!fatal.ok()) return fatal.with_context("store " + store_dir);
+    if (summary.cancelled) break;
+  }
+  patch_progress.finish();
+  SLIDE_RETURN_IF_ERROR_CTX(writer->close(), "store " + store_dir);
+  summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  (void)patches_done;
+  return summary;
+}
+
+std::string format_summary(const RunSummary& summary) {
+  std::ostringstream os;
+  int shown = 0;
+  const int kMaxLines = 50;
+  for (const auto& o : summary.slides) {
+    if (o.kind == SlideOutcomeKind::kNotInShard) continue;
+    // Patch runs have thousands of one-tile "slides": list only the ones worth a look.
+    bool notable = o.kind == SlideOutcomeKind::kFailed || o.kind == SlideOutcomeKind::kZeroTiles;
+    if (!notable && shown >= kMaxLines) continue;
+    ++shown;
+    const char* what = "tiled";
+    switch (o.kind) {
+      case SlideOutcomeKind::kTiled: what = "tiled"; break;
+      case SlideOutcomeKind::kAlreadyComplete: what = "already complete"; break;
+      case SlideOutcomeKind::kZeroTiles: what = "ZERO TILES"; break;
+      case SlideOutcomeKind::kFailed: what = "FAILED"; break;
+      case SlideOutcomeKind::kNotInShard: what = "other shard"; break;
+    }
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-40s %-16s %8llu tiles %7.1f s%s", o.slide_id.c_str(), what,
+                  static_cast<unsigned long long>(o.tiles), o.seconds, o.passthrough ? "  pass-through" : "");
+    os << line;
+    if (o.kind == SlideOutcomeKind::kFailed) os << "  " << o.error.to_string();
+    os << "\n";
+  }
+  int listed = static_cast<int>(summary.slides.size());
+  if (shown < listed) os << "  ... (" << (listed - shown) << " more, all tiled or already complete)\n";
+  os << "summary: " << summary.count(SlideOutcomeKind::kTiled) << " tiled, "
+     << summary.count(SlideOutcomeKind::kAlreadyComplete) << " already complete, "
+     << summary.count(SlideOutcomeKind::kZeroTiles) << " with zero tiles, " << summary.count(SlideOutcomeKind::kFailed)
+     << " failed; " << summary.tiles_written << " tiles written in " << fmt_double(summary.seconds) << " s"
+     << (summary.cancelled ? " (interrupted)" : "") << "\n";
+  return os.str();
+}
+
+}  // namespace slide::tile

@@ -1,0 +1,100 @@
+// The tiling pipeline: inputs (slides, directories, a CSV manifest, patch folders) -> one LMDB
+// tile store, slide by slide, resumable.
+//
+// Per slide: open (OpenSlide, else libtiff) -> mpp (vendor, TIFF tags, else --source-mpp, else a
+// per-slide error) -> tissue mask on a thumbnail -> tile grid -> tiles read and JPEG-encoded by a
+// thread pool (or copied from the source's JPEG tiles when the grid is aligned with them) ->
+// committed in order by one writer (this thread) -> the slide record with the last tiles.
+// Memory is bounded by the thumbnail plus a window of in-flight tiles (4 per thread).
+//
+// Failure isolation: any error of one slide (corrupt, unreadable, missing mpp, zero tiles is not
+// an error but is reported) aborts that slide's tiles, is recorded in the summary, and the run
+// goes on. Errors of the store itself (disk full, unwritable) end the run: what was committed
+// stays readable.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "slide/core/status.h"
+#include "slide/tile/grid.h"
+#include "slide/tile/store.h"
+#include "slide/tile/tissue.h"
+
+namespace slide::tile {
+
+struct SlideInput {
+  std::string slide_id;  // unique within a run: file stem, manifest id, or "class/stem" for patches
+  std::string path;
+  std::string label;     // "" = none
+  bool is_patch = false;  // a single patch image (from a patch folder), not a whole-slide image
+};
+
+// Expands inputs into slides, in a deterministic order:
+// - a file: one slide, id = file name without its extension;
+// - a directory: every file in it (not recursive) whose extension is a slide format
+//   (.svs .tif .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif .czi is not OpenSlide 3.4),
+//   sorted by name;
+// - manifests: CSV with a header line `slide_id,path[,label]` (paths relative to the CSV's
+//   directory), in file order;
+// - patch folders: DIR/<class>/*.{jpg,jpeg,png,tif,tiff}, classes and files sorted by name, id
+//   "<class>/<file stem>", label = class.
+// Errors: kNotFound (a path that does not exist), kInvalidArgument (bad CSV line, with the line
+// number; duplicate slide ids, naming both paths; an empty input list).
+[[nodiscard]] Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& paths,
+                                                             const std::vector<std::string>& manifests,
+                                                             const std::vector<std::string>& patch_dirs);
+
+struct TileJobOptions {
+  GridOptions grid;
+  TissueOptions tissue;
+  TileEncoding encoding = TileEncoding::kJpeg;
+  int jpeg_quality = 90;
+  double source_mpp_um = 0;   // used when a slide has no mpp of its own (0 = none)
+  bool passthrough = true;    // copy aligned source JPEG tiles without re-encoding
+  int threads = 2;            // read + encode workers
+  int shard_index = 0;        // this run writes slides k with k % shard_count == shard_index
+  int shard_count = 1;
+  std::string qc_dir;         // "" = no QC pictures
+  size_t tiles_per_txn = 256;
+  std::string command_line;
+  bool progress = true;
+  // Set from a signal handler: the run stops after committing the current transaction.
+  const std::atomic<bool>* cancel = nullptr;
+};
+
+enum class SlideOutcomeKind { kTiled, kAlreadyComplete, kZeroTiles, kFailed, kNotInShard };
+
+struct SlideOutcome {
+  std::string slide_id;
+  std::string path;
+  SlideOutcomeKind kind = SlideOutcomeKind::kFailed;
+  Status error;             // for kFailed
+  uint64_t tiles = 0;
+  uint64_t candidates = 0;
+  double seconds = 0;
+  bool passthrough = false;
+  double tissue_fraction = 0;
+};
+
+struct RunSummary {
+  std::vector<SlideOutcome> slides;
+  bool cancelled = false;
+  uint64_t tiles_written = 0;
+  double seconds = 0;
+
+  int count(SlideOutcomeKind kind) const;
+};
+
+// Runs the job into the store at `store_dir` (created or resumed). Returns the summary; a
+// non-OK Result only for errors that end the whole run (the store cannot be opened or written:
+// kPermissionDenied, kResourceExhausted, kFailedPrecondition for a settings mismatch, ...).
+[[nodiscard]] Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::string& store_dir,
+                                            const TileJobOptions& options);
+
+// Human-readable summary table (one line per slide, then totals).
+std::string format_summary(const RunSummary& summary);
+
+}  // namespace slide::tile

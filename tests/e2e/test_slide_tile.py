@@ -1,0 +1,417 @@
+#!/usr/bin/python3
+"""End-to-end tests of slide-tile on the real sample slides (run by ctest, one class per test).
+
+Environment: SLIDE_TILE (the binary), SLIDE_SAMPLE_DIR (sample_data/), SLIDE_README (README.md).
+"""
+import io
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import lmdb
+import numpy as np
+import openslide
+from PIL import Image
+
+TILE = os.environ["SLIDE_TILE"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+SLIDES = os.path.join(SAMPLE, "slides")
+BAD = os.path.join(SAMPLE, "bad")
+CMU = os.path.join(SLIDES, "CMU-1-Small-Region.svs")
+HEADER = struct.Struct("<4sHHIiqqIIBBHI")
+
+
+def run(args, **kw):
+    return subprocess.run([TILE] + args, capture_output=True, text=True, **kw)
+
+
+def dump(store):
+    """Every record of every database, as {db: {key: value}} of bytes."""
+    env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+    out = {}
+    with env.begin() as txn:
+        for name in (b"meta", b"slides", b"tiles"):
+            db = env.open_db(name, txn=txn, create=False)
+            out[name] = {k: v for k, v in txn.cursor(db=db)}
+    env.close()
+    return out
+
+
+def info(store):
+    r = run(["info", store, "--json"])
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def tiles_of(store):
+    d = dump(store)[b"tiles"]
+    out = []
+    for k, v in sorted(d.items()):
+        f = HEADER.unpack_from(v)
+        out.append((struct.unpack(">Q", k)[0], f, v[f[2]:f[2] + f[12]]))
+    return out
+
+
+def composite_white(region):
+    """OpenSlide's RGBA (not premultiplied in Python) over white, as uint8 RGB."""
+    a = np.asarray(region).astype(np.float64)
+    rgb, alpha = a[..., :3], a[..., 3:4] / 255.0
+    return np.round(rgb * alpha + 255.0 * (1 - alpha)).astype(np.uint8)
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="slide_e2e_")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def path(self, *p):
+        return os.path.join(self.tmp, *p)
+
+
+class TestSample(Base):
+    """The README's sample run, and the README's Python reader example on its store."""
+
+    def test_readme_sample_and_python_reader(self):
+        store, qc = self.path("cmu1"), self.path("qc")
+        r = run([CMU, "--mpp", "0.5", "-o", store, "--qc-dir", qc])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1 tiled", r.stderr)
+        j = info(store)
+        self.assertEqual(len(j["slides"]), 1)
+        rec = j["slides"][0]
+        self.assertEqual(rec["slide_id"], "CMU-1-Small-Region")
+        self.assertEqual(rec["vendor"], "aperio")
+        self.assertEqual(rec["status"], "complete")
+        self.assertGreater(rec["tile_count"], 0)
+        self.assertEqual(j["tile_count"], rec["tile_count"])
+        self.assertTrue(os.path.getsize(os.path.join(qc, "CMU-1-Small-Region.png")) > 1000)
+        # The README's example, verbatim.
+        readme = open(os.environ["SLIDE_README"]).read()
+        m = re.search(r"<!-- python-reader-example -->\s*```python\n(.*?)```", readme, re.S)
+        self.assertIsNotNone(m, "README has no python reader example")
+        script = self.path("reader.py")
+        open(script, "w").write(m.group(1))
+        self.assertLessEqual(len(m.group(1).strip().splitlines()), 14)
+        p = subprocess.run([sys.executable, script, store], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(lines[0], "tile size 256")
+        self.assertEqual(lines[1], "CMU-1-Small-Region %d tiles" % rec["tile_count"])
+        self.assertEqual(len(lines), 2 + rec["tile_count"])
+        self.assertTrue(lines[2].startswith("0 0 -1 "), lines[2])
+        self.assertTrue(lines[2].endswith("(256, 256)"), lines[2])
+
+
+class TestBadSlides(Base):
+    def test_each_bad_file_fails_alone(self):
+        store = self.path("s")
+        inputs = [os.path.join(BAD, "broken.svs"), CMU, os.path.join(BAD, "unopenable.tiff"),
+                  os.path.join(BAD, "unreadable.svs"), os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs")]
+        r = run(inputs + ["--mpp", "1.0", "-o", store])
+        self.assertEqual(r.returncode, 3, r.stderr)
+        err = r.stderr
+        self.assertRegex(err, r"broken\s+FAILED.*INVALID_ARGUMENT.*broken\.svs.*not a slide")
+        self.assertRegex(err, r"unopenable\s+FAILED.*DATA_LOSS.*unopenable\.tiff.*Unsupported TIFF compression: 52479")
+        self.assertRegex(err, r"unreadable\s+FAILED.*DATA_LOSS.*unreadable\.svs.*Bogus marker length")
+        self.assertRegex(err, r"TCGA-CR-7395-01A-01-TS1\s+FAILED.*FAILED_PRECONDITION.*no resolution.*--source-mpp")
+        self.assertIn("1 tiled", err)
+        self.assertIn("4 failed", err)
+        j = info(store)
+        self.assertEqual([s["slide_id"] for s in j["slides"]], ["CMU-1-Small-Region"])
+        # The store holds exactly the good slide's tiles: nothing of the failed ones.
+        self.assertEqual(j["tile_count"], j["slides"][0]["tile_count"])
+        # A rerun retries only the failed slides and fails them the same way.
+        r2 = run(inputs + ["--mpp", "1.0", "-o", store])
+        self.assertEqual(r2.returncode, 3)
+        self.assertIn("1 already complete", r2.stderr)
+
+    def test_missing_input_is_a_usage_error(self):
+        r = run([self.path("nope.svs"), "--mpp", "0.5", "-o", self.path("s")])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("nope.svs", r.stderr)
+        self.assertIn("NOT_FOUND", r.stderr)
+
+
+def make_reference(tmp, args):
+    ref = os.path.join(tmp, "reference")
+    r = run(args + ["-o", ref])
+    assert r.returncode == 0, r.stderr
+    return ref, dump(ref)
+
+
+RESUME_ARGS = [os.path.join(SLIDES, "test3-DAPI-2-387.ndpi"), CMU, os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"),
+               "--source-mpp", "0.25", "--mpp", "0.25", "--tile-size", "128", "--min-tissue", "0.1",
+               "--threads", "1", "--txn-tiles", "16", "--encoding", "raw", "-q"]
+
+
+class TestResume(Base):
+    def test_sigkill_at_several_points_then_resume_is_identical(self):
+        ref, ref_dump = make_reference(self.tmp, RESUME_ARGS)
+        n_tiles = len(ref_dump[b"tiles"])
+        self.assertGreater(n_tiles, 500)
+        killed_mid_run = 0
+        for i, delay in enumerate([0.05, 0.3, 0.8, 1.5, 2.5]):
+            store = self.path("k%d" % i)
+            p = subprocess.Popen([TILE] + RESUME_ARGS + ["-o", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            p.send_signal(signal.SIGKILL)
+            rc = p.wait()
+            if rc == -signal.SIGKILL and os.path.exists(os.path.join(store, "data.mdb")):
+                partial = dump(store)
+                if len(partial[b"tiles"]) < n_tiles:
+                    killed_mid_run += 1
+            # A second kill during the resume, then a full resume.
+            p = subprocess.Popen([TILE] + RESUME_ARGS + ["-o", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.2)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            r = run(RESUME_ARGS + ["-o", store])
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(dump(store), ref_dump, "store resumed after a kill at %.2f s differs" % delay)
+        self.assertGreaterEqual(killed_mid_run, 2, "the kills should land mid-run")
+
+
+class TestInterrupt(Base):
+    def test_ctrl_c_exits_130_and_resumes(self):
+        ref, ref_dump = make_reference(self.tmp, RESUME_ARGS)
+        store = self.path("s")
+        p = subprocess.Popen([TILE] + RESUME_ARGS + ["-o", store], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.8)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        self.assertEqual(p.returncode, 130, err)
+        self.assertIn("interrupted", err)
+        r = run(RESUME_ARGS + ["-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(dump(store), ref_dump)
+
+
+class TestStoreErrors(Base):
+    def test_unwritable_output(self):
+        blocker = self.path("file")
+        open(blocker, "w").write("x")
+        r = run([CMU, "--mpp", "0.5", "-o", os.path.join(blocker, "store")])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(os.path.join(blocker, "store"), r.stderr)
+
+    def test_settings_mismatch_is_refused(self):
+        store = self.path("s")
+        self.assertEqual(run([CMU, "--mpp", "1.0", "-o", store]).returncode, 0)
+        before = dump(store)
+        r = run([CMU, "--mpp", "1.0", "--tile-size", "224", "-o", store])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("FAILED_PRECONDITION", r.stderr)
+        self.assertIn("tile_size_px", r.stderr)
+        self.assertEqual(dump(store), before)
+
+    def test_full_disk_keeps_committed_slides(self):
+        # A file-size limit makes the store's writes fail (EFBIG) the way a full disk does (ENOSPC).
+        store = self.path("s")
+        self.assertEqual(run([CMU, "--mpp", "2.0", "-o", store, "-q"]).returncode, 0)
+        first = info(store)
+        size = os.path.getsize(os.path.join(store, "data.mdb"))
+
+        def limit():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 256 * 1024, size + 256 * 1024))
+
+        big = [os.path.join(SLIDES, "test3-DAPI-2-387.ndpi"), "--source-mpp", "0.25"]
+        r = subprocess.run([TILE, CMU] + big + ["--mpp", "2.0", "--min-tissue", "0", "--encoding", "raw",
+                                                 "--txn-tiles", "8", "-o", store], capture_output=True, text=True,
+                           preexec_fn=limit)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
+        self.assertIn(store, r.stderr)
+        after = info(store)
+        self.assertEqual(after["slides"], first["slides"])
+        self.assertEqual(after["tile_count"], first["tile_count"])
+        # Without the limit the same command finishes the store.
+        r = run([CMU] + big + ["--mpp", "2.0", "--min-tissue", "0", "--encoding", "raw", "--txn-tiles", "8", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(len(info(store)["slides"]), 2)
+
+
+class TestPatches(Base):
+    def test_kather_patch_folder(self):
+        store = self.path("k")
+        r = run(["--patches", os.path.join(SAMPLE, "patches", "kather2016-samples"), "--tile-size", "128", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = info(store)
+        self.assertEqual(j["label_names"], ["01_TUMOR", "02_STROMA", "03_COMPLEX", "04_LYMPHO", "05_DEBRIS",
+                                            "06_MUCOSA", "07_ADIPOSE", "08_EMPTY"])
+        self.assertEqual(len(j["slides"]), 24)
+        self.assertEqual(j["tile_count"], 24)
+        tiles = tiles_of(store)
+        labels = [f[4] for _, f, _ in tiles]
+        self.assertEqual(labels, [i // 3 for i in range(24)])
+        for _, f, payload in tiles:
+            self.assertEqual((f[7], f[8]), (128, 128))
+            self.assertEqual(Image.open(io.BytesIO(payload)).size, (128, 128))
+        # Tile 0 is the first TUMOR patch, center 150 -> 128 area-resampled: close to PIL's BOX resize.
+        src = Image.open(os.path.join(SAMPLE, "patches", "kather2016-samples", "01_TUMOR",
+                                      sorted(os.listdir(os.path.join(SAMPLE, "patches", "kather2016-samples", "01_TUMOR")))[0]))
+        want = np.asarray(src.convert("RGB").resize((128, 128), Image.BOX)).astype(float)
+        got = np.asarray(Image.open(io.BytesIO(tiles[0][2])).convert("RGB")).astype(float)
+        self.assertLess(np.abs(want - got).mean(), 4.0)
+
+    def test_patch_smaller_than_tile_fails_alone(self):
+        r = run(["--patches", os.path.join(SAMPLE, "patches", "kather2016-samples"), "--tile-size", "224",
+                 "-o", self.path("k")])
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("smaller than the tile size 224", r.stderr)
+
+
+class TestManifestShards(Base):
+    def test_manifest_labels_and_shards(self):
+        csv = self.path("m.csv")
+        with open(csv, "w") as f:
+            f.write("slide_id,path,label\n")
+            f.write("cmu,%s,tumor\n" % CMU)
+            f.write("tcga,%s,normal\n" % os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"))
+            f.write("ndpi,%s,tumor\n" % os.path.join(SLIDES, "test3-DAPI-2-387.ndpi"))
+        common = ["--manifest", csv, "--mpp", "2.0", "--source-mpp", "0.25", "--min-tissue", "0.25"]
+        full = self.path("full")
+        r = run(common + ["-o", full])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = info(full)
+        self.assertEqual(j["label_names"], ["tumor", "normal"])
+        by_id = {s["slide_id"]: s for s in j["slides"]}
+        self.assertEqual(set(by_id), {"cmu", "tcga", "ndpi"})
+        self.assertEqual(by_id["tcga"]["label_index"], 1)
+        self.assertEqual(by_id["tcga"]["mpp_source"], "override")
+        self.assertEqual(by_id["cmu"]["mpp_source"], "vendor")
+        for _, f, _ in tiles_of(full):
+            self.assertEqual(f[4], [0, 1, 0][f[3]])
+        s0, s1 = self.path("s0"), self.path("s1")
+        self.assertEqual(run(common + ["--shard", "0/2", "-o", s0]).returncode, 0)
+        self.assertEqual(run(common + ["--shard", "1/2", "-o", s1]).returncode, 0)
+        self.assertEqual([s["slide_id"] for s in info(s0)["slides"]], ["cmu", "ndpi"])
+        self.assertEqual([s["slide_id"] for s in info(s1)["slides"]], ["tcga"])
+        self.assertEqual(info(s0)["tile_count"] + info(s1)["tile_count"], j["tile_count"])
+
+    def test_bad_manifest(self):
+        csv = self.path("m.csv")
+        open(csv, "w").write("id,file\nx,y\n")
+        r = run(["--manifest", csv, "--mpp", "1", "-o", self.path("s")])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("m.csv:1", r.stderr)
+
+
+class TestPixels(Base):
+    def test_raw_tiles_equal_openslide_reads(self):
+        store = self.path("s")
+        r = run([CMU, "--mpp", "0.5", "--encoding", "raw", "--tile-size", "256", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        s = openslide.OpenSlide(CMU)
+        tiles = tiles_of(store)
+        self.assertGreater(len(tiles), 10)
+        for _, f, payload in tiles[::7]:
+            x, y, w, h = f[5], f[6], f[7], f[8]
+            got = np.frombuffer(payload, np.uint8).reshape(h, w, 3)
+            want = composite_white(s.read_region((x, y), 0, (w, h)))
+            self.assertTrue(np.array_equal(got, want), "tile at (%d, %d) differs from OpenSlide" % (x, y))
+
+    def test_resampled_tiles_match_box_filter(self):
+        # 1.0 um/px on a 0.499 um/px slide: level 0 area-resampled by 2.004.
+        store = self.path("s")
+        r = run([CMU, "--mpp", "1.0", "--encoding", "raw", "--tile-size", "128", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        s = openslide.OpenSlide(CMU)
+        for _, f, payload in tiles_of(store)[::5]:
+            x, y = f[5], f[6]
+            got = np.frombuffer(payload, np.uint8).reshape(128, 128, 3).astype(float)
+            region = composite_white(s.read_region((x, y), 0, (257, 257)))
+            want = np.asarray(Image.fromarray(region).resize((128, 128), Image.BOX, box=(0, 0, 128 * 1.0 / 0.499, 128 * 1.0 / 0.499))).astype(float)
+            self.assertLess(np.abs(got - want).mean(), 1.0)
+
+
+class TestPassthrough(Base):
+    def test_aligned_grid_copies_source_jpeg_tiles(self):
+        store = self.path("s")
+        r = run([CMU, "--mpp", "0.5", "--tile-size", "240", "--min-tissue", "0", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rec = info(store)["slides"][0]
+        self.assertTrue(rec["passthrough"])
+        self.assertEqual(rec["tile_count"], (2220 // 240) * (2967 // 240))
+        s = openslide.OpenSlide(CMU)
+        for _, f, payload in tiles_of(store)[::9]:
+            x, y = f[5], f[6]
+            self.assertEqual((x % 240, y % 240), (0, 0))
+            got = np.asarray(Image.open(io.BytesIO(payload)).convert("RGB")).astype(float)
+            want = composite_white(s.read_region((x, y), 0, (240, 240))).astype(float)
+            self.assertLess(np.abs(got - want).mean(), 1.0)
+        # --no-passthrough decodes and re-encodes: same tiles, not the same bytes.
+        store2 = self.path("s2")
+        r = run([CMU, "--mpp", "0.5", "--tile-size", "240", "--min-tissue", "0", "--no-passthrough", "-o", store2])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(info(store2)["slides"][0]["passthrough"])
+        self.assertEqual(len(tiles_of(store2)), rec["tile_count"])
+
+
+class TestExport(Base):
+    def test_export_tiles_as_files(self):
+        store, out = self.path("s"), self.path("out")
+        self.assertEqual(run([CMU, "--mpp", "1.0", "-o", store, "-q"]).returncode, 0)
+        r = run(["export", store, "-o", out, "--slide", "CMU-1-Small-Region", "--limit", "5"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        files = sorted(os.listdir(out))
+        self.assertEqual(len(files), 5)
+        self.assertTrue(files[0].startswith("CMU-1-Small-Region_t0_x"))
+        self.assertEqual(Image.open(os.path.join(out, files[0])).size, (256, 256))
+        r = run(["export", store, "-o", out, "--slide", "nope"])
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("'nope' is not in store", r.stderr)
+
+
+class TestSlides(Base):
+    """Every sample slide at two resolutions: vendor, levels, mpp and tile counts."""
+    # slide, extra args, vendor, backend, level-0 size, source mpp, {mpp: (level read, tiles)}
+    CASES = [
+        ("CMU-1-Small-Region.svs", [], "aperio", "openslide", (2220, 2967), 0.499, {}),
+        ("TCGA-CR-7395-01A-01-TS1.svs", ["--source-mpp", "0.5"], "aperio", "openslide", (4443, 3567), 0.5, {}),
+        ("test3-DAPI-2-387.ndpi", [], "hamamatsu", "openslide", (3968, 4864), 0.2281750559, {}),
+        ("kidney-48-5.tif", ["--source-mpp", "0.5"], "tiff", "libtiff", (1493, 901), 0.5, {}),
+        ("boxes.tiff", ["--source-mpp", "0.25"], "generic-tiff", "openslide", (300, 250), 0.25, {}),
+    ]
+    RESOLUTIONS = {}
+
+    def test_every_slide_at_two_resolutions(self):
+        for name, extra, vendor, backend, size, mpp, _ in self.CASES:
+            for target, (level, count) in EXPECTED[name].items():
+                with self.subTest(slide=name, mpp=target):
+                    store = self.path("%s_%s" % (name, target))
+                    tile = 64 if name == "boxes.tiff" else 256
+                    r = run([os.path.join(SLIDES, name), "--mpp", str(target), "--tile-size", str(tile),
+                             "-o", store, "-q"] + extra)
+                    self.assertIn(r.returncode, (0,), r.stderr)
+                    rec = info(store)["slides"][0]
+                    self.assertEqual(rec["vendor"], vendor)
+                    self.assertEqual(rec["backend"], backend)
+                    self.assertEqual((rec["width_l0"], rec["height_l0"]), size)
+                    self.assertAlmostEqual(rec["source_mpp_um"], mpp, places=6)
+                    self.assertEqual(rec["level"], level)
+                    self.assertEqual(rec["tile_count"], count)
+
+
+# Filled in after checking the QC pictures by eye: {slide: {target mpp: (level read, tiles kept)}}.
+EXPECTED = {
+    "CMU-1-Small-Region.svs": {},
+    "TCGA-CR-7395-01A-01-TS1.svs": {},
+    "test3-DAPI-2-387.ndpi": {},
+    "kidney-48-5.tif": {},
+    "boxes.tiff": {},
+}
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:], verbosity=2)

@@ -1,1 +1,312 @@
-// placeholder: being written
+// Tissue detection after CLAM's segmentTissue (Lu et al., 2021; github.com/mahmoodlab/CLAM,
+// wsi_core/WholeSlideImage.py): saturation, median blur, Otsu, close, small-object and
+// small-hole filtering, all on a thumbnail built in bands of rows.
+#include "slide/tile/tissue.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "resample.h"
+
+namespace slide::tile {
+
+namespace {
+
+// Otsu on the saturation of a near-empty thumbnail (a blank slide, a white patch) splits sensor
+// noise into "tissue". Thresholds below this floor are raised to it, as histolab and CLAM-style
+// pipelines do with a minimum saturation; stained tissue is far above it (H&E saturation is
+// typically 40-150 of 255), glass and background are below (typically 0-10).
+constexpr int kMinSaturationThreshold = 15;
+
+// Budget for one band of level pixels read while building a thumbnail. At least one thumbnail
+// row is always read, so a level-0-only slide of extreme width can exceed it by that row.
+constexpr int64_t kBandBudgetBytes = int64_t{16} << 20;
+// At most this many thumbnail rows per band: keeps bands short even for small levels.
+constexpr int64_t kMaxBandRows = 64;
+
+// OpenCV's 8-bit RGB2HSV saturation (imgproc/src/color_hsv.simd.hpp, RGB2HSV_b): a fixed-point
+// 255 * (max - min) / max with a 12-bit reciprocal table, reproduced here bit for bit.
+struct SaturationTable {
+  int sdiv[256];
+  SaturationTable() {
+    sdiv[0] = 0;
+    for (int v = 1; v < 256; ++v) sdiv[v] = static_cast<int>(std::lround((255 << 12) / static_cast<double>(v)));
+  }
+};
+
+std::vector<uint8_t> saturation(const RgbImage& img) {
+  static const SaturationTable table;
+  const size_t n = static_cast<size_t>(img.width * img.height);
+  std::vector<uint8_t> s(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int r = img.pixels[3 * i], g = img.pixels[3 * i + 1], b = img.pixels[3 * i + 2];
+    const int v = std::max({r, g, b});
+    const int diff = v - std::min({r, g, b});
+    s[i] = static_cast<uint8_t>((diff * table.sdiv[v] + (1 << 11)) >> 12);
+  }
+  return s;
+}
+
+// Median filter with a k x k window and replicated edges (OpenCV medianBlur's border), by Huang's
+// sliding histogram (Huang, Yang & Tang, 1979): per step one column leaves and one enters the
+// window, and the median moves by the few bins the update shifted it; O(k) per pixel.
+std::vector<uint8_t> median_filter(const std::vector<uint8_t>& in, int64_t w, int64_t h, int k) {
+  if (k <= 1 || w < 1 || h < 1) return in;
+  if (k % 2 == 0) ++k;
+  const int64_t r = k / 2;
+  const int64_t half = (int64_t{k} * k) / 2;  // 0-based rank of the median
+  std::vector<uint8_t> out(in.size());
+  auto at = [&](int64_t x, int64_t y) {
+    return in[static_cast<size_t>(std::clamp<int64_t>(y, 0, h - 1) * w + std::clamp<int64_t>(x, 0, w - 1))];
+  };
+  int64_t hist[256];
+  for (int64_t y = 0; y < h; ++y) {
+    std::fill(std::begin(hist), std::end(hist), 0);
+    for (int64_t dy = -r; dy <= r; ++dy)
+      for (int64_t dx = -r; dx <= r; ++dx) ++hist[at(dx, y + dy)];
+    int m = 0;
+    int64_t below = 0;  // number of window values < m
+    for (int64_t x = 0; x < w; ++x) {
+      if (x > 0) {
+        for (int64_t dy = -r; dy <= r; ++dy) {
+          const uint8_t out_v = at(x - r - 1, y + dy);
+          const uint8_t in_v = at(x + r, y + dy);
+          --hist[out_v];
+          if (out_v < m) --below;
+          ++hist[in_v];
+          if (in_v < m) ++below;
+        }
+      }
+      while (below > half) below -= hist[--m];
+      while (below + hist[m] <= half) below += hist[m++];
+      out[static_cast<size_t>(y * w + x)] = static_cast<uint8_t>(m);
+    }
+  }
+  return out;
+}
+
+// Running max (dilate) or min (erode) over a k-wide window along one axis. Pixels outside the
+// image do not take part, as in OpenCV's morphology default border (morphologyDefaultBorderValue).
+void morph_1d(const std::vector<uint8_t>& in, std::vector<uint8_t>* out, int64_t w, int64_t h, int k, bool dilate,
+              bool horizontal) {
+  const int64_t before = k / 2;  // OpenCV's anchor for a k-wide element is k / 2
+  const int64_t after = k - 1 - before;
+  const int64_t len = horizontal ? w : h;
+  const int64_t lines = horizontal ? h : w;
+  for (int64_t line = 0; line < lines; ++line) {
+    for (int64_t p = 0; p < len; ++p) {
+      uint8_t v = dilate ? 0 : 1;
+      const int64_t q0 = std::max<int64_t>(0, p - before), q1 = std::min<int64_t>(len - 1, p + after);
+      for (int64_t q = q0; q <= q1; ++q) {
+        const uint8_t s = horizontal ? in[static_cast<size_t>(line * w + q)] : in[static_cast<size_t>(q * w + line)];
+        v = dilate ? std::max(v, s) : std::min(v, s);
+      }
+      (*out)[static_cast<size_t>(horizontal ? line * w + p : p * w + line)] = v;
+    }
+  }
+}
+
+// Morphological close (dilate then erode) of a 0/1 mask with a k x k square.
+void close_mask(std::vector<uint8_t>* mask, int64_t w, int64_t h, int k) {
+  if (k <= 1) return;
+  std::vector<uint8_t> tmp(mask->size());
+  morph_1d(*mask, &tmp, w, h, k, true, true);
+  morph_1d(tmp, mask, w, h, k, true, false);
+  morph_1d(*mask, &tmp, w, h, k, false, true);
+  morph_1d(tmp, mask, w, h, k, false, false);
+}
+
+// Sets to `fill` every connected component of pixels equal to `value` whose area is < min_area
+// px, skipping components that touch the border when `skip_border` (holes are background regions
+// enclosed by tissue; the background around the tissue touches the border). 8-connected for
+// tissue, 4-connected for background: the pair that makes holes and objects dual (a diagonal gap
+// in tissue does not connect a hole to the outside).
+void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t value, bool eight, bool skip_border,
+                       double min_area) {
+  if (min_area <= 1) return;
+  std::vector<uint8_t> seen(mask->size(), 0);
+  std::vector<int64_t> stack, component;
+  for (int64_t start = 0; start < w * h; ++start) {
+    if (seen[static_cast<size_t>(start)] || (*mask)[static_cast<size_t>(start)] != value) continue;
+    stack.assign(1, start);
+    component.clear();
+    seen[static_cast<size_t>(start)] = 1;
+    bool touches_border = false;
+    while (!stack.empty()) {
+      const int64_t p = stack.back();
+      stack.pop_back();
+      component.push_back(p);
+      const int64_t x = p % w, y = p / w;
+      if (x == 0 || y == 0 || x == w - 1 || y == h - 1) touches_border = true;
+      for (int64_t dy = -1; dy <= 1; ++dy) {
+        for (int64_t dx = -1; dx <= 1; ++dx) {
+          if ((dx == 0 && dy == 0) || (!eight && dx != 0 && dy != 0)) continue;
+          const int64_t nx = x + dx, ny = y + dy;
+          if (nx < 0 || ny < 0 || nx >= w || ny >= h) continue;
+          const size_t q = static_cast<size_t>(ny * w + nx);
+          if (seen[q] || (*mask)[q] != value) continue;
+          seen[q] = 1;
+          stack.push_back(static_cast<int64_t>(q));
+        }
+      }
+    }
+    if (skip_border && touches_border) continue;
+    if (static_cast<double>(component.size()) < min_area)
+      for (int64_t p : component) (*mask)[static_cast<size_t>(p)] = static_cast<uint8_t>(1 - value);
+  }
+}
+
+}  // namespace
+
+int otsu_threshold(const std::vector<int64_t>& histogram) {
+  // Otsu (1979), "A threshold selection method from gray-level histograms": maximise
+  // w0 * w1 * (mu0 - mu1)^2 over t, classes {v <= t} and {v > t}. The first maximum wins (as in
+  // OpenCV's getThreshVal_Otsu_8u), so a gap between two modes gives its lower edge.
+  const int bins = static_cast<int>(std::min<size_t>(histogram.size(), 256));
+  double total = 0, total_sum = 0;
+  for (int v = 0; v < bins; ++v) {
+    total += static_cast<double>(histogram[static_cast<size_t>(v)]);
+    total_sum += static_cast<double>(v) * static_cast<double>(histogram[static_cast<size_t>(v)]);
+  }
+  if (total <= 0) return 0;
+  double w0 = 0, sum0 = 0, best = 0;
+  int best_t = 0;
+  for (int t = 0; t < bins - 1; ++t) {
+    const double n = static_cast<double>(histogram[static_cast<size_t>(t)]);
+    w0 += n;
+    sum0 += t * n;
+    const double w1 = total - w0;
+    if (w0 <= 0 || w1 <= 0) continue;
+    const double mu0 = sum0 / w0, mu1 = (total_sum - sum0) / w1;
+    const double between = w0 * w1 * (mu0 - mu1) * (mu0 - mu1);
+    if (between > best * (1 + 1e-12)) best = between, best_t = t;
+  }
+  return best_t;
+}
+
+double TissueMask::tissue_fraction() const {
+  if (mask.empty()) return 0;
+  int64_t n = 0;
+  for (uint8_t m : mask) n += m;
+  return static_cast<double>(n) / static_cast<double>(mask.size());
+}
+
+double TissueMask::fraction_in(double x_l0, double y_l0, double w_l0, double h_l0) const {
+  const int64_t w = width(), h = height();
+  if (!(w_l0 > 0) || !(h_l0 > 0) || w < 1 || h < 1 || mask.size() != static_cast<size_t>(w * h)) return 0;
+  const double tx0 = x_l0 / downsample_x, tx1 = (x_l0 + w_l0) / downsample_x;
+  const double ty0 = y_l0 / downsample_y, ty1 = (y_l0 + h_l0) / downsample_y;
+  const double area = (tx1 - tx0) * (ty1 - ty0);
+  const int64_t x_first = std::max<int64_t>(0, static_cast<int64_t>(std::floor(tx0)));
+  const int64_t x_last = std::min<int64_t>(w - 1, static_cast<int64_t>(std::ceil(tx1)) - 1);
+  const int64_t y_first = std::max<int64_t>(0, static_cast<int64_t>(std::floor(ty0)));
+  const int64_t y_last = std::min<int64_t>(h - 1, static_cast<int64_t>(std::ceil(ty1)) - 1);
+  double tissue = 0;
+  for (int64_t y = y_first; y <= y_last; ++y) {
+    const double wy = std::min(ty1, static_cast<double>(y + 1)) - std::max(ty0, static_cast<double>(y));
+    if (wy <= 0) continue;
+    double row = 0;
+    const uint8_t* m = mask.data() + y * w;
+    for (int64_t x = x_first; x <= x_last; ++x) {
+      if (m[x] == 0) continue;
+      row += std::min(tx1, static_cast<double>(x + 1)) - std::max(tx0, static_cast<double>(x));
+    }
+    tissue += wy * row;
+  }
+  return std::clamp(tissue / area, 0.0, 1.0);
+}
+
+Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, double* actual_downsample_x,
+                                double* actual_downsample_y) {
+  const SlideProperties& props = slide.properties();
+  if (props.levels.empty() || props.levels[0].width < 1 || props.levels[0].height < 1)
+    return core::invalid_argument(props.path + ": slide has no readable level 0");
+  if (!(downsample >= 1) || !std::isfinite(downsample)) downsample = std::max(1.0, std::isfinite(downsample) ? downsample : 1.0);
+  const int64_t w0 = props.levels[0].width, h0 = props.levels[0].height;
+  const int64_t tw = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(w0) / downsample)));
+  const int64_t th = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(h0) / downsample)));
+  // The coarsest level not coarser than asked for (OpenSlide's get_best_level_for_downsample):
+  // reading fewer pixels, and never averaging fewer than one level pixel per thumbnail pixel.
+  int level = 0;
+  for (size_t i = 0; i < props.levels.size(); ++i)
+    if (props.levels[i].downsample <= downsample && props.levels[i].width >= 1 && props.levels[i].height >= 1)
+      level = static_cast<int>(i);
+  const SlideLevel& lv = props.levels[static_cast<size_t>(level)];
+  const double d = lv.downsample;
+  // Per-axis scales from the level's own size, so that the thumbnail spans the level exactly even
+  // where the level's size is rounded (W_k = ceil(W0 / d) on most scanners).
+  const double sx = static_cast<double>(lv.width) / static_cast<double>(tw);
+  const double sy = static_cast<double>(lv.height) / static_cast<double>(th);
+  RgbImage thumb(tw, th, 255);
+  const int64_t band_rows = std::clamp<int64_t>(
+      kBandBudgetBytes / std::max<int64_t>(1, static_cast<int64_t>(3.0 * static_cast<double>(lv.width) * std::ceil(sy + 1))),
+      1, kMaxBandRows);
+  RgbImage band;
+  for (int64_t j0 = 0; j0 < th; j0 += band_rows) {
+    const int64_t j1 = std::min(th, j0 + band_rows);
+    std::vector<int64_t> tap_begin;
+    const std::vector<detail::AreaTap> taps = detail::area_taps(0, sy, j0, j1 - j0, lv.height, &tap_begin);
+    const int64_t ly0 = taps.front().index, ly1 = taps.back().index + 1;
+    band.width = lv.width;
+    band.height = ly1 - ly0;
+    band.pixels.resize(static_cast<size_t>(3 * band.width * band.height));
+    SLIDE_RETURN_IF_ERROR_CTX(
+        slide.read_region(0, std::llround(static_cast<double>(ly0) * d), level, band.width, band.height, band.pixels.data()),
+        props.path + ": thumbnail band (level " + std::to_string(level) + ", rows " + std::to_string(ly0) + ".." +
+            std::to_string(ly1) + ")");
+    detail::resample_area_xy(band, ly0, 0, 0, sx, sy, lv.height, &thumb, j0, j1);
+  }
+  if (actual_downsample_x != nullptr) *actual_downsample_x = static_cast<double>(w0) / static_cast<double>(tw);
+  if (actual_downsample_y != nullptr) *actual_downsample_y = static_cast<double>(h0) / static_cast<double>(th);
+  return thumb;
+}
+
+Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options) {
+  const SlideProperties& props = slide.properties();
+  if (props.levels.empty()) return core::invalid_argument(props.path + ": slide has no levels");
+  const double longer = static_cast<double>(std::max(props.levels[0].width, props.levels[0].height));
+  double downsample = 0;
+  if (mpp_um > 0) {
+    downsample = std::max(options.thumbnail_mpp_um / mpp_um,
+                          longer / static_cast<double>(std::max<int64_t>(1, options.max_thumbnail_px)));
+  } else {
+    downsample = longer / static_cast<double>(std::max<int64_t>(1, options.fallback_thumbnail_px));
+  }
+  downsample = std::max(1.0, downsample);
+  double dx = 1, dy = 1;
+  SLIDE_ASSIGN_OR_RETURN(RgbImage thumb, make_thumbnail(slide, downsample, &dx, &dy));
+  const double um2_per_px = mpp_um > 0 ? (dx * mpp_um) * (dy * mpp_um) : 0;
+  return detect_tissue_in_thumbnail(std::move(thumb), dx, dy, um2_per_px, options);
+}
+
+TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,
+                                      const TissueOptions& options) {
+  TissueMask out;
+  out.downsample_x = downsample_x;
+  out.downsample_y = downsample_y;
+  const int64_t w = thumbnail.width, h = thumbnail.height;
+  out.thumbnail = std::move(thumbnail);
+  if (w < 1 || h < 1 || out.thumbnail.pixels.size() != static_cast<size_t>(3 * w * h)) {
+    out.mask.assign(static_cast<size_t>(std::max<int64_t>(0, w) * std::max<int64_t>(0, h)), 0);
+    return out;
+  }
+  const std::vector<uint8_t> sat = median_filter(saturation(out.thumbnail), w, h, options.median_px);
+  std::vector<int64_t> hist(256, 0);
+  for (uint8_t s : sat) ++hist[s];
+  out.otsu_threshold = std::max(otsu_threshold(hist), kMinSaturationThreshold);
+  out.mask.resize(sat.size());
+  for (size_t i = 0; i < sat.size(); ++i) out.mask[i] = sat[i] > out.otsu_threshold ? 1 : 0;
+  close_mask(&out.mask, w, h, options.close_px);
+  const double area = static_cast<double>(w * h);
+  const double min_object_px =
+      um2_per_px > 0 ? options.min_object_um2 / um2_per_px : options.min_object_fraction * area;
+  const double min_hole_px = um2_per_px > 0 ? options.min_hole_um2 / um2_per_px : options.min_object_fraction * area;
+  // Objects first: a speck inside a hole is dropped before the hole is measured, as CLAM keeps
+  // holes only inside the contours it kept.
+  filter_components(&out.mask, w, h, 1, /*eight=*/true, /*skip_border=*/false, min_object_px);
+  filter_components(&out.mask, w, h, 0, /*eight=*/false, /*skip_border=*/true, min_hole_px);
+  return out;
+}
+
+}  // namespace slide::tile

@@ -468,3 +468,65 @@ TEST_CASE("test_tissue_grid: render_qc_png tints tissue and outlines kept tiles"
   CHECK(px(2, 2) == std::vector<int>{m->thumbnail.pixels[3 * (2 * 250 + 2)], m->thumbnail.pixels[3 * (2 * 250 + 2) + 1],
                                      m->thumbnail.pixels[3 * (2 * 250 + 2) + 2]});  // background untouched
 }
+
+// The real sample (Aperio, 2220 x 2967 px, 0.499 µm/px, 240 px JPEG tiles, one level). The
+// expected values were read off the QC picture after checking it by eye: the mask covers the
+// main tissue strip and leaves out the glass, the thin detached streak on the left and the pale
+// loose fragments on the right.
+TEST_CASE("test_tissue_grid: CMU-1-Small-Region tissue mask and tile counts") {
+  auto slide = slide::tile::open_slide(std::string(SLIDE_SAMPLE_DIR) + "/slides/CMU-1-Small-Region.svs");
+  REQUIRE_MESSAGE(slide.ok(), slide.status().to_string());
+  const SlideProperties& p = (*slide)->properties();
+  REQUIRE(p.mpp_x_um == doctest::Approx(0.499));
+  auto m = slide::tile::detect_tissue(**slide, p.mpp_x_um, TissueOptions{});
+  REQUIRE_MESSAGE(m.ok(), m.status().to_string());
+  // Thumbnail at 8 µm/px: downsample 8 / 0.499 = 16.03 -> 138 x 185 px.
+  CHECK(m->width() == 138);
+  CHECK(m->height() == 185);
+  CHECK(m->tissue_fraction() > 0.23);  // seen: 0.328
+  CHECK(m->tissue_fraction() < 0.43);
+
+  GridOptions g = grid(0.5, 256, 0, 0.5);
+  auto half = slide::tile::plan_tiles(p, p.mpp_x_um, &*m, g);
+  REQUIRE(half.ok());
+  CHECK(half->level == 0);
+  CHECK_FALSE(half->resampled());  // 0.499 -> 0.5 is within the 2% snap
+  CHECK(half->cols == 8);          // floor(2220 / 256)
+  CHECK(half->rows == 11);         // floor(2967 / 256)
+  CHECK(half->tiles.size() == 29u);
+
+  g.target_mpp_um = 1.0;
+  auto one = slide::tile::plan_tiles(p, p.mpp_x_um, &*m, g);
+  REQUIRE(one.ok());
+  CHECK(one->resampled());  // r = 1.0 / 0.499 = 2.004
+  CHECK(one->cols == 4);    // floor(2220 / 2.004) = 1107 -> 4
+  CHECK(one->rows == 5);    // 1480 -> 5
+  CHECK(one->tiles.size() == 6u);
+  std::vector<uint8_t> rgb(3 * 256 * 256);
+  REQUIRE(slide::tile::read_tile(**slide, *one, one->tiles.front(), rgb.data()).ok());
+
+  auto png = slide::tile::render_qc_png(*m, *half);
+  REQUIRE(png.ok());
+}
+
+TEST_CASE("test_tissue_grid: CMU-1-Small-Region pass-through tiles decode to read_tile's pixels") {
+  auto slide = slide::tile::open_slide(std::string(SLIDE_SAMPLE_DIR) + "/slides/CMU-1-Small-Region.svs");
+  REQUIRE_MESSAGE(slide.ok(), slide.status().to_string());
+  const SlideProperties& p = (*slide)->properties();
+  auto plan = slide::tile::plan_tiles(p, p.mpp_x_um, nullptr, grid(0.5, 240));
+  REQUIRE(plan.ok());
+  CHECK(plan->cols == 9);  // floor(2220 / 240)
+  CHECK(plan->rows == 12);
+  REQUIRE(slide::tile::can_pass_through(**slide, *plan));
+  CHECK_FALSE(slide::tile::can_pass_through(**slide, *slide::tile::plan_tiles(p, p.mpp_x_um, nullptr, grid(0.5, 256))));
+  for (size_t i = 0; i < plan->tiles.size(); i += 11) {
+    const auto& t = plan->tiles[i];
+    auto raw = (*slide)->read_raw_jpeg_tile(plan->level, t.col, t.row);
+    REQUIRE_MESSAGE(raw.ok(), raw.status().to_string());
+    auto dec = slide::tile::decode_jpeg(*raw);
+    REQUIRE_MESSAGE(dec.ok(), dec.status().to_string());
+    std::vector<uint8_t> rgb(3 * 240 * 240);
+    REQUIRE(slide::tile::read_tile(**slide, *plan, t, rgb.data()).ok());
+    CHECK(dec->pixels == rgb);
+  }
+}

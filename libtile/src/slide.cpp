@@ -1,1 +1,45 @@
-// placeholder: being written
+// open_slide: the one place that knows which readers exist and in which order they are tried
+// (OpenSlide for everything it detects, then libtiff), like OpenSlide's own driver list with
+// generic TIFF last.
+#include "slide/tile/slide.h"
+
+#include <fcntl.h>
+#include <openslide.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "openslide_reader.h"
+#include "tiff_reader.h"
+
+namespace slide::tile {
+
+Result<std::vector<uint8_t>> SlideReader::read_raw_jpeg_tile(int level, int64_t col, int64_t row) const {
+  (void)col;
+  (void)row;
+  return core::unimplemented("level " + std::to_string(level) + " has no pass-through JPEG tiles");
+}
+
+Result<std::unique_ptr<SlideReader>> open_slide(const std::string& path) {
+  // Check the file ourselves first: OpenSlide reports a missing or unreadable file as "not a
+  // slide", which would hide the real cause.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return core::errno_status(errno, path);
+  if (S_ISDIR(st.st_mode)) return core::invalid_argument(path + ": is a directory, not a slide");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return core::errno_status(errno, path);
+  ::close(fd);
+
+  if (const char* vendor = openslide_detect_vendor(path.c_str()); vendor != nullptr)
+    return detail::open_openslide_reader(path, vendor);
+
+  auto tiff = detail::open_tiff_reader(path);
+  if (tiff.ok() || tiff.status().code() != core::StatusCode::kInvalidArgument) return tiff;
+  // Keep libtiff's reason after the verdict: it tells a damaged TIFF from a file that is no TIFF.
+  std::string why = tiff.status().message();
+  if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);
+  return core::invalid_argument(path + ": not a slide OpenSlide or libtiff can read (" + why + ")");
+}
+
+}  // namespace slide::tile

@@ -11,7 +11,9 @@
 #include "slide/tile/store.h"
 
 #include <lmdb.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <array>
@@ -269,6 +271,7 @@ Status lmdb_status(int rc, const std::string& what) {
   std::string m = what + ": " + mdb_strerror(rc);
   switch (rc) {
     case ENOSPC:
+    case EFBIG:
 #ifdef EDQUOT
     case EDQUOT:
 #endif
@@ -483,6 +486,23 @@ struct StoreWriter::Impl {
 
   std::string where() const { return "store " + dir; }
 
+  // Why a write may have come up short, or "" when neither cause applies: under 16 MiB free on
+  // the store's filesystem, or data.mdb within 16 MiB of the process's file-size limit (ulimit -f).
+  std::string short_write_cause() const {
+    constexpr uint64_t kSlack = 16ull << 20;
+    struct statvfs fs;
+    if (::statvfs(dir.c_str(), &fs) == 0) {
+      const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+      if (free_bytes < kSlack) return "the disk is full (" + std::to_string(free_bytes) + " bytes free)";
+    }
+    struct rlimit lim;
+    struct stat st;
+    if (::getrlimit(RLIMIT_FSIZE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
+        ::stat((dir + "/data.mdb").c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) + kSlack >= lim.rlim_cur)
+      return "data.mdb reached the file-size limit (ulimit -f) of " + std::to_string(lim.rlim_cur) + " bytes";
+    return "";
+  }
+
   Status grow_map() {
     MDB_envinfo info;
     int rc = mdb_env_info(env.get(), &info);
@@ -518,6 +538,11 @@ struct StoreWriter::Impl {
       if (rc == MDB_MAP_FULL && attempt < kMaxMapGrowths) {
         SLIDE_RETURN_IF_ERROR_CTX(grow_map(), where());
         continue;
+      }
+      if (rc == EIO) {
+        // LMDB reports a short write (the disk filled up, or the file hit RLIMIT_FSIZE) as EIO.
+        if (auto why = short_write_cause(); !why.empty())
+          return slide::core::resource_exhausted(op + ": " + mdb_strerror(rc) + ": " + why).with_context(where());
       }
       return lmdb_status(rc, op).with_context(where());
     }

@@ -177,7 +177,7 @@ int run_export(const std::string& store_dir, const std::string& out_dir, const s
     slide::tile::TileHeader h;
     std::vector<uint8_t> payload;
     auto s = (*reader)->read_tile(idx, &h, &payload);
-    if (!s.ok()) return fail(s.with_context("store " + store_dir + " tile " + std::to_string(idx)));
+    if (!s.ok()) return fail(s);  // names the store and the tile
     std::string sid = h.slide_index < slides.size() ? slides[h.slide_index].slide_id : "slide" + std::to_string(h.slide_index);
     std::replace(sid.begin(), sid.end(), '/', '_');
     std::string base = out_dir + "/" + sid + "_t" + std::to_string(idx) + "_x" + std::to_string(h.x_l0) + "_y" +

@@ -489,11 +489,11 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
       ++patches_done;
       patch_progress.add(1);
     }
-    if (!fatal.ok()) return fatal.with_context("store " + store_dir);
+    if (!fatal.ok()) return fatal;  // the store's errors already name the store
     if (summary.cancelled) break;
   }
   patch_progress.finish();
-  SLIDE_RETURN_IF_ERROR_CTX(writer->close(), "store " + store_dir);
+  SLIDE_RETURN_IF_ERROR(writer->close());
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   (void)patches_done;
   return summary;

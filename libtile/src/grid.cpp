@@ -35,20 +35,20 @@ Result<TilePlan> plan_tiles(const SlideProperties& slide, double mpp_um, const T
     return core::invalid_argument("tile size " + std::to_string(tile) + " px is outside 8..8192");
   if (stride < 1) return core::invalid_argument("stride " + std::to_string(options.stride_px) + " px is < 1");
   if (!(mpp_um > 0) || !std::isfinite(mpp_um))
-    return core::invalid_argument(slide.path + ": slide resolution " + format_um(mpp_um) + " µm/px is not > 0");
+    return core::invalid_argument("slide resolution " + format_um(mpp_um) + " µm/px is not > 0");
   if (!(options.target_mpp_um > 0) || !std::isfinite(options.target_mpp_um))
     return core::invalid_argument("target " + format_um(options.target_mpp_um) + " µm/px is not > 0");
   if (!(options.min_tissue >= 0 && options.min_tissue <= 1))
     return core::invalid_argument("min_tissue " + format_um(options.min_tissue) + " is outside [0, 1]");
   if (options.max_tiles < 0) return core::invalid_argument("max_tiles " + std::to_string(options.max_tiles) + " is < 0");
   if (slide.levels.empty() || slide.levels[0].width < 1 || slide.levels[0].height < 1)
-    return core::invalid_argument(slide.path + ": slide has no readable level 0");
+    return core::invalid_argument("slide has no readable level 0");
 
   TilePlan plan;
   double s = options.target_mpp_um / mpp_um;
   if (std::abs(s - 1) <= kSnapTolerance) s = 1;
   if (s < 1)
-    return core::invalid_argument(slide.path + ": target " + format_um(options.target_mpp_um) +
+    return core::invalid_argument("target " + format_um(options.target_mpp_um) +
                                   " µm/px is finer than level 0 (" + format_um(mpp_um) + " µm/px)");
   // OpenSlide's get_best_level_for_downsample: the coarsest level whose downsample does not
   // exceed the one asked for (with the tolerance), so a level is never upsampled.

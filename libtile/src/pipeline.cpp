@@ -360,7 +360,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     h.y_l0 = t.y_l0;
     h.width = h.height = static_cast<uint32_t>(T);
     h.encoding = encoding;
-    Status s = writer_.add_tile(h, *payload);
+    Status s = writer_.add_tile(h, std::move(*payload));
     if (!s.ok()) {
       *store_error = true;
       failure = s;

@@ -63,11 +63,7 @@ T get_le(const uint8_t* p) {
 
 }  // namespace
 
-void encode_tile_record(TileHeader header, std::span<const uint8_t> payload, std::vector<uint8_t>* out) {
-  header.payload_bytes = static_cast<uint32_t>(payload.size());
-  const size_t start = out->size();
-  out->resize(start + kTileHeaderBytes + payload.size());
-  uint8_t* p = out->data() + start;
+void write_tile_header(const TileHeader& header, uint8_t* p) {
   std::memcpy(p, kTileMagic, 4);
   put_le<uint16_t>(p + 4, kTileRecordVersion);
   put_le<uint16_t>(p + 6, static_cast<uint16_t>(kTileHeaderBytes));
@@ -81,7 +77,14 @@ void encode_tile_record(TileHeader header, std::span<const uint8_t> payload, std
   p[41] = static_cast<uint8_t>(header.encoding);
   put_le<uint16_t>(p + 42, 0);
   put_le<uint32_t>(p + 44, header.payload_bytes);
-  if (!payload.empty()) std::memcpy(p + kTileHeaderBytes, payload.data(), payload.size());
+}
+
+void encode_tile_record(TileHeader header, std::span<const uint8_t> payload, std::vector<uint8_t>* out) {
+  header.payload_bytes = static_cast<uint32_t>(payload.size());
+  const size_t start = out->size();
+  out->resize(start + kTileHeaderBytes + payload.size());
+  write_tile_header(header, out->data() + start);
+  if (!payload.empty()) std::memcpy(out->data() + start + kTileHeaderBytes, payload.data(), payload.size());
 }
 
 Status decode_tile_record(std::span<const uint8_t> record, TileHeader* header, std::span<const uint8_t>* payload) {
@@ -460,7 +463,8 @@ struct StoreWriter::Impl {
     enum class Kind { kPutTile, kPutSlide, kDelTile } kind;
     uint64_t tile_index = 0;
     std::string slide_id;
-    std::vector<uint8_t> value;
+    std::vector<uint8_t> value;  // a tile's payload (its header is in `header`), or a slide record
+    std::array<uint8_t, kTileHeaderBytes> header{};
   };
 
   std::string dir;
@@ -568,9 +572,17 @@ struct StoreWriter::Impl {
         int rc = 0;
         if (o.kind == Op::Kind::kPutTile) {
           auto key = tile_key(o.tile_index);
-          MDB_val k = as_val(key.data(), key.size()), v = as_val(o.value.data(), o.value.size());
-          rc = mdb_put(txn, tiles_dbi, &k, &v, MDB_APPEND);
-          if (rc != 0) *op = "put tile " + std::to_string(o.tile_index);
+          // MDB_RESERVE: LMDB hands back the value's space and header and payload are copied
+          // straight into it, with no intermediate record buffer.
+          MDB_val k = as_val(key.data(), key.size()), v = as_val(nullptr, kTileHeaderBytes + o.value.size());
+          rc = mdb_put(txn, tiles_dbi, &k, &v, MDB_APPEND | MDB_RESERVE);
+          if (rc == 0) {
+            auto* dst = static_cast<uint8_t*>(v.mv_data);
+            std::memcpy(dst, o.header.data(), kTileHeaderBytes);
+            if (!o.value.empty()) std::memcpy(dst + kTileHeaderBytes, o.value.data(), o.value.size());
+          } else {
+            *op = "put tile " + std::to_string(o.tile_index);
+          }
         } else if (o.kind == Op::Kind::kPutSlide) {
           MDB_val k = as_val(o.slide_id), v = as_val(o.value.data(), o.value.size());
           rc = mdb_put(txn, slides_dbi, &k, &v, 0);
@@ -793,6 +805,10 @@ Result<uint32_t> StoreWriter::begin_slide(const std::string& slide_id) {
 }
 
 Status StoreWriter::add_tile(const TileHeader& header, std::span<const uint8_t> payload) {
+  return add_tile(header, std::vector<uint8_t>(payload.begin(), payload.end()));
+}
+
+Status StoreWriter::add_tile(const TileHeader& header, std::vector<uint8_t>&& payload) {
   Impl& w = *impl_;
   SLIDE_RETURN_IF_ERROR(w.check_usable());
   if (!w.slide_open) return slide::core::failed_precondition(w.where() + ": add_tile without begin_slide");
@@ -804,8 +820,9 @@ Status StoreWriter::add_tile(const TileHeader& header, std::span<const uint8_t> 
   if (w.pending_tiles >= w.options.tiles_per_txn) SLIDE_RETURN_IF_ERROR(w.commit());
   TileHeader h = header;
   h.slide_index = w.open_index;
-  Impl::Op op{Impl::Op::Kind::kPutTile, w.next_tile_index, {}, {}};
-  encode_tile_record(h, payload, &op.value);
+  h.payload_bytes = static_cast<uint32_t>(payload.size());
+  Impl::Op op{Impl::Op::Kind::kPutTile, w.next_tile_index, {}, std::move(payload), {}};
+  write_tile_header(h, op.header.data());
   w.pending.push_back(std::move(op));
   ++w.pending_tiles;
   ++w.next_tile_index;
@@ -825,7 +842,7 @@ Status StoreWriter::finish_slide(SlideRecord record) {
   record.tile_count = w.next_tile_index - w.open_first_tile;
   record.status = "complete";
   const std::string json = slide_record_to_json(record);
-  w.pending.push_back(Impl::Op{Impl::Op::Kind::kPutSlide, 0, record.slide_id, {json.begin(), json.end()}});
+  w.pending.push_back(Impl::Op{Impl::Op::Kind::kPutSlide, 0, record.slide_id, {json.begin(), json.end()}, {}});
   w.slides[record.slide_id] = std::move(record);
   ++w.next_slide_index;
   w.slide_open = false;
@@ -847,7 +864,7 @@ Status StoreWriter::abort_slide() {
   // Some tiles already reached the store: delete them now so the next slide can append from the
   // same index (MDB_APPEND requires keys past the last one).
   for (uint64_t i = w.open_first_tile; i < committed_end; ++i)
-    w.pending.push_back(Impl::Op{Impl::Op::Kind::kDelTile, i, {}, {}});
+    w.pending.push_back(Impl::Op{Impl::Op::Kind::kDelTile, i, {}, {}, {}});
   return w.commit();
 }
 

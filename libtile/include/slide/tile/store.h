@@ -59,6 +59,8 @@ struct TileHeader {
   uint32_t payload_bytes = 0;  // filled by encode_tile_record
 };
 
+// Writes the kTileHeaderBytes-byte little-endian record header to `out` (layout in DESIGN.md).
+void write_tile_header(const TileHeader& header, uint8_t* out);
 // Appends header + payload to `out` (header.payload_bytes is set from payload.size()).
 void encode_tile_record(TileHeader header, std::span<const uint8_t> payload, std::vector<uint8_t>* out);
 // Parses a record; `payload` points into `record`. Errors: kDataLoss (short record, bad magic,
@@ -145,6 +147,8 @@ class StoreWriter {
   [[nodiscard]] Result<uint32_t> begin_slide(const std::string& slide_id);
   // Appends a tile of the open slide (slide_index is set by the writer). Errors: those of commit.
   [[nodiscard]] Status add_tile(const TileHeader& header, std::span<const uint8_t> payload);
+  // The same, taking the payload without copying it (it is written into LMDB's page at commit).
+  [[nodiscard]] Status add_tile(const TileHeader& header, std::vector<uint8_t>&& payload);
   // Completes the open slide: fills record.index, first_tile_index, tile_count, status and queues
   // it with the slide's last tiles.
   [[nodiscard]] Status finish_slide(SlideRecord record);

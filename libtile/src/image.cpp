@@ -39,13 +39,18 @@ struct TjDeleter {
 };
 using TjHandle = std::unique_ptr<void, TjDeleter>;
 
-tjhandle thread_compressor() {
+// One TurboJPEG handle of each kind per thread. After an error the handle is replaced: TurboJPEG
+// 2.1 can leave libjpeg mid-stream (tjDecompressHeader3 failing inside a marker), and the next
+// image on that handle then fails with nonsense, so one corrupt file would poison the thread.
+tjhandle thread_compressor(bool replace = false) {
   thread_local TjHandle handle(tjInitCompress());
+  if (replace) handle.reset(tjInitCompress());
   return handle.get();
 }
 
-tjhandle thread_decompressor() {
+tjhandle thread_decompressor(bool replace = false) {
   thread_local TjHandle handle(tjInitDecompress());
+  if (replace) handle.reset(tjInitDecompress());
   return handle.get();
 }
 
@@ -71,7 +76,11 @@ Result<std::vector<uint8_t>> encode_jpeg(const uint8_t* rgb, int64_t width, int6
   int rc = tjCompress2(tj, rgb, static_cast<int>(width), 0, static_cast<int>(height), TJPF_RGB, &out, &out_size,
                        TJSAMP_420, quality, 0);
   std::unique_ptr<unsigned char, TjBufferDeleter> owned(out);
-  if (rc != 0) return core::internal_error(std::string("JPEG encode: ") + tjGetErrorStr2(tj));
+  if (rc != 0) {
+    Status s = core::internal_error(std::string("JPEG encode: ") + tjGetErrorStr2(tj));
+    thread_compressor(true);
+    return s;
+  }
   return std::vector<uint8_t>(out, out + out_size);
 }
 
@@ -81,16 +90,22 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> jpeg) {
   if (jpeg.empty()) return core::data_loss("JPEG decode: empty stream");
   int width = 0, height = 0, subsamp = 0, colorspace = 0;
   if (tjDecompressHeader3(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), &width, &height, &subsamp,
-                          &colorspace) != 0)
-    return core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
+                          &colorspace) != 0) {
+    Status s = core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
   if (width < 1 || height < 1 || int64_t{width} * height > kMaxDecodedPixels)
     return core::data_loss("JPEG decode: implausible size " + std::to_string(width) + "x" + std::to_string(height));
   RgbImage img(width, height);
   // Warnings count as errors: libjpeg-turbo reports a truncated stream ("Premature end of JPEG
   // file") as a warning and pads the image with grey, which would be silent data loss.
   if (tjDecompress2(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), img.pixels.data(), width, 0, height,
-                    TJPF_RGB, 0) != 0)
-    return core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
+                    TJPF_RGB, 0) != 0) {
+    Status s = core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
   return img;
 }
 

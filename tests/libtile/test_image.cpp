@@ -107,6 +107,15 @@ TEST_CASE("test_image: JPEG errors") {
   CHECK(t.status().code() == StatusCode::kDataLoss);
 
   CHECK(slide::tile::decode_jpeg(std::span<const uint8_t>()).status().code() == StatusCode::kDataLoss);
+
+  // A stream cut inside its header tables fails; the next good stream on the same thread must
+  // still decode (TurboJPEG leaves the failed handle mid-marker; it has to be replaced).
+  for (size_t cut_at : {size_t{25}, size_t{60}, size_t{100}, size_t{170}}) {
+    std::vector<uint8_t> head(enc->begin(), enc->begin() + static_cast<long>(cut_at));
+    CHECK_FALSE(slide::tile::decode_jpeg(head).ok());
+    auto again = slide::tile::decode_jpeg(*enc);
+    CHECK_MESSAGE(again.ok(), "after a stream cut at byte ", cut_at, ": ", again.status().to_string());
+  }
   CHECK(slide::tile::encode_jpeg(img.pixels.data(), 64, 64, 0).status().code() == StatusCode::kInvalidArgument);
   CHECK(slide::tile::encode_jpeg(img.pixels.data(), 64, 64, 101).status().code() == StatusCode::kInvalidArgument);
   CHECK(slide::tile::encode_jpeg(img.pixels.data(), 0, 64, 90).status().code() == StatusCode::kInvalidArgument);

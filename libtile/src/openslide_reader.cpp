@@ -7,8 +7,15 @@
 // Pass-through: for "aperio" and "generic-tiff" each OpenSlide level is a tiled TIFF directory.
 // Its tile offsets, byte counts and JPEGTables are read once with libtiff at open; tiles are then
 // read with pread(2), which needs no lock (a libtiff handle would need one). A level is declared
-// pass-through only after its tile (0,0), merged into a standalone JPEG and decoded with
-// TurboJPEG, matches read_region of the same area.
+// pass-through only after a tile near its centre, merged into a standalone JPEG and decoded with
+// TurboJPEG, matches OpenSlide's read_region of the same area.
+//
+// Direct decode: when that check finds TurboJPEG's pixels *identical* to OpenSlide's, regions of
+// the level at whole level-pixel positions are assembled from TurboJPEG-decoded source tiles
+// instead of openslide_read_region (which decodes through libjpeg into ARGB and composites with
+// cairo/pixman: about 4x the CPU per tile). Same pixels, so the choice is invisible in the store.
+// Regions at fractional level positions (OpenSlide interpolates those) and any read the direct
+// path cannot do (a missing or corrupt source tile) go through OpenSlide.
 #include "openslide_reader.h"
 
 #include <fcntl.h>
@@ -27,6 +34,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <span>
 #include <utility>
 
 #include "slide/core/log.h"
@@ -108,6 +116,12 @@ class OpenSlideReader final : public SlideReader {
     for (size_t i = 0; i < props_.levels.size(); ++i) checked_[i].store(-1);
   }
 
+  // Pixels of [x_l0, +w) x [y_l0, +h) at `level`, as read_region, through OpenSlide.
+  Status openslide_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h, uint8_t* rgb) const;
+  // The same from TurboJPEG-decoded source tiles; level pixel origin (lx, ly). Only for levels
+  // whose check found identical pixels. Errors: those of reading or decoding a source tile.
+  Status direct_region(int64_t lx, int64_t ly, int level, int64_t w, int64_t h, uint8_t* rgb) const;
+
   const SlideProperties& properties() const override { return props_; }
   Status read_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h, uint8_t* rgb) const override;
   bool has_raw_jpeg_tiles(int level) const override;
@@ -116,22 +130,109 @@ class OpenSlideReader final : public SlideReader {
  private:
   // The merged JPEG of a candidate level's tile, without the self-check.
   Result<std::vector<uint8_t>> read_merged_tile(int level, int64_t col, int64_t row) const;
-  // Decodes tile (0,0) of `level` and compares it with read_region; OK when they agree.
-  Status self_check(int level) const;
+  // Decodes a tile near the centre of `level` and compares it with OpenSlide's read_region; OK
+  // when they agree within rounding, and *identical set when they agree exactly.
+  Status self_check(int level, bool* identical) const;
+  // 1 or 2 as in checked_ (running the check on first use), else 0.
+  int8_t raw_state(int level) const;
 
   const OpenslideHandle osr_;
   const SlideProperties props_;
   const std::vector<RawLevel> raw_;
   const UniqueFd fd_;  // the slide file, for pread of source tiles
 
-  // Per level: -1 not yet checked, 0 failed, 1 passed. Atomic so that the per-tile call in
-  // read_raw_jpeg_tile takes no lock once a level is checked; check_mutex_ runs each check once.
+  // Per level: -1 not yet checked, 0 failed, 1 passed (pass-through), 2 passed with identical
+  // pixels (pass-through and direct decode). Atomic so that the per-tile calls take no lock once a
+  // level is checked; check_mutex_ runs each check once.
   mutable std::mutex check_mutex_;
   const std::unique_ptr<std::atomic<int8_t>[]> checked_;
 };
 
+// One TurboJPEG decompressor per thread (a handle is not thread-safe; creating one per tile
+// costs more than decoding a small tile). After any error the handle is replaced: TurboJPEG 2.1
+// leaves libjpeg mid-header when tjDecompressHeader3 fails, and the next stream on that handle
+// then fails with nonsense ("Bogus DQT index"), so one corrupt slide would poison the thread.
+tjhandle thread_decompressor(bool replace = false) {
+  thread_local std::unique_ptr<void, TjDeleter> handle(tjInitDecompress());
+  if (replace) handle.reset(tjInitDecompress());
+  return handle.get();
+}
+
+// Reads the header of `jpeg` and decodes it to RGB into `out` (resized), expecting w x h when
+// they are > 0. Errors: kDataLoss with TurboJPEG's message; the thread's handle is then replaced.
+Status decode_rgb(std::span<const uint8_t> jpeg, int64_t w, int64_t h, std::vector<uint8_t>* out, int* width,
+                  int* height) {
+  tjhandle tj = thread_decompressor();
+  if (tj == nullptr) return core::internal_error(std::string("tjInitDecompress: ") + tjGetErrorStr2(nullptr));
+  int jw = 0, jh = 0, subsamp = 0, colorspace = 0;
+  if (tjDecompressHeader3(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), &jw, &jh, &subsamp,
+                          &colorspace) != 0) {
+    Status s = core::data_loss(std::string("JPEG header: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
+  if ((w > 0 && jw != w) || (h > 0 && jh != h))
+    return core::data_loss("JPEG is " + std::to_string(jw) + "x" + std::to_string(jh) + ", expected " +
+                           std::to_string(w) + "x" + std::to_string(h));
+  out->resize(static_cast<size_t>(3) * static_cast<size_t>(jw) * static_cast<size_t>(jh));
+  if (tjDecompress2(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), out->data(), jw, 0, jh, TJPF_RGB, 0) !=
+      0) {
+    Status s = core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
+  *width = jw;
+  *height = jh;
+  return core::ok_status();
+}
+
 Status OpenSlideReader::read_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h,
                                     uint8_t* rgb) const {
+  if (w > 0 && h > 0 && level >= 0 && level < static_cast<int>(props_.levels.size()) &&
+      raw_[static_cast<size_t>(level)].candidate && raw_state(level) == 2) {
+    // OpenSlide maps level-0 coordinates to level pixels as x_l0 / downsample (openslide.h);
+    // only whole level pixels are read directly.
+    const double d = props_.levels[static_cast<size_t>(level)].downsample;
+    const double lx = static_cast<double>(x_l0) / d, ly = static_cast<double>(y_l0) / d;
+    if (lx == std::floor(lx) && ly == std::floor(ly) && std::abs(lx) < 1e15 && std::abs(ly) < 1e15 &&
+        direct_region(static_cast<int64_t>(lx), static_cast<int64_t>(ly), level, w, h, rgb).ok())
+      return core::ok_status();
+    // Anything the direct path cannot do (a missing source tile, say) OpenSlide handles or reports.
+  }
+  return openslide_region(x_l0, y_l0, level, w, h, rgb);
+}
+
+Status OpenSlideReader::direct_region(int64_t lx, int64_t ly, int level, int64_t w, int64_t h, uint8_t* rgb) const {
+  const SlideLevel& lv = props_.levels[static_cast<size_t>(level)];
+  const RawLevel& rl = raw_[static_cast<size_t>(level)];
+  const int64_t tw = lv.tile_width, th = lv.tile_height;
+  if (tw < 1 || th < 1 || w > kMaxCoordinate / 4 || h > kMaxCoordinate / 4)
+    return core::invalid_argument("direct read: bad size");
+  // Outside the level is white, as OpenSlide's transparent pixels composited onto white.
+  std::memset(rgb, 255, static_cast<size_t>(3 * w * h));
+  const int64_t x0 = std::max<int64_t>(lx, 0), y0 = std::max<int64_t>(ly, 0);
+  const int64_t x1 = std::min(lx + w, lv.width), y1 = std::min(ly + h, lv.height);
+  if (x0 >= x1 || y0 >= y1) return core::ok_status();
+  thread_local std::vector<uint8_t> tile;
+  for (int64_t row = y0 / th; row <= (y1 - 1) / th; ++row) {
+    for (int64_t col = x0 / tw; col <= (x1 - 1) / tw; ++col) {
+      if (col >= rl.tiles_across || row >= rl.tiles_down) return core::out_of_range("direct read: tile outside the grid");
+      SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> jpeg, read_merged_tile(level, col, row));
+      int jw = 0, jh = 0;
+      SLIDE_RETURN_IF_ERROR(decode_rgb(jpeg, tw, th, &tile, &jw, &jh));
+      // The part of this tile inside both the level and the region, in level pixels.
+      const int64_t cx0 = std::max(x0, col * tw), cx1 = std::min(x1, (col + 1) * tw);
+      const int64_t cy0 = std::max(y0, row * th), cy1 = std::min(y1, (row + 1) * th);
+      for (int64_t y = cy0; y < cy1; ++y)
+        std::memcpy(rgb + 3 * ((y - ly) * w + (cx0 - lx)), tile.data() + 3 * ((y - row * th) * tw + (cx0 - col * tw)),
+                    static_cast<size_t>(3 * (cx1 - cx0)));
+    }
+  }
+  return core::ok_status();
+}
+
+Status OpenSlideReader::openslide_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h,
+                                         uint8_t* rgb) const {
   if (w <= 0 || h <= 0 || w > kMaxCoordinate / 4 || h > kMaxCoordinate / 4)
     return core::invalid_argument("read_region: bad size " + std::to_string(w) + "x" + std::to_string(h));
   const size_t pixels = static_cast<size_t>(w * h);
@@ -193,31 +294,37 @@ Result<std::vector<uint8_t>> OpenSlideReader::read_merged_tile(int level, int64_
   return merged;
 }
 
-Status OpenSlideReader::self_check(int level) const {
+Status OpenSlideReader::self_check(int level, bool* identical) const {
+  *identical = false;
   const RawLevel& rl = raw_[static_cast<size_t>(level)];
   const SlideLevel& lv = props_.levels[static_cast<size_t>(level)];
   if (rl.tiles_across < 1 || rl.tiles_down < 1) return core::failed_precondition("level has no tiles");
-  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> jpeg, read_merged_tile(level, 0, 0));
+  // A tile near the centre: more likely tissue than a corner, whose flat background would agree
+  // under almost any decoder. But OpenSlide reads at level-0 coordinates and interpolates when
+  // x_l0 / downsample is not a whole level pixel, which at a non-integral downsample (4.0013, say)
+  // is true of nearly every tile but the first; then tile (0, 0) it is.
+  auto whole = [&](int64_t level_px) {
+    const double l0 = static_cast<double>(std::llround(static_cast<double>(level_px) * lv.downsample));
+    return l0 / lv.downsample == static_cast<double>(level_px);
+  };
+  int64_t col = rl.tiles_across / 2, row = rl.tiles_down / 2;
+  if (!whole(col * lv.tile_width) || !whole(row * lv.tile_height)) col = row = 0;
+  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> jpeg, read_merged_tile(level, col, row));
 
-  std::unique_ptr<void, TjDeleter> tj(tjInitDecompress());
-  if (tj == nullptr) return core::internal_error(std::string("tjInitDecompress: ") + tjGetErrorStr2(nullptr));
-  int jw = 0, jh = 0, subsamp = 0, colorspace = 0;
-  if (tjDecompressHeader3(tj.get(), jpeg.data(), static_cast<unsigned long>(jpeg.size()), &jw, &jh, &subsamp,
-                          &colorspace) != 0)
-    return core::data_loss(std::string("merged tile header: ") + tjGetErrorStr2(tj.get()));
-  if (jw != lv.tile_width || jh != lv.tile_height)
-    return core::data_loss("merged tile is " + std::to_string(jw) + "x" + std::to_string(jh) + ", TIFF says " +
-                           std::to_string(lv.tile_width) + "x" + std::to_string(lv.tile_height));
-  std::vector<uint8_t> decoded(static_cast<size_t>(3 * jw * jh));
-  if (tjDecompress2(tj.get(), jpeg.data(), static_cast<unsigned long>(jpeg.size()), decoded.data(), jw, 0, jh,
-                    TJPF_RGB, 0) != 0)
-    return core::data_loss(std::string("merged tile decode: ") + tjGetErrorStr2(tj.get()));
+  std::vector<uint8_t> decoded;
+  int jw = 0, jh = 0;
+  SLIDE_RETURN_IF_ERROR_CTX(decode_rgb(jpeg, lv.tile_width, lv.tile_height, &decoded, &jw, &jh), "merged tile");
 
-  // Edge padding is not part of the level: compare only what lies inside it.
-  const int64_t cw = std::min<int64_t>(jw, lv.width);
-  const int64_t ch = std::min<int64_t>(jh, lv.height);
+  // Edge padding is not part of the level: compare only what lies inside it. The level-0
+  // position is a whole multiple of the downsample only at integral downsamples; elsewhere
+  // OpenSlide interpolates a sub-pixel shift and the comparison (rightly) fails or is inexact.
+  const int64_t lx = col * jw, ly = row * jh;
+  const int64_t cw = std::min<int64_t>(jw, lv.width - lx);
+  const int64_t ch = std::min<int64_t>(jh, lv.height - ly);
   std::vector<uint8_t> region(static_cast<size_t>(3 * cw * ch));
-  SLIDE_RETURN_IF_ERROR(read_region(0, 0, level, cw, ch, region.data()));
+  SLIDE_RETURN_IF_ERROR(openslide_region(std::llround(static_cast<double>(lx) * lv.downsample),
+                                         std::llround(static_cast<double>(ly) * lv.downsample), level, cw, ch,
+                                         region.data()));
   int64_t sum = 0;
   int max_diff = 0;
   for (int64_t y = 0; y < ch; ++y) {
@@ -232,24 +339,33 @@ Status OpenSlideReader::self_check(int level) const {
   if (mean >= kMaxMeanAbsDiff || max_diff >= kMaxAbsDiff)
     return core::data_loss("merged tile differs from read_region: mean |diff| " + std::to_string(mean) +
                            ", max " + std::to_string(max_diff));
+  *identical = max_diff == 0;
   return core::ok_status();
+}
+
+int8_t OpenSlideReader::raw_state(int level) const {
+  std::atomic<int8_t>& state = checked_[static_cast<size_t>(level)];
+  const int8_t known = state.load(std::memory_order_acquire);
+  if (known >= 0) return known;
+  std::lock_guard<std::mutex> lock(check_mutex_);
+  if (state.load(std::memory_order_acquire) < 0) {
+    bool identical = false;
+    Status s = self_check(level, &identical);
+    if (!s.ok())
+      core::log_debug("JPEG pass-through off for a level",
+                      {{"slide", props_.path}, {"level", level}, {"why", s.to_string()}});
+    else
+      core::log_debug(identical ? "JPEG pass-through and direct decode on for a level" : "JPEG pass-through on for a level",
+                      {{"slide", props_.path}, {"level", level}});
+    state.store(!s.ok() ? 0 : identical ? 2 : 1, std::memory_order_release);
+  }
+  return state.load(std::memory_order_acquire);
 }
 
 bool OpenSlideReader::has_raw_jpeg_tiles(int level) const {
   if (level < 0 || level >= static_cast<int>(raw_.size()) || !raw_[static_cast<size_t>(level)].candidate)
     return false;
-  std::atomic<int8_t>& state = checked_[static_cast<size_t>(level)];
-  const int8_t known = state.load(std::memory_order_acquire);
-  if (known >= 0) return known == 1;
-  std::lock_guard<std::mutex> lock(check_mutex_);
-  if (state.load(std::memory_order_acquire) < 0) {
-    Status s = self_check(level);
-    if (!s.ok())
-      core::log_debug("JPEG pass-through off for a level",
-                      {{"slide", props_.path}, {"level", level}, {"why", s.to_string()}});
-    state.store(s.ok() ? 1 : 0, std::memory_order_release);
-  }
-  return state.load(std::memory_order_acquire) == 1;
+  return raw_state(level) >= 1;
 }
 
 Result<std::vector<uint8_t>> OpenSlideReader::read_raw_jpeg_tile(int level, int64_t col, int64_t row) const {

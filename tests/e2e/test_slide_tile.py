@@ -368,8 +368,10 @@ class TestManifestShards(Base):
 class TestPixels(Base):
     def test_raw_tiles_equal_openslide_reads(self):
         store = self.path("s")
-        r = run([CMU, "--mpp", "0.5", "--encoding", "raw", "--tile-size", "256", "-o", store])
+        r = run([CMU, "--mpp", "0.5", "--encoding", "raw", "--tile-size", "256", "-o", store, "-v"])
         self.assertEqual(r.returncode, 0, r.stderr)
+        # The path under test: source JPEG tiles decoded by TurboJPEG, not openslide_read_region.
+        self.assertIn("direct decode on for a level", r.stderr)
         s = openslide.OpenSlide(CMU)
         tiles = tiles_of(store)
         self.assertGreater(len(tiles), 10)

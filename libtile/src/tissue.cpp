@@ -2,8 +2,10 @@
 // wsi_core/WholeSlideImage.py): saturation, median blur, Otsu, close, small-object and
 // small-hole filtering, all on a thumbnail built in bands of rows.
 #include "slide/tile/tissue.h"
+#include "slide/core/log.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
 
@@ -92,17 +94,28 @@ void morph_1d(const std::vector<uint8_t>& in, std::vector<uint8_t>* out, int64_t
               bool horizontal) {
   const int64_t before = k / 2;  // OpenCV's anchor for a k-wide element is k / 2
   const int64_t after = k - 1 - before;
-  const int64_t len = horizontal ? w : h;
-  const int64_t lines = horizontal ? h : w;
-  for (int64_t line = 0; line < lines; ++line) {
-    for (int64_t p = 0; p < len; ++p) {
-      uint8_t v = dilate ? 0 : 1;
-      const int64_t q0 = std::max<int64_t>(0, p - before), q1 = std::min<int64_t>(len - 1, p + after);
-      for (int64_t q = q0; q <= q1; ++q) {
-        const uint8_t s = horizontal ? in[static_cast<size_t>(line * w + q)] : in[static_cast<size_t>(q * w + line)];
-        v = dilate ? std::max(v, s) : std::min(v, s);
+  auto combine = [dilate](uint8_t a, uint8_t b) { return dilate ? std::max(a, b) : std::min(a, b); };
+  if (horizontal) {
+    for (int64_t y = 0; y < h; ++y) {
+      const uint8_t* src = in.data() + y * w;
+      uint8_t* dst = out->data() + y * w;
+      for (int64_t x = 0; x < w; ++x) {
+        uint8_t v = dilate ? 0 : 1;
+        const int64_t q0 = std::max<int64_t>(0, x - before), q1 = std::min<int64_t>(w - 1, x + after);
+        for (int64_t q = q0; q <= q1; ++q) v = combine(v, src[q]);
+        dst[x] = v;
       }
-      (*out)[static_cast<size_t>(horizontal ? line * w + p : p * w + line)] = v;
+    }
+    return;
+  }
+  // Vertical: whole rows at a time (contiguous, vectorisable) rather than down columns.
+  for (int64_t y = 0; y < h; ++y) {
+    uint8_t* dst = out->data() + y * w;
+    const int64_t q0 = std::max<int64_t>(0, y - before), q1 = std::min<int64_t>(h - 1, y + after);
+    std::copy(in.data() + q0 * w, in.data() + (q0 + 1) * w, dst);
+    for (int64_t q = q0 + 1; q <= q1; ++q) {
+      const uint8_t* src = in.data() + q * w;
+      for (int64_t x = 0; x < w; ++x) dst[x] = combine(dst[x], src[x]);
     }
   }
 }
@@ -133,10 +146,13 @@ void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t
     component.clear();
     seen[static_cast<size_t>(start)] = 1;
     bool touches_border = false;
+    // Only a component below min_area is ever refilled, so pixels are listed only until it
+    // reaches that size; the big ones (the background) are just counted.
+    int64_t area = 0;
     while (!stack.empty()) {
       const int64_t p = stack.back();
       stack.pop_back();
-      component.push_back(p);
+      if (static_cast<double>(++area) < min_area) component.push_back(p);
       const int64_t x = p % w, y = p / w;
       if (x == 0 || y == 0 || x == w - 1 || y == h - 1) touches_border = true;
       for (int64_t dy = -1; dy <= 1; ++dy) {
@@ -152,7 +168,7 @@ void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t
       }
     }
     if (skip_border && touches_border) continue;
-    if (static_cast<double>(component.size()) < min_area)
+    if (static_cast<double>(area) < min_area)
       for (int64_t p : component) (*mask)[static_cast<size_t>(p)] = static_cast<uint8_t>(1 - value);
   }
 }
@@ -275,9 +291,18 @@ Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const 
   }
   downsample = std::max(1.0, downsample);
   double dx = 1, dy = 1;
+  const auto t0 = std::chrono::steady_clock::now();
   SLIDE_ASSIGN_OR_RETURN(RgbImage thumb, make_thumbnail(slide, downsample, &dx, &dy));
+  const auto t1 = std::chrono::steady_clock::now();
   const double um2_per_px = mpp_um > 0 ? (dx * mpp_um) * (dy * mpp_um) : 0;
-  return detect_tissue_in_thumbnail(std::move(thumb), dx, dy, um2_per_px, options);
+  const int64_t tw = thumb.width, th = thumb.height;
+  TissueMask mask = detect_tissue_in_thumbnail(std::move(thumb), dx, dy, um2_per_px, options);
+  const auto t2 = std::chrono::steady_clock::now();
+  core::log_debug("tissue mask", {{"slide", slide.properties().path},
+                                  {"thumbnail", std::to_string(tw) + "x" + std::to_string(th)},
+                                  {"read_s", std::chrono::duration<double>(t1 - t0).count()},
+                                  {"mask_s", std::chrono::duration<double>(t2 - t1).count()}});
+  return mask;
 }
 
 TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,

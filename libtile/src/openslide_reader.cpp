@@ -21,7 +21,6 @@
 #include <fcntl.h>
 #include <openslide.h>
 #include <tiffio.h>
-#include <turbojpeg.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,6 +37,7 @@
 #include <utility>
 
 #include "slide/core/log.h"
+#include "slide/tile/image.h"
 #include "tiff_reader.h"
 
 namespace slide::tile::detail {
@@ -59,12 +59,6 @@ struct OpenslideCloser {
   void operator()(openslide_t* osr) const { openslide_close(osr); }
 };
 using OpenslideHandle = std::unique_ptr<openslide_t, OpenslideCloser>;
-
-struct TjDeleter {
-  void operator()(void* handle) const {
-    if (handle != nullptr) tjDestroy(handle);
-  }
-};
 
 class UniqueFd {
  public:
@@ -148,44 +142,6 @@ class OpenSlideReader final : public SlideReader {
   const std::unique_ptr<std::atomic<int8_t>[]> checked_;
 };
 
-// One TurboJPEG decompressor per thread (a handle is not thread-safe; creating one per tile
-// costs more than decoding a small tile). After any error the handle is replaced: TurboJPEG 2.1
-// leaves libjpeg mid-header when tjDecompressHeader3 fails, and the next stream on that handle
-// then fails with nonsense ("Bogus DQT index"), so one corrupt slide would poison the thread.
-tjhandle thread_decompressor(bool replace = false) {
-  thread_local std::unique_ptr<void, TjDeleter> handle(tjInitDecompress());
-  if (replace) handle.reset(tjInitDecompress());
-  return handle.get();
-}
-
-// Reads the header of `jpeg` and decodes it to RGB into `out` (resized), expecting w x h when
-// they are > 0. Errors: kDataLoss with TurboJPEG's message; the thread's handle is then replaced.
-Status decode_rgb(std::span<const uint8_t> jpeg, int64_t w, int64_t h, std::vector<uint8_t>* out, int* width,
-                  int* height) {
-  tjhandle tj = thread_decompressor();
-  if (tj == nullptr) return core::internal_error(std::string("tjInitDecompress: ") + tjGetErrorStr2(nullptr));
-  int jw = 0, jh = 0, subsamp = 0, colorspace = 0;
-  if (tjDecompressHeader3(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), &jw, &jh, &subsamp,
-                          &colorspace) != 0) {
-    Status s = core::data_loss(std::string("JPEG header: ") + tjGetErrorStr2(tj));
-    thread_decompressor(true);
-    return s;
-  }
-  if ((w > 0 && jw != w) || (h > 0 && jh != h))
-    return core::data_loss("JPEG is " + std::to_string(jw) + "x" + std::to_string(jh) + ", expected " +
-                           std::to_string(w) + "x" + std::to_string(h));
-  out->resize(static_cast<size_t>(3) * static_cast<size_t>(jw) * static_cast<size_t>(jh));
-  if (tjDecompress2(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), out->data(), jw, 0, jh, TJPF_RGB, 0) !=
-      0) {
-    Status s = core::data_loss(std::string("JPEG decode: ") + tjGetErrorStr2(tj));
-    thread_decompressor(true);
-    return s;
-  }
-  *width = jw;
-  *height = jh;
-  return core::ok_status();
-}
-
 Status OpenSlideReader::read_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h,
                                     uint8_t* rgb) const {
   if (w > 0 && h > 0 && level >= 0 && level < static_cast<int>(props_.levels.size()) &&
@@ -213,18 +169,17 @@ Status OpenSlideReader::direct_region(int64_t lx, int64_t ly, int level, int64_t
   const int64_t x0 = std::max<int64_t>(lx, 0), y0 = std::max<int64_t>(ly, 0);
   const int64_t x1 = std::min(lx + w, lv.width), y1 = std::min(ly + h, lv.height);
   if (x0 >= x1 || y0 >= y1) return core::ok_status();
-  thread_local std::vector<uint8_t> tile;
   for (int64_t row = y0 / th; row <= (y1 - 1) / th; ++row) {
     for (int64_t col = x0 / tw; col <= (x1 - 1) / tw; ++col) {
       if (col >= rl.tiles_across || row >= rl.tiles_down) return core::out_of_range("direct read: tile outside the grid");
       SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> jpeg, read_merged_tile(level, col, row));
-      int jw = 0, jh = 0;
-      SLIDE_RETURN_IF_ERROR(decode_rgb(jpeg, tw, th, &tile, &jw, &jh));
+      SLIDE_ASSIGN_OR_RETURN(RgbImage tile, decode_jpeg(jpeg));
+      if (tile.width != tw || tile.height != th) return core::data_loss("direct read: source tile size");
       // The part of this tile inside both the level and the region, in level pixels.
       const int64_t cx0 = std::max(x0, col * tw), cx1 = std::min(x1, (col + 1) * tw);
       const int64_t cy0 = std::max(y0, row * th), cy1 = std::min(y1, (row + 1) * th);
       for (int64_t y = cy0; y < cy1; ++y)
-        std::memcpy(rgb + 3 * ((y - ly) * w + (cx0 - lx)), tile.data() + 3 * ((y - row * th) * tw + (cx0 - col * tw)),
+        std::memcpy(rgb + 3 * ((y - ly) * w + (cx0 - lx)), tile.pixels.data() + 3 * ((y - row * th) * tw + (cx0 - col * tw)),
                     static_cast<size_t>(3 * (cx1 - cx0)));
     }
   }
@@ -311,9 +266,12 @@ Status OpenSlideReader::self_check(int level, bool* identical) const {
   if (!whole(col * lv.tile_width) || !whole(row * lv.tile_height)) col = row = 0;
   SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> jpeg, read_merged_tile(level, col, row));
 
-  std::vector<uint8_t> decoded;
-  int jw = 0, jh = 0;
-  SLIDE_RETURN_IF_ERROR_CTX(decode_rgb(jpeg, lv.tile_width, lv.tile_height, &decoded, &jw, &jh), "merged tile");
+  SLIDE_ASSIGN_OR_RETURN_CTX(RgbImage tile, decode_jpeg(jpeg), "merged tile");
+  const int64_t jw = tile.width, jh = tile.height;
+  if (jw != lv.tile_width || jh != lv.tile_height)
+    return core::data_loss("merged tile is " + std::to_string(jw) + "x" + std::to_string(jh) + ", TIFF says " +
+                           std::to_string(lv.tile_width) + "x" + std::to_string(lv.tile_height));
+  const std::vector<uint8_t>& decoded = tile.pixels;
 
   // Edge padding is not part of the level: compare only what lies inside it. The level-0
   // position is a whole multiple of the downsample only at integral downsamples; elsewhere

@@ -118,6 +118,7 @@ class OpenSlideReader final : public SlideReader {
 
   const SlideProperties& properties() const override { return props_; }
   Status read_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h, uint8_t* rgb) const override;
+  Status read_level_region(int level, int64_t lx, int64_t ly, int64_t w, int64_t h, uint8_t* rgb) const override;
   bool has_raw_jpeg_tiles(int level) const override;
   Result<std::vector<uint8_t>> read_raw_jpeg_tile(int level, int64_t col, int64_t row) const override;
 
@@ -156,6 +157,15 @@ Status OpenSlideReader::read_region(int64_t x_l0, int64_t y_l0, int level, int64
     // Anything the direct path cannot do (a missing source tile, say) OpenSlide handles or reports.
   }
   return openslide_region(x_l0, y_l0, level, w, h, rgb);
+}
+
+Status OpenSlideReader::read_level_region(int level, int64_t lx, int64_t ly, int64_t w, int64_t h,
+                                          uint8_t* rgb) const {
+  if (w > 0 && h > 0 && level >= 0 && level < static_cast<int>(props_.levels.size()) &&
+      raw_[static_cast<size_t>(level)].candidate && raw_state(level) == 2 &&
+      direct_region(lx, ly, level, w, h, rgb).ok())
+    return core::ok_status();
+  return SlideReader::read_level_region(level, lx, ly, w, h, rgb);
 }
 
 Status OpenSlideReader::direct_region(int64_t lx, int64_t ly, int level, int64_t w, int64_t h, uint8_t* rgb) const {

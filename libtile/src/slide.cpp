@@ -9,11 +9,19 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 
 #include "openslide_reader.h"
 #include "tiff_reader.h"
 
 namespace slide::tile {
+
+Status SlideReader::read_level_region(int level, int64_t lx, int64_t ly, int64_t w, int64_t h, uint8_t* rgb) const {
+  const auto& levels = properties().levels;
+  const double d = level >= 0 && static_cast<size_t>(level) < levels.size() ? levels[static_cast<size_t>(level)].downsample : 1.0;
+  return read_region(std::llround(static_cast<double>(lx) * d), std::llround(static_cast<double>(ly) * d), level, w, h,
+                     rgb);
+}
 
 Result<std::vector<uint8_t>> SlideReader::read_raw_jpeg_tile(int level, int64_t col, int64_t row) const {
   (void)col;

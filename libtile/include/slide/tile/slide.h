@@ -58,6 +58,14 @@ class SlideReader {
   [[nodiscard]] virtual Status read_region(int64_t x_l0, int64_t y_l0, int level, int64_t w, int64_t h,
                                            uint8_t* rgb) const = 0;
 
+  // Reads a w x h region of `level` whose top-left corner is (lx, ly) in that level's own pixels.
+  // read_region at (llround(lx * downsample), ...) names nearly the same pixels, but at a
+  // non-integral downsample (4.0013) OpenSlide maps that back to a fractional level position and
+  // interpolates; this reads the level's pixels as they are, which is what a thumbnail wants.
+  // Errors as read_region. The default goes through read_region.
+  [[nodiscard]] virtual Status read_level_region(int level, int64_t lx, int64_t ly, int64_t w, int64_t h,
+                                                 uint8_t* rgb) const;
+
   // Pass-through support: true when `level` is a tiled TIFF directory with JPEG compression whose
   // source tiles (tile_width x tile_height px of that level, from TIFFTAG_TILEWIDTH/LENGTH) can be
   // copied as complete JPEG files (read_raw_jpeg_tile) that decode to the pixels read_region

@@ -2,14 +2,16 @@
 // wsi_core/WholeSlideImage.py): saturation, median blur, Otsu, close, small-object and
 // small-hole filtering, all on a thumbnail built in bands of rows.
 #include "slide/tile/tissue.h"
-#include "slide/core/log.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
+#include <future>
 #include <string>
 
 #include "resample.h"
+#include "slide/core/log.h"
 
 namespace slide::tile {
 
@@ -50,20 +52,20 @@ std::vector<uint8_t> saturation(const RgbImage& img) {
   return s;
 }
 
-// Median filter with a k x k window and replicated edges (OpenCV medianBlur's border), by Huang's
-// sliding histogram (Huang, Yang & Tang, 1979): per step one column leaves and one enters the
-// window, and the median moves by the few bins the update shifted it; O(k) per pixel.
-std::vector<uint8_t> median_filter(const std::vector<uint8_t>& in, int64_t w, int64_t h, int k) {
-  if (k <= 1 || w < 1 || h < 1) return in;
-  if (k % 2 == 0) ++k;
+// Rows [y0, y1) of the k x k median of `in` (w x h) into `out` (w x h), replicating the edges
+// (OpenCV medianBlur's border), by Huang's sliding histogram (Huang, Yang & Tang, 1979): per step
+// one column leaves and one enters the window, and the median moves by the few bins the update
+// shifted it; O(k) per pixel.
+void median_rows(const std::vector<uint8_t>& in, int64_t w, int64_t h, int k, int64_t y0, int64_t y1,
+                 std::vector<uint8_t>* out_rows) {
+  std::vector<uint8_t>& out = *out_rows;
   const int64_t r = k / 2;
   const int64_t half = (int64_t{k} * k) / 2;  // 0-based rank of the median
-  std::vector<uint8_t> out(in.size());
   auto at = [&](int64_t x, int64_t y) {
     return in[static_cast<size_t>(std::clamp<int64_t>(y, 0, h - 1) * w + std::clamp<int64_t>(x, 0, w - 1))];
   };
   int64_t hist[256];
-  for (int64_t y = 0; y < h; ++y) {
+  for (int64_t y = y0; y < y1; ++y) {
     std::fill(std::begin(hist), std::end(hist), 0);
     for (int64_t dy = -r; dy <= r; ++dy)
       for (int64_t dx = -r; dx <= r; ++dx) ++hist[at(dx, y + dy)];
@@ -85,6 +87,36 @@ std::vector<uint8_t> median_filter(const std::vector<uint8_t>& in, int64_t w, in
       out[static_cast<size_t>(y * w + x)] = static_cast<uint8_t>(m);
     }
   }
+}
+
+// Runs body(i) for i in [0, n): on the pool's threads and this one when a pool is given, else
+// here; returns the first error in index order.
+Status run_parallel(core::ThreadPool* pool, int64_t n, const std::function<Status(int64_t)>& body) {
+  if (pool == nullptr || pool->size() < 2 || n < 2) {
+    for (int64_t i = 0; i < n; ++i) SLIDE_RETURN_IF_ERROR(body(i));
+    return core::ok_status();
+  }
+  std::vector<std::future<Status>> done;
+  for (int64_t i = 1; i < n; ++i) done.push_back(pool->submit([&body, i] { return body(i); }));
+  Status first = body(0);
+  for (auto& f : done) {
+    Status s = f.get();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+// The k x k median filter of `in` (w x h; k made odd), rows split over the pool.
+std::vector<uint8_t> median_filter(const std::vector<uint8_t>& in, int64_t w, int64_t h, int k,
+                                   core::ThreadPool* pool) {
+  if (k <= 1 || w < 1 || h < 1) return in;
+  if (k % 2 == 0) ++k;
+  std::vector<uint8_t> out(in.size());
+  const int64_t parts = pool != nullptr ? std::min<int64_t>(h, static_cast<int64_t>(pool->size()) + 1) : 1;
+  (void)run_parallel(pool, parts, [&](int64_t i) {
+    median_rows(in, w, h, k, h * i / parts, h * (i + 1) / parts, &out);
+    return core::ok_status();
+  });
   return out;
 }
 
@@ -154,16 +186,24 @@ void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t
       stack.pop_back();
       if (static_cast<double>(++area) < min_area) component.push_back(p);
       const int64_t x = p % w, y = p / w;
-      if (x == 0 || y == 0 || x == w - 1 || y == h - 1) touches_border = true;
+      const bool border = x == 0 || y == 0 || x == w - 1 || y == h - 1;
+      touches_border = touches_border || border;
+      auto visit = [&](int64_t q) {
+        if (seen[static_cast<size_t>(q)] || (*mask)[static_cast<size_t>(q)] != value) return;
+        seen[static_cast<size_t>(q)] = 1;
+        stack.push_back(q);
+      };
+      if (!border) {  // the common case: every neighbour exists, no bounds checks
+        visit(p - 1), visit(p + 1), visit(p - w), visit(p + w);
+        if (eight) visit(p - w - 1), visit(p - w + 1), visit(p + w - 1), visit(p + w + 1);
+        continue;
+      }
       for (int64_t dy = -1; dy <= 1; ++dy) {
         for (int64_t dx = -1; dx <= 1; ++dx) {
           if ((dx == 0 && dy == 0) || (!eight && dx != 0 && dy != 0)) continue;
           const int64_t nx = x + dx, ny = y + dy;
           if (nx < 0 || ny < 0 || nx >= w || ny >= h) continue;
-          const size_t q = static_cast<size_t>(ny * w + nx);
-          if (seen[q] || (*mask)[q] != value) continue;
-          seen[q] = 1;
-          stack.push_back(static_cast<int64_t>(q));
+          visit(ny * w + nx);
         }
       }
     }
@@ -234,7 +274,7 @@ double TissueMask::fraction_in(double x_l0, double y_l0, double w_l0, double h_l
 }
 
 Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, double* actual_downsample_x,
-                                double* actual_downsample_y) {
+                                double* actual_downsample_y, core::ThreadPool* pool) {
   const SlideProperties& props = slide.properties();
   if (props.levels.empty() || props.levels[0].width < 1 || props.levels[0].height < 1)
     return core::invalid_argument(props.path + ": slide has no readable level 0");
@@ -249,7 +289,6 @@ Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, dou
     if (props.levels[i].downsample <= downsample && props.levels[i].width >= 1 && props.levels[i].height >= 1)
       level = static_cast<int>(i);
   const SlideLevel& lv = props.levels[static_cast<size_t>(level)];
-  const double d = lv.downsample;
   // Per-axis scales from the level's own size, so that the thumbnail spans the level exactly even
   // where the level's size is rounded (W_k = ceil(W0 / d) on most scanners).
   const double sx = static_cast<double>(lv.width) / static_cast<double>(tw);
@@ -258,27 +297,35 @@ Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, dou
   const int64_t band_rows = std::clamp<int64_t>(
       kBandBudgetBytes / std::max<int64_t>(1, static_cast<int64_t>(3.0 * static_cast<double>(lv.width) * std::ceil(sy + 1))),
       1, kMaxBandRows);
-  RgbImage band;
-  for (int64_t j0 = 0; j0 < th; j0 += band_rows) {
-    const int64_t j1 = std::min(th, j0 + band_rows);
-    std::vector<int64_t> tap_begin;
-    const std::vector<detail::AreaTap> taps = detail::area_taps(0, sy, j0, j1 - j0, lv.height, &tap_begin);
-    const int64_t ly0 = taps.front().index, ly1 = taps.back().index + 1;
-    band.width = lv.width;
-    band.height = ly1 - ly0;
-    band.pixels.resize(static_cast<size_t>(3 * band.width * band.height));
-    SLIDE_RETURN_IF_ERROR_CTX(
-        slide.read_region(0, std::llround(static_cast<double>(ly0) * d), level, band.width, band.height, band.pixels.data()),
-        props.path + ": thumbnail band (level " + std::to_string(level) + ", rows " + std::to_string(ly0) + ".." +
-            std::to_string(ly1) + ")");
-    detail::resample_area_xy(band, ly0, 0, 0, sx, sy, lv.height, &thumb, j0, j1);
-  }
+  // Bands write disjoint thumbnail rows, so they can be read in parallel; one band buffer per
+  // thread keeps memory at (threads x the band budget).
+  const int64_t bands = (th + band_rows - 1) / band_rows;
+  const int64_t workers = pool != nullptr ? std::min<int64_t>(bands, static_cast<int64_t>(pool->size()) + 1) : 1;
+  SLIDE_RETURN_IF_ERROR(run_parallel(pool, workers, [&](int64_t worker) -> Status {
+    RgbImage band;
+    for (int64_t b = worker; b < bands; b += workers) {
+      const int64_t j0 = b * band_rows, j1 = std::min(th, j0 + band_rows);
+      std::vector<int64_t> tap_begin;
+      const std::vector<detail::AreaTap> taps = detail::area_taps(0, sy, j0, j1 - j0, lv.height, &tap_begin);
+      const int64_t ly0 = taps.front().index, ly1 = taps.back().index + 1;
+      band.width = lv.width;
+      band.height = ly1 - ly0;
+      band.pixels.resize(static_cast<size_t>(3 * band.width * band.height));
+      SLIDE_RETURN_IF_ERROR_CTX(
+          slide.read_level_region(level, 0, ly0, band.width, band.height, band.pixels.data()),
+          props.path + ": thumbnail band (level " + std::to_string(level) + ", rows " + std::to_string(ly0) + ".." +
+              std::to_string(ly1) + ")");
+      detail::resample_area_xy(band, ly0, 0, 0, sx, sy, lv.height, &thumb, j0, j1);
+    }
+    return core::ok_status();
+  }));
   if (actual_downsample_x != nullptr) *actual_downsample_x = static_cast<double>(w0) / static_cast<double>(tw);
   if (actual_downsample_y != nullptr) *actual_downsample_y = static_cast<double>(h0) / static_cast<double>(th);
   return thumb;
 }
 
-Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options) {
+Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options,
+                                 core::ThreadPool* pool) {
   const SlideProperties& props = slide.properties();
   if (props.levels.empty()) return core::invalid_argument(props.path + ": slide has no levels");
   const double longer = static_cast<double>(std::max(props.levels[0].width, props.levels[0].height));
@@ -292,11 +339,11 @@ Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const 
   downsample = std::max(1.0, downsample);
   double dx = 1, dy = 1;
   const auto t0 = std::chrono::steady_clock::now();
-  SLIDE_ASSIGN_OR_RETURN(RgbImage thumb, make_thumbnail(slide, downsample, &dx, &dy));
+  SLIDE_ASSIGN_OR_RETURN(RgbImage thumb, make_thumbnail(slide, downsample, &dx, &dy, pool));
   const auto t1 = std::chrono::steady_clock::now();
   const double um2_per_px = mpp_um > 0 ? (dx * mpp_um) * (dy * mpp_um) : 0;
   const int64_t tw = thumb.width, th = thumb.height;
-  TissueMask mask = detect_tissue_in_thumbnail(std::move(thumb), dx, dy, um2_per_px, options);
+  TissueMask mask = detect_tissue_in_thumbnail(std::move(thumb), dx, dy, um2_per_px, options, pool);
   const auto t2 = std::chrono::steady_clock::now();
   core::log_debug("tissue mask", {{"slide", slide.properties().path},
                                   {"thumbnail", std::to_string(tw) + "x" + std::to_string(th)},
@@ -306,7 +353,7 @@ Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const 
 }
 
 TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,
-                                      const TissueOptions& options) {
+                                      const TissueOptions& options, core::ThreadPool* pool) {
   TissueMask out;
   out.downsample_x = downsample_x;
   out.downsample_y = downsample_y;
@@ -316,7 +363,7 @@ TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, d
     out.mask.assign(static_cast<size_t>(std::max<int64_t>(0, w) * std::max<int64_t>(0, h)), 0);
     return out;
   }
-  const std::vector<uint8_t> sat = median_filter(saturation(out.thumbnail), w, h, options.median_px);
+  const std::vector<uint8_t> sat = median_filter(saturation(out.thumbnail), w, h, options.median_px, pool);
   std::vector<int64_t> hist(256, 0);
   for (uint8_t s : sat) ++hist[s];
   out.otsu_threshold = std::max(otsu_threshold(hist), kMinSaturationThreshold);

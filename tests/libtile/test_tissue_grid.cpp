@@ -509,6 +509,24 @@ TEST_CASE("test_tissue_grid: CMU-1-Small-Region tissue mask and tile counts") {
   REQUIRE(png.ok());
 }
 
+TEST_CASE("test_tissue_grid: a thread pool changes nothing in the thumbnail and the mask") {
+  // Bands read on the pool's threads and the median split by rows must give the same pixels.
+  auto slide = slide::tile::open_slide(std::string(SLIDE_SAMPLE_DIR) + "/slides/CMU-1-Small-Region.svs");
+  REQUIRE_MESSAGE(slide.ok(), slide.status().to_string());
+  slide::core::ThreadPool pool(3);
+  TissueOptions opt;
+  opt.thumbnail_mpp_um = 2.0;  // downsample 4.008: 553 x 740 px, many bands
+  auto serial = slide::tile::detect_tissue(**slide, 0.499, opt);
+  auto parallel = slide::tile::detect_tissue(**slide, 0.499, opt, &pool);
+  REQUIRE(serial.ok());
+  REQUIRE(parallel.ok());
+  CHECK(serial->width() == 553);  // floor(2220 / 4.008)
+  CHECK(parallel->thumbnail.pixels == serial->thumbnail.pixels);
+  CHECK(parallel->mask == serial->mask);
+  CHECK(parallel->otsu_threshold == serial->otsu_threshold);
+  CHECK(serial->tissue_fraction() > 0.2);
+}
+
 TEST_CASE("test_tissue_grid: CMU-1-Small-Region pass-through tiles decode to read_tile's pixels") {
   auto slide = slide::tile::open_slide(std::string(SLIDE_SAMPLE_DIR) + "/slides/CMU-1-Small-Region.svs");
   REQUIRE_MESSAGE(slide.ok(), slide.status().to_string());

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "slide/core/status.h"
+#include "slide/core/thread_pool.h"
 #include "slide/tile/image.h"
 #include "slide/tile/slide.h"
 
@@ -46,18 +47,22 @@ struct TissueMask {
 };
 
 // Builds a thumbnail of `slide` whose level-0 downsample is at least `downsample` (box filter,
-// bounded memory as above). Errors: those of SlideReader::read_region, with context.
+// bounded memory as above). With a pool, bands are read on its threads and this one (memory:
+// one band per thread); the result does not depend on it. The pool must not be running tasks
+// that wait on this call. Errors: those of SlideReader::read_level_region, with context.
 [[nodiscard]] Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, double* actual_downsample_x,
-                                              double* actual_downsample_y);
+                                              double* actual_downsample_y, core::ThreadPool* pool = nullptr);
 
 // Thumbnail + mask. mpp_um is the level-0 resolution (0 if unknown: the thumbnail size and the
-// object-size bounds then follow the fallback fields). Errors: those of make_thumbnail.
-[[nodiscard]] Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options);
+// object-size bounds then follow the fallback fields). `pool` as in make_thumbnail (it also
+// splits the median filter). Errors: those of make_thumbnail.
+[[nodiscard]] Result<TissueMask> detect_tissue(const SlideReader& slide, double mpp_um, const TissueOptions& options,
+                                               core::ThreadPool* pool = nullptr);
 
 // The mask computation alone on a given thumbnail (for tests and patch images); `um2_per_px` is
 // the area of one thumbnail pixel in µm² (0 if unknown).
 TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,
-                                      const TissueOptions& options);
+                                      const TissueOptions& options, core::ThreadPool* pool = nullptr);
 
 // Otsu's threshold of a 256-bin histogram: the t maximising the between-class variance of
 // {v <= t} and {v > t}. Returns 0 for an empty or constant histogram.

@@ -280,7 +280,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   }
   rec->source_mpp_um = mpp;
 
-  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, opt_.tissue), in.path + ": tissue mask");
+  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, opt_.tissue, &pool_), in.path + ": tissue mask");
   rec->tissue_fraction = tissue.tissue_fraction();
   out->tissue_fraction = rec->tissue_fraction;
 
@@ -336,7 +336,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
 
   slide::core::Progress progress("tiles of " + in.slide_id, static_cast<int64_t>(plan.tiles.size()), "tiles/s",
                                  opt_.progress);
-  const size_t window = std::max<size_t>(4, 4 * pool_.size());
+  const size_t window = std::max<size_t>(16, 16 * pool_.size());
   std::deque<std::future<Result<std::vector<uint8_t>>>> inflight;
   size_t next_submit = 0, next_write = 0;
   Status failure;

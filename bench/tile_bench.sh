@@ -27,6 +27,7 @@ measure() {
   echo "$out peak_rss_mb=$rss"
 }
 # Our tool prints its summary on stderr; turn it into the peer's "tiles= seconds= tiles_per_s=" line.
+# The pass-through store is kept: the ceiling decodes and encodes exactly its tiles.
 ours() {
   local store=$work/ours_$1; shift
   /usr/bin/time -f "%M" -o "$work/time.txt" "$bin" "$slide" --mpp 0.499 --tile-size 256 --jpeg-quality 90 \
@@ -37,15 +38,17 @@ ours() {
   secs=$(sed -E 's/.* ([0-9]+) tiles written in ([0-9.e+]+) s.*/\2/' <<<"$line")
   awk -v n="$tiles" -v s="$secs" -v m="$(tail -n 1 "$work/time.txt")" \
     'BEGIN { printf "tiles=%d seconds=%.2f tiles_per_s=%.1f peak_rss_mb=%d\n", n, s, n / s, m / 1024 }'
-  rm -rf "$store"
 }
 rate() { sed -E 's/.*tiles_per_s=([0-9.]+).*/\1/' <<<"$1"; }
 
 peer=$(measure /usr/bin/python3 "$shared/peers/tile_peer.py" "$slide" "$work/peer.lmdb" --tile 256 --min-tissue 0.5 --quality 90)
 rm -rf "$work/peer.lmdb"
 reenc=$(ours reencode --no-passthrough)
+rm -rf "$work/ours_reencode"
 pass=$(ours passthrough)
-ceiling=$("$limit" "$slide" --threads "$threads" --quality 90 --max-tiles 3000)
+# The same tiles slide-tile kept (blank glass would make a flattering ceiling).
+ceiling=$("$limit" "$slide" --threads "$threads" --quality 90 --store "$work/ours_passthrough")
+rm -rf "$work/ours_passthrough"
 
 printf '%-34s %s\n' "peer (tile_peer.py, 1 thread)" "$peer"
 printf '%-34s %s\n' "slide-tile re-encode" "$reenc"

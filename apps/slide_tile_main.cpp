@@ -259,8 +259,9 @@ int main(int argc, char** argv) {
   app.add_option("--txn-tiles", opt.tiles_per_txn, "Tiles per LMDB write transaction")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
-  app.add_option("--thumbnail-mpp", opt.tissue.thumbnail_mpp_um, "Resolution of the tissue-detection thumbnail, um/px")
-      ->capture_default_str()
+  opt.tissue.thumbnail_mpp_um = 0;  // auto
+  app.add_option("--thumbnail-mpp", opt.tissue.thumbnail_mpp_um,
+                 "Resolution of the tissue-detection thumbnail, um/px (default: tile size x --mpp / 8, within 2..16)")
       ->check(CLI::PositiveNumber);
   app.add_flag("-q,--quiet", quiet, "Only warnings and errors; no progress");
   app.add_flag("-v,--verbose", verbose, "Also debug records (per-level pass-through and direct-decode decisions)");

@@ -176,12 +176,19 @@ int RunSummary::count(SlideOutcomeKind kind) const {
   return static_cast<int>(std::count_if(slides.begin(), slides.end(), [&](const SlideOutcome& o) { return o.kind == kind; }));
 }
 
+double auto_thumbnail_mpp(const GridOptions& grid) {
+  if (!(grid.target_mpp_um > 0) || grid.tile_size_px < 1) return 8.0;
+  return std::clamp(grid.tile_size_px * grid.target_mpp_um / 8.0, 2.0, 16.0);
+}
+
 namespace {
 
 class TilingRun {
  public:
   TilingRun(StoreWriter& writer, const TileJobOptions& options, slide::core::ThreadPool& pool)
-      : writer_(writer), opt_(options), pool_(pool) {}
+      : writer_(writer), opt_(options), pool_(pool), tissue_options_(options.tissue) {
+    if (!(tissue_options_.thumbnail_mpp_um > 0)) tissue_options_.thumbnail_mpp_um = auto_thumbnail_mpp(options.grid);
+  }
 
   // Tiles one input. Store errors (which end the run) come back as *fatal.
   SlideOutcome run_slide(const SlideInput& in, Status* fatal);
@@ -195,6 +202,7 @@ class TilingRun {
   StoreWriter& writer_;
   const TileJobOptions& opt_;
   slide::core::ThreadPool& pool_;
+  TissueOptions tissue_options_;  // opt_.tissue with the thumbnail resolution resolved
 };
 
 // Center-crops to a square and area-downsamples to `size`; refuses to upsample.
@@ -280,7 +288,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   }
   rec->source_mpp_um = mpp;
 
-  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, opt_.tissue, &pool_), in.path + ": tissue mask");
+  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, tissue_options_, &pool_), in.path + ": tissue mask");
   rec->tissue_fraction = tissue.tissue_fraction();
   out->tissue_fraction = rec->tissue_fraction;
 

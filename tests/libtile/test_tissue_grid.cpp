@@ -11,6 +11,7 @@
 
 #include "slide/tile/grid.h"
 #include "slide/tile/image.h"
+#include "slide/tile/pipeline.h"
 #include "slide/tile/slide.h"
 #include "slide/tile/tissue.h"
 
@@ -507,6 +508,16 @@ TEST_CASE("test_tissue_grid: CMU-1-Small-Region tissue mask and tile counts") {
 
   auto png = slide::tile::render_qc_png(*m, *half);
   REQUIRE(png.ok());
+}
+
+TEST_CASE("test_tissue_grid: the automatic thumbnail resolution gives 8 mask px per tile side, within 2..16 um/px") {
+  auto at = [](int tile, double mpp) { return slide::tile::auto_thumbnail_mpp(grid(mpp, tile)); };
+  CHECK(at(256, 0.5) == doctest::Approx(16.0));
+  CHECK(at(224, 0.5) == doctest::Approx(14.0));
+  CHECK(at(64, 0.5) == doctest::Approx(4.0));
+  CHECK(at(16, 0.5) == doctest::Approx(2.0));   // 1 um/px: clamped to 2
+  CHECK(at(512, 1.0) == doctest::Approx(16.0)); // 64 um/px: clamped to 16
+  CHECK(at(224, 0.0) == doctest::Approx(8.0));  // patches: no target resolution
 }
 
 TEST_CASE("test_tissue_grid: a thread pool changes nothing in the thumbnail and the mask") {

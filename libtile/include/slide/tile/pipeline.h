@@ -49,7 +49,7 @@ struct SlideInput {
 
 struct TileJobOptions {
   GridOptions grid;
-  TissueOptions tissue;
+  TissueOptions tissue;  // tissue.thumbnail_mpp_um <= 0: auto_thumbnail_mpp(grid)
   TileEncoding encoding = TileEncoding::kJpeg;
   int jpeg_quality = 90;
   double source_mpp_um = 0;   // used when a slide has no mpp of its own (0 = none)
@@ -64,6 +64,12 @@ struct TileJobOptions {
   // Set from a signal handler: the run stops after committing the current transaction.
   const std::atomic<bool>* cancel = nullptr;
 };
+
+// The tissue thumbnail's resolution (µm/px) for a grid: at least 8 thumbnail pixels across a
+// tile's side, so a tile's tissue fraction comes from >= 64 mask pixels, but never coarser than
+// 16 µm/px (CLAM segments at a 64x downsample: 16 µm/px on a 40x scan) nor finer than 2 µm/px.
+// tile_size_px * target_mpp_um / 8, clamped to [2, 16]; 8 when the target is unknown (patches).
+double auto_thumbnail_mpp(const GridOptions& grid);
 
 enum class SlideOutcomeKind { kTiled, kAlreadyComplete, kZeroTiles, kFailed, kNotInShard };
 

@@ -97,6 +97,7 @@ struct RawLevel {
   std::vector<uint64_t> offsets;      // per tile, row-major (TIFF 6.0 section 15)
   std::vector<uint64_t> byte_counts;  // per tile
   std::vector<uint8_t> tables;        // JPEGTables tag, empty if absent
+  std::vector<uint8_t> head;          // merge_jpeg_tables(tables, SOI): what precedes each tile's body
 };
 
 class OpenSlideReader final : public SlideReader {
@@ -239,24 +240,30 @@ Result<std::vector<uint8_t>> OpenSlideReader::read_merged_tile(int level, int64_
   const size_t index = static_cast<size_t>(row * rl.tiles_across + col);
   const uint64_t offset = rl.offsets[index];
   const uint64_t count = rl.byte_counts[index];
-  const std::string where = props_.path + ": source tile (level=" + std::to_string(level) +
-                            ", col=" + std::to_string(col) + ", row=" + std::to_string(row) + ")";
-  if (count == 0 || count > kMaxRawTileBytes)
-    return core::data_loss(where + ": implausible byte count " + std::to_string(count));
-  std::vector<uint8_t> tile(count);
+  auto where = [&] {
+    return props_.path + ": source tile (level=" + std::to_string(level) + ", col=" + std::to_string(col) +
+           ", row=" + std::to_string(row) + ")";
+  };
+  if (count < 2 || count > kMaxRawTileBytes)
+    return core::data_loss(where() + ": implausible byte count " + std::to_string(count));
+  // The level's stream head (SOI, APP14, tables) then the tile without its own SOI: the tile is
+  // read straight into place, over the head's last two bytes, which are put back after checking
+  // that what landed there is the tile's SOI.
+  const size_t head = rl.head.size();
+  std::vector<uint8_t> out(head - 2 + count);
   size_t done = 0;
   while (done < count) {
-    const ssize_t n = ::pread(fd_.get(), tile.data() + done, count - done, static_cast<off_t>(offset + done));
+    const ssize_t n = ::pread(fd_.get(), out.data() + head - 2 + done, count - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return core::data_loss(where + ": read: " + std::strerror(errno));
+      return core::data_loss(where() + ": read: " + std::strerror(errno));
     }
-    if (n == 0) return core::data_loss(where + ": file ends inside the tile");
+    if (n == 0) return core::data_loss(where() + ": file ends inside the tile");
     done += static_cast<size_t>(n);
   }
-  auto merged = merge_jpeg_tables(rl.tables, tile, rl.rgb);
-  if (!merged.ok()) return merged.status().with_context(where);
-  return merged;
+  if (out[head - 2] != 0xFF || out[head - 1] != 0xD8) return core::data_loss(where() + ": JPEG tile does not start with SOI");
+  std::memcpy(out.data(), rl.head.data(), head);
+  return out;
 }
 
 Status OpenSlideReader::self_check(int level, bool* identical) const {
@@ -408,6 +415,10 @@ std::vector<RawLevel> find_raw_levels(const std::string& path, const std::vector
       const auto* p = static_cast<const uint8_t*>(tables);
       rl.tables.assign(p, p + table_bytes);
     }
+    static constexpr uint8_t kSoi[] = {0xFF, 0xD8};
+    auto head = merge_jpeg_tables(rl.tables, kSoi, rl.rgb);
+    if (!head.ok()) continue;  // malformed JPEGTables: no pass-through for this level
+    rl.head = std::move(*head);
     rl.candidate = true;
     raw[level] = std::move(rl);
   }

@@ -1,0 +1,72 @@
+// Device allocators that count bytes and enforce a budget (DESIGN.md, "Memory: never die of OOM").
+//
+// Every tensor's storage comes from its device's Allocator. An allocation that would take the
+// device's live bytes past the budget fails with kResourceExhausted instead of reaching the
+// system allocator, on CPU as on GPU, so the trainer's recovery paths (smaller micro-batch, more
+// accumulation steps) are exercised on CPU in tests. Counters are atomic: allocate/deallocate
+// may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "slide/core/status.h"
+
+namespace slide::train {
+
+using slide::core::Result;
+using slide::core::Status;
+
+enum class Device : uint8_t { kCpu = 0, kCuda = 1 };
+const char* device_name(Device d);
+
+class Allocator {
+ public:
+  // No budget: the default, until set_budget_bytes.
+  static constexpr size_t kUnlimited = SIZE_MAX;
+
+  virtual ~Allocator() = default;
+  virtual Device device() const = 0;
+
+  // `bytes` (> 0) of device memory, aligned to at least 64 bytes. Errors: kResourceExhausted when
+  // current_bytes() + bytes would exceed the budget ("memory budget of B bytes exceeded: ..."),
+  // or when the device itself has no memory left; kInvalidArgument for bytes == 0.
+  [[nodiscard]] virtual Result<void*> allocate(size_t bytes, const std::string& what) = 0;
+  // Returns memory from allocate(); `bytes` must be the size it was allocated with.
+  virtual void deallocate(void* ptr, size_t bytes) = 0;
+
+  size_t current_bytes() const { return current_.load(std::memory_order_relaxed); }
+  size_t peak_bytes() const { return peak_.load(std::memory_order_relaxed); }
+  size_t budget_bytes() const { return budget_.load(std::memory_order_relaxed); }
+  void set_budget_bytes(size_t budget) { budget_.store(budget, std::memory_order_relaxed); }
+  void reset_peak() { peak_.store(current_bytes(), std::memory_order_relaxed); }
+
+ protected:
+  // Counts `bytes` as live if the budget allows; the error names `what` and the figures.
+  [[nodiscard]] Status reserve(size_t bytes, const std::string& what);
+  void release(size_t bytes);
+
+ private:
+  std::atomic<size_t> current_{0};
+  std::atomic<size_t> peak_{0};
+  std::atomic<size_t> budget_{kUnlimited};
+};
+
+// Host memory, 64-byte aligned (a cache line; oneDNN's preferred alignment).
+class CpuAllocator final : public Allocator {
+ public:
+  Device device() const override { return Device::kCpu; }
+  [[nodiscard]] Result<void*> allocate(size_t bytes, const std::string& what) override;
+  void deallocate(void* ptr, size_t bytes) override;
+};
+
+// The process's CPU allocator (one budget for all host tensors).
+CpuAllocator& cpu_allocator();
+
+// Parses a byte count with an optional binary suffix: "512M", "2G", "1.5GiB", "4096".
+// Errors: kInvalidArgument naming the text.
+[[nodiscard]] Result<size_t> parse_bytes(const std::string& text);
+
+}  // namespace slide::train

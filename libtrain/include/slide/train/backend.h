@@ -1,0 +1,122 @@
+// Backend: the one op list that layers, losses and optimizers are written against (DESIGN.md,
+// "The engine"). `reference` (plain loops, the test oracle) implements it first; `cpu` (oneDNN)
+// and `cuda` (cuDNN) mirror it op for op. Only backend.cpp knows which backends were built.
+//
+// Conventions, for every op:
+// - Tensors are plain row-major on the backend's device; images are NCHW. All floating tensors
+//   of one call share a dtype (f32; f64 on the reference backend for gradient checks). Labels are
+//   i32.
+// - Outputs are allocated by the caller with the documented shape; an op writes them whole.
+// - Backward ops *overwrite* input gradients (dx) and *accumulate* (+=) into parameter gradients
+//   (dw, db, dgamma, dbeta), as llm.c does, so gradient accumulation over micro-batches is
+//   free; zero parameter gradients before the first micro-batch.
+// - Errors: kInvalidArgument when shapes, dtypes or devices disagree (the message names the op
+//   and the shapes), kUnimplemented when the backend lacks the op or the dtype. Ops never
+//   allocate from a budgeted allocator behind the caller's back except where documented.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "slide/core/status.h"
+#include "slide/train/tensor.h"
+
+namespace slide::train {
+
+// 2-D convolution / pooling geometry. Output extent: (in + 2 * pad - kernel) / stride + 1
+// (PyTorch's Conv2d and MaxPool2d with dilation 1, floor mode).
+struct Conv2dParams {
+  int stride = 1;
+  int pad = 0;
+};
+struct Pool2dParams {
+  int kernel = 2;
+  int stride = 2;
+  int pad = 0;  // padded positions never win a max (PyTorch pads max pooling with -inf)
+};
+int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+  virtual Allocator& allocator() = 0;
+
+  // --- Convolution (cross-correlation, as PyTorch) ---------------------------------------------
+  // y[N,K,P,Q] = sum_{c,r,s} x[N,C,H,W] (padded) * w[K,C,R,S] + b[K]; b may be undefined.
+  [[nodiscard]] virtual Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p,
+                                              Tensor& y) = 0;
+  // dx[N,C,H,W] = the transpose of the above applied to dy[N,K,P,Q].
+  [[nodiscard]] virtual Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) = 0;
+  // dw[K,C,R,S] += sum_n x (*) dy; db[K] += sum_{n,p,q} dy (db may be undefined).
+  [[nodiscard]] virtual Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw,
+                                                       Tensor& db) = 0;
+
+  // --- Batch normalisation over (N, H, W) per channel (Ioffe & Szegedy, 2015) -------------------
+  // Training: mean/var of the batch (biased var for normalising; PyTorch updates the running var
+  // with the unbiased one): running = (1 - momentum) * running + momentum * batch.
+  // y = gamma * (x - mean) * invstd + beta, invstd = 1 / sqrt(var + eps); save_mean[C] and
+  // save_invstd[C] are written for backward. x, y: [N,C,H,W]; the rest [C].
+  [[nodiscard]] virtual Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                           double eps, double momentum, Tensor& running_mean,
+                                                           Tensor& running_var, Tensor& y, Tensor& save_mean,
+                                                           Tensor& save_invstd) = 0;
+  // Inference: the running statistics instead of the batch's.
+  [[nodiscard]] virtual Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                            const Tensor& running_mean, const Tensor& running_var,
+                                                            double eps, Tensor& y) = 0;
+  // dx (overwritten), dgamma += sum dy * xhat, dbeta += sum dy.
+  [[nodiscard]] virtual Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                                   const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx,
+                                                   Tensor& dgamma, Tensor& dbeta) = 0;
+
+  // --- Element-wise ------------------------------------------------------------------------------
+  // y = max(x, 0); any shape. y may be x (in place).
+  [[nodiscard]] virtual Status relu_forward(const Tensor& x, Tensor& y) = 0;
+  // dx = dy where y > 0, else 0 (from the forward's output, so forward may run in place).
+  [[nodiscard]] virtual Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
+  // y = a + b, same shapes (the residual add); y may be a or b.
+  [[nodiscard]] virtual Status add(const Tensor& a, const Tensor& b, Tensor& y) = 0;
+
+  // --- Pooling -----------------------------------------------------------------------------------
+  // y[N,C,P,Q] = max over the window of x[N,C,H,W].
+  [[nodiscard]] virtual Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) = 0;
+  // dx (overwritten): dy routed to the first maximum of each window (PyTorch's tie rule), summed
+  // where windows overlap.
+  [[nodiscard]] virtual Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) = 0;
+  // y[N,C] = mean over H, W of x[N,C,H,W] (AdaptiveAvgPool2d(1) then flatten).
+  [[nodiscard]] virtual Status global_avg_pool_forward(const Tensor& x, Tensor& y) = 0;
+  // dx[N,C,H,W] = dy[N,C] / (H * W), overwritten.
+  [[nodiscard]] virtual Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) = 0;
+
+  // --- Fully connected ---------------------------------------------------------------------------
+  // y[N,O] = x[N,I] w[O,I]^T + b[O] (PyTorch's Linear); b may be undefined.
+  [[nodiscard]] virtual Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) = 0;
+  // dx[N,I] = dy w (overwritten).
+  [[nodiscard]] virtual Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) = 0;
+  // dw[O,I] += dy^T x; db[O] += sum_n dy (db may be undefined).
+  [[nodiscard]] virtual Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) = 0;
+
+  // --- Loss --------------------------------------------------------------------------------------
+  // Softmax cross-entropy of logits[N,C] against labels[N] (i32 in [0, C)), with optional class
+  // weights[C] (undefined: all 1) and label smoothing s in [0, 1): the target is
+  // (1 - s) one_hot + s / C, and the loss is PyTorch's CrossEntropyLoss(weight, label_smoothing,
+  // reduction='mean'): sum_n w[y_n] * (-sum_c target_nc * log p_nc) / sum_n w[y_n].
+  // Writes probs[N,C] (softmax) and *loss. Errors also: kInvalidArgument for a label out of range.
+  [[nodiscard]] virtual Status softmax_cross_entropy_forward(const Tensor& logits, const Tensor& labels,
+                                                             const Tensor& class_weights, double label_smoothing,
+                                                             Tensor& probs, double* loss) = 0;
+  // dlogits[N,C] (overwritten) = w[y_n] * (probs - target) / sum_n w[y_n], the gradient of the mean
+  // loss above.
+  [[nodiscard]] virtual Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels,
+                                                              const Tensor& class_weights, double label_smoothing,
+                                                              Tensor& dlogits) = 0;
+};
+
+// The backends this build has: "reference" always; "cpu" (oneDNN) and "cuda" when built.
+// Errors: kNotFound naming the backend and listing the built ones.
+[[nodiscard]] Result<std::unique_ptr<Backend>> make_backend(const std::string& name);
+
+}  // namespace slide::train

@@ -1,0 +1,77 @@
+// Tensor: a shape, a dtype, a device and storage from that device's Allocator.
+//
+// Dense and contiguous, row-major over its shape (images NCHW: N samples, C channels, H rows,
+// W columns; each op documents its shapes). Copies share storage (a shared_ptr); clone() copies
+// the bytes. Storage returns to its allocator when the last tensor using it goes away. Backends
+// that keep tensors in other layouts (oneDNN's blocked formats) do so behind their own handles;
+// a Tensor is always the plain layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/core/status.h"
+#include "slide/train/allocator.h"
+
+namespace slide::train {
+
+// kF64 exists for the reference backend's gradient checks (central differences in double).
+enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2 };
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+
+using Shape = std::vector<int64_t>;
+std::string shape_string(const Shape& s);  // "[2, 3, 8, 8]"
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: no storage, numel() == 0
+
+  // Uninitialised storage for `shape` (every extent >= 0) from `alloc`; `what` names the tensor
+  // in a budget error. Errors: kInvalidArgument (negative extent or byte count overflow), those
+  // of Allocator::allocate (kResourceExhausted when the budget is exceeded).
+  [[nodiscard]] static Result<Tensor> empty(const Shape& shape, DType dtype, Allocator& alloc,
+                                            const std::string& what = "tensor");
+  // The same, filled with zeros.
+  [[nodiscard]] static Result<Tensor> zeros(const Shape& shape, DType dtype, Allocator& alloc,
+                                            const std::string& what = "tensor");
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim(size_t i) const { return shape_.at(i); }
+  size_t rank() const { return shape_.size(); }
+  int64_t numel() const { return numel_; }
+  size_t bytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  template <typename T>
+  T* data() const { return static_cast<T*>(storage_ ? storage_->ptr : nullptr); }
+  void* raw() const { return storage_ ? storage_->ptr : nullptr; }
+
+  // A deep copy from the same allocator. Errors: those of empty().
+  [[nodiscard]] Result<Tensor> clone(const std::string& what = "tensor copy") const;
+  // The same storage seen with another shape of the same element count. Errors: kInvalidArgument.
+  [[nodiscard]] Result<Tensor> reshape(const Shape& shape) const;
+  // Sets every element to zero (host tensors only).
+  void fill_zero();
+
+ private:
+  struct Storage {
+    Allocator* alloc = nullptr;
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    ~Storage();
+  };
+  std::shared_ptr<Storage> storage_;
+  Shape shape_;
+  int64_t numel_ = 0;
+  DType dtype_ = DType::kF32;
+  Device device_ = Device::kCpu;
+};
+
+}  // namespace slide::train

@@ -1,0 +1,90 @@
+#include "slide/train/tensor.h"
+
+#include <cstring>
+#include <limits>
+
+namespace slide::train {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kF64: return 8;
+    case DType::kI32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF64: return "f64";
+    case DType::kI32: return "i32";
+  }
+  return "?";
+}
+
+std::string shape_string(const Shape& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+Tensor::Storage::~Storage() {
+  if (alloc != nullptr) alloc->deallocate(ptr, bytes);
+}
+
+Result<Tensor> Tensor::empty(const Shape& shape, DType dtype, Allocator& alloc, const std::string& what) {
+  int64_t n = 1;
+  for (int64_t e : shape) {
+    if (e < 0) return slide::core::invalid_argument(what + ": negative extent in shape " + shape_string(shape));
+    if (e != 0 && n > std::numeric_limits<int64_t>::max() / 16 / e)
+      return slide::core::invalid_argument(what + ": shape " + shape_string(shape) + " is too large");
+    n *= e;
+  }
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = n;
+  t.dtype_ = dtype;
+  t.device_ = alloc.device();
+  const size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
+  auto storage = std::make_shared<Storage>();
+  if (bytes > 0) {
+    SLIDE_ASSIGN_OR_RETURN(void* p, alloc.allocate(bytes, what + " " + shape_string(shape) + " " + dtype_name(dtype)));
+    storage->alloc = &alloc;
+    storage->ptr = p;
+    storage->bytes = bytes;
+  }
+  t.storage_ = std::move(storage);
+  return t;
+}
+
+Result<Tensor> Tensor::zeros(const Shape& shape, DType dtype, Allocator& alloc, const std::string& what) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor t, empty(shape, dtype, alloc, what));
+  t.fill_zero();
+  return t;
+}
+
+Result<Tensor> Tensor::clone(const std::string& what) const {
+  if (!storage_) return Tensor();
+  Allocator* alloc = storage_->alloc != nullptr ? storage_->alloc : &cpu_allocator();
+  SLIDE_ASSIGN_OR_RETURN(Tensor t, empty(shape_, dtype_, *alloc, what));
+  if (bytes() > 0) std::memcpy(t.raw(), raw(), bytes());
+  return t;
+}
+
+Result<Tensor> Tensor::reshape(const Shape& shape) const {
+  int64_t n = 1;
+  for (int64_t e : shape) n *= e;
+  if (n != numel_)
+    return slide::core::invalid_argument("reshape " + shape_string(shape_) + " to " + shape_string(shape) +
+                                         ": element counts differ");
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+void Tensor::fill_zero() {
+  if (bytes() > 0) std::memset(raw(), 0, bytes());
+}
+
+}  // namespace slide::train

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "op_checks.h"
+
 namespace slide::train {
 
 int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad) {
@@ -18,39 +20,9 @@ int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad) {
 
 namespace {
 
-using slide::core::invalid_argument;
 using slide::core::ok_status;
-using slide::core::unimplemented;
 
-Status want_shape(const char* op, const char* name, const Tensor& t, const Shape& shape) {
-  if (!t.defined() || t.shape() != shape)
-    return invalid_argument(std::string(op) + ": " + name + " is " + (t.defined() ? shape_string(t.shape()) : "undefined") +
-                            ", expected " + shape_string(shape));
-  return ok_status();
-}
-
-Status want_rank(const char* op, const char* name, const Tensor& t, size_t rank) {
-  if (!t.defined() || t.rank() != rank)
-    return invalid_argument(std::string(op) + ": " + name + " must have rank " + std::to_string(rank) + ", is " +
-                            (t.defined() ? shape_string(t.shape()) : "undefined"));
-  return ok_status();
-}
-
-// Every floating tensor of a call has `dtype`, and lives on the CPU.
-Status want_dtype(const char* op, DType dtype, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts) {
-    if (!t->defined()) continue;
-    if (t->dtype() != dtype)
-      return invalid_argument(std::string(op) + ": mixed dtypes (" + dtype_name(t->dtype()) + " and " +
-                              dtype_name(dtype) + ")");
-    if (t->device() != Device::kCpu) return invalid_argument(std::string(op) + ": a tensor is not on the CPU");
-  }
-  if (dtype != DType::kF32 && dtype != DType::kF64)
-    return unimplemented(std::string(op) + ": dtype " + dtype_name(dtype) + " (reference has f32 and f64)");
-  return ok_status();
-}
-
-using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
+constexpr detail::DTypes kDTypes{true, true};
 
 // Runs f.template operator()<T>() for the call's dtype.
 template <typename F>
@@ -67,16 +39,8 @@ class ReferenceBackend final : public Backend {
   Allocator& allocator() override { return alloc_; }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
-    const char* op = "conv2d_forward";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
-    const int64_t K = w.dim(0), R = w.dim(2), S = w.dim(3);
-    if (w.dim(1) != C) return invalid_argument(std::string(op) + ": w " + shape_string(w.shape()) + " vs x " + shape_string(x.shape()));
-    const int64_t P = conv_out_extent(H, R, p.stride, p.pad), Q = conv_out_extent(W, S, p.stride, p.pad);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {N, K, P, Q}));
-    if (b.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "b", b, {K}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &w, &b, &y}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
+    const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *wp = w.data<T>(), *bp = b.defined() ? b.data<T>() : nullptr;
       T* yp = y.data<T>();
@@ -102,16 +66,8 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
-    const char* op = "conv2d_backward_data";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "dy", dy, 4));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 4));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "dx", dx, 4));
-    const int64_t N = dx.dim(0), C = dx.dim(1), H = dx.dim(2), W = dx.dim(3);
-    const int64_t K = w.dim(0), R = w.dim(2), S = w.dim(3);
-    const int64_t P = conv_out_extent(H, R, p.stride, p.pad), Q = conv_out_extent(W, S, p.stride, p.pad);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "w", w, {K, C, R, S}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {N, K, P, Q}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, dy.dtype(), {&dy, &w, &dx}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
+    const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
       const T *dyp = dy.data<T>(), *wp = w.data<T>();
       std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
@@ -138,16 +94,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
-    const char* op = "conv2d_backward_weights";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "dw", dw, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
-    const int64_t K = dw.dim(0), R = dw.dim(2), S = dw.dim(3);
-    const int64_t P = conv_out_extent(H, R, p.stride, p.pad), Q = conv_out_extent(W, S, p.stride, p.pad);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dw", dw, {K, C, R, S}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {N, K, P, Q}));
-    if (db.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "db", db, {K}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &dy, &dw, &db}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
+    const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *dyp = dy.data<T>();
       T* dwp = dw.data<T>();
@@ -184,16 +133,11 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                      double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
                                      Tensor& save_mean, Tensor& save_invstd) override {
-    const char* op = "batch_norm_forward_training";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), HW = x.dim(2) * x.dim(3), M = N * HW;
-    for (auto [name, t] : Named{{"gamma", &gamma}, {"beta", &beta},
-                           {"running_mean", &running_mean}, {"running_var", &running_var}, {"save_mean", &save_mean},
-                           {"save_invstd", &save_invstd}})
-      SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {C}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
-    if (M < 2) return invalid_argument(std::string(op) + ": needs more than one value per channel, got x " + shape_string(x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &gamma, &beta, &running_mean, &running_var, &y, &save_mean, &save_invstd}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
+                                                                save_invstd, kDTypes));
+    const auto [N, C, HW] = d;
+    const int64_t M = N * HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
       T *yp = y.data<T>(), *rm = running_mean.data<T>(), *rv = running_var.data<T>();
@@ -228,14 +172,9 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
-    const char* op = "batch_norm_forward_inference";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), HW = x.dim(2) * x.dim(3);
-    for (auto [name, t] : Named{{"gamma", &gamma}, {"beta", &beta},
-                           {"running_mean", &running_mean}, {"running_var", &running_var}})
-      SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {C}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &gamma, &beta, &running_mean, &running_var, &y}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
+                                                                                         running_var, y, kDTypes));
+    const auto [N, C, HW] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
       const T *rm = running_mean.data<T>(), *rv = running_var.data<T>();
@@ -254,15 +193,11 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
-    const char* op = "batch_norm_backward";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), HW = x.dim(2) * x.dim(3), M = N * HW;
-    for (auto [name, t] : Named{{"gamma", &gamma}, {"save_mean", &save_mean},
-                           {"save_invstd", &save_invstd}, {"dgamma", &dgamma}, {"dbeta", &dbeta}})
-      SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {C}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dx", dx, x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &dy, &gamma, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
+                                                                kDTypes));
+    const auto [N, C, HW] = d;
+    const int64_t M = N * HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *dyp = dy.data<T>(), *gp = gamma.data<T>();
       const T *sm = save_mean.data<T>(), *si = save_invstd.data<T>();
@@ -292,8 +227,7 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(want_shape("relu_forward", "y", y, x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype("relu_forward", x.dtype(), {&x, &y}));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, kDTypes));
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.data<T>();
       T* yp = y.data<T>();
@@ -303,9 +237,7 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(want_shape("relu_backward", "dy", dy, y.shape()));
-    SLIDE_RETURN_IF_ERROR(want_shape("relu_backward", "dx", dx, y.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype("relu_backward", y.dtype(), {&y, &dy, &dx}));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, kDTypes));
     return dispatch(y.dtype(), [&]<typename T>() {
       const T *yp = y.data<T>(), *dyp = dy.data<T>();
       T* dxp = dx.data<T>();
@@ -315,9 +247,7 @@ class ReferenceBackend final : public Backend {
   }
 
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(want_shape("add", "b", b, a.shape()));
-    SLIDE_RETURN_IF_ERROR(want_shape("add", "y", y, a.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype("add", a.dtype(), {&a, &b, &y}));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("add", a, b, &y, kDTypes));
     return dispatch(a.dtype(), [&]<typename T>() {
       const T *ap = a.data<T>(), *bp = b.data<T>();
       T* yp = y.data<T>();
@@ -334,10 +264,8 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(want_rank("global_avg_pool_forward", "x", x, 4));
-    const int64_t N = x.dim(0), C = x.dim(1), HW = x.dim(2) * x.dim(3);
-    SLIDE_RETURN_IF_ERROR(want_shape("global_avg_pool_forward", "y", y, {N, C}));
-    SLIDE_RETURN_IF_ERROR(want_dtype("global_avg_pool_forward", x.dtype(), {&x, &y}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kDTypes));
+    const auto [N, C, HW] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.data<T>();
       T* yp = y.data<T>();
@@ -351,10 +279,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(want_rank("global_avg_pool_backward", "dx", dx, 4));
-    const int64_t N = dx.dim(0), C = dx.dim(1), HW = dx.dim(2) * dx.dim(3);
-    SLIDE_RETURN_IF_ERROR(want_shape("global_avg_pool_backward", "dy", dy, {N, C}));
-    SLIDE_RETURN_IF_ERROR(want_dtype("global_avg_pool_backward", dy.dtype(), {&dy, &dx}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kDTypes));
+    const auto [N, C, HW] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
       const T* dyp = dy.data<T>();
       T* dxp = dx.data<T>();
@@ -365,14 +292,8 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
-    const char* op = "linear_forward";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 2));
-    const int64_t N = x.dim(0), I = x.dim(1), O = w.dim(0);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "w", w, {O, I}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {N, O}));
-    if (b.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "b", b, {O}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &w, &b, &y}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kDTypes));
+    const auto [N, I, O] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *wp = w.data<T>(), *bp = b.defined() ? b.data<T>() : nullptr;
       T* yp = y.data<T>();
@@ -387,13 +308,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
-    const char* op = "linear_backward_data";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "dx", dx, 2));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 2));
-    const int64_t N = dx.dim(0), I = dx.dim(1), O = w.dim(0);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "w", w, {O, I}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {N, O}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, dy.dtype(), {&dy, &w, &dx}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kDTypes));
+    const auto [N, I, O] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
       const T *dyp = dy.data<T>(), *wp = w.data<T>();
       T* dxp = dx.data<T>();
@@ -408,14 +325,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
-    const char* op = "linear_backward_weights";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "dw", dw, 2));
-    const int64_t N = x.dim(0), I = x.dim(1), O = dw.dim(0);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dw", dw, {O, I}));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {N, O}));
-    if (db.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "db", db, {O}));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, &dy, &dw, &db}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kDTypes));
+    const auto [N, I, O] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.data<T>(), *dyp = dy.data<T>();
       T* dwp = dw.data<T>();
@@ -439,11 +351,10 @@ class ReferenceBackend final : public Backend {
 
   Status softmax_cross_entropy_forward(const Tensor& logits, const Tensor& labels, const Tensor& class_weights,
                                        double label_smoothing, Tensor& probs, double* loss) override {
-    const char* op = "softmax_cross_entropy_forward";
-    SLIDE_RETURN_IF_ERROR(check_xent(op, logits, labels, class_weights, label_smoothing));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "probs", probs, logits.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, logits.dtype(), {&logits, &class_weights, &probs}));
-    const int64_t N = logits.dim(0), C = logits.dim(1);
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_cross_entropy("softmax_cross_entropy_forward", logits, labels, class_weights,
+                                                          label_smoothing, probs, kDTypes));
+    const int64_t N = d.N, C = d.I;
     return dispatch(logits.dtype(), [&]<typename T>() {
       const T *zp = logits.data<T>(), *wp = class_weights.defined() ? class_weights.data<T>() : nullptr;
       const int32_t* yp = labels.data<int32_t>();
@@ -474,11 +385,10 @@ class ReferenceBackend final : public Backend {
 
   Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels, const Tensor& class_weights,
                                         double label_smoothing, Tensor& dlogits) override {
-    const char* op = "softmax_cross_entropy_backward";
-    SLIDE_RETURN_IF_ERROR(check_xent(op, probs, labels, class_weights, label_smoothing));
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "dlogits", dlogits, probs.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, probs.dtype(), {&probs, &class_weights, &dlogits}));
-    const int64_t N = probs.dim(0), C = probs.dim(1);
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_cross_entropy("softmax_cross_entropy_backward", probs, labels, class_weights,
+                                                          label_smoothing, dlogits, kDTypes));
+    const int64_t N = d.N, C = d.I;
     return dispatch(probs.dtype(), [&]<typename T>() {
       const T *pp = probs.data<T>(), *wp = class_weights.defined() ? class_weights.data<T>() : nullptr;
       const int32_t* yp = labels.data<int32_t>();
@@ -499,18 +409,10 @@ class ReferenceBackend final : public Backend {
  private:
   // Forward (y != nullptr) or backward (dx != nullptr) of max pooling.
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {
-    const char* op = y ? "max_pool2d_forward" : "max_pool2d_backward";
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
-    if (p.kernel < 1 || p.stride < 1 || p.pad < 0 || 2 * p.pad > p.kernel)
-      return invalid_argument(std::string(op) + ": kernel " + std::to_string(p.kernel) + ", stride " +
-                              std::to_string(p.stride) + ", pad " + std::to_string(p.pad) +
-                              " (pad must be at most half the kernel, as in PyTorch)");
-    const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
-    const int64_t P = conv_out_extent(H, p.kernel, p.stride, p.pad), Q = conv_out_extent(W, p.kernel, p.stride, p.pad);
-    if (y) SLIDE_RETURN_IF_ERROR(want_shape(op, "y", *y, {N, C, P, Q}));
-    if (dy) SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", *dy, {N, C, P, Q}));
-    if (dx) SLIDE_RETURN_IF_ERROR(want_shape(op, "dx", *dx, x.shape()));
-    SLIDE_RETURN_IF_ERROR(want_dtype(op, x.dtype(), {&x, y ? y : &x, dy ? dy : &x, dx ? dx : &x}));
+    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
+                           detail::validate_max_pool(y ? "max_pool2d_forward" : "max_pool2d_backward", x, p, y, dy, dx,
+                                                     kDTypes));
+    const auto [N, C, H, W, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.data<T>();
       if (dx) dx->fill_zero();
@@ -534,23 +436,6 @@ class ReferenceBackend final : public Backend {
           }
       return ok_status();
     });
-  }
-
-  Status check_xent(const char* op, const Tensor& logits, const Tensor& labels, const Tensor& class_weights,
-                    double label_smoothing) {
-    SLIDE_RETURN_IF_ERROR(want_rank(op, "logits", logits, 2));
-    const int64_t N = logits.dim(0), C = logits.dim(1);
-    SLIDE_RETURN_IF_ERROR(want_shape(op, "labels", labels, {N}));
-    if (labels.dtype() != DType::kI32) return invalid_argument(std::string(op) + ": labels must be i32");
-    if (class_weights.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "class_weights", class_weights, {C}));
-    if (!(label_smoothing >= 0 && label_smoothing < 1))
-      return invalid_argument(std::string(op) + ": label smoothing " + std::to_string(label_smoothing) + " is outside [0, 1)");
-    const int32_t* yp = labels.data<int32_t>();
-    for (int64_t n = 0; n < N; ++n)
-      if (yp[n] < 0 || yp[n] >= C)
-        return invalid_argument(std::string(op) + ": label " + std::to_string(yp[n]) + " of sample " + std::to_string(n) +
-                                " is outside [0, " + std::to_string(C) + ")");
-    return ok_status();
   }
 
   Allocator& alloc_;

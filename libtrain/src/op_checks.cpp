@@ -1,0 +1,222 @@
+#include "op_checks.h"
+
+#include <string>
+
+namespace slide::train::detail {
+
+namespace {
+
+using slide::core::invalid_argument;
+using slide::core::ok_status;
+using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
+
+Status want_shape(const char* op, const char* name, const Tensor& t, const Shape& shape) {
+  if (!t.defined() || t.shape() != shape)
+    return invalid_argument(std::string(op) + ": " + name + " is " +
+                            (t.defined() ? shape_string(t.shape()) : "undefined") + ", expected " + shape_string(shape));
+  return ok_status();
+}
+
+Status want_rank(const char* op, const char* name, const Tensor& t, size_t rank) {
+  if (!t.defined() || t.rank() != rank)
+    return invalid_argument(std::string(op) + ": " + name + " must have rank " + std::to_string(rank) + ", is " +
+                            (t.defined() ? shape_string(t.shape()) : "undefined"));
+  return ok_status();
+}
+
+// Every defined tensor has the first one's dtype, which the backend implements, on the CPU.
+Status want_dtype(const char* op, Named ts, DTypes dtypes) {
+  const DType dt = ts.begin()->second->dtype();
+  for (auto [name, t] : ts) {
+    if (!t->defined()) continue;
+    if (t->dtype() != dt)
+      return invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(t->dtype()) + ", expected " +
+                              dtype_name(dt));
+    if (t->device() != Device::kCpu) return invalid_argument(std::string(op) + ": " + name + " is not on the CPU");
+  }
+  if ((dt == DType::kF32 && dtypes.f32) || (dt == DType::kF64 && dtypes.f64)) return ok_status();
+  return slide::core::unimplemented(std::string(op) + ": dtype " + dtype_name(dt) + " is not implemented here");
+}
+
+Status want_channels(const char* op, Named ts, int64_t c) {
+  for (auto [name, t] : ts) SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {c}));
+  return ok_status();
+}
+
+// x or dx [N,C,H,W] with w [K,C,R,S]: the convolution's extents.
+Result<ConvDims> conv_dims(const char* op, const char* xname, const Tensor& x, const Tensor& w, Conv2dParams p) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, xname, x, 4));
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 4));
+  if (p.stride < 1 || p.pad < 0)
+    return invalid_argument(std::string(op) + ": stride " + std::to_string(p.stride) + ", pad " + std::to_string(p.pad));
+  ConvDims d{x.dim(0), x.dim(1), x.dim(2), x.dim(3), w.dim(0), w.dim(2), w.dim(3), 0, 0};
+  if (w.dim(1) != d.C)
+    return invalid_argument(std::string(op) + ": w " + shape_string(w.shape()) + " does not match " + xname + " " +
+                            shape_string(x.shape()));
+  d.P = conv_out_extent(d.H, d.R, p.stride, p.pad);
+  d.Q = conv_out_extent(d.W, d.S, p.stride, p.pad);
+  if (d.P < 1 || d.Q < 1)
+    return invalid_argument(std::string(op) + ": kernel " + shape_string(w.shape()) + " is larger than the padded " +
+                            xname + " " + shape_string(x.shape()));
+  return d;
+}
+
+}  // namespace
+
+Result<ConvDims> validate_conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p,
+                                         const Tensor& y, DTypes dtypes) {
+  const char* op = "conv2d_forward";
+  SLIDE_ASSIGN_OR_RETURN(ConvDims d, conv_dims(op, "x", x, w, p));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {d.N, d.K, d.P, d.Q}));
+  if (b.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "b", b, {d.K}));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"w", &w}, {"b", &b}, {"y", &y}}, dtypes));
+  return d;
+}
+
+Result<ConvDims> validate_conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, const Tensor& dx,
+                                               DTypes dtypes) {
+  const char* op = "conv2d_backward_data";
+  SLIDE_ASSIGN_OR_RETURN(ConvDims d, conv_dims(op, "dx", dx, w, p));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {d.N, d.K, d.P, d.Q}));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"dy", &dy}, {"w", &w}, {"dx", &dx}}, dtypes));
+  return d;
+}
+
+Result<ConvDims> validate_conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, const Tensor& dw,
+                                                  const Tensor& db, DTypes dtypes) {
+  const char* op = "conv2d_backward_weights";
+  SLIDE_ASSIGN_OR_RETURN(ConvDims d, conv_dims(op, "x", x, dw, p));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {d.N, d.K, d.P, d.Q}));
+  if (db.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "db", db, {d.K}));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"dy", &dy}, {"dw", &dw}, {"db", &db}}, dtypes));
+  return d;
+}
+
+Result<BnDims> validate_batch_norm_training(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                            const Tensor& running_mean, const Tensor& running_var, const Tensor& y,
+                                            const Tensor& save_mean, const Tensor& save_invstd, DTypes dtypes) {
+  const char* op = "batch_norm_forward_training";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
+  SLIDE_RETURN_IF_ERROR(want_channels(op,
+                                      {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
+                                       {"running_var", &running_var}, {"save_mean", &save_mean},
+                                       {"save_invstd", &save_invstd}},
+                                      d.C));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
+  if (d.N * d.HW < 2)
+    return invalid_argument(std::string(op) + ": needs more than one value per channel, got x " + shape_string(x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op,
+                                   {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
+                                    {"running_var", &running_var}, {"y", &y}, {"save_mean", &save_mean},
+                                    {"save_invstd", &save_invstd}},
+                                   dtypes));
+  return d;
+}
+
+Result<BnDims> validate_batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                             const Tensor& running_mean, const Tensor& running_var, const Tensor& y,
+                                             DTypes dtypes) {
+  const char* op = "batch_norm_forward_inference";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
+  SLIDE_RETURN_IF_ERROR(want_channels(
+      op, {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean}, {"running_var", &running_var}}, d.C));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op,
+                                   {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
+                                    {"running_var", &running_var}, {"y", &y}},
+                                   dtypes));
+  return d;
+}
+
+Result<BnDims> validate_batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                            const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx,
+                                            const Tensor& dgamma, const Tensor& dbeta, DTypes dtypes) {
+  const char* op = "batch_norm_backward";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
+  SLIDE_RETURN_IF_ERROR(want_channels(op,
+                                      {{"gamma", &gamma}, {"save_mean", &save_mean}, {"save_invstd", &save_invstd},
+                                       {"dgamma", &dgamma}, {"dbeta", &dbeta}},
+                                      d.C));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dx", dx, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op,
+                                   {{"x", &x}, {"dy", &dy}, {"gamma", &gamma}, {"save_mean", &save_mean},
+                                    {"save_invstd", &save_invstd}, {"dx", &dx}, {"dgamma", &dgamma}, {"dbeta", &dbeta}},
+                                   dtypes));
+  return d;
+}
+
+Status validate_same_shape(const char* op, const Tensor& x, const Tensor& y, const Tensor* z, DTypes dtypes) {
+  if (!x.defined()) return invalid_argument(std::string(op) + ": first operand is undefined");
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "second operand", y, x.shape()));
+  if (z != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "output", *z, x.shape()));
+  return want_dtype(op, {{"first operand", &x}, {"second operand", &y}, {"output", z != nullptr ? z : &x}}, dtypes);
+}
+
+Result<PoolDims> validate_max_pool(const char* op, const Tensor& x, Pool2dParams p, const Tensor* y, const Tensor* dy,
+                                   const Tensor* dx, DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  if (p.kernel < 1 || p.stride < 1 || p.pad < 0 || 2 * p.pad > p.kernel)
+    return invalid_argument(std::string(op) + ": kernel " + std::to_string(p.kernel) + ", stride " +
+                            std::to_string(p.stride) + ", pad " + std::to_string(p.pad) +
+                            " (pad must be at most half the kernel, as in PyTorch)");
+  PoolDims d{x.dim(0), x.dim(1), x.dim(2), x.dim(3), 0, 0};
+  d.P = conv_out_extent(d.H, p.kernel, p.stride, p.pad);
+  d.Q = conv_out_extent(d.W, p.kernel, p.stride, p.pad);
+  if (d.P < 1 || d.Q < 1) return invalid_argument(std::string(op) + ": window larger than x " + shape_string(x.shape()));
+  if (y != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "y", *y, {d.N, d.C, d.P, d.Q}));
+  if (dy != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", *dy, {d.N, d.C, d.P, d.Q}));
+  if (dx != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "dx", *dx, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_dtype(
+      op, {{"x", &x}, {"y", y ? y : &x}, {"dy", dy ? dy : &x}, {"dx", dx ? dx : &x}}, dtypes));
+  return d;
+}
+
+Result<BnDims> validate_global_avg_pool(const char* op, const Tensor& x, const Tensor& pooled, DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
+  if (d.HW < 1) return invalid_argument(std::string(op) + ": empty image " + shape_string(x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "pooled", pooled, {d.N, d.C}));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"pooled", &pooled}}, dtypes));
+  return d;
+}
+
+Result<LinearDims> validate_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor* b, const Tensor& y,
+                                   DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "w", w, 2));
+  const LinearDims d{x.dim(0), x.dim(1), w.dim(0)};
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "w", w, {d.O, d.I}));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {d.N, d.O}));
+  const bool has_b = b != nullptr && b->defined();
+  if (has_b) SLIDE_RETURN_IF_ERROR(want_shape(op, "b", *b, {d.O}));
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"w", &w}, {"b", has_b ? b : &x}, {"y", &y}}, dtypes));
+  return d;
+}
+
+Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, const Tensor& labels,
+                                          const Tensor& class_weights, double label_smoothing, const Tensor& out,
+                                          DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "logits", logits, 2));
+  const LinearDims d{logits.dim(0), logits.dim(1), logits.dim(1)};
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "labels", labels, {d.N}));
+  if (labels.dtype() != DType::kI32) return invalid_argument(std::string(op) + ": labels must be i32");
+  if (class_weights.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "class_weights", class_weights, {d.I}));
+  if (!(label_smoothing >= 0 && label_smoothing < 1))
+    return invalid_argument(std::string(op) + ": label smoothing " + std::to_string(label_smoothing) +
+                            " is outside [0, 1)");
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "output", out, logits.shape()));
+  SLIDE_RETURN_IF_ERROR(
+      want_dtype(op, {{"logits", &logits}, {"class_weights", &class_weights}, {"output", &out}}, dtypes));
+  const int32_t* yp = labels.data<int32_t>();
+  for (int64_t n = 0; n < d.N; ++n)
+    if (yp[n] < 0 || yp[n] >= d.I)
+      return invalid_argument(std::string(op) + ": label " + std::to_string(yp[n]) + " of sample " + std::to_string(n) +
+                              " is outside [0, " + std::to_string(d.I) + ")");
+  return d;
+}
+
+}  // namespace slide::train::detail

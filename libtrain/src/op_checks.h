@@ -1,0 +1,69 @@
+// The argument checks of backend.h's op list, shared by every backend so that the contract
+// (shapes, dtypes, ranges) is enforced once and identically. Each validate_* returns the op's
+// extents or kInvalidArgument naming the op and the offending tensor; kUnimplemented when the
+// dtype is not one the calling backend has (`dtypes`).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "slide/train/backend.h"
+
+namespace slide::train::detail {
+
+// Which floating dtypes a backend implements.
+struct DTypes {
+  bool f32 = true;
+  bool f64 = false;
+};
+
+struct ConvDims {
+  int64_t N, C, H, W, K, R, S, P, Q;
+};
+struct BnDims {
+  int64_t N, C, HW;
+};
+struct PoolDims {
+  int64_t N, C, H, W, P, Q;
+};
+struct LinearDims {
+  int64_t N, I, O;
+};
+
+[[nodiscard]] Result<ConvDims> validate_conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b,
+                                                       Conv2dParams p, const Tensor& y, DTypes dtypes);
+[[nodiscard]] Result<ConvDims> validate_conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p,
+                                                             const Tensor& dx, DTypes dtypes);
+[[nodiscard]] Result<ConvDims> validate_conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p,
+                                                                const Tensor& dw, const Tensor& db, DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_training(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                          const Tensor& running_mean, const Tensor& running_var,
+                                                          const Tensor& y, const Tensor& save_mean,
+                                                          const Tensor& save_invstd, DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                           const Tensor& running_mean, const Tensor& running_var,
+                                                           const Tensor& y, DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                                          const Tensor& save_mean, const Tensor& save_invstd,
+                                                          const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta,
+                                                          DTypes dtypes);
+// y (and z when given) have x's shape and dtype.
+[[nodiscard]] Status validate_same_shape(const char* op, const Tensor& x, const Tensor& y, const Tensor* z,
+                                         DTypes dtypes);
+// Forward (y) or backward (dy and dx) of max pooling; the others null.
+[[nodiscard]] Result<PoolDims> validate_max_pool(const char* op, const Tensor& x, Pool2dParams p, const Tensor* y,
+                                                 const Tensor* dy, const Tensor* dx, DTypes dtypes);
+// x[N,C,H,W] and pooled[N,C].
+[[nodiscard]] Result<BnDims> validate_global_avg_pool(const char* op, const Tensor& x, const Tensor& pooled,
+                                                      DTypes dtypes);
+[[nodiscard]] Result<LinearDims> validate_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor* b,
+                                                 const Tensor& y, DTypes dtypes);
+// logits/probs[N,C], labels[N] i32 in range, class_weights[C] or undefined, smoothing in [0, 1),
+// out[N,C].
+[[nodiscard]] Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, const Tensor& labels,
+                                                        const Tensor& class_weights, double label_smoothing,
+                                                        const Tensor& out, DTypes dtypes);
+
+}  // namespace slide::train::detail

@@ -1,0 +1,180 @@
+// The cpu (oneDNN) backend against the reference backend, op by op (ggml's test-backend-ops
+// idea): same inputs, the reference in f64, cpu in f32; NaN/Inf first, then the largest error
+// normalised by the reference's magnitude, under a tolerance per op. Parameter gradients are
+// pre-filled so that the accumulate (+=) rule is checked too.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "slide/train/backend.h"
+
+using slide::core::StatusCode;
+using namespace slide::train;
+
+namespace {
+
+std::unique_ptr<Backend> must_make(const char* name) {
+  auto r = make_backend(name);
+  REQUIRE(r.ok());
+  return std::move(*r);
+}
+
+Backend& backend(const std::string& name) {
+  static std::unique_ptr<Backend> ref = must_make("reference");
+  static std::unique_ptr<Backend> cpu = must_make("cpu");
+  return name == "cpu" ? *cpu : *ref;
+}
+
+// A pair of tensors with the same values: f64 for the reference, f32 for cpu.
+struct Pair {
+  Tensor d, f;
+};
+
+Pair make(const Shape& s, uint64_t seed = 0, double lo = -1, double hi = 1, double fill = 0) {
+  Pair p{*Tensor::empty(s, DType::kF64, cpu_allocator()), *Tensor::empty(s, DType::kF32, cpu_allocator())};
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const double v = seed ? static_cast<float>(u(g)) : fill;  // representable in f32: both see the same input
+    p.d.data<double>()[i] = v;
+    p.f.data<float>()[i] = static_cast<float>(v);
+  }
+  return p;
+}
+
+void compare(const std::string& what, const Pair& p, double tol) {
+  double scale = 1, worst = 0;
+  for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const float v = p.f.data<float>()[i];
+    REQUIRE_MESSAGE(std::isfinite(v), what, ": element ", i, " is not finite");
+    worst = std::max(worst, std::abs(double(v) - p.d.data<double>()[i]) / scale);
+  }
+  CAPTURE(what);
+  CHECK(worst < tol);
+}
+
+#define BOTH(call_d, call_f)                                         \
+  do {                                                              \
+    Status sd = backend("reference").call_d;                        \
+    Status sf = backend("cpu").call_f;                              \
+    REQUIRE_MESSAGE(sd.ok(), sd.to_string());                       \
+    REQUIRE_MESSAGE(sf.ok(), sf.to_string());                       \
+  } while (0)
+
+}  // namespace
+
+TEST_CASE("cpu vs reference: conv2d forward, backward data, backward weights (+=)") {
+  for (Conv2dParams p : {Conv2dParams{1, 1}, Conv2dParams{2, 3}, Conv2dParams{2, 0}}) {
+    CAPTURE(p.stride);
+    CAPTURE(p.pad);
+    const int64_t H = 13, W = 11, R = 7;  // the ResNet stem's 7x7 at stride 2, pad 3, among others
+    const int64_t P = conv_out_extent(H, R, p.stride, p.pad), Q = conv_out_extent(W, R, p.stride, p.pad);
+    Pair x = make({2, 3, H, W}, 1), w = make({5, 3, R, R}, 2), b = make({5}, 3), y = make({2, 5, P, Q});
+    BOTH(conv2d_forward(x.d, w.d, b.d, p, y.d), conv2d_forward(x.f, w.f, b.f, p, y.f));
+    compare("conv y", y, 1e-5);
+    BOTH(conv2d_forward(x.d, w.d, Tensor(), p, y.d), conv2d_forward(x.f, w.f, Tensor(), p, y.f));
+    compare("conv y (no bias)", y, 1e-5);
+    Pair dy = make({2, 5, P, Q}, 4), dx = make(x.d.shape()), dw = make(w.d.shape(), 0, 0, 0, 1.0), db = make({5}, 0, 0, 0, 1.0);
+    BOTH(conv2d_backward_data(dy.d, w.d, p, dx.d), conv2d_backward_data(dy.f, w.f, p, dx.f));
+    compare("conv dx", dx, 1e-5);
+    BOTH(conv2d_backward_weights(x.d, dy.d, p, dw.d, db.d), conv2d_backward_weights(x.f, dy.f, p, dw.f, db.f));
+    compare("conv dw", dw, 1e-5);
+    compare("conv db", db, 1e-5);
+  }
+}
+
+TEST_CASE("cpu vs reference: batch norm training, inference, backward (+=)") {
+  Pair x = make({4, 3, 5, 6}, 5, -2, 3), g = make({3}, 6, 0.5, 1.5), be = make({3}, 7);
+  Pair rm = make({3}, 0, 0, 0, 0.2), rv = make({3}, 0, 0, 0, 1.0), y = make(x.d.shape()), sm = make({3}), si = make({3});
+  BOTH(batch_norm_forward_training(x.d, g.d, be.d, 1e-5, 0.1, rm.d, rv.d, y.d, sm.d, si.d),
+       batch_norm_forward_training(x.f, g.f, be.f, 1e-5, 0.1, rm.f, rv.f, y.f, sm.f, si.f));
+  compare("bn y", y, 1e-5);
+  compare("bn save_mean", sm, 1e-5);
+  compare("bn save_invstd", si, 1e-5);
+  compare("bn running_mean", rm, 1e-5);
+  compare("bn running_var", rv, 1e-5);
+  Pair yi = make(x.d.shape());
+  BOTH(batch_norm_forward_inference(x.d, g.d, be.d, rm.d, rv.d, 1e-5, yi.d),
+       batch_norm_forward_inference(x.f, g.f, be.f, rm.f, rv.f, 1e-5, yi.f));
+  compare("bn inference y", yi, 1e-5);
+  Pair dy = make(x.d.shape(), 8), dx = make(x.d.shape()), dg = make({3}, 0, 0, 0, 1.0), db = make({3}, 0, 0, 0, 1.0);
+  BOTH(batch_norm_backward(x.d, dy.d, g.d, sm.d, si.d, dx.d, dg.d, db.d),
+       batch_norm_backward(x.f, dy.f, g.f, sm.f, si.f, dx.f, dg.f, db.f));
+  compare("bn dx", dx, 1e-4);
+  compare("bn dgamma", dg, 1e-5);
+  compare("bn dbeta", db, 1e-5);
+}
+
+TEST_CASE("cpu vs reference: relu, add, max pool, global average pool") {
+  Pair x = make({2, 4, 9, 7}, 9), y = make(x.d.shape()), dy = make(x.d.shape(), 10), dx = make(x.d.shape());
+  BOTH(relu_forward(x.d, y.d), relu_forward(x.f, y.f));
+  compare("relu y", y, 1e-6);
+  BOTH(relu_backward(y.d, dy.d, dx.d), relu_backward(y.f, dy.f, dx.f));
+  compare("relu dx", dx, 1e-6);
+  Pair s = make(x.d.shape());
+  BOTH(add(x.d, dy.d, s.d), add(x.f, dy.f, s.f));
+  compare("add", s, 1e-6);
+
+  for (Pool2dParams p : {Pool2dParams{3, 2, 1}, Pool2dParams{2, 2, 0}}) {
+    CAPTURE(p.kernel);
+    const int64_t P = conv_out_extent(9, p.kernel, p.stride, p.pad), Q = conv_out_extent(7, p.kernel, p.stride, p.pad);
+    Pair py = make({2, 4, P, Q}), pdy = make({2, 4, P, Q}, 11), pdx = make(x.d.shape());
+    BOTH(max_pool2d_forward(x.d, p, py.d), max_pool2d_forward(x.f, p, py.f));
+    compare("maxpool y", py, 1e-6);
+    BOTH(max_pool2d_backward(x.d, pdy.d, p, pdx.d), max_pool2d_backward(x.f, pdy.f, p, pdx.f));
+    compare("maxpool dx", pdx, 1e-6);
+  }
+
+  Pair gy = make({2, 4}), gdy = make({2, 4}, 12), gdx = make(x.d.shape());
+  BOTH(global_avg_pool_forward(x.d, gy.d), global_avg_pool_forward(x.f, gy.f));
+  compare("gap y", gy, 1e-6);
+  BOTH(global_avg_pool_backward(gdy.d, gdx.d), global_avg_pool_backward(gdy.f, gdx.f));
+  compare("gap dx", gdx, 1e-6);
+}
+
+TEST_CASE("cpu vs reference: linear and softmax cross-entropy") {
+  Pair x = make({6, 20}, 13), w = make({7, 20}, 14), b = make({7}, 15), y = make({6, 7});
+  BOTH(linear_forward(x.d, w.d, b.d, y.d), linear_forward(x.f, w.f, b.f, y.f));
+  compare("linear y", y, 1e-5);
+  Pair dy = make({6, 7}, 16), dx = make({6, 20}), dw = make({7, 20}, 0, 0, 0, 1.0), db = make({7}, 0, 0, 0, 1.0);
+  BOTH(linear_backward_data(dy.d, w.d, dx.d), linear_backward_data(dy.f, w.f, dx.f));
+  compare("linear dx", dx, 1e-5);
+  BOTH(linear_backward_weights(x.d, dy.d, dw.d, db.d), linear_backward_weights(x.f, dy.f, dw.f, db.f));
+  compare("linear dw", dw, 1e-5);
+  compare("linear db", db, 1e-5);
+
+  auto labels = Tensor::empty({6}, DType::kI32, cpu_allocator());
+  REQUIRE(labels.ok());
+  for (int i = 0; i < 6; ++i) labels->data<int32_t>()[i] = (i * 5) % 7;
+  Pair z = make({6, 7}, 17, -4, 4), cw = make({7}, 18, 0.5, 2), probs = make({6, 7}), dz = make({6, 7});
+  for (double smoothing : {0.0, 0.1}) {
+    double ld = 0, lf = 0;
+    BOTH(softmax_cross_entropy_forward(z.d, *labels, cw.d, smoothing, probs.d, &ld),
+         softmax_cross_entropy_forward(z.f, *labels, cw.f, smoothing, probs.f, &lf));
+    CHECK(lf == doctest::Approx(ld).epsilon(1e-5));
+    compare("xent probs", probs, 1e-5);  // exp of an f32 log-probability
+    BOTH(softmax_cross_entropy_backward(probs.d, *labels, cw.d, smoothing, dz.d),
+         softmax_cross_entropy_backward(probs.f, *labels, cw.f, smoothing, dz.f));
+    compare("xent dlogits", dz, 1e-6);
+  }
+}
+
+TEST_CASE("cpu backend: f64 is unimplemented, bad shapes are invalid, scratch respects the budget") {
+  Tensor x = *Tensor::zeros({1, 1, 4, 4}, DType::kF64, cpu_allocator()), y = *Tensor::zeros({1, 1, 4, 4}, DType::kF64, cpu_allocator());
+  CHECK(backend("cpu").relu_forward(x, y).code() == StatusCode::kUnimplemented);
+  Tensor a = *Tensor::zeros({2, 3}, DType::kF32, cpu_allocator()), c = *Tensor::zeros({3, 2}, DType::kF32, cpu_allocator());
+  CHECK(backend("cpu").add(a, a, c).code() == StatusCode::kInvalidArgument);
+
+  // dw's scratch copy comes from the budgeted allocator: a budget too small for it is
+  // kResourceExhausted, and the accumulated gradient is left as it was.
+  auto cpu = must_make("cpu");
+  Tensor xx = *Tensor::zeros({1, 2, 8, 8}, DType::kF32, cpu_allocator()), dy = *Tensor::zeros({1, 4, 8, 8}, DType::kF32, cpu_allocator());
+  Tensor dw = *Tensor::zeros({4, 2, 3, 3}, DType::kF32, cpu_allocator()), db;
+  cpu_allocator().set_budget_bytes(cpu_allocator().current_bytes() + 100);  // dw needs 288 bytes of scratch
+  Status s = cpu->conv2d_backward_weights(xx, dy, {1, 1}, dw, db);
+  cpu_allocator().set_budget_bytes(Allocator::kUnlimited);
+  CHECK(s.code() == StatusCode::kResourceExhausted);
+}

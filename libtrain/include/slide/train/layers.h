@@ -1,0 +1,177 @@
+// Layers, written once against Backend& (DESIGN.md, "The engine"): each forward saves what its
+// backward needs (documented per layer), each backward returns the input gradient and
+// accumulates (+=) into its parameters' gradients, as the op list does. Parameter names follow
+// torchvision ("conv1.weight", "bn1.running_mean") so checkpoints map one to one.
+//
+// Tensors come from the backend's allocator: an exceeded memory budget surfaces as
+// kResourceExhausted from forward or backward, never as a crash. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "slide/train/backend.h"
+
+namespace slide::train {
+
+// A trainable tensor and its gradient (same shape and dtype).
+struct Parameter {
+  std::string name;
+  Tensor value;
+  Tensor grad;
+};
+
+// A non-trainable state tensor saved in checkpoints (batch norm's running statistics).
+struct Buffer {
+  std::string name;
+  Tensor value;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  // y = f(x). `training` selects batch statistics (batch norm). Saves what backward needs.
+  [[nodiscard]] virtual Result<Tensor> forward(Backend& be, const Tensor& x, bool training) = 0;
+  // dx from dy (the gradient of the last forward's output); parameter gradients +=.
+  // Errors: kFailedPrecondition when no training forward preceded it, and the backend's.
+  [[nodiscard]] virtual Result<Tensor> backward(Backend& be, const Tensor& dy) = 0;
+  // Appends this layer's parameters / buffers with `prefix` + their torchvision names.
+  virtual void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+    (void)prefix, (void)params, (void)buffers;
+  }
+  // Drops what forward saved (activations), so their memory returns to the allocator.
+  virtual void release() {}
+};
+
+// Deterministic initialisation (torchvision's): a seeded generator per model.
+using InitRng = std::mt19937_64;
+
+// Conv2d(in, out, kernel, stride, pad, bias) with PyTorch's weight layout [out, in, k, k].
+// Init: Kaiming normal, fan_out, gain sqrt(2) (torchvision ResNet); bias zero.
+// Saves: x.
+class Conv2d final : public Layer {
+ public:
+  // Errors: those of Tensor::zeros (the budget), kInvalidArgument for a non-positive size.
+  [[nodiscard]] static Result<std::unique_ptr<Conv2d>> make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
+                                                            int kernel, Conv2dParams p, bool bias, InitRng& rng);
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override { x_ = Tensor(); }
+  Parameter weight, bias;  // bias.value undefined when built without bias
+
+ private:
+  Conv2dParams p_;
+  Tensor x_;
+};
+
+// BatchNorm2d(C, eps = 1e-5, momentum = 0.1): gamma 1, beta 0, running mean 0, var 1.
+// Saves: x, the batch mean and 1/std (training).
+class BatchNorm2d final : public Layer {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<BatchNorm2d>> make(Allocator& alloc, DType dtype, int64_t channels,
+                                                                 double eps = 1e-5, double momentum = 0.1);
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override { x_ = mean_ = invstd_ = Tensor(); }
+  Parameter weight, bias;        // gamma, beta
+  Buffer running_mean, running_var;
+
+ private:
+  double eps_, momentum_;
+  Tensor x_, mean_, invstd_;
+};
+
+// ReLU. Saves: y (backward needs only the output).
+class ReLU final : public Layer {
+ public:
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void release() override { y_ = Tensor(); }
+
+ private:
+  Tensor y_;
+};
+
+// MaxPool2d(kernel, stride, pad). Saves: x.
+class MaxPool2d final : public Layer {
+ public:
+  explicit MaxPool2d(Pool2dParams p) : p_(p) {}
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void release() override { x_ = Tensor(); }
+
+ private:
+  Pool2dParams p_;
+  Tensor x_;
+};
+
+// AdaptiveAvgPool2d(1) + flatten: [N,C,H,W] -> [N,C]. Saves: the input shape.
+class GlobalAvgPool final : public Layer {
+ public:
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+
+ private:
+  Shape in_shape_;
+};
+
+// Linear(in, out): weight [out, in], bias [out]; PyTorch's default init, U(-1/sqrt(in), 1/sqrt(in)).
+// Saves: x.
+class Linear final : public Layer {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<Linear>> make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
+                                                            InitRng& rng);
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override { x_ = Tensor(); }
+  Parameter weight, bias;
+
+ private:
+  Tensor x_;
+};
+
+// Layers applied in order; names are "<index>." unless given (torchvision's Sequential naming).
+class Sequential final : public Layer {
+ public:
+  void add(std::unique_ptr<Layer> layer, std::string name = "");
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override;
+  size_t size() const { return layers_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::string> names_;
+};
+
+// ResNet's BasicBlock (He et al., 2016): relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)),
+// shortcut = downsample (1x1 conv stride s + bn) when the shape changes, else identity.
+// Names as torchvision: conv1, bn1, conv2, bn2, downsample.0, downsample.1.
+class BasicBlock final : public Layer {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<BasicBlock>> make(Allocator& alloc, DType dtype, int64_t in,
+                                                                int64_t out, int stride, InitRng& rng);
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override;
+
+ private:
+  Sequential main_;                  // conv1 bn1 relu conv2 bn2
+  std::unique_ptr<Sequential> down_;  // null: identity shortcut
+  ReLU out_relu_;
+};
+
+// A small CNN for tests and small patches: 3 x [conv3x3 -> bn -> relu -> maxpool 2], then global
+// average pool and a linear classifier. Widths w, 2w, 4w.
+[[nodiscard]] Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels,
+                                                                 int64_t classes, int64_t width, uint64_t seed);
+
+}  // namespace slide::train

@@ -1,0 +1,351 @@
+#include "slide/train/layers.h"
+
+#include <cmath>
+#include <utility>
+
+namespace slide::train {
+
+namespace {
+
+using slide::core::failed_precondition;
+using slide::core::invalid_argument;
+
+Result<Tensor> new_tensor(Backend& be, const Shape& s, DType dt, const char* what) {
+  return Tensor::empty(s, dt, be.allocator(), what);
+}
+
+// Fills t (f32 or f64) from gen(), in order.
+template <typename Gen>
+void fill(Tensor& t, Gen gen) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double v = gen();
+    if (t.dtype() == DType::kF64) t.data<double>()[i] = v;
+    else t.data<float>()[i] = static_cast<float>(v);
+  }
+}
+
+void fill_value(Tensor& t, double v) {
+  fill(t, [v] { return v; });
+}
+
+Result<Parameter> make_parameter(Allocator& alloc, const Shape& s, DType dt, const char* name) {
+  Parameter p;
+  p.name = name;
+  SLIDE_ASSIGN_OR_RETURN(p.value, Tensor::zeros(s, dt, alloc, std::string("parameter ") + name));
+  SLIDE_ASSIGN_OR_RETURN(p.grad, Tensor::zeros(s, dt, alloc, std::string("gradient of ") + name));
+  return p;
+}
+
+void push(const std::string& prefix, Parameter& p, std::vector<Parameter*>* params) {
+  if (params == nullptr || !p.value.defined()) return;
+  params->push_back(&p);
+  (void)prefix;
+}
+
+std::string join(const std::string& prefix, const std::string& name) { return prefix.empty() ? name : prefix + "." + name; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+Result<std::unique_ptr<Conv2d>> Conv2d::make(Allocator& alloc, DType dtype, int64_t in, int64_t out, int kernel,
+                                             Conv2dParams p, bool bias, InitRng& rng) {
+  if (in < 1 || out < 1 || kernel < 1) return invalid_argument("Conv2d: sizes must be positive");
+  auto c = std::make_unique<Conv2d>();
+  c->p_ = p;
+  SLIDE_ASSIGN_OR_RETURN(c->weight, make_parameter(alloc, {out, in, kernel, kernel}, dtype, "weight"));
+  // torchvision ResNet: kaiming_normal_(mode="fan_out", nonlinearity="relu"): std = sqrt(2 / fan_out).
+  const double stddev = std::sqrt(2.0 / static_cast<double>(out * kernel * kernel));
+  std::normal_distribution<double> normal(0.0, stddev);
+  fill(c->weight.value, [&] { return normal(rng); });
+  if (bias) {
+    SLIDE_ASSIGN_OR_RETURN(c->bias, make_parameter(alloc, {out}, dtype, "bias"));
+  }
+  c->bias.name = "bias";
+  return c;
+}
+
+Result<Tensor> Conv2d::forward(Backend& be, const Tensor& x, bool training) {
+  if (x.rank() != 4) return invalid_argument("Conv2d: input must be NCHW, is " + shape_string(x.shape()));
+  const Shape& ws = weight.value.shape();
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be,
+                                               {x.dim(0), ws[0], conv_out_extent(x.dim(2), ws[2], p_.stride, p_.pad),
+                                                conv_out_extent(x.dim(3), ws[3], p_.stride, p_.pad)},
+                                               x.dtype(), "conv output"));
+  SLIDE_RETURN_IF_ERROR(be.conv2d_forward(x, weight.value, bias.value, p_, y));
+  x_ = training ? x : Tensor();
+  return y;
+}
+
+Result<Tensor> Conv2d::backward(Backend& be, const Tensor& dy) {
+  if (!x_.defined()) return failed_precondition("Conv2d: backward without a training forward");
+  SLIDE_RETURN_IF_ERROR(be.conv2d_backward_weights(x_, dy, p_, weight.grad, bias.grad));
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "conv input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.conv2d_backward_data(dy, weight.value, p_, dx));
+  return dx;
+}
+
+void Conv2d::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>*) {
+  weight.name = join(prefix, "weight");
+  push(prefix, weight, params);
+  if (bias.value.defined()) {
+    bias.name = join(prefix, "bias");
+    push(prefix, bias, params);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<std::unique_ptr<BatchNorm2d>> BatchNorm2d::make(Allocator& alloc, DType dtype, int64_t channels, double eps,
+                                                       double momentum) {
+  if (channels < 1) return invalid_argument("BatchNorm2d: channels must be positive");
+  auto b = std::make_unique<BatchNorm2d>();
+  b->eps_ = eps;
+  b->momentum_ = momentum;
+  SLIDE_ASSIGN_OR_RETURN(b->weight, make_parameter(alloc, {channels}, dtype, "weight"));
+  SLIDE_ASSIGN_OR_RETURN(b->bias, make_parameter(alloc, {channels}, dtype, "bias"));
+  fill_value(b->weight.value, 1.0);
+  SLIDE_ASSIGN_OR_RETURN(b->running_mean.value, Tensor::zeros({channels}, dtype, alloc, "running_mean"));
+  SLIDE_ASSIGN_OR_RETURN(b->running_var.value, Tensor::zeros({channels}, dtype, alloc, "running_var"));
+  fill_value(b->running_var.value, 1.0);
+  return b;
+}
+
+Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), x.dtype(), "batch norm output"));
+  if (!training) {
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_inference(x, weight.value, bias.value, running_mean.value,
+                                                          running_var.value, eps_, y));
+    x_ = Tensor();
+    return y;
+  }
+  const Shape c{weight.value.dim(0)};
+  SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, x.dtype(), "batch mean"));
+  SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, x.dtype(), "batch 1/std"));
+  SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
+                                                       running_mean.value, running_var.value, y, mean_, invstd_));
+  x_ = x;
+  return y;
+}
+
+Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
+  if (!x_.defined()) return failed_precondition("BatchNorm2d: backward without a training forward");
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+  return dx;
+}
+
+void BatchNorm2d::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  weight.name = join(prefix, "weight");
+  bias.name = join(prefix, "bias");
+  push(prefix, weight, params);
+  push(prefix, bias, params);
+  running_mean.name = join(prefix, "running_mean");
+  running_var.name = join(prefix, "running_var");
+  if (buffers != nullptr) {
+    buffers->push_back(&running_mean);
+    buffers->push_back(&running_var);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<Tensor> ReLU::forward(Backend& be, const Tensor& x, bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), x.dtype(), "relu output"));
+  SLIDE_RETURN_IF_ERROR(be.relu_forward(x, y));
+  y_ = training ? y : Tensor();
+  return y;
+}
+
+Result<Tensor> ReLU::backward(Backend& be, const Tensor& dy) {
+  if (!y_.defined()) return failed_precondition("ReLU: backward without a training forward");
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, y_.shape(), y_.dtype(), "relu input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.relu_backward(y_, dy, dx));
+  return dx;
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<Tensor> MaxPool2d::forward(Backend& be, const Tensor& x, bool training) {
+  if (x.rank() != 4) return invalid_argument("MaxPool2d: input must be NCHW, is " + shape_string(x.shape()));
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be,
+                                               {x.dim(0), x.dim(1), conv_out_extent(x.dim(2), p_.kernel, p_.stride, p_.pad),
+                                                conv_out_extent(x.dim(3), p_.kernel, p_.stride, p_.pad)},
+                                               x.dtype(), "max pool output"));
+  SLIDE_RETURN_IF_ERROR(be.max_pool2d_forward(x, p_, y));
+  x_ = training ? x : Tensor();
+  return y;
+}
+
+Result<Tensor> MaxPool2d::backward(Backend& be, const Tensor& dy) {
+  if (!x_.defined()) return failed_precondition("MaxPool2d: backward without a training forward");
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "max pool input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.max_pool2d_backward(x_, dy, p_, dx));
+  return dx;
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<Tensor> GlobalAvgPool::forward(Backend& be, const Tensor& x, bool training) {
+  (void)training;
+  if (x.rank() != 4) return invalid_argument("GlobalAvgPool: input must be NCHW, is " + shape_string(x.shape()));
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, {x.dim(0), x.dim(1)}, x.dtype(), "pooled features"));
+  SLIDE_RETURN_IF_ERROR(be.global_avg_pool_forward(x, y));
+  in_shape_ = x.shape();
+  return y;
+}
+
+Result<Tensor> GlobalAvgPool::backward(Backend& be, const Tensor& dy) {
+  if (in_shape_.empty()) return failed_precondition("GlobalAvgPool: backward without a forward");
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, in_shape_, dy.dtype(), "pool input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.global_avg_pool_backward(dy, dx));
+  return dx;
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<std::unique_ptr<Linear>> Linear::make(Allocator& alloc, DType dtype, int64_t in, int64_t out, InitRng& rng) {
+  if (in < 1 || out < 1) return invalid_argument("Linear: sizes must be positive");
+  auto l = std::make_unique<Linear>();
+  SLIDE_ASSIGN_OR_RETURN(l->weight, make_parameter(alloc, {out, in}, dtype, "weight"));
+  SLIDE_ASSIGN_OR_RETURN(l->bias, make_parameter(alloc, {out}, dtype, "bias"));
+  // PyTorch's Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
+  // and the bias from the same bound.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  std::uniform_real_distribution<double> u(-bound, bound);
+  fill(l->weight.value, [&] { return u(rng); });
+  fill(l->bias.value, [&] { return u(rng); });
+  return l;
+}
+
+Result<Tensor> Linear::forward(Backend& be, const Tensor& x, bool training) {
+  if (x.rank() != 2) return invalid_argument("Linear: input must be [N, features], is " + shape_string(x.shape()));
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, {x.dim(0), weight.value.dim(0)}, x.dtype(), "linear output"));
+  SLIDE_RETURN_IF_ERROR(be.linear_forward(x, weight.value, bias.value, y));
+  x_ = training ? x : Tensor();
+  return y;
+}
+
+Result<Tensor> Linear::backward(Backend& be, const Tensor& dy) {
+  if (!x_.defined()) return failed_precondition("Linear: backward without a training forward");
+  SLIDE_RETURN_IF_ERROR(be.linear_backward_weights(x_, dy, weight.grad, bias.grad));
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "linear input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.linear_backward_data(dy, weight.value, dx));
+  return dx;
+}
+
+void Linear::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>*) {
+  weight.name = join(prefix, "weight");
+  bias.name = join(prefix, "bias");
+  push(prefix, weight, params);
+  push(prefix, bias, params);
+}
+
+// ---------------------------------------------------------------------------------------------
+void Sequential::add(std::unique_ptr<Layer> layer, std::string name) {
+  names_.push_back(name.empty() ? std::to_string(layers_.size()) : std::move(name));
+  layers_.push_back(std::move(layer));
+}
+
+Result<Tensor> Sequential::forward(Backend& be, const Tensor& x, bool training) {
+  Tensor h = x;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto r = layers_[i]->forward(be, h, training);
+    if (!r.ok()) return r.status().with_context("layer " + names_[i]);
+    h = std::move(*r);
+  }
+  return h;
+}
+
+Result<Tensor> Sequential::backward(Backend& be, const Tensor& dy) {
+  Tensor g = dy;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    auto r = layers_[i]->backward(be, g);
+    if (!r.ok()) return r.status().with_context("layer " + names_[i] + " backward");
+    g = std::move(*r);
+    layers_[i]->release();  // its saved activations are no longer needed
+  }
+  return g;
+}
+
+void Sequential::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->collect(join(prefix, names_[i]), params, buffers);
+}
+
+void Sequential::release() {
+  for (auto& l : layers_) l->release();
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<std::unique_ptr<BasicBlock>> BasicBlock::make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
+                                                     int stride, InitRng& rng) {
+  auto b = std::make_unique<BasicBlock>();
+  SLIDE_ASSIGN_OR_RETURN(auto c1, Conv2d::make(alloc, dtype, in, out, 3, {stride, 1}, false, rng));
+  SLIDE_ASSIGN_OR_RETURN(auto n1, BatchNorm2d::make(alloc, dtype, out));
+  SLIDE_ASSIGN_OR_RETURN(auto c2, Conv2d::make(alloc, dtype, out, out, 3, {1, 1}, false, rng));
+  SLIDE_ASSIGN_OR_RETURN(auto n2, BatchNorm2d::make(alloc, dtype, out));
+  b->main_.add(std::move(c1), "conv1");
+  b->main_.add(std::move(n1), "bn1");
+  b->main_.add(std::make_unique<ReLU>(), "relu");
+  b->main_.add(std::move(c2), "conv2");
+  b->main_.add(std::move(n2), "bn2");
+  if (stride != 1 || in != out) {
+    b->down_ = std::make_unique<Sequential>();
+    SLIDE_ASSIGN_OR_RETURN(auto dc, Conv2d::make(alloc, dtype, in, out, 1, {stride, 0}, false, rng));
+    SLIDE_ASSIGN_OR_RETURN(auto dn, BatchNorm2d::make(alloc, dtype, out));
+    b->down_->add(std::move(dc));
+    b->down_->add(std::move(dn));
+  }
+  return b;
+}
+
+Result<Tensor> BasicBlock::forward(Backend& be, const Tensor& x, bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, main_.forward(be, x, training));
+  Tensor shortcut = x;
+  if (down_) {
+    SLIDE_ASSIGN_OR_RETURN(shortcut, down_->forward(be, x, training));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(h, shortcut, h));  // in place: h is this block's own tensor
+  return out_relu_.forward(be, h, training);
+}
+
+Result<Tensor> BasicBlock::backward(Backend& be, const Tensor& dy) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor g, out_relu_.backward(be, dy));
+  // The sum's gradient flows unchanged into both branches; their input gradients add up.
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, main_.backward(be, g));
+  Tensor dshort = g;
+  if (down_) {
+    SLIDE_ASSIGN_OR_RETURN(dshort, down_->backward(be, g));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(dx, dshort, dx));
+  return dx;
+}
+
+void BasicBlock::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  main_.collect(prefix, params, buffers);
+  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
+}
+
+void BasicBlock::release() {
+  main_.release();
+  if (down_) down_->release();
+  out_relu_.release();
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels, int64_t classes,
+                                                   int64_t width, uint64_t seed) {
+  InitRng rng(seed);
+  auto net = std::make_unique<Sequential>();
+  int64_t c = in_channels;
+  for (int stage = 0; stage < 3; ++stage) {
+    const int64_t out = width << stage;
+    SLIDE_ASSIGN_OR_RETURN(auto conv, Conv2d::make(alloc, dtype, c, out, 3, {1, 1}, false, rng));
+    SLIDE_ASSIGN_OR_RETURN(auto bn, BatchNorm2d::make(alloc, dtype, out));
+    net->add(std::move(conv));
+    net->add(std::move(bn));
+    net->add(std::make_unique<ReLU>());
+    net->add(std::make_unique<MaxPool2d>(Pool2dParams{2, 2, 0}));
+    c = out;
+  }
+  net->add(std::make_unique<GlobalAvgPool>());
+  SLIDE_ASSIGN_OR_RETURN(auto fc, Linear::make(alloc, dtype, c, classes, rng));
+  net->add(std::move(fc), "fc");
+  return net;
+}
+
+}  // namespace slide::train

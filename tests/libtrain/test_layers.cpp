@@ -1,0 +1,140 @@
+// Every layer (and the residual block and the small CNN as wholes): central-difference gradient
+// checks in double on the reference backend, for the input and every parameter; torchvision names.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "slide/train/layers.h"
+
+using slide::core::StatusCode;
+using namespace slide::train;
+
+namespace {
+
+Backend& ref() {
+  static std::unique_ptr<Backend> b = [] {
+    auto r = make_backend("reference");
+    REQUIRE(r.ok());
+    return std::move(*r);
+  }();
+  return *b;
+}
+
+Tensor random(const Shape& s, uint64_t seed) {
+  Tensor t = *Tensor::empty(s, DType::kF64, cpu_allocator());
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = u(g);
+  return t;
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  double s = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
+  return s;
+}
+
+// Checks dL/dx and dL/dparam for L = sum(layer(x) * r), in training mode. Batch norm's running
+// statistics change on every forward; they do not enter the training-mode output.
+void check_layer(Layer& layer, Tensor x, double tol = 1e-6) {
+  std::vector<Parameter*> params;
+  layer.collect("", &params, nullptr);
+  auto y0 = layer.forward(ref(), x, true);
+  REQUIRE_MESSAGE(y0.ok(), y0.status().to_string());
+  Tensor r = random(y0->shape(), 99);
+  for (Parameter* p : params) p->grad.fill_zero();
+  auto dx = layer.backward(ref(), r);
+  REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
+  auto loss = [&] {
+    auto y = layer.forward(ref(), x, true);
+    REQUIRE(y.ok());
+    return dot(*y, r);
+  };
+  auto check = [&](const std::string& what, Tensor& input, const Tensor& analytic) {
+    double worst = 0;
+    for (int64_t i = 0; i < input.numel(); ++i) {
+      double& v = input.data<double>()[i];
+      const double saved = v;
+      v = saved + 1e-6;
+      const double up = loss();
+      v = saved - 1e-6;
+      const double down = loss();
+      v = saved;
+      const double num = (up - down) / 2e-6, a = analytic.data<double>()[i];
+      worst = std::max(worst, std::abs(num - a) / std::max({1.0, std::abs(num), std::abs(a)}));
+    }
+    CAPTURE(what);
+    CHECK(worst < tol);
+  };
+  check("input", x, *dx);
+  for (Parameter* p : params) check(p->name, p->value, p->grad);
+}
+
+}  // namespace
+
+TEST_CASE("layers: Conv2d, BatchNorm2d, ReLU, MaxPool2d, GlobalAvgPool, Linear gradients in double") {
+  InitRng rng(1);
+  auto conv = Conv2d::make(cpu_allocator(), DType::kF64, 3, 4, 3, {2, 1}, true, rng);
+  REQUIRE(conv.ok());
+  check_layer(**conv, random({2, 3, 7, 6}, 2));
+  auto bn = BatchNorm2d::make(cpu_allocator(), DType::kF64, 3);
+  REQUIRE(bn.ok());
+  check_layer(**bn, random({4, 3, 3, 2}, 3), 1e-5);
+  ReLU relu;
+  Tensor rx = random({2, 3, 4, 4}, 4);
+  for (int64_t i = 0; i < rx.numel(); ++i)
+    if (std::abs(rx.data<double>()[i]) < 0.05) rx.data<double>()[i] = 0.5;
+  check_layer(relu, rx);
+  MaxPool2d pool({3, 2, 1});
+  check_layer(pool, random({2, 2, 7, 7}, 5), 1e-5);
+  GlobalAvgPool gap;
+  check_layer(gap, random({2, 3, 4, 5}, 6));
+  auto fc = Linear::make(cpu_allocator(), DType::kF64, 6, 3, rng);
+  REQUIRE(fc.ok());
+  check_layer(**fc, random({4, 6}, 7));
+}
+
+TEST_CASE("layers: BasicBlock with a downsample shortcut, and the small CNN, end to end") {
+  InitRng rng(2);
+  auto block = BasicBlock::make(cpu_allocator(), DType::kF64, 3, 4, 2, rng);
+  REQUIRE(block.ok());
+  check_layer(**block, random({2, 3, 6, 6}, 8), 1e-5);
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*block)->collect("layer2.0", &params, &buffers);
+  std::vector<std::string> names;
+  for (auto* p : params) names.push_back(p->name);
+  CHECK(names == std::vector<std::string>{"layer2.0.conv1.weight", "layer2.0.bn1.weight", "layer2.0.bn1.bias",
+                                          "layer2.0.conv2.weight", "layer2.0.bn2.weight", "layer2.0.bn2.bias",
+                                          "layer2.0.downsample.0.weight", "layer2.0.downsample.1.weight",
+                                          "layer2.0.downsample.1.bias"});
+  CHECK(buffers.size() == 6);
+  CHECK(buffers[0]->name == "layer2.0.bn1.running_mean");
+
+  auto cnn = make_small_cnn(cpu_allocator(), DType::kF64, 3, 3, 2, 7);
+  REQUIRE(cnn.ok());
+  check_layer(**cnn, random({3, 3, 8, 8}, 9), 1e-5);
+}
+
+TEST_CASE("layers: backward without a training forward is a precondition error; eval keeps no activations") {
+  InitRng rng(3);
+  auto fc = Linear::make(cpu_allocator(), DType::kF64, 4, 2, rng);
+  REQUIRE(fc.ok());
+  auto y = (*fc)->forward(ref(), random({1, 4}, 1), false);
+  REQUIRE(y.ok());
+  auto dx = (*fc)->backward(ref(), *y);
+  CHECK(dx.status().code() == StatusCode::kFailedPrecondition);
+  // The same seed gives the same weights (deterministic initialisation).
+  InitRng a(42), b(42);
+  auto c1 = Conv2d::make(cpu_allocator(), DType::kF32, 3, 8, 3, {1, 1}, false, a);
+  auto c2 = Conv2d::make(cpu_allocator(), DType::kF32, 3, 8, 3, {1, 1}, false, b);
+  REQUIRE(c1.ok());
+  REQUIRE(c2.ok());
+  CHECK(std::equal((*c1)->weight.value.data<float>(), (*c1)->weight.value.data<float>() + 216,
+                   (*c2)->weight.value.data<float>()));
+}

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "../op_checks.h"
+#include "../reference/reference_backend.h"
 
 namespace slide::train {
 
@@ -50,7 +51,8 @@ std::string key_of(const char* op, std::initializer_list<int64_t> v) {
 
 class OneDnnBackend final : public Backend {
  public:
-  explicit OneDnnBackend(Allocator& alloc) : alloc_(alloc), eng_(dnnl::engine::kind::cpu, 0), strm_(eng_) {}
+  explicit OneDnnBackend(Allocator& alloc)
+      : alloc_(alloc), eng_(dnnl::engine::kind::cpu, 0), strm_(eng_), loops_(make_reference_backend(alloc)) {}
   std::string name() const override { return "cpu"; }
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
@@ -393,6 +395,19 @@ class OneDnnBackend final : public Backend {
     return ok_status();
   }
 
+  // oneDNN has no optimizer primitives; the updates are element-wise and memory-bound, so the
+  // reference backend's loops serve (the same code, not a copy).
+  Status sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, double lr, double momentum,
+                    double dampening, double weight_decay, bool nesterov, bool first_step) override {
+    if (param.dtype() != DType::kF32) return slide::core::unimplemented("sgd_update: cpu has f32 only");
+    return loops_->sgd_update(param, grad, momentum_buf, lr, momentum, dampening, weight_decay, nesterov, first_step);
+  }
+  Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, int64_t step) override {
+    if (param.dtype() != DType::kF32) return slide::core::unimplemented("adamw_update: cpu has f32 only");
+    return loops_->adamw_update(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step);
+  }
+
  private:
   // Runs body on the stream and waits; a dnnl::error becomes a Status naming the op.
   Status run(const char* op, const std::function<void()>& body) {
@@ -510,6 +525,7 @@ class OneDnnBackend final : public Backend {
   dnnl::engine eng_;
   dnnl::stream strm_;
   std::unordered_map<std::string, std::any> cache_;
+  std::unique_ptr<Backend> loops_;  // the reference backend, for ops oneDNN does not have
 };
 
 }  // namespace

@@ -406,6 +406,49 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  Status sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, double lr, double momentum,
+                    double dampening, double weight_decay, bool nesterov, bool first_step) override {
+    SLIDE_RETURN_IF_ERROR(
+        detail::validate_same_shape("sgd_update", param, grad, momentum > 0 ? &momentum_buf : nullptr, kDTypes));
+    return dispatch(param.dtype(), [&]<typename T>() {
+      T* p = param.data<T>();
+      const T* g = grad.data<T>();
+      T* buf = momentum > 0 ? momentum_buf.data<T>() : nullptr;
+      for (int64_t i = 0; i < param.numel(); ++i) {
+        double d = double(g[i]) + weight_decay * double(p[i]);
+        if (buf != nullptr) {
+          const double b = first_step ? d : momentum * double(buf[i]) + (1 - dampening) * d;
+          buf[i] = static_cast<T>(b);
+          d = nesterov ? d + momentum * b : b;
+        }
+        p[i] = static_cast<T>(double(p[i]) - lr * d);
+      }
+      return ok_status();
+    });
+  }
+
+  Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, int64_t step) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, grad, &m, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, v, nullptr, kDTypes));
+    if (step < 1) return slide::core::invalid_argument("adamw_update: step " + std::to_string(step) + " < 1");
+    const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
+    return dispatch(param.dtype(), [&]<typename T>() {
+      T *p = param.data<T>(), *mp = m.data<T>(), *vp = v.data<T>();
+      const T* g = grad.data<T>();
+      for (int64_t i = 0; i < param.numel(); ++i) {
+        const double gi = g[i];
+        const double mi = beta1 * double(mp[i]) + (1 - beta1) * gi;
+        const double vi = beta2 * double(vp[i]) + (1 - beta2) * gi * gi;
+        mp[i] = static_cast<T>(mi);
+        vp[i] = static_cast<T>(vi);
+        const double decayed = double(p[i]) * (1 - lr * weight_decay);
+        p[i] = static_cast<T>(decayed - lr * (mi / c1) / (std::sqrt(vi / c2) + eps));
+      }
+      return ok_status();
+    });
+  }
+
  private:
   // Forward (y != nullptr) or backward (dx != nullptr) of max pooling.
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {

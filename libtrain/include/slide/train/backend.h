@@ -113,6 +113,20 @@ class Backend {
   [[nodiscard]] virtual Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels,
                                                               const Tensor& class_weights, double label_smoothing,
                                                               Tensor& dlogits) = 0;
+
+  // --- Optimizer updates (PyTorch's torch.optim semantics), in place on one parameter ------------
+  // SGD: g = grad + weight_decay * param; with momentum m > 0: buf = g on the first step, else
+  // buf = m * buf + (1 - dampening) * g; g = nesterov ? g + m * buf : buf. param -= lr * g.
+  // param, grad and momentum_buf share a shape (momentum_buf unused when m == 0).
+  [[nodiscard]] virtual Status sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, double lr,
+                                          double momentum, double dampening, double weight_decay, bool nesterov,
+                                          bool first_step) = 0;
+  // AdamW (Loshchilov & Hutter, 2019; torch.optim.AdamW): param *= 1 - lr * weight_decay;
+  // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; param -= lr * (m / (1 - b1^t)) /
+  // (sqrt(v / (1 - b2^t)) + eps), t = step >= 1.
+  [[nodiscard]] virtual Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                                            double beta1, double beta2, double eps, double weight_decay,
+                                            int64_t step) = 0;
 };
 
 // The backends this build has: "reference" always; "cpu" (oneDNN) and "cuda" when built.

@@ -1,0 +1,63 @@
+// Optimizers and learning-rate schedules, on Backend& update ops (PyTorch's semantics, see
+// backend.h): SGD with momentum / Nesterov and AdamW, each with decoupled or L2 weight decay as
+// PyTorch defines it; cosine and step schedules with linear warm-up.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/train/layers.h"
+
+namespace slide::train {
+
+struct OptimizerConfig {
+  std::string name = "sgd";  // "sgd" or "adamw"
+  double momentum = 0.9;     // sgd
+  double dampening = 0.0;    // sgd
+  bool nesterov = false;     // sgd
+  double weight_decay = 1e-4;  // sgd: L2 added to the gradient; adamw: decoupled
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adamw
+};
+
+class Optimizer {
+ public:
+  // State tensors (momentum buffers, Adam moments) are allocated from `alloc` now, so an
+  // optimizer that does not fit the budget fails here, before training starts.
+  // Errors: kInvalidArgument (unknown name, negative hyper-parameters), the allocator's.
+  [[nodiscard]] static Result<std::unique_ptr<Optimizer>> make(const OptimizerConfig& config,
+                                                               std::vector<Parameter*> params, Allocator& alloc);
+  // One update of every parameter from its gradient at learning rate `lr`.
+  [[nodiscard]] Status step(Backend& be, double lr);
+  // Sets every gradient to zero (before the first micro-batch of a step).
+  void zero_grad();
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t s) { steps_ = s; }
+  // State for checkpoints: "<param>.momentum_buffer" (sgd), "<param>.exp_avg" and
+  // "<param>.exp_avg_sq" (adamw), as in PyTorch's optimizer state dict.
+  std::vector<Buffer*> state();
+
+ private:
+  OptimizerConfig config_;
+  std::vector<Parameter*> params_;
+  std::vector<Buffer> state_a_, state_b_;  // momentum buffers, or exp_avg / exp_avg_sq
+  int64_t steps_ = 0;
+};
+
+// Learning rate at `step` (0-based): linear warm-up from base_lr / warmup_steps to base_lr over
+// warmup_steps, then "cosine" (min_lr + (base_lr - min_lr) (1 + cos(pi t / T)) / 2 over the
+// remaining steps, SGDR without restarts: Loshchilov & Hutter, 2017), "step" (base_lr *
+// gamma^(floor(step / step_size))), or "constant".
+struct Schedule {
+  std::string kind = "cosine";
+  double base_lr = 0.1;
+  double min_lr = 0.0;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  int64_t step_size = 1;  // step
+  double gamma = 0.1;     // step
+  double at(int64_t step) const;
+};
+
+}  // namespace slide::train

@@ -1,0 +1,79 @@
+#include "slide/train/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace slide::train {
+
+Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config, std::vector<Parameter*> params,
+                                                   Allocator& alloc) {
+  if (config.name != "sgd" && config.name != "adamw")
+    return slide::core::invalid_argument("optimizer '" + config.name + "' is not one of sgd, adamw");
+  if (config.momentum < 0 || config.weight_decay < 0 || config.dampening < 0 || config.eps <= 0 ||
+      !(config.beta1 >= 0 && config.beta1 < 1) || !(config.beta2 >= 0 && config.beta2 < 1))
+    return slide::core::invalid_argument("optimizer " + config.name + ": a hyper-parameter is out of range");
+  if (config.nesterov && (config.momentum <= 0 || config.dampening != 0))
+    return slide::core::invalid_argument("sgd: Nesterov momentum needs momentum > 0 and dampening 0 (as PyTorch)");
+  auto opt = std::unique_ptr<Optimizer>(new Optimizer());
+  opt->config_ = config;
+  opt->params_ = std::move(params);
+  const bool sgd = config.name == "sgd";
+  for (Parameter* p : opt->params_) {
+    if (sgd && config.momentum > 0) {
+      Buffer b{p->name + ".momentum_buffer", Tensor()};
+      SLIDE_ASSIGN_OR_RETURN(b.value, Tensor::zeros(p->value.shape(), p->value.dtype(), alloc, b.name));
+      opt->state_a_.push_back(std::move(b));
+    } else if (!sgd) {
+      Buffer m{p->name + ".exp_avg", Tensor()}, v{p->name + ".exp_avg_sq", Tensor()};
+      SLIDE_ASSIGN_OR_RETURN(m.value, Tensor::zeros(p->value.shape(), p->value.dtype(), alloc, m.name));
+      SLIDE_ASSIGN_OR_RETURN(v.value, Tensor::zeros(p->value.shape(), p->value.dtype(), alloc, v.name));
+      opt->state_a_.push_back(std::move(m));
+      opt->state_b_.push_back(std::move(v));
+    }
+  }
+  return opt;
+}
+
+Status Optimizer::step(Backend& be, double lr) {
+  const bool first = steps_ == 0;
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    Status s;
+    if (config_.name == "sgd") {
+      Tensor none;
+      Tensor& buf = state_a_.empty() ? none : state_a_[i].value;
+      s = be.sgd_update(p.value, p.grad, buf, lr, config_.momentum, config_.dampening, config_.weight_decay,
+                        config_.nesterov, first);
+    } else {
+      s = be.adamw_update(p.value, p.grad, state_a_[i].value, state_b_[i].value, lr, config_.beta1, config_.beta2,
+                          config_.eps, config_.weight_decay, steps_);
+    }
+    if (!s.ok()) return s.with_context("update of " + p.name);
+  }
+  return slide::core::ok_status();
+}
+
+void Optimizer::zero_grad() {
+  for (Parameter* p : params_) p->grad.fill_zero();
+}
+
+std::vector<Buffer*> Optimizer::state() {
+  std::vector<Buffer*> out;
+  for (auto& b : state_a_) out.push_back(&b);
+  for (auto& b : state_b_) out.push_back(&b);
+  return out;
+}
+
+double Schedule::at(int64_t step) const {
+  if (warmup_steps > 0 && step < warmup_steps) return base_lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  const int64_t t = step - warmup_steps;
+  if (kind == "constant") return base_lr;
+  if (kind == "step") return base_lr * std::pow(gamma, static_cast<double>(t / std::max<int64_t>(1, step_size)));
+  const int64_t span = std::max<int64_t>(1, total_steps - warmup_steps);
+  const double frac = std::min(1.0, static_cast<double>(t) / static_cast<double>(span));
+  return min_lr + (base_lr - min_lr) * 0.5 * (1 + std::cos(std::numbers::pi * frac));
+}
+
+}  // namespace slide::train

@@ -1,0 +1,128 @@
+// Optimizers against PyTorch's documented update rules (torch.optim.SGD / AdamW pseudo-code),
+// evaluated by hand for these inputs; both backends; and the schedules.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "slide/train/optimizer.h"
+
+using slide::core::StatusCode;
+using namespace slide::train;
+
+namespace {
+
+std::unique_ptr<Backend> must_make(const char* name) {
+  auto r = make_backend(name);
+  REQUIRE(r.ok());
+  return std::move(*r);
+}
+
+Parameter param(std::vector<double> v, DType dt) {
+  Parameter p{"w", *Tensor::zeros({static_cast<int64_t>(v.size())}, dt, cpu_allocator()),
+              *Tensor::zeros({static_cast<int64_t>(v.size())}, dt, cpu_allocator())};
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dt == DType::kF64) p.value.data<double>()[i] = v[i];
+    else p.value.data<float>()[i] = static_cast<float>(v[i]);
+  }
+  return p;
+}
+
+void set_grad(Parameter& p, std::vector<double> g) {
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (p.grad.dtype() == DType::kF64) p.grad.data<double>()[i] = g[i];
+    else p.grad.data<float>()[i] = static_cast<float>(g[i]);
+  }
+}
+
+double at(const Tensor& t, int i) { return t.dtype() == DType::kF64 ? t.data<double>()[i] : t.data<float>()[i]; }
+
+}  // namespace
+
+TEST_CASE("sgd with Nesterov momentum and weight decay: two steps as torch.optim.SGD") {
+  for (const char* name : {"reference", "cpu"}) {
+    CAPTURE(name);
+    auto be = must_make(name);
+    const DType dt = std::string(name) == "cpu" ? DType::kF32 : DType::kF64;
+    Parameter p = param({1.0, -2.0, 0.5}, dt);
+    OptimizerConfig c;
+    c.momentum = 0.9;
+    c.weight_decay = 0.01;
+    c.nesterov = true;
+    auto opt = Optimizer::make(c, {&p}, cpu_allocator());
+    REQUIRE(opt.ok());
+    set_grad(p, {0.5, 0.25, -1.0});
+    REQUIRE((*opt)->step(*be, 0.1).ok());
+    CHECK(at(p.value, 0) == doctest::Approx(0.9031));
+    CHECK(at(p.value, 2) == doctest::Approx(0.68905));
+    set_grad(p, {0.1, -0.3, 0.2});
+    REQUIRE((*opt)->step(*be, 0.1).ok());
+    CHECK(at(p.value, 0) == doctest::Approx(0.84107411));
+    CHECK(at(p.value, 1) == doctest::Approx(-2.00144697));
+    CHECK(at(p.value, 2) == doctest::Approx(0.730335805));
+    CHECK((*opt)->state().at(0)->name == "w.momentum_buffer");
+    CHECK(at((*opt)->state()[0]->value, 0) == doctest::Approx(0.568031));
+  }
+}
+
+TEST_CASE("adamw: one step as torch.optim.AdamW (decoupled decay, bias correction)") {
+  for (const char* name : {"reference", "cpu"}) {
+    CAPTURE(name);
+    auto be = must_make(name);
+    const DType dt = std::string(name) == "cpu" ? DType::kF32 : DType::kF64;
+    Parameter p = param({1.0, -2.0, 0.5}, dt);
+    OptimizerConfig c;
+    c.name = "adamw";
+    c.weight_decay = 0.05;
+    auto opt = Optimizer::make(c, {&p}, cpu_allocator());
+    REQUIRE(opt.ok());
+    set_grad(p, {0.5, 0.25, -1.0});
+    REQUIRE((*opt)->step(*be, 0.01).ok());
+    // p (1 - lr wd) - lr * mhat / (sqrt(vhat) + eps), mhat = g, sqrt(vhat) = |g| on step 1.
+    CHECK(at(p.value, 0) == doctest::Approx(0.9895));
+    CHECK(at(p.value, 1) == doctest::Approx(-2.009));
+    CHECK(at(p.value, 2) == doctest::Approx(0.50975));
+    auto st = (*opt)->state();
+    REQUIRE(st.size() == 2);
+    CHECK(st[0]->name == "w.exp_avg");
+    CHECK(at(st[0]->value, 2) == doctest::Approx(-0.1));
+    CHECK(at(st[1]->value, 0) == doctest::Approx(0.00025));
+  }
+}
+
+TEST_CASE("optimizer: bad configurations are refused; zero_grad") {
+  Parameter p = param({1.0}, DType::kF64);
+  OptimizerConfig c;
+  c.name = "lion";
+  CHECK(Optimizer::make(c, {&p}, cpu_allocator()).status().code() == StatusCode::kInvalidArgument);
+  c.name = "sgd";
+  c.momentum = 0;
+  c.nesterov = true;
+  CHECK(Optimizer::make(c, {&p}, cpu_allocator()).status().code() == StatusCode::kInvalidArgument);
+  c.nesterov = false;
+  auto opt = Optimizer::make(c, {&p}, cpu_allocator());
+  REQUIRE(opt.ok());
+  CHECK((*opt)->state().empty());  // no momentum, no buffer
+  set_grad(p, {3.0});
+  (*opt)->zero_grad();
+  CHECK(at(p.grad, 0) == 0.0);
+}
+
+TEST_CASE("schedules: warm-up then cosine; step decay") {
+  Schedule s;
+  s.base_lr = 0.1;
+  s.warmup_steps = 10;
+  s.total_steps = 110;
+  CHECK(s.at(0) == doctest::Approx(0.01));
+  CHECK(s.at(9) == doctest::Approx(0.1));
+  CHECK(s.at(10) == doctest::Approx(0.1));
+  CHECK(s.at(60) == doctest::Approx(0.05));
+  CHECK(s.at(110) == doctest::Approx(0.0));
+  Schedule st;
+  st.kind = "step";
+  st.base_lr = 0.1;
+  st.step_size = 30;
+  CHECK(st.at(29) == doctest::Approx(0.1));
+  CHECK(st.at(30) == doctest::Approx(0.01));
+  CHECK(st.at(65) == doctest::Approx(0.001));
+}

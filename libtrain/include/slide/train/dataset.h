@@ -1,0 +1,62 @@
+// Labelled tiles from one or more slide-tile stores, decoded into NCHW batches.
+//
+// Labels come from the stores (patch folders: the class folder names; a manifest's label
+// column). Class names are the union of the stores' label names in order of appearance, and each
+// store's label indices are mapped onto them by name. Splits are by slide, never by tile, so no
+// slide has tiles on both sides.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/core/thread_pool.h"
+#include "slide/tile/store.h"
+#include "slide/train/tensor.h"
+
+namespace slide::train {
+
+struct TileRef {
+  uint32_t store = 0;
+  uint64_t tile = 0;     // index in its store
+  int32_t label = 0;     // index into class_names()
+  uint32_t slide = 0;    // index into slide_ids()
+};
+
+class TileDataset {
+ public:
+  // Opens every store and lists its labelled tiles. Errors: those of StoreReader::open (naming
+  // the store), kInvalidArgument when a store holds unlabelled tiles ("... has no labels: tile it
+  // from patch folders or a manifest with a label column"), when stores disagree on the tile size,
+  // or when there are no tiles.
+  [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores);
+
+  const std::vector<std::string>& class_names() const { return class_names_; }
+  const std::vector<std::string>& slide_ids() const { return slide_ids_; }  // "store:slide_id"
+  const std::vector<TileRef>& tiles() const { return tiles_; }
+  int64_t tile_size_px() const { return tile_size_; }
+
+  // Tile positions split by slide: slides shuffled with `seed`, round(val_fraction x slides)
+  // (at least one when val_fraction > 0 and there are two slides or more) go to validation.
+  void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
+
+  // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
+  // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. With
+  // `augment`, each image gets a random horizontal flip and rotation by a multiple of 90 degrees
+  // from a generator seeded by (seed, position): the same batch seed gives the same images.
+  // Decoding runs on `pool` when given. Errors: the store's (kDataLoss naming store and tile),
+  // JPEG decode errors, kInvalidArgument for a tile of another size, the allocator's.
+  [[nodiscard]] Status load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,
+                                  slide::core::ThreadPool* pool, Allocator& alloc, Tensor* images,
+                                  Tensor* labels) const;
+
+ private:
+  std::vector<std::string> store_dirs_;
+  std::vector<std::unique_ptr<slide::tile::StoreReader>> stores_;
+  std::vector<std::string> class_names_, slide_ids_;
+  std::vector<TileRef> tiles_;
+  int64_t tile_size_ = 0;
+};
+
+}  // namespace slide::train

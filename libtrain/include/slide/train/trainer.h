@@ -1,0 +1,49 @@
+// One epoch of mini-batch training, and evaluation, of a classifier over a TileDataset.
+//
+// A step takes `batch_size` tiles in `accumulate` micro-batches: each micro-batch's loss
+// gradient is weighted by its share of the step's samples, parameter gradients accumulate (+=)
+// across micro-batches, and the optimizer steps once, so K micro-batches give the update of one
+// K-times larger batch (batch norm's statistics, computed per micro-batch, are the known
+// exception). The last partial batch of an epoch is used, not dropped.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "slide/core/thread_pool.h"
+#include "slide/train/dataset.h"
+#include "slide/train/optimizer.h"
+
+namespace slide::train {
+
+struct EpochStats {
+  double loss = 0;        // mean over samples
+  double accuracy = 0;    // fraction correct
+  double balanced_accuracy = 0;  // mean per-class recall over the classes present
+  int64_t samples = 0;
+  int64_t steps = 0;
+  double seconds = 0;
+};
+
+struct TrainOptions {
+  int64_t batch_size = 32;
+  int64_t accumulate = 1;      // micro-batches per step
+  double label_smoothing = 0;
+  bool augment = true;
+};
+
+// Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.
+// `schedule` gives the learning rate at the optimizer's step count. Errors: kInvalidArgument
+// (batch_size < 1, accumulate < 1 or > batch_size), and those of the data, layers and backend
+// (kResourceExhausted when the memory budget is exceeded: the step is not applied).
+[[nodiscard]] Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const Schedule& schedule,
+                                             const TileDataset& data, const std::vector<size_t>& positions,
+                                             const TrainOptions& options, uint64_t epoch_seed,
+                                             slide::core::ThreadPool* pool);
+
+// Inference-mode loss and accuracy over `positions`, in order, no augmentation.
+[[nodiscard]] Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data,
+                                          const std::vector<size_t>& positions, int64_t batch_size,
+                                          slide::core::ThreadPool* pool);
+
+}  // namespace slide::train

@@ -1,0 +1,134 @@
+#include "slide/train/dataset.h"
+
+#include <algorithm>
+#include <cmath>
+#include <future>
+#include <map>
+#include <numeric>
+#include <random>
+
+#include "slide/tile/image.h"
+
+namespace slide::train {
+
+namespace {
+
+// torchvision's ImageNet normalisation (transforms.Normalize in its model docs).
+constexpr float kMean[3] = {0.485f, 0.456f, 0.406f};
+constexpr float kStd[3] = {0.229f, 0.224f, 0.225f};
+
+}  // namespace
+
+Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores) {
+  if (stores.empty()) return slide::core::invalid_argument("no tile stores given");
+  auto ds = std::unique_ptr<TileDataset>(new TileDataset());
+  std::map<std::string, int32_t> class_index;
+  for (size_t s = 0; s < stores.size(); ++s) {
+    SLIDE_ASSIGN_OR_RETURN(auto reader, slide::tile::StoreReader::open(stores[s]));
+    const auto& meta = reader->meta();
+    if (ds->tile_size_ == 0) ds->tile_size_ = meta.tile_size_px;
+    if (meta.tile_size_px != ds->tile_size_)
+      return slide::core::invalid_argument("store " + stores[s] + " has " + std::to_string(meta.tile_size_px) +
+                                           "-px tiles, " + stores[0] + " has " + std::to_string(ds->tile_size_));
+    std::vector<int32_t> map_label;
+    for (const std::string& name : meta.label_names) {
+      auto [it, inserted] = class_index.emplace(name, static_cast<int32_t>(ds->class_names_.size()));
+      if (inserted) ds->class_names_.push_back(name);
+      map_label.push_back(it->second);
+    }
+    for (const auto& rec : reader->slides()) {
+      if (rec.tile_count == 0) continue;
+      if (rec.label_index < 0 || static_cast<size_t>(rec.label_index) >= map_label.size())
+        return slide::core::invalid_argument("store " + stores[s] + ": slide '" + rec.slide_id +
+                                             "' has no label: tile it from patch folders or a manifest with a label "
+                                             "column");
+      const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
+      ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
+      for (uint64_t t = 0; t < rec.tile_count; ++t)
+        ds->tiles_.push_back(TileRef{static_cast<uint32_t>(s), rec.first_tile_index + t,
+                                     map_label[static_cast<size_t>(rec.label_index)], slide});
+    }
+    ds->store_dirs_.push_back(stores[s]);
+    ds->stores_.push_back(std::move(reader));
+  }
+  if (ds->tiles_.empty()) return slide::core::invalid_argument("the tile stores hold no tiles");
+  return ds;
+}
+
+void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
+                                 std::vector<size_t>* val) const {
+  std::vector<uint32_t> order(slide_ids_.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  size_t n_val = static_cast<size_t>(std::llround(val_fraction * static_cast<double>(order.size())));
+  if (val_fraction > 0 && n_val == 0 && order.size() >= 2) n_val = 1;
+  n_val = std::min(n_val, order.size());
+  std::vector<bool> is_val(order.size(), false);
+  for (size_t i = 0; i < n_val; ++i) is_val[order[i]] = true;
+  train->clear();
+  val->clear();
+  for (size_t i = 0; i < tiles_.size(); ++i) (is_val[tiles_[i].slide] ? val : train)->push_back(i);
+}
+
+Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,
+                               slide::core::ThreadPool* pool, Allocator& alloc, Tensor* images,
+                               Tensor* labels) const {
+  const auto n = static_cast<int64_t>(positions.size());
+  const int64_t S = tile_size_;
+  SLIDE_ASSIGN_OR_RETURN(*images, Tensor::empty({n, 3, S, S}, DType::kF32, alloc, "image batch"));
+  SLIDE_ASSIGN_OR_RETURN(*labels, Tensor::empty({n}, DType::kI32, alloc, "label batch"));
+  float* out = images->data<float>();
+  auto one = [&](int64_t i) -> Status {
+    const TileRef& ref = tiles_.at(positions[static_cast<size_t>(i)]);
+    labels->data<int32_t>()[i] = ref.label;
+    slide::tile::TileHeader h;
+    std::vector<uint8_t> payload;
+    SLIDE_RETURN_IF_ERROR(stores_[ref.store]->read_tile(ref.tile, &h, &payload));
+    slide::tile::RgbImage img;
+    if (h.encoding == slide::tile::TileEncoding::kJpeg) {
+      SLIDE_ASSIGN_OR_RETURN(img, slide::tile::decode_jpeg(payload));
+    } else {
+      img = slide::tile::RgbImage(h.width, h.height);
+      if (payload.size() != img.pixels.size())
+        return slide::core::data_loss("store " + store_dirs_[ref.store] + ": tile " + std::to_string(ref.tile) +
+                                      ": raw payload size does not match its header");
+      std::copy(payload.begin(), payload.end(), img.pixels.begin());
+    }
+    if (img.width != S || img.height != S)
+      return slide::core::invalid_argument("store " + store_dirs_[ref.store] + ": tile " + std::to_string(ref.tile) +
+                                           " is " + std::to_string(img.width) + "x" + std::to_string(img.height));
+    int flip = 0, rot = 0;
+    if (augment) {
+      std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + positions[static_cast<size_t>(i)]);
+      flip = static_cast<int>(rng() & 1);
+      rot = static_cast<int>((rng() >> 1) & 3);
+    }
+    float* dst = out + i * 3 * S * S;
+    for (int64_t y = 0; y < S; ++y)
+      for (int64_t x = 0; x < S; ++x) {
+        // Output (y, x) takes source (sy, sx): rotate by rot x 90 degrees, then flip horizontally.
+        int64_t xx = flip ? S - 1 - x : x, sy = y, sx = xx;
+        if (rot == 1) sy = S - 1 - xx, sx = y;
+        else if (rot == 2) sy = S - 1 - y, sx = S - 1 - xx;
+        else if (rot == 3) sy = xx, sx = S - 1 - y;
+        const uint8_t* p = img.pixels.data() + 3 * (sy * S + sx);
+        for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] / 255.0f - kMean[c]) / kStd[c];
+      }
+    return slide::core::ok_status();
+  };
+  if (pool == nullptr || pool->size() < 2) {
+    for (int64_t i = 0; i < n; ++i) SLIDE_RETURN_IF_ERROR(one(i));
+    return slide::core::ok_status();
+  }
+  std::vector<std::future<Status>> done;
+  for (int64_t i = 0; i < n; ++i) done.push_back(pool->submit([&one, i] { return one(i); }));
+  Status first;
+  for (auto& f : done) {
+    Status s = f.get();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace slide::train

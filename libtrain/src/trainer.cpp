@@ -1,0 +1,119 @@
+#include "slide/train/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <random>
+
+namespace slide::train {
+
+namespace {
+
+// Adds a batch's predictions to correct / per-class counts.
+void tally(const Tensor& probs, const Tensor& labels, std::vector<int64_t>* seen, std::vector<int64_t>* right,
+           int64_t* correct) {
+  const int64_t n = probs.dim(0), c = probs.dim(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* p = probs.data<float>() + i * c;
+    const int32_t y = labels.data<int32_t>()[i];
+    const auto pred = static_cast<int32_t>(std::max_element(p, p + c) - p);
+    ++(*seen)[static_cast<size_t>(y)];
+    if (pred == y) ++(*right)[static_cast<size_t>(y)], ++*correct;
+  }
+}
+
+double balanced(const std::vector<int64_t>& seen, const std::vector<int64_t>& right) {
+  double sum = 0;
+  int present = 0;
+  for (size_t k = 0; k < seen.size(); ++k)
+    if (seen[k] > 0) sum += static_cast<double>(right[k]) / static_cast<double>(seen[k]), ++present;
+  return present ? sum / present : 0.0;
+}
+
+}  // namespace
+
+Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const Schedule& schedule,
+                               const TileDataset& data, const std::vector<size_t>& positions,
+                               const TrainOptions& options, uint64_t epoch_seed, slide::core::ThreadPool* pool) {
+  if (options.batch_size < 1 || options.accumulate < 1 || options.accumulate > options.batch_size)
+    return slide::core::invalid_argument("batch size " + std::to_string(options.batch_size) + " with " +
+                                         std::to_string(options.accumulate) + " micro-batches");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<size_t> order = positions;
+  std::mt19937_64 rng(epoch_seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  const size_t classes = data.class_names().size();
+  std::vector<int64_t> seen(classes, 0), right(classes, 0);
+  EpochStats st;
+  int64_t correct = 0;
+  double loss_sum = 0;
+  for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size)) {
+    const size_t end = std::min(order.size(), start + static_cast<size_t>(options.batch_size));
+    const auto step_n = static_cast<int64_t>(end - start);
+    const int64_t micro = std::min<int64_t>(options.accumulate, step_n);
+    opt.zero_grad();
+    for (int64_t m = 0; m < micro; ++m) {
+      // Micro-batch sizes differ by at most one.
+      const size_t a = start + static_cast<size_t>(step_n * m / micro);
+      const size_t b = start + static_cast<size_t>(step_n * (m + 1) / micro);
+      std::vector<size_t> idx(order.begin() + static_cast<long>(a), order.begin() + static_cast<long>(b));
+      Tensor images, labels;
+      SLIDE_RETURN_IF_ERROR(data.load_batch(idx, options.augment, epoch_seed * 1000003 + start + a, pool,
+                                            be.allocator(), &images, &labels));
+      SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, true));
+      SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
+      double loss = 0;
+      SLIDE_RETURN_IF_ERROR(
+          be.softmax_cross_entropy_forward(logits, labels, Tensor(), options.label_smoothing, probs, &loss));
+      SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "logit gradient"));
+      SLIDE_RETURN_IF_ERROR(
+          be.softmax_cross_entropy_backward(probs, labels, Tensor(), options.label_smoothing, dlogits));
+      // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
+      const float share = static_cast<float>(b - a) / static_cast<float>(step_n);
+      for (int64_t i = 0; i < dlogits.numel(); ++i) dlogits.data<float>()[i] *= share;
+      SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
+      loss_sum += loss * static_cast<double>(b - a);
+      tally(probs, labels, &seen, &right, &correct);
+    }
+    SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
+    st.samples += step_n;
+    ++st.steps;
+  }
+  st.loss = st.samples ? loss_sum / static_cast<double>(st.samples) : 0;
+  st.accuracy = st.samples ? static_cast<double>(correct) / static_cast<double>(st.samples) : 0;
+  st.balanced_accuracy = balanced(seen, right);
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, const std::vector<size_t>& positions,
+                            int64_t batch_size, slide::core::ThreadPool* pool) {
+  if (batch_size < 1) return slide::core::invalid_argument("batch size " + std::to_string(batch_size));
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t classes = data.class_names().size();
+  std::vector<int64_t> seen(classes, 0), right(classes, 0);
+  EpochStats st;
+  int64_t correct = 0;
+  double loss_sum = 0;
+  for (size_t start = 0; start < positions.size(); start += static_cast<size_t>(batch_size)) {
+    const size_t end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
+    std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
+    Tensor images, labels;
+    SLIDE_RETURN_IF_ERROR(data.load_batch(idx, false, 0, pool, be.allocator(), &images, &labels));
+    SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, false));
+    SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
+    double loss = 0;
+    SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_forward(logits, labels, Tensor(), 0.0, probs, &loss));
+    loss_sum += loss * static_cast<double>(end - start);
+    tally(probs, labels, &seen, &right, &correct);
+    st.samples += static_cast<int64_t>(end - start);
+    ++st.steps;
+  }
+  st.loss = st.samples ? loss_sum / static_cast<double>(st.samples) : 0;
+  st.accuracy = st.samples ? static_cast<double>(correct) / static_cast<double>(st.samples) : 0;
+  st.balanced_accuracy = balanced(seen, right);
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace slide::train

@@ -271,48 +271,73 @@ void Sequential::release() {
 }
 
 // ---------------------------------------------------------------------------------------------
+namespace {
+
+// relu(main(x) + shortcut(x)), shortcut = down (when given) or identity.
+Result<Tensor> residual_forward(Backend& be, Sequential& main, Sequential* down, ReLU& out_relu, const Tensor& x,
+                                bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, main.forward(be, x, training));
+  Tensor shortcut = x;
+  if (down != nullptr) {
+    SLIDE_ASSIGN_OR_RETURN(shortcut, down->forward(be, x, training));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(h, shortcut, h));  // in place: h is the block's own tensor
+  return out_relu.forward(be, h, training);
+}
+
+Result<Tensor> residual_backward(Backend& be, Sequential& main, Sequential* down, ReLU& out_relu, const Tensor& dy) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor g, out_relu.backward(be, dy));
+  // The sum's gradient flows unchanged into both branches; their input gradients add up.
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, main.backward(be, g));
+  Tensor dshort = g;
+  if (down != nullptr) {
+    SLIDE_ASSIGN_OR_RETURN(dshort, down->backward(be, g));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(dx, dshort, dx));
+  return dx;
+}
+
+// torchvision's downsample: 1x1 conv with the block's stride, then batch norm.
+Result<std::unique_ptr<Sequential>> make_downsample(Allocator& alloc, DType dtype, int64_t in, int64_t out, int stride,
+                                                    InitRng& rng) {
+  auto d = std::make_unique<Sequential>();
+  SLIDE_ASSIGN_OR_RETURN(auto dc, Conv2d::make(alloc, dtype, in, out, 1, {stride, 0}, false, rng));
+  SLIDE_ASSIGN_OR_RETURN(auto dn, BatchNorm2d::make(alloc, dtype, out));
+  d->add(std::move(dc));
+  d->add(std::move(dn));
+  return d;
+}
+
+// Appends conv (k x k, stride, pad k / 2, no bias) + bn (+ relu) named conv<i>, bn<i>.
+Status add_conv_bn(Sequential& seq, Allocator& alloc, DType dtype, int64_t in, int64_t out, int k, int stride, int i,
+                   bool relu, InitRng& rng) {
+  SLIDE_ASSIGN_OR_RETURN(auto c, Conv2d::make(alloc, dtype, in, out, k, {stride, k / 2}, false, rng));
+  SLIDE_ASSIGN_OR_RETURN(auto n, BatchNorm2d::make(alloc, dtype, out));
+  seq.add(std::move(c), "conv" + std::to_string(i));
+  seq.add(std::move(n), "bn" + std::to_string(i));
+  if (relu) seq.add(std::make_unique<ReLU>(), "relu" + std::to_string(i));
+  return slide::core::ok_status();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<BasicBlock>> BasicBlock::make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
                                                      int stride, InitRng& rng) {
   auto b = std::make_unique<BasicBlock>();
-  SLIDE_ASSIGN_OR_RETURN(auto c1, Conv2d::make(alloc, dtype, in, out, 3, {stride, 1}, false, rng));
-  SLIDE_ASSIGN_OR_RETURN(auto n1, BatchNorm2d::make(alloc, dtype, out));
-  SLIDE_ASSIGN_OR_RETURN(auto c2, Conv2d::make(alloc, dtype, out, out, 3, {1, 1}, false, rng));
-  SLIDE_ASSIGN_OR_RETURN(auto n2, BatchNorm2d::make(alloc, dtype, out));
-  b->main_.add(std::move(c1), "conv1");
-  b->main_.add(std::move(n1), "bn1");
-  b->main_.add(std::make_unique<ReLU>(), "relu");
-  b->main_.add(std::move(c2), "conv2");
-  b->main_.add(std::move(n2), "bn2");
+  SLIDE_RETURN_IF_ERROR(add_conv_bn(b->main_, alloc, dtype, in, out, 3, stride, 1, true, rng));
+  SLIDE_RETURN_IF_ERROR(add_conv_bn(b->main_, alloc, dtype, out, out, 3, 1, 2, false, rng));
   if (stride != 1 || in != out) {
-    b->down_ = std::make_unique<Sequential>();
-    SLIDE_ASSIGN_OR_RETURN(auto dc, Conv2d::make(alloc, dtype, in, out, 1, {stride, 0}, false, rng));
-    SLIDE_ASSIGN_OR_RETURN(auto dn, BatchNorm2d::make(alloc, dtype, out));
-    b->down_->add(std::move(dc));
-    b->down_->add(std::move(dn));
+    SLIDE_ASSIGN_OR_RETURN(b->down_, make_downsample(alloc, dtype, in, out, stride, rng));
   }
   return b;
 }
 
 Result<Tensor> BasicBlock::forward(Backend& be, const Tensor& x, bool training) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor h, main_.forward(be, x, training));
-  Tensor shortcut = x;
-  if (down_) {
-    SLIDE_ASSIGN_OR_RETURN(shortcut, down_->forward(be, x, training));
-  }
-  SLIDE_RETURN_IF_ERROR(be.add(h, shortcut, h));  // in place: h is this block's own tensor
-  return out_relu_.forward(be, h, training);
+  return residual_forward(be, main_, down_.get(), out_relu_, x, training);
 }
 
 Result<Tensor> BasicBlock::backward(Backend& be, const Tensor& dy) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor g, out_relu_.backward(be, dy));
-  // The sum's gradient flows unchanged into both branches; their input gradients add up.
-  SLIDE_ASSIGN_OR_RETURN(Tensor dx, main_.backward(be, g));
-  Tensor dshort = g;
-  if (down_) {
-    SLIDE_ASSIGN_OR_RETURN(dshort, down_->backward(be, g));
-  }
-  SLIDE_RETURN_IF_ERROR(be.add(dx, dshort, dx));
-  return dx;
+  return residual_backward(be, main_, down_.get(), out_relu_, dy);
 }
 
 void BasicBlock::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
@@ -324,6 +349,77 @@ void BasicBlock::release() {
   main_.release();
   if (down_) down_->release();
   out_relu_.release();
+}
+
+Result<std::unique_ptr<Bottleneck>> Bottleneck::make(Allocator& alloc, DType dtype, int64_t in, int64_t width,
+                                                     int stride, InitRng& rng) {
+  auto b = std::make_unique<Bottleneck>();
+  const int64_t out = width * 4;
+  SLIDE_RETURN_IF_ERROR(add_conv_bn(b->main_, alloc, dtype, in, width, 1, 1, 1, true, rng));
+  SLIDE_RETURN_IF_ERROR(add_conv_bn(b->main_, alloc, dtype, width, width, 3, stride, 2, true, rng));
+  SLIDE_RETURN_IF_ERROR(add_conv_bn(b->main_, alloc, dtype, width, out, 1, 1, 3, false, rng));
+  if (stride != 1 || in != out) {
+    SLIDE_ASSIGN_OR_RETURN(b->down_, make_downsample(alloc, dtype, in, out, stride, rng));
+  }
+  return b;
+}
+
+Result<Tensor> Bottleneck::forward(Backend& be, const Tensor& x, bool training) {
+  return residual_forward(be, main_, down_.get(), out_relu_, x, training);
+}
+
+Result<Tensor> Bottleneck::backward(Backend& be, const Tensor& dy) {
+  return residual_backward(be, main_, down_.get(), out_relu_, dy);
+}
+
+void Bottleneck::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  main_.collect(prefix, params, buffers);
+  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
+}
+
+void Bottleneck::release() {
+  main_.release();
+  if (down_) down_->release();
+  out_relu_.release();
+}
+
+Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth, int64_t classes,
+                                                uint64_t seed) {
+  std::vector<int> blocks;
+  if (depth == 18) blocks = {2, 2, 2, 2};
+  else if (depth == 34 || depth == 50) blocks = {3, 4, 6, 3};
+  else return invalid_argument("ResNet depth " + std::to_string(depth) + " is not one of 18, 34, 50");
+  const bool bottleneck = depth == 50;
+  InitRng rng(seed);
+  auto net = std::make_unique<Sequential>();
+  SLIDE_ASSIGN_OR_RETURN(auto conv1, Conv2d::make(alloc, dtype, 3, 64, 7, {2, 3}, false, rng));
+  SLIDE_ASSIGN_OR_RETURN(auto bn1, BatchNorm2d::make(alloc, dtype, 64));
+  net->add(std::move(conv1), "conv1");
+  net->add(std::move(bn1), "bn1");
+  net->add(std::make_unique<ReLU>(), "relu");
+  net->add(std::make_unique<MaxPool2d>(Pool2dParams{3, 2, 1}), "maxpool");
+  int64_t in = 64;
+  for (int stage = 0; stage < 4; ++stage) {
+    auto layer = std::make_unique<Sequential>();
+    const int64_t width = int64_t{64} << stage;
+    for (int i = 0; i < blocks[static_cast<size_t>(stage)]; ++i) {
+      const int stride = (i == 0 && stage > 0) ? 2 : 1;
+      if (bottleneck) {
+        SLIDE_ASSIGN_OR_RETURN(auto b, Bottleneck::make(alloc, dtype, in, width, stride, rng));
+        layer->add(std::move(b));
+        in = width * 4;
+      } else {
+        SLIDE_ASSIGN_OR_RETURN(auto b, BasicBlock::make(alloc, dtype, in, width, stride, rng));
+        layer->add(std::move(b));
+        in = width;
+      }
+    }
+    net->add(std::move(layer), "layer" + std::to_string(stage + 1));
+  }
+  net->add(std::make_unique<GlobalAvgPool>(), "avgpool");
+  SLIDE_ASSIGN_OR_RETURN(auto fc, Linear::make(alloc, dtype, in, classes, rng));
+  net->add(std::move(fc), "fc");
+  return net;
 }
 
 // ---------------------------------------------------------------------------------------------

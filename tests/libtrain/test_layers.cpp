@@ -138,3 +138,44 @@ TEST_CASE("layers: backward without a training forward is a precondition error; 
   CHECK(std::equal((*c1)->weight.value.data<float>(), (*c1)->weight.value.data<float>() + 216,
                    (*c2)->weight.value.data<float>()));
 }
+
+TEST_CASE("resnet18/34/50: torchvision's parameter counts and names; a forward on the cpu backend") {
+  // torchvision.models.resnetNN(num_classes=1000): sum(p.numel() for p in m.parameters()).
+  const std::pair<int, int64_t> expected[] = {{18, 11689512}, {34, 21797672}, {50, 25557032}};
+  for (auto [depth, count] : expected) {
+    CAPTURE(depth);
+    auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 1000, 1);
+    REQUIRE_MESSAGE(net.ok(), net.status().to_string());
+    std::vector<Parameter*> params;
+    std::vector<Buffer*> buffers;
+    (*net)->collect("", &params, &buffers);
+    int64_t n = 0;
+    for (auto* p : params) n += p->value.numel();
+    CHECK(n == count);
+    CHECK(params.front()->name == "conv1.weight");
+    CHECK(params.back()->name == "fc.bias");
+    CHECK(buffers.front()->name == "bn1.running_mean");
+    if (depth == 50) {
+      bool found = false;
+      for (auto* p : params) found = found || p->name == "layer4.2.conv3.weight";
+      CHECK(found);
+      CHECK(buffers.back()->name == "layer4.2.bn3.running_var");
+    }
+  }
+  CHECK(make_resnet(cpu_allocator(), DType::kF32, 101, 10, 1).status().code() == StatusCode::kInvalidArgument);
+
+  auto cpu = make_backend("cpu");
+  REQUIRE(cpu.ok());
+  auto net = make_resnet(cpu_allocator(), DType::kF32, 18, 3, 1);
+  REQUIRE(net.ok());
+  Tensor x = *Tensor::zeros({2, 3, 64, 64}, DType::kF32, cpu_allocator());
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>((i * 7919) % 255) / 255.0f;
+  auto y = (*net)->forward(**cpu, x, true);
+  REQUIRE_MESSAGE(y.ok(), y.status().to_string());
+  CHECK(y->shape() == Shape{2, 3});
+  Tensor dy = *Tensor::zeros({2, 3}, DType::kF32, cpu_allocator());
+  dy.data<float>()[0] = 1;
+  auto dx = (*net)->backward(**cpu, dy);
+  REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
+  CHECK(dx->shape() == x.shape());
+}

@@ -169,6 +169,30 @@ class BasicBlock final : public Layer {
   ReLU out_relu_;
 };
 
+// ResNet's Bottleneck, torchvision's v1.5 (stride on the 3x3): conv1 1x1 -> bn1 -> relu -> conv2
+// 3x3/stride -> bn2 -> relu -> conv3 1x1 (x4 channels) -> bn3, plus shortcut, then relu.
+class Bottleneck final : public Layer {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<Bottleneck>> make(Allocator& alloc, DType dtype, int64_t in,
+                                                                int64_t width, int stride, InitRng& rng);
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override;
+
+ private:
+  Sequential main_;
+  std::unique_ptr<Sequential> down_;
+  ReLU out_relu_;
+};
+
+// torchvision's resnet18 / resnet34 / resnet50 (He et al., 2016), same architecture and parameter
+// names ("conv1.weight", "layer1.0.bn1.running_mean", "fc.bias"), `classes` outputs, initialised
+// as torchvision does from `seed`. Any input size of at least 32 px. Errors: kInvalidArgument for
+// another depth, the allocator's.
+[[nodiscard]] Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth,
+                                                              int64_t classes, uint64_t seed);
+
 // A small CNN for tests and small patches: 3 x [conv3x3 -> bn -> relu -> maxpool 2], then global
 // average pool and a linear classifier. Widths w, 2w, 4w.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels,

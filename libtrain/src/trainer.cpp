@@ -47,7 +47,13 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   EpochStats st;
   int64_t correct = 0;
   double loss_sum = 0;
-  for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size)) {
+  int64_t step_index = 0;
+  for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size), ++step_index) {
+    if (step_index < options.start_step) continue;
+    if (options.cancel != nullptr && options.cancel->load()) {
+      st.completed = false;
+      break;
+    }
     const size_t end = std::min(order.size(), start + static_cast<size_t>(options.batch_size));
     const auto step_n = static_cast<int64_t>(end - start);
     const int64_t micro = std::min<int64_t>(options.accumulate, step_n);

@@ -7,6 +7,7 @@
 // exception). The last partial batch of an epoch is used, not dropped.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -21,7 +22,8 @@ struct EpochStats {
   double accuracy = 0;    // fraction correct
   double balanced_accuracy = 0;  // mean per-class recall over the classes present
   int64_t samples = 0;
-  int64_t steps = 0;
+  int64_t steps = 0;       // steps run by this call
+  bool completed = true;   // false: stopped by `cancel` after `steps` steps
   double seconds = 0;
 };
 
@@ -30,6 +32,8 @@ struct TrainOptions {
   int64_t accumulate = 1;      // micro-batches per step
   double label_smoothing = 0;
   bool augment = true;
+  int64_t start_step = 0;  // resume inside an epoch: skip its first start_step steps (same order)
+  const std::atomic<bool>* cancel = nullptr;  // checked after every step
 };
 
 // Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.

@@ -1,0 +1,306 @@
+// slide-train: trains a CNN classifier on slide-tile stores (DESIGN.md, "The engine").
+//
+// Exit codes: 0 ok, 1 failed, 2 usage or bad input (before any work starts), 130 interrupted
+// (Ctrl-C: the current step finishes, a checkpoint is written; --resume continues exactly).
+#include <CLI/CLI.hpp>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "slide/core/file.h"
+#include "slide/core/log.h"
+#include "slide/train/checkpoint.h"
+#include "slide/train/trainer.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using slide::core::Status;
+using namespace slide::train;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitInterrupted = 130;
+
+std::atomic<bool> g_cancel{false};
+
+void on_signal(int) {
+  if (g_cancel.exchange(true)) _exit(kExitInterrupted);
+  static const char kMsg[] = "\ninterrupt: finishing the current step, then writing a checkpoint\n";
+  (void)!::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
+}
+
+int fail(const Status& s) {
+  slide::core::log_error(s.to_string());
+  return s.code() == slide::core::StatusCode::kInvalidArgument || s.code() == slide::core::StatusCode::kNotFound
+             ? kExitUsage
+             : kExitFailed;
+}
+
+struct Run {
+  std::unique_ptr<Sequential> model;
+  std::unique_ptr<Optimizer> opt;
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+};
+
+std::vector<NamedTensor> named(const std::vector<Parameter*>& ps, const std::vector<Buffer*>& bs) {
+  std::vector<NamedTensor> out;
+  for (auto* p : ps) out.push_back({p->name, &p->value});
+  for (auto* b : bs) out.push_back({b->name, &b->value});
+  return out;
+}
+
+// The newest complete checkpoint directory ("epoch-E-step-S", no ".partial"), or "".
+std::string latest_checkpoint(const std::string& dir) {
+  std::string best;
+  std::pair<long, long> best_key{-1, -1};
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    long ep = 0, st = 0;
+    const std::string n = e.path().filename().string();
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos &&
+        std::pair<long, long>{ep, st} > best_key)
+      best_key = {ep, st}, best = e.path().string();
+  }
+  return best;
+}
+
+// Writes <dir>/epoch-E-step-S via a .partial directory renamed into place; keeps the newest `keep`.
+Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& state, int keep) {
+  const std::string name = "epoch-" + std::to_string(state["epoch"].get<long>()) + "-step-" +
+                           std::to_string(state["step_in_epoch"].get<long>());
+  const std::string partial = dir + "/" + name + ".partial", final_dir = dir + "/" + name;
+  std::error_code ec;
+  fs::remove_all(partial, ec);
+  SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(partial));
+  SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/model.safetensors", named(run.params, run.buffers),
+                                         {{"format", "pt"}}));
+  std::vector<NamedTensor> opt_state;
+  for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});
+  if (!opt_state.empty()) SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state));
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(partial + "/state.json", state.dump(2)));
+  fs::remove_all(final_dir, ec);
+  fs::rename(partial, final_dir, ec);
+  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+  // Keep the newest `keep` checkpoints.
+  std::vector<std::pair<std::pair<long, long>, fs::path>> all;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    long ep = 0, st = 0;
+    const std::string n = e.path().filename().string();
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos)
+      all.push_back({{ep, st}, e.path()});
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  return slide::core::ok_status();
+}
+
+// metrics.jsonl and metrics.csv, rewritten whole (atomically) from the history.
+Status write_metrics(const std::string& out, const nlohmann::json& history) {
+  std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,lr,seconds\n";
+  for (const auto& h : history) {
+    jsonl += h.dump() + "\n";
+    char line[256];
+    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6g,%.3f\n", h["epoch"].get<long>(),
+                  h["train_loss"].get<double>(), h["train_accuracy"].get<double>(), h["val_loss"].get<double>(),
+                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(), h["lr"].get<double>(),
+                  h["seconds"].get<double>());
+    csv += line;
+  }
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
+  return slide::core::write_file_atomic(out + "/metrics.csv", csv);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"slide-train: train a CNN tile classifier on slide-tile stores, on the CPU (oneDNN); resumable"};
+  app.set_version_flag("--version", std::string("slide-train ") + SLIDE_VERSION);
+  app.set_config("--config", "", "Read options from a TOML/INI file (keys are the long option names)");
+  std::vector<std::string> data, val_data;
+  std::string model_name = "small", out, optimizer = "sgd", schedule = "cosine", backend = "cpu", budget;
+  int epochs = 10, keep = 3, threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int64_t batch = 32, accumulate = 1, width = 16;
+  double lr = 0.1, momentum = 0.9, weight_decay = 1e-4, warmup_epochs = 0, smoothing = 0, val_fraction = 0.2;
+  uint64_t seed = 0;
+  bool nesterov = false, resume = false, no_augment = false, quiet = false, log_json = false;
+  app.add_option("--data", data, "Tile stores to train on (labelled: patch folders or a manifest with labels)")
+      ->required()->check(CLI::ExistingDirectory);
+  app.add_option("--val-data", val_data, "Validation stores (default: --val-fraction of the slides, split by slide)")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv")->required();
+  app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
+  app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
+  app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", batch, "Samples per optimizer step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--accumulate", accumulate, "Micro-batches per step (gradient accumulation)")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--lr", lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--optimizer", optimizer, "sgd | adamw")->capture_default_str();
+  app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str();
+  app.add_flag("--nesterov", nesterov, "Nesterov momentum");
+  app.add_option("--weight-decay", weight_decay, "Weight decay (L2 for sgd, decoupled for adamw)")->capture_default_str();
+  app.add_option("--schedule", schedule, "cosine | step | constant")->capture_default_str();
+  app.add_option("--warmup-epochs", warmup_epochs, "Linear warm-up, in epochs")->capture_default_str();
+  app.add_option("--label-smoothing", smoothing, "Label smoothing in [0, 1)")->capture_default_str();
+  app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation")->capture_default_str();
+  app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
+  app.add_option("--threads", threads, "Decode threads")->capture_default_str();
+  app.add_option("--backend", backend, "cpu (oneDNN) | reference")->capture_default_str();
+  app.add_option("--memory-budget", budget, "Host memory budget for tensors, e.g. 8G (exceeding it is an error)");
+  app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--resume", resume, "Continue from the newest checkpoint in --out");
+  app.add_flag("--no-augment", no_augment, "No flips or rotations");
+  app.add_flag("-q,--quiet", quiet, "Only warnings and errors");
+  app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every usage error is exit code 2 (CLI11 has its own numbers).
+    return app.exit(e) == 0 ? kExitOk : kExitUsage;
+  }
+  slide::core::set_log_json(log_json);
+  if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+
+  // Everything that can be wrong with the input is checked before training starts.
+  if (!budget.empty()) {
+    auto b = parse_bytes(budget);
+    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
+    cpu_allocator().set_budget_bytes(*b);
+  }
+  auto be = make_backend(backend);
+  if (!be.ok()) return fail(be.status());
+  std::vector<std::string> all = data;
+  all.insert(all.end(), val_data.begin(), val_data.end());
+  auto ds = TileDataset::open(all);
+  if (!ds.ok()) return fail(ds.status());
+  std::vector<size_t> train, val;
+  if (val_data.empty()) {
+    (*ds)->split_by_slide(val_fraction, seed, &train, &val);
+  } else {
+    for (size_t i = 0; i < (*ds)->tiles().size(); ++i)
+      ((*ds)->tiles()[i].store < data.size() ? train : val).push_back(i);
+  }
+  if (train.empty()) return fail(slide::core::invalid_argument("no training tiles after the split"));
+  const auto classes = static_cast<int64_t>((*ds)->class_names().size());
+  if (classes < 2) return fail(slide::core::invalid_argument("the stores hold fewer than two classes"));
+
+  Run run;
+  Result<std::unique_ptr<Sequential>> model = slide::core::invalid_argument("model '" + model_name +
+                                                                            "' is not one of small, resnet18, resnet34, resnet50");
+  if (model_name == "small") model = make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed);
+  else if (model_name == "resnet18") model = make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed);
+  else if (model_name == "resnet34") model = make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed);
+  else if (model_name == "resnet50") model = make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed);
+  if (!model.ok()) return fail(model.status());
+  run.model = std::move(*model);
+  run.model->collect("", &run.params, &run.buffers);
+  OptimizerConfig oc;
+  oc.name = optimizer;
+  oc.momentum = momentum;
+  oc.nesterov = nesterov;
+  oc.weight_decay = weight_decay;
+  auto opt = Optimizer::make(oc, run.params, cpu_allocator());
+  if (!opt.ok()) return fail(opt.status());
+  run.opt = std::move(*opt);
+  const int64_t steps_per_epoch = (static_cast<int64_t>(train.size()) + batch - 1) / batch;
+  Schedule sched;
+  sched.kind = schedule;
+  sched.base_lr = lr;
+  sched.warmup_steps = static_cast<int64_t>(warmup_epochs * static_cast<double>(steps_per_epoch));
+  sched.total_steps = steps_per_epoch * epochs;
+  sched.step_size = std::max<int64_t>(1, sched.total_steps / 3);
+  if (schedule != "cosine" && schedule != "step" && schedule != "constant")
+    return fail(slide::core::invalid_argument("schedule '" + schedule + "' is not one of cosine, step, constant"));
+
+  const std::string ckpt_dir = out + "/checkpoints";
+  if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
+  nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
+                          {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
+                          {"best_val_balanced_accuracy", -1.0}};
+  if (resume) {
+    const std::string latest = latest_checkpoint(ckpt_dir);
+    if (latest.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
+    auto text = slide::core::read_file(latest + "/state.json");
+    if (!text.ok()) return fail(text.status());
+    nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
+    if (saved.is_discarded() || saved.value("model", "") != model_name || saved["classes"] != state["classes"])
+      return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
+    if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers)); !s.ok()) return fail(s);
+    std::vector<NamedTensor> opt_state;
+    for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});
+    if (!opt_state.empty())
+      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
+    state = saved;
+    run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
+    slide::core::log_info("resumed", {{"checkpoint", latest}});
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
+  slide::core::log_info("training", {{"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
+                                     {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
+                                     {"steps_per_epoch", steps_per_epoch}, {"backend", backend}});
+  for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
+    TrainOptions to;
+    to.batch_size = batch;
+    to.accumulate = accumulate;
+    to.label_smoothing = smoothing;
+    to.augment = !no_augment;
+    to.start_step = state["step_in_epoch"].get<int64_t>();
+    to.cancel = &g_cancel;
+    const double lr_now = sched.at(run.opt->steps());
+    auto st = train_epoch(**be, *run.model, *run.opt, sched, **ds, train, to, seed * 7919 + static_cast<uint64_t>(epoch),
+                          &pool);
+    if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
+    state["optimizer_steps"] = run.opt->steps();
+    if (!st->completed) {
+      state["epoch"] = epoch;
+      state["step_in_epoch"] = to.start_step + st->steps;
+      if (auto s = save_checkpoint(ckpt_dir, run, state, keep); !s.ok()) return fail(s);
+      slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
+                            {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
+      return kExitInterrupted;
+    }
+    EpochStats v;
+    if (!val.empty()) {
+      auto ev = evaluate(**be, *run.model, **ds, val, batch, &pool);
+      if (!ev.ok()) return fail(ev.status().with_context("validation"));
+      v = *ev;
+    }
+    // A resumed epoch's train figures cover only the steps run after the resume.
+    state["history"].push_back({{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
+                                {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
+                                {"val_balanced_accuracy", v.balanced_accuracy}, {"lr", lr_now},
+                                {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds}});
+    state["epoch"] = epoch + 1;
+    state["step_in_epoch"] = 0;
+    if (auto s = write_metrics(out, state["history"]); !s.ok()) return fail(s);
+    if (v.balanced_accuracy > state["best_val_balanced_accuracy"].get<double>()) {
+      state["best_val_balanced_accuracy"] = v.balanced_accuracy;
+      state["best_epoch"] = epoch + 1;
+      if (auto s = save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}}); !s.ok())
+        return fail(s);
+    }
+    if (auto s = save_checkpoint(ckpt_dir, run, state, keep); !s.ok()) return fail(s);
+    slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
+                                    {"val_accuracy", v.accuracy}, {"val_balanced_accuracy", v.balanced_accuracy},
+                                    {"images_per_s", st->samples / st->seconds}});
+  }
+  std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  return kExitOk;
+}

@@ -1,0 +1,158 @@
+#!/usr/bin/python3
+"""End-to-end tests of slide-train on real tiles: the LC25000 lung subset in sample_data, tiled by
+slide-tile (run by ctest, one class per test).
+
+Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
+"""
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+TILE = os.environ["SLIDE_TILE"]
+TRAIN = os.environ["SLIDE_TRAIN"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
+
+
+def read_safetensors(path):
+    """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
+        b, end = e["data_offsets"]
+        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
+    return out
+
+
+class Base(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="slide_train_e2e_")
+        cls.store = os.path.join(cls.tmp, "lc")
+        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", cls.store, "-q"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def train(self, out, *extra, **kw):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "2", "--seed", "3"] + list(extra)
+        return subprocess.run(args, capture_output=True, text=True, **kw)
+
+
+class TestTrain(Base):
+    def test_learns_and_writes_metrics_and_torchvision_named_weights(self):
+        out = os.path.join(self.tmp, "run")
+        r = self.train(out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            history = [json.loads(l) for l in f]
+        self.assertEqual([h["epoch"] for h in history], [1, 2, 3, 4, 5, 6])
+        self.assertGreater(history[-1]["val_balanced_accuracy"], 0.7)   # chance: 1/3
+        self.assertLess(history[-1]["train_loss"], history[0]["train_loss"])
+        with open(os.path.join(out, "metrics.csv")) as f:
+            csv = f.read().splitlines()
+        self.assertEqual(len(csv), 7)
+        best = read_safetensors(os.path.join(out, "best.safetensors"))
+        self.assertEqual(best["0.weight"].shape, (8, 3, 3, 3))
+        self.assertEqual(best["fc.weight"].shape, (3, 32))
+        self.assertIn("1.running_var", best)
+        self.assertTrue(all(np.isfinite(v).all() for v in best.values()))
+        # The newest three checkpoints are kept.
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
+                         ["epoch-4-step-0", "epoch-5-step-0", "epoch-6-step-0"])
+
+
+class TestResume(Base):
+    def test_sigint_then_resume_gives_the_uninterrupted_weights(self):
+        ref = os.path.join(self.tmp, "ref")
+        t0 = time.monotonic()
+        self.assertEqual(self.train(ref).returncode, 0)
+        seconds = time.monotonic() - t0
+        final = read_safetensors(os.path.join(ref, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        interrupted = 0
+        for i, frac in enumerate((0.35, 0.7)):
+            out = os.path.join(self.tmp, "int%d" % i)
+            p = subprocess.Popen([TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32",
+                                  "--lr", "0.05", "--width", "8", "--threads", "2", "--seed", "3"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(frac * seconds)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=120)
+            if p.returncode == 130:
+                interrupted += 1
+                self.assertIn("checkpoint written", err)
+            else:
+                self.assertEqual(p.returncode, 0, err)
+            r = self.train(out, "--resume")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            got = read_safetensors(os.path.join(out, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+            for name, value in final.items():
+                self.assertTrue(np.array_equal(got[name], value), "%s differs after resume %d" % (name, i))
+        self.assertGreaterEqual(interrupted, 1, "the interrupts should land mid-run")
+
+    def test_sigkill_then_resume_from_the_last_epoch(self):
+        ref = os.path.join(self.tmp, "ref2")
+        self.assertEqual(self.train(ref).returncode, 0)
+        out = os.path.join(self.tmp, "killed")
+        p = subprocess.Popen([TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32",
+                              "--lr", "0.05", "--width", "8", "--threads", "2", "--seed", "3"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "checkpoints", "epoch-2-step-0")):
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        r = self.train(out, "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a = read_safetensors(os.path.join(ref, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        b = read_safetensors(os.path.join(out, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        self.assertTrue(all(np.array_equal(a[k], b[k]) for k in a))
+
+
+class TestBadInput(Base):
+    def test_errors_before_any_work(self):
+        out = os.path.join(self.tmp, "bad")
+        r = subprocess.run([TRAIN, "--data", os.path.join(self.tmp, "nope"), "--out", out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("nope", r.stderr)
+        r = self.train(out, "--model", "vgg16")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("vgg16", r.stderr)
+        # A store of a slide without labels.
+        unlabelled = os.path.join(self.tmp, "cmu")
+        cmu = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
+        self.assertEqual(subprocess.run([TILE, cmu, "--mpp", "1", "-o", unlabelled, "-q"]).returncode, 0)
+        r = subprocess.run([TRAIN, "--data", unlabelled, "--out", out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("has no label", r.stderr)
+        r = self.train(out, "--resume")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("no complete checkpoint", r.stderr)
+        # A budget too small for the model is a clear error, not a crash.
+        r = self.train(out, "--memory-budget", "64K")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
+        self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:], verbosity=2)

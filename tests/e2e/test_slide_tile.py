@@ -211,8 +211,11 @@ class TestResume(Base):
             p.send_signal(signal.SIGKILL)
             rc = p.wait()
             if rc == -signal.SIGKILL and os.path.exists(os.path.join(store, "data.mdb")):
-                partial = dump(store)
-                if len(partial[b"tiles"]) < n_tiles:
+                try:
+                    partial = dump(store)
+                except lmdb.Error:
+                    partial = None  # killed while the store was being created: no database yet
+                if partial is not None and len(partial[b"tiles"]) < n_tiles:
                     killed_mid_run += 1
             # A second kill during the resume, then a full resume.
             p = subprocess.Popen([TILE] + RESUME_ARGS + ["-o", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -124,6 +124,12 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // From the start: a Ctrl-C during set-up then stops at the first step, with a checkpoint.
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
   CLI::App app{"slide-train: train a CNN tile classifier on slide-tile stores, on the CPU (oneDNN); resumable"};
   app.set_version_flag("--version", std::string("slide-train ") + SLIDE_VERSION);
   app.set_config("--config", "", "Read options from a TOML/INI file (keys are the long option names)");
@@ -246,11 +252,6 @@ int main(int argc, char** argv) {
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
   slide::core::log_info("training", {{"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},

@@ -12,8 +12,8 @@ packages=(
   libhdf5-dev libdnnl-dev libopenmpi-dev openmpi-bin
   python3 python3-lmdb python3-openslide python3-numpy python3-pil
 )
-# Benchmarks only (the Python peer and the gigapixel slide builder): `install-deps.sh --bench`.
-bench_packages=(python3-opencv libvips-tools time)
+# Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
+bench_packages=(python3-opencv libvips-tools time python3-torch python3-torchvision)
 
 want=("${packages[@]}")
 if [[ "${1:-}" == "--bench" ]]; then want+=("${bench_packages[@]}"); fi

@@ -27,11 +27,28 @@ Status Allocator::reserve(size_t bytes, const std::string& what) {
 
 void Allocator::release(size_t bytes) { current_.fetch_sub(bytes, std::memory_order_relaxed); }
 
+CpuAllocator::~CpuAllocator() { trim_cache(); }
+
 Result<void*> CpuAllocator::allocate(size_t bytes, const std::string& what) {
   if (bytes == 0) return slide::core::invalid_argument("allocate " + what + ": zero bytes");
   SLIDE_RETURN_IF_ERROR(reserve(bytes, what));
   // aligned_alloc needs a size that is a multiple of the alignment.
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(rounded);
+    if (it != free_.end()) {
+      void* p = it->second;
+      free_.erase(it);
+      cached_ -= rounded;
+      return p;
+    }
+  }
+  void* p = std::aligned_alloc(64, rounded);
+  if (p == nullptr) {
+    trim_cache();  // the cache may hold what the system now lacks
+    p = std::aligned_alloc(64, rounded);
+  }
   if (p == nullptr) {
     release(bytes);
     return slide::core::resource_exhausted("cpu: out of memory allocating " + std::to_string(bytes) + " bytes for " +
@@ -42,8 +59,37 @@ Result<void*> CpuAllocator::allocate(size_t bytes, const std::string& what) {
 
 void CpuAllocator::deallocate(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
-  std::free(ptr);
   release(bytes);
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cached_ + rounded <= cache_limit_) {
+      free_.emplace(rounded, ptr);
+      cached_ += rounded;
+      return;
+    }
+  }
+  std::free(ptr);
+}
+
+void CpuAllocator::trim_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [size, p] : free_) std::free(p);
+  free_.clear();
+  cached_ = 0;
+}
+
+size_t CpuAllocator::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cached_;
+}
+
+void CpuAllocator::set_cache_limit_bytes(size_t limit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_limit_ = limit;
+  }
+  if (cached_bytes() > limit) trim_cache();
 }
 
 CpuAllocator& cpu_allocator() {

@@ -61,11 +61,14 @@ class OneDnnBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kF32Only));
     return run("conv2d_forward", [&] {
       auto& pd = conv_fwd_pd(d, p, b.defined());
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
-                                           {DNNL_ARG_WEIGHTS, mem(pd.weights_desc(), w)},
-                                           {DNNL_ARG_DST, mem(pd.dst_desc(), y)}};
+      auto [src, wei, bmd, dst] = conv_mds(d, b.defined());
+      const memory y_plain = mem(dst, y), y_pd = out_mem(pd.dst_desc(), y_plain);
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(src, x))},
+                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(wei, w))},
+                                           {DNNL_ARG_DST, y_pd}};
       if (b.defined()) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
       dnnl::convolution_forward(pd).execute(strm_, args);
+      from_pd(y_pd, y_plain);
     });
   }
 
@@ -73,15 +76,19 @@ class OneDnnBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kF32Only));
     return run("conv2d_backward_data", [&] {
       auto& pd = cached<dnnl::convolution_backward_data::primitive_desc>(conv_key("conv_bwd_data", d, p, false), [&] {
-        auto [src, wei, bias, dst] = conv_mds(d, false);
+        auto [src, wei, bias, dst] = conv_mds(d, false, true);
         (void)bias;
         dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src, wei, dst, {p.stride, p.stride},
                                                    {p.pad, p.pad}, pad_r(d, p));
         return dnnl::convolution_backward_data::primitive_desc(desc, eng_, conv_fwd_pd(d, p, false));
       });
-      dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
-                                                          {DNNL_ARG_WEIGHTS, mem(pd.weights_desc(), w)},
-                                                          {DNNL_ARG_DIFF_SRC, mem(pd.diff_src_desc(), dx)}});
+      auto [src, wei, bias, dst] = conv_mds(d, false);
+      (void)bias;
+      const memory dx_plain = mem(src, dx), dx_pd = out_mem(pd.diff_src_desc(), dx_plain);
+      dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(dst, dy))},
+                                                          {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(wei, w))},
+                                                          {DNNL_ARG_DIFF_SRC, dx_pd}});
+      from_pd(dx_pd, dx_plain);
     });
   }
 
@@ -96,18 +103,22 @@ class OneDnnBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(run("conv2d_backward_weights", [&] {
       const bool bias = db.defined();
       auto& pd = cached<dnnl::convolution_backward_weights::primitive_desc>(conv_key("conv_bwd_w", d, p, bias), [&] {
-        auto [src, wei, bmd, dst] = conv_mds(d, bias);
+        auto [src, wei, bmd, dst] = conv_mds(d, bias, true);
         auto desc = bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, bmd,
                                                                     dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
                          : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, dst,
                                                                     {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
         return dnnl::convolution_backward_weights::primitive_desc(desc, eng_, conv_fwd_pd(d, p, bias));
       });
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
-                                           {DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
-                                           {DNNL_ARG_DIFF_WEIGHTS, mem(pd.diff_weights_desc(), dw_new)}};
+      auto [src, wei, bmd, dst] = conv_mds(d, bias);
+      (void)bmd;
+      const memory dw_plain = mem(wei, dw_new), dw_pd = out_mem(pd.diff_weights_desc(), dw_plain);
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(src, x))},
+                                           {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(dst, dy))},
+                                           {DNNL_ARG_DIFF_WEIGHTS, dw_pd}};
       if (bias) args.emplace(DNNL_ARG_DIFF_BIAS, mem(pd.diff_bias_desc(), db_new));
       dnnl::convolution_backward_weights(pd).execute(strm_, args);
+      from_pd(dw_pd, dw_plain);
     }));
     accumulate(dw, dw_new);
     if (db.defined()) accumulate(db, db_new);
@@ -411,6 +422,10 @@ class OneDnnBackend final : public Backend {
  private:
   // Runs body on the stream and waits; a dnnl::error becomes a Status naming the op.
   Status run(const char* op, const std::function<void()>& body) {
+    struct ClearScratch {
+      std::vector<Tensor>& s;
+      ~ClearScratch() { s.clear(); }
+    } clear{scratch_};
     try {
       body();
       strm_.wait();
@@ -420,7 +435,7 @@ class OneDnnBackend final : public Backend {
       if (e.status == dnnl_out_of_memory) return slide::core::resource_exhausted(std::string(op) + ": oneDNN: " + e.what());
       return slide::core::internal_error(std::string(op) + ": oneDNN: " + e.what());
     } catch (const std::bad_alloc&) {
-      return slide::core::resource_exhausted(std::string(op) + ": out of memory");
+      return slide::core::resource_exhausted(std::string(op) + ": out of memory (or over the memory budget) for scratch");
     }
     return ok_status();
   }
@@ -455,14 +470,40 @@ class OneDnnBackend final : public Backend {
   struct ConvMds {
     memory::desc src, wei, bias, dst;
   };
-  ConvMds conv_mds(const detail::ConvDims& d, bool bias) const {
-    return {plain({d.N, d.C, d.H, d.W}, tag::nchw), plain({d.K, d.C, d.R, d.S}, tag::oihw),
-            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, tag::nchw)};
+  // The plain layouts of a convolution's tensors or, with `any`, oneDNN's free choice: its blocked
+  // layouts (nChw16c, ...), whose direct AVX-512 kernels beat im2col + gemm on nchw by more than
+  // the reorders at the op's edges cost (ResNet-18 training: see the note on issue 3).
+  ConvMds conv_mds(const detail::ConvDims& d, bool bias, bool any = false) const {
+    return {plain({d.N, d.C, d.H, d.W}, any ? tag::any : tag::nchw), plain({d.K, d.C, d.R, d.S}, any ? tag::any : tag::oihw),
+            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, any ? tag::any : tag::nchw)};
+  }
+
+  // Scratch for a reordered copy, from the (caching, budgeted) allocator; lives until run() ends.
+  memory scratch(const memory::desc& md) {
+    auto t = Tensor::empty({static_cast<int64_t>(md.get_size())}, DType::kF32, alloc_, "reorder scratch");
+    if (!t.ok()) throw std::bad_alloc();
+    scratch_.push_back(*t);
+    return memory(md, eng_, t->raw());
+  }
+  // `plain_mem` in the layout a primitive wants: itself, or a reordered copy.
+  memory to_pd(const memory::desc& want, memory plain_mem) {
+    if (want == plain_mem.get_desc()) return plain_mem;
+    memory m = scratch(want);
+    dnnl::reorder(plain_mem, m).execute(strm_, plain_mem, m);
+    return m;
+  }
+  // Where a primitive writes an output: the plain tensor itself, or scratch to reorder back.
+  memory out_mem(const memory::desc& want, const memory& plain_mem) {
+    return want == plain_mem.get_desc() ? plain_mem : scratch(want);
+  }
+  void from_pd(memory got, memory plain_mem) {
+    if (got.get_desc() == plain_mem.get_desc()) return;
+    dnnl::reorder(got, plain_mem).execute(strm_, got, plain_mem);
   }
 
   dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias) {
     return cached<dnnl::convolution_forward::primitive_desc>(conv_key("conv_fwd", d, p, bias), [&] {
-      auto [src, wei, bmd, dst] = conv_mds(d, bias);
+      auto [src, wei, bmd, dst] = conv_mds(d, bias, true);
       auto desc = bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, bmd, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
@@ -526,6 +567,7 @@ class OneDnnBackend final : public Backend {
   dnnl::stream strm_;
   std::unordered_map<std::string, std::any> cache_;
   std::unique_ptr<Backend> loops_;  // the reference backend, for ops oneDNN does not have
+  std::vector<Tensor> scratch_;     // reorder scratch of the op in flight
 };
 
 }  // namespace

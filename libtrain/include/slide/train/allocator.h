@@ -10,7 +10,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "slide/core/status.h"
 
@@ -54,12 +56,27 @@ class Allocator {
   std::atomic<size_t> budget_{kUnlimited};
 };
 
-// Host memory, 64-byte aligned (a cache line; oneDNN's preferred alignment).
+// Host memory, 64-byte aligned (a cache line; oneDNN's preferred alignment), with a cache of freed
+// blocks by size: a training step allocates the same activation shapes every time, and fresh
+// large blocks come from mmap and are faulted in page by page (measured: the page faults cost as
+// much as the layers' arithmetic for batch norm and ReLU). Cached blocks do not count as live
+// bytes against the budget; the cache holds at most cache_limit_bytes (default 4 GiB) and
+// trim_cache() returns it to the system.
 class CpuAllocator final : public Allocator {
  public:
+  ~CpuAllocator() override;
   Device device() const override { return Device::kCpu; }
   [[nodiscard]] Result<void*> allocate(size_t bytes, const std::string& what) override;
   void deallocate(void* ptr, size_t bytes) override;
+  void trim_cache();
+  size_t cached_bytes() const;
+  void set_cache_limit_bytes(size_t limit);
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_multimap<size_t, void*> free_;  // rounded size -> block
+  size_t cached_ = 0;
+  size_t cache_limit_ = size_t{4} << 30;
 };
 
 // The process's CPU allocator (one budget for all host tensors).

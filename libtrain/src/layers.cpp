@@ -273,30 +273,6 @@ void Sequential::release() {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// relu(main(x) + shortcut(x)), shortcut = down (when given) or identity.
-Result<Tensor> residual_forward(Backend& be, Sequential& main, Sequential* down, ReLU& out_relu, const Tensor& x,
-                                bool training) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor h, main.forward(be, x, training));
-  Tensor shortcut = x;
-  if (down != nullptr) {
-    SLIDE_ASSIGN_OR_RETURN(shortcut, down->forward(be, x, training));
-  }
-  SLIDE_RETURN_IF_ERROR(be.add(h, shortcut, h));  // in place: h is the block's own tensor
-  return out_relu.forward(be, h, training);
-}
-
-Result<Tensor> residual_backward(Backend& be, Sequential& main, Sequential* down, ReLU& out_relu, const Tensor& dy) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor g, out_relu.backward(be, dy));
-  // The sum's gradient flows unchanged into both branches; their input gradients add up.
-  SLIDE_ASSIGN_OR_RETURN(Tensor dx, main.backward(be, g));
-  Tensor dshort = g;
-  if (down != nullptr) {
-    SLIDE_ASSIGN_OR_RETURN(dshort, down->backward(be, g));
-  }
-  SLIDE_RETURN_IF_ERROR(be.add(dx, dshort, dx));
-  return dx;
-}
-
 // torchvision's downsample: 1x1 conv with the block's stride, then batch norm.
 Result<std::unique_ptr<Sequential>> make_downsample(Allocator& alloc, DType dtype, int64_t in, int64_t out, int stride,
                                                     InitRng& rng) {
@@ -321,6 +297,39 @@ Status add_conv_bn(Sequential& seq, Allocator& alloc, DType dtype, int64_t in, i
 
 }  // namespace
 
+Result<Tensor> ResidualBlock::forward(Backend& be, const Tensor& x, bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, main_.forward(be, x, training));
+  Tensor shortcut = x;
+  if (down_) {
+    SLIDE_ASSIGN_OR_RETURN(shortcut, down_->forward(be, x, training));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(h, shortcut, h));  // in place: h is the block's own tensor
+  return out_relu_.forward(be, h, training);
+}
+
+Result<Tensor> ResidualBlock::backward(Backend& be, const Tensor& dy) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor g, out_relu_.backward(be, dy));
+  // The sum's gradient flows unchanged into both branches; their input gradients add up.
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, main_.backward(be, g));
+  Tensor dshort = g;
+  if (down_) {
+    SLIDE_ASSIGN_OR_RETURN(dshort, down_->backward(be, g));
+  }
+  SLIDE_RETURN_IF_ERROR(be.add(dx, dshort, dx));
+  return dx;
+}
+
+void ResidualBlock::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  main_.collect(prefix, params, buffers);
+  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
+}
+
+void ResidualBlock::release() {
+  main_.release();
+  if (down_) down_->release();
+  out_relu_.release();
+}
+
 Result<std::unique_ptr<BasicBlock>> BasicBlock::make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
                                                      int stride, InitRng& rng) {
   auto b = std::make_unique<BasicBlock>();
@@ -332,24 +341,6 @@ Result<std::unique_ptr<BasicBlock>> BasicBlock::make(Allocator& alloc, DType dty
   return b;
 }
 
-Result<Tensor> BasicBlock::forward(Backend& be, const Tensor& x, bool training) {
-  return residual_forward(be, main_, down_.get(), out_relu_, x, training);
-}
-
-Result<Tensor> BasicBlock::backward(Backend& be, const Tensor& dy) {
-  return residual_backward(be, main_, down_.get(), out_relu_, dy);
-}
-
-void BasicBlock::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
-  main_.collect(prefix, params, buffers);
-  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
-}
-
-void BasicBlock::release() {
-  main_.release();
-  if (down_) down_->release();
-  out_relu_.release();
-}
 
 Result<std::unique_ptr<Bottleneck>> Bottleneck::make(Allocator& alloc, DType dtype, int64_t in, int64_t width,
                                                      int stride, InitRng& rng) {
@@ -364,24 +355,6 @@ Result<std::unique_ptr<Bottleneck>> Bottleneck::make(Allocator& alloc, DType dty
   return b;
 }
 
-Result<Tensor> Bottleneck::forward(Backend& be, const Tensor& x, bool training) {
-  return residual_forward(be, main_, down_.get(), out_relu_, x, training);
-}
-
-Result<Tensor> Bottleneck::backward(Backend& be, const Tensor& dy) {
-  return residual_backward(be, main_, down_.get(), out_relu_, dy);
-}
-
-void Bottleneck::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
-  main_.collect(prefix, params, buffers);
-  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
-}
-
-void Bottleneck::release() {
-  main_.release();
-  if (down_) down_->release();
-  out_relu_.release();
-}
 
 Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth, int64_t classes,
                                                 uint64_t seed) {

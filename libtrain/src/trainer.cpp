@@ -22,12 +22,36 @@ void tally(const Tensor& probs, const Tensor& labels, std::vector<int64_t>* seen
   }
 }
 
-double balanced(const std::vector<int64_t>& seen, const std::vector<int64_t>& right) {
+// A batch through the model and the loss: its labels, the softmax probabilities and the mean loss.
+struct Scored {
+  Tensor labels, probs;
+  double loss = 0;
+};
+
+Result<Scored> score(Backend& be, Layer& model, const TileDataset& data, const std::vector<size_t>& idx, bool training,
+                     bool augment, uint64_t seed, double label_smoothing, slide::core::ThreadPool* pool) {
+  Scored out;
+  Tensor images;
+  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &images, &out.labels));
+  SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, training));
+  SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
+  SLIDE_RETURN_IF_ERROR(
+      be.softmax_cross_entropy_forward(logits, out.labels, Tensor(), label_smoothing, out.probs, &out.loss));
+  return out;
+}
+
+// Fills the means, accuracy, balanced accuracy (mean recall over the classes present) and time.
+void finish(EpochStats* st, double loss_sum, int64_t correct, const std::vector<int64_t>& seen,
+            const std::vector<int64_t>& right, std::chrono::steady_clock::time_point t0) {
+  const double n = static_cast<double>(st->samples);
+  st->loss = st->samples ? loss_sum / n : 0;
+  st->accuracy = st->samples ? static_cast<double>(correct) / n : 0;
   double sum = 0;
   int present = 0;
   for (size_t k = 0; k < seen.size(); ++k)
     if (seen[k] > 0) sum += static_cast<double>(right[k]) / static_cast<double>(seen[k]), ++present;
-  return present ? sum / present : 0.0;
+  st->balanced_accuracy = present ? sum / present : 0.0;
+  st->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -63,32 +87,23 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       const size_t a = start + static_cast<size_t>(step_n * m / micro);
       const size_t b = start + static_cast<size_t>(step_n * (m + 1) / micro);
       std::vector<size_t> idx(order.begin() + static_cast<long>(a), order.begin() + static_cast<long>(b));
-      Tensor images, labels;
-      SLIDE_RETURN_IF_ERROR(data.load_batch(idx, options.augment, epoch_seed * 1000003 + start + a, pool,
-                                            be.allocator(), &images, &labels));
-      SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, true));
-      SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
-      double loss = 0;
+      SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, data, idx, true, options.augment,
+                                              epoch_seed * 1000003 + start + a, options.label_smoothing, pool));
+      SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
       SLIDE_RETURN_IF_ERROR(
-          be.softmax_cross_entropy_forward(logits, labels, Tensor(), options.label_smoothing, probs, &loss));
-      SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "logit gradient"));
-      SLIDE_RETURN_IF_ERROR(
-          be.softmax_cross_entropy_backward(probs, labels, Tensor(), options.label_smoothing, dlogits));
+          be.softmax_cross_entropy_backward(sc.probs, sc.labels, Tensor(), options.label_smoothing, dlogits));
       // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
       const float share = static_cast<float>(b - a) / static_cast<float>(step_n);
       for (int64_t i = 0; i < dlogits.numel(); ++i) dlogits.data<float>()[i] *= share;
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
-      loss_sum += loss * static_cast<double>(b - a);
-      tally(probs, labels, &seen, &right, &correct);
+      loss_sum += sc.loss * static_cast<double>(b - a);
+      tally(sc.probs, sc.labels, &seen, &right, &correct);
     }
     SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
     st.samples += step_n;
     ++st.steps;
   }
-  st.loss = st.samples ? loss_sum / static_cast<double>(st.samples) : 0;
-  st.accuracy = st.samples ? static_cast<double>(correct) / static_cast<double>(st.samples) : 0;
-  st.balanced_accuracy = balanced(seen, right);
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finish(&st, loss_sum, correct, seen, right, t0);
   return st;
 }
 
@@ -104,21 +119,13 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
   for (size_t start = 0; start < positions.size(); start += static_cast<size_t>(batch_size)) {
     const size_t end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
     std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
-    Tensor images, labels;
-    SLIDE_RETURN_IF_ERROR(data.load_batch(idx, false, 0, pool, be.allocator(), &images, &labels));
-    SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, false));
-    SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
-    double loss = 0;
-    SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_forward(logits, labels, Tensor(), 0.0, probs, &loss));
-    loss_sum += loss * static_cast<double>(end - start);
-    tally(probs, labels, &seen, &right, &correct);
+    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, data, idx, false, false, 0, 0.0, pool));
+    loss_sum += sc.loss * static_cast<double>(end - start);
+    tally(sc.probs, sc.labels, &seen, &right, &correct);
     st.samples += static_cast<int64_t>(end - start);
     ++st.steps;
   }
-  st.loss = st.samples ? loss_sum / static_cast<double>(st.samples) : 0;
-  st.accuracy = st.samples ? static_cast<double>(correct) / static_cast<double>(st.samples) : 0;
-  st.balanced_accuracy = balanced(seen, right);
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finish(&st, loss_sum, correct, seen, right, t0);
   return st;
 }
 

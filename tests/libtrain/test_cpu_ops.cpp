@@ -9,17 +9,14 @@
 #include <string>
 
 #include "slide/train/backend.h"
+#include "test_util.h"
 
 using slide::core::StatusCode;
 using namespace slide::train;
 
 namespace {
 
-std::unique_ptr<Backend> must_make(const char* name) {
-  auto r = make_backend(name);
-  REQUIRE(r.ok());
-  return std::move(*r);
-}
+using testing::must_make;
 
 Backend& backend(const std::string& name) {
   static std::unique_ptr<Backend> ref = must_make("reference");

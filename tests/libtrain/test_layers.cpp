@@ -10,34 +10,16 @@
 #include <vector>
 
 #include "slide/train/layers.h"
+#include "test_util.h"
 
 using slide::core::StatusCode;
 using namespace slide::train;
 
 namespace {
 
-Backend& ref() {
-  static std::unique_ptr<Backend> b = [] {
-    auto r = make_backend("reference");
-    REQUIRE(r.ok());
-    return std::move(*r);
-  }();
-  return *b;
-}
-
-Tensor random(const Shape& s, uint64_t seed) {
-  Tensor t = *Tensor::empty(s, DType::kF64, cpu_allocator());
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(-1, 1);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = u(g);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
-  return s;
-}
+Backend& ref() { return testing::reference(); }
+Tensor random(const Shape& s, uint64_t seed) { return testing::random_f64(s, seed); }
+double dot(const Tensor& a, const Tensor& b) { return testing::dot_f64(a, b); }
 
 // Checks dL/dx and dL/dparam for L = sum(layer(x) * r), in training mode. Batch norm's running
 // statistics change on every forward; they do not enter the training-mode output.

@@ -6,17 +6,14 @@
 #include <vector>
 
 #include "slide/train/optimizer.h"
+#include "test_util.h"
 
 using slide::core::StatusCode;
 using namespace slide::train;
 
 namespace {
 
-std::unique_ptr<Backend> must_make(const char* name) {
-  auto r = make_backend(name);
-  REQUIRE(r.ok());
-  return std::move(*r);
-}
+using testing::must_make;
 
 Parameter param(std::vector<double> v, DType dt) {
   Parameter p{"w", *Tensor::zeros({static_cast<int64_t>(v.size())}, dt, cpu_allocator()),

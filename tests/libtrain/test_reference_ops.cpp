@@ -11,20 +11,14 @@
 #include <vector>
 
 #include "slide/train/backend.h"
+#include "test_util.h"
 
 using slide::core::StatusCode;
 using namespace slide::train;
 
 namespace {
 
-Backend& ref() {
-  static std::unique_ptr<Backend> b = [] {
-    auto r = make_backend("reference");
-    REQUIRE(r.ok());
-    return std::move(*r);
-  }();
-  return *b;
-}
+Backend& ref() { return testing::reference(); }
 
 Tensor make(const Shape& s, DType dt = DType::kF64) {
   auto t = Tensor::zeros(s, dt, cpu_allocator());
@@ -32,13 +26,8 @@ Tensor make(const Shape& s, DType dt = DType::kF64) {
   return *t;
 }
 
-// Uniform in [lo, hi), fixed seed.
 Tensor random(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
-  Tensor t = make(s);
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = u(g);
-  return t;
+  return testing::random_f64(s, seed, lo, hi);
 }
 
 Tensor to_f32(const Tensor& t) {
@@ -47,11 +36,7 @@ Tensor to_f32(const Tensor& t) {
   return f;
 }
 
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
-  return s;
-}
+double dot(const Tensor& a, const Tensor& b) { return testing::dot_f64(a, b); }
 
 // Compares `analytic` with the central difference of loss() over every element of `input`.
 void check_gradient(const std::string& what, Tensor& input, const Tensor& analytic, const std::function<double()>& loss,

@@ -387,23 +387,13 @@ class OneDnnBackend final : public Backend {
     return ok_status();
   }
 
+  // The gradient is (probs - target) scaled per sample: a plain N x C loop, the reference's.
   Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels, const Tensor& class_weights,
                                         double label_smoothing, Tensor& dlogits) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_cross_entropy("softmax_cross_entropy_backward", probs, labels,
-                                                          class_weights, label_smoothing, dlogits, kF32Only));
-    const int32_t* yp = labels.data<int32_t>();
-    const float* wp = class_weights.defined() ? class_weights.data<float>() : nullptr;
-    double weight_sum = 0;
-    for (int64_t n = 0; n < d.N; ++n) weight_sum += wp ? double(wp[yp[n]]) : 1.0;
-    for (int64_t n = 0; n < d.N; ++n) {
-      const double scale = weight_sum > 0 ? (wp ? double(wp[yp[n]]) : 1.0) / weight_sum : 0.0;
-      for (int64_t c = 0; c < d.I; ++c) {
-        const double target = (c == yp[n] ? 1.0 - label_smoothing : 0.0) + label_smoothing / double(d.I);
-        dlogits.data<float>()[n * d.I + c] = static_cast<float>(scale * (probs.data<float>()[n * d.I + c] - target));
-      }
-    }
-    return ok_status();
+    SLIDE_RETURN_IF_ERROR(detail::validate_cross_entropy("softmax_cross_entropy_backward", probs, labels,
+                                                         class_weights, label_smoothing, dlogits, kF32Only)
+                              .status());
+    return loops_->softmax_cross_entropy_backward(probs, labels, class_weights, label_smoothing, dlogits);
   }
 
   // oneDNN has no optimizer primitives; the updates are element-wise and memory-bound, so the

@@ -151,39 +151,35 @@ class Sequential final : public Layer {
   std::vector<std::string> names_;
 };
 
-// ResNet's BasicBlock (He et al., 2016): relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)),
-// shortcut = downsample (1x1 conv stride s + bn) when the shape changes, else identity.
-// Names as torchvision: conv1, bn1, conv2, bn2, downsample.0, downsample.1.
-class BasicBlock final : public Layer {
+// relu(main(x) + shortcut(x)), shortcut = downsample (1x1 conv with the block's stride + bn) when
+// the shape changes, else identity: what ResNet's blocks share. Saves: what its layers save.
+class ResidualBlock : public Layer {
  public:
-  [[nodiscard]] static Result<std::unique_ptr<BasicBlock>> make(Allocator& alloc, DType dtype, int64_t in,
-                                                                int64_t out, int stride, InitRng& rng);
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
 
- private:
-  Sequential main_;                  // conv1 bn1 relu conv2 bn2
+ protected:
+  Sequential main_;
   std::unique_ptr<Sequential> down_;  // null: identity shortcut
   ReLU out_relu_;
 };
 
-// ResNet's Bottleneck, torchvision's v1.5 (stride on the 3x3): conv1 1x1 -> bn1 -> relu -> conv2
-// 3x3/stride -> bn2 -> relu -> conv3 1x1 (x4 channels) -> bn3, plus shortcut, then relu.
-class Bottleneck final : public Layer {
+// ResNet's BasicBlock (He et al., 2016): main = conv1 3x3/stride, bn1, relu, conv2 3x3, bn2.
+// Names as torchvision: conv1, bn1, conv2, bn2, downsample.0, downsample.1.
+class BasicBlock final : public ResidualBlock {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<BasicBlock>> make(Allocator& alloc, DType dtype, int64_t in,
+                                                                int64_t out, int stride, InitRng& rng);
+};
+
+// ResNet's Bottleneck, torchvision's v1.5 (stride on the 3x3): main = conv1 1x1, bn1, relu,
+// conv2 3x3/stride, bn2, relu, conv3 1x1 (4 x width channels), bn3.
+class Bottleneck final : public ResidualBlock {
  public:
   [[nodiscard]] static Result<std::unique_ptr<Bottleneck>> make(Allocator& alloc, DType dtype, int64_t in,
                                                                 int64_t width, int stride, InitRng& rng);
-  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
-  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
-  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override;
-
- private:
-  Sequential main_;
-  std::unique_ptr<Sequential> down_;
-  ReLU out_relu_;
 };
 
 // torchvision's resnet18 / resnet34 / resnet50 (He et al., 2016), same architecture and parameter

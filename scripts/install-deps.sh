@@ -11,9 +11,10 @@ packages=(
   libcli11-dev nlohmann-json3-dev doctest-dev
   libhdf5-dev libdnnl-dev libopenmpi-dev openmpi-bin
   python3 python3-lmdb python3-openslide python3-numpy python3-pil
+  python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer
 )
 # Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
-bench_packages=(python3-opencv libvips-tools time python3-torch python3-torchvision)
+bench_packages=(python3-opencv libvips-tools time)
 
 want=("${packages[@]}")
 if [[ "${1:-}" == "--bench" ]]; then want+=("${bench_packages[@]}"); fi

@@ -23,6 +23,21 @@ SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 
 
+def write_safetensors(path, tensors):
+    """The format's spec: u64 LE header length, JSON header (padded to 8 bytes), data."""
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        dtype = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}[a.dtype]
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def read_safetensors(path):
     """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
     with open(path, "rb") as f:
@@ -152,6 +167,59 @@ class TestBadInput(Base):
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
         self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
+
+
+class TestTorchvision(unittest.TestCase):
+    """Numerics against PyTorch: torchvision's resnet18 with its own initial weights, one batch,
+    forward in training mode, cross-entropy, backward, one SGD-momentum step; the logits, the
+    loss, every parameter after the step and batch norm's running statistics must match ours."""
+
+    def test_resnet18_forward_and_one_sgd_step(self):
+        import torch
+        import torchvision
+        torch.set_num_threads(2)
+        torch.manual_seed(0)
+        tmp = tempfile.mkdtemp(prefix="slide_golden_")
+        try:
+            m = torchvision.models.resnet18(num_classes=3)
+            state = {k: v.detach().numpy().copy() for k, v in m.state_dict().items()
+                     if not k.endswith("num_batches_tracked")}
+            write_safetensors(os.path.join(tmp, "model.safetensors"), state)
+            x = torch.randn(4, 3, 64, 64)
+            y = torch.tensor([0, 2, 1, 2])
+            write_safetensors(os.path.join(tmp, "input.safetensors"),
+                              {"x": x.numpy(), "y": y.numpy().astype(np.int32)})
+            out = os.path.join(tmp, "out.safetensors")
+            r = subprocess.run([os.environ["SLIDE_GOLDEN_STEP"], os.path.join(tmp, "model.safetensors"),
+                                os.path.join(tmp, "input.safetensors"), out, "18", "3"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            ours = read_safetensors(out)
+
+            m.train()
+            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+            logits = m(x)
+            loss = torch.nn.functional.cross_entropy(logits, y)
+            loss.backward()
+            opt.step()
+
+            def close(name, got, want, tol):
+                scale = max(1.0, float(np.abs(want).max()))
+                err = float(np.abs(got - want).max()) / scale
+                self.assertLess(err, tol, "%s: max |ours - torch| / scale = %.3g" % (name, err))
+
+            close("logits", ours["logits"], logits.detach().numpy(), 1e-4)
+            self.assertAlmostEqual(float(ours["loss"][0]), loss.item(), places=4)
+            after = m.state_dict()
+            for name, value in after.items():
+                if name.endswith("num_batches_tracked"):
+                    continue
+                # Parameters moved by lr * grad; the gradients agree to f32 rounding through 18
+                # layers, so the updated weights agree to a small fraction of the step.
+                close(name, ours[name], value.numpy(), 1e-4)
+            moved = float(np.abs(after["conv1.weight"].numpy() - state["conv1.weight"]).max())
+            self.assertGreater(moved, 1e-6)  # the step did change the weights
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

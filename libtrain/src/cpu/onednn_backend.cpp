@@ -27,6 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "../cross_entropy.h"
 #include "../op_checks.h"
 #include "../reference/reference_backend.h"
 
@@ -368,22 +369,9 @@ class OneDnnBackend final : public Backend {
       dnnl::logsoftmax_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), logits)},
                                                    {DNNL_ARG_DST, mem(pd.dst_desc(), probs)}});
     }));
-    const int32_t* yp = labels.data<int32_t>();
-    const float* wp = class_weights.defined() ? class_weights.data<float>() : nullptr;
-    float* pp = probs.data<float>();
-    double total = 0, weight_sum = 0;
-    for (int64_t n = 0; n < d.N; ++n) {
-      double nll = 0;
-      for (int64_t c = 0; c < d.I; ++c) {
-        const double target = (c == yp[n] ? 1.0 - label_smoothing : 0.0) + label_smoothing / double(d.I);
-        nll -= target * pp[n * d.I + c];
-        pp[n * d.I + c] = std::exp(pp[n * d.I + c]);
-      }
-      const double wn = wp ? double(wp[yp[n]]) : 1.0;
-      total += wn * nll;
-      weight_sum += wn;
-    }
-    *loss = weight_sum > 0 ? total / weight_sum : 0.0;
+    *loss = detail::nll_to_probs(probs.data<float>(), labels.data<int32_t>(),
+                                 class_weights.defined() ? class_weights.data<float>() : nullptr, d.N, d.I,
+                                 label_smoothing);
     return ok_status();
   }
 

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "cross_entropy.h"
 #include "op_checks.h"
 
 namespace slide::train {
@@ -359,7 +360,6 @@ class ReferenceBackend final : public Backend {
       const T *zp = logits.data<T>(), *wp = class_weights.defined() ? class_weights.data<T>() : nullptr;
       const int32_t* yp = labels.data<int32_t>();
       T* pp = probs.data<T>();
-      double total = 0, weight_sum = 0;
       for (int64_t n = 0; n < N; ++n) {
         // log-sum-exp with the max subtracted (no overflow for large logits).
         double m = -std::numeric_limits<double>::infinity();
@@ -367,18 +367,9 @@ class ReferenceBackend final : public Backend {
         double se = 0;
         for (int64_t c = 0; c < C; ++c) se += std::exp(double(zp[n * C + c]) - m);
         const double lse = m + std::log(se);
-        double nll = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          const double logp = double(zp[n * C + c]) - lse;
-          pp[n * C + c] = static_cast<T>(std::exp(logp));
-          const double target = (c == yp[n] ? 1.0 - label_smoothing : 0.0) + label_smoothing / double(C);
-          nll -= target * logp;
-        }
-        const double wn = wp ? double(wp[yp[n]]) : 1.0;
-        total += wn * nll;
-        weight_sum += wn;
+        for (int64_t c = 0; c < C; ++c) pp[n * C + c] = static_cast<T>(double(zp[n * C + c]) - lse);
       }
-      *loss = weight_sum > 0 ? total / weight_sum : 0.0;
+      *loss = detail::nll_to_probs(pp, yp, wp, N, C, label_smoothing);
       return ok_status();
     });
   }

@@ -107,14 +107,14 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
 
 // metrics.jsonl and metrics.csv, rewritten whole (atomically) from the history.
 Status write_metrics(const std::string& out, const nlohmann::json& history) {
-  std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,lr,seconds\n";
+  std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,val_roc_auc,lr,seconds\n";
   for (const auto& h : history) {
     jsonl += h.dump() + "\n";
     char line[256];
-    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6g,%.3f\n", h["epoch"].get<long>(),
+    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6g,%.3f\n", h["epoch"].get<long>(),
                   h["train_loss"].get<double>(), h["train_accuracy"].get<double>(), h["val_loss"].get<double>(),
-                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(), h["lr"].get<double>(),
-                  h["seconds"].get<double>());
+                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(),
+                  h["val_roc_auc"].get<double>(), h["lr"].get<double>(), h["seconds"].get<double>());
     csv += line;
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
@@ -286,7 +286,8 @@ int main(int argc, char** argv) {
     // A resumed epoch's train figures cover only the steps run after the resume.
     state["history"].push_back({{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                 {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
-                                {"val_balanced_accuracy", v.balanced_accuracy}, {"lr", lr_now},
+                                {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc},
+                                {"val_recall", v.recall}, {"lr", lr_now},
                                 {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
@@ -300,6 +301,7 @@ int main(int argc, char** argv) {
     if (auto s = save_checkpoint(ckpt_dir, run, state, keep); !s.ok()) return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_accuracy", v.accuracy}, {"val_balanced_accuracy", v.balanced_accuracy},
+                                    {"val_roc_auc", v.roc_auc},
                                     {"images_per_s", st->samples / st->seconds}});
   }
   std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());

@@ -48,8 +48,13 @@ void finish(EpochStats* st, double loss_sum, int64_t correct, const std::vector<
   st->accuracy = st->samples ? static_cast<double>(correct) / n : 0;
   double sum = 0;
   int present = 0;
-  for (size_t k = 0; k < seen.size(); ++k)
-    if (seen[k] > 0) sum += static_cast<double>(right[k]) / static_cast<double>(seen[k]), ++present;
+  st->recall.assign(seen.size(), -1.0);
+  for (size_t k = 0; k < seen.size(); ++k) {
+    if (seen[k] == 0) continue;
+    st->recall[k] = static_cast<double>(right[k]) / static_cast<double>(seen[k]);
+    sum += st->recall[k];
+    ++present;
+  }
   st->balanced_accuracy = present ? sum / present : 0.0;
   st->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -107,12 +112,43 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   return st;
 }
 
+double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes) {
+  const size_t n = labels.size();
+  double sum = 0;
+  int used = 0;
+  std::vector<size_t> order(n);
+  for (int64_t k = 0; k < classes; ++k) {
+    // Ranks of the scores for class k (1-based, ties averaged), then U = R_pos - n_pos (n_pos + 1) / 2.
+    std::iota(order.begin(), order.end(), size_t{0});
+    auto score = [&](size_t i) { return probs[i * static_cast<size_t>(classes) + static_cast<size_t>(k)]; };
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return score(a) < score(b); });
+    double rank_sum_pos = 0;
+    int64_t n_pos = 0;
+    for (size_t i = 0; i < n;) {
+      size_t j = i;
+      while (j + 1 < n && score(order[j + 1]) == score(order[i])) ++j;
+      const double avg_rank = (static_cast<double>(i) + static_cast<double>(j)) / 2.0 + 1.0;
+      for (size_t t = i; t <= j; ++t)
+        if (labels[order[t]] == k) rank_sum_pos += avg_rank, ++n_pos;
+      i = j + 1;
+    }
+    const int64_t n_neg = static_cast<int64_t>(n) - n_pos;
+    if (n_pos == 0 || n_neg == 0) continue;
+    const double u = rank_sum_pos - static_cast<double>(n_pos) * static_cast<double>(n_pos + 1) / 2.0;
+    sum += u / (static_cast<double>(n_pos) * static_cast<double>(n_neg));
+    ++used;
+  }
+  return used ? sum / used : -1.0;
+}
+
 Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, const std::vector<size_t>& positions,
-                            int64_t batch_size, slide::core::ThreadPool* pool) {
+                            int64_t batch_size, slide::core::ThreadPool* pool, std::vector<float>* probs_out) {
   if (batch_size < 1) return slide::core::invalid_argument("batch size " + std::to_string(batch_size));
   const auto t0 = std::chrono::steady_clock::now();
   const size_t classes = data.class_names().size();
   std::vector<int64_t> seen(classes, 0), right(classes, 0);
+  std::vector<float> all_probs;
+  std::vector<int32_t> all_labels;
   EpochStats st;
   int64_t correct = 0;
   double loss_sum = 0;
@@ -122,10 +158,14 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
     SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, data, idx, false, false, 0, 0.0, pool));
     loss_sum += sc.loss * static_cast<double>(end - start);
     tally(sc.probs, sc.labels, &seen, &right, &correct);
+    all_probs.insert(all_probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + sc.probs.numel());
+    all_labels.insert(all_labels.end(), sc.labels.data<int32_t>(), sc.labels.data<int32_t>() + sc.labels.numel());
     st.samples += static_cast<int64_t>(end - start);
     ++st.steps;
   }
   finish(&st, loss_sum, correct, seen, right, t0);
+  st.roc_auc = macro_roc_auc(all_probs, all_labels, static_cast<int64_t>(classes));
+  if (probs_out != nullptr) *probs_out = std::move(all_probs);
   return st;
 }
 

@@ -82,6 +82,8 @@ class TestTrain(Base):
             history = [json.loads(l) for l in f]
         self.assertEqual([h["epoch"] for h in history], [1, 2, 3, 4, 5, 6])
         self.assertGreater(history[-1]["val_balanced_accuracy"], 0.7)   # chance: 1/3
+        self.assertGreater(history[-1]["val_roc_auc"], 0.8)             # chance: 0.5
+        self.assertEqual(len(history[-1]["val_recall"]), 3)
         self.assertLess(history[-1]["train_loss"], history[0]["train_loss"])
         with open(os.path.join(out, "metrics.csv")) as f:
             csv = f.read().splitlines()

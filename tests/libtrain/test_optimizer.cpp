@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "slide/train/optimizer.h"
+#include "slide/train/trainer.h"
 #include "test_util.h"
 
 using slide::core::StatusCode;
@@ -122,4 +123,18 @@ TEST_CASE("schedules: warm-up then cosine; step decay") {
   CHECK(st.at(29) == doctest::Approx(0.1));
   CHECK(st.at(30) == doctest::Approx(0.01));
   CHECK(st.at(65) == doctest::Approx(0.001));
+}
+
+TEST_CASE("macro ROC AUC: Mann-Whitney by hand, ties count half, undefined classes skipped") {
+  // Two classes; class-0 scores of the class-0 samples 0.9, 0.8, 0.4 and of the others 0.7, 0.3:
+  // 5 of the 6 (positive, negative) pairs are ordered right.
+  std::vector<float> probs{0.9f, 0.1f, 0.8f, 0.2f, 0.4f, 0.6f, 0.7f, 0.3f, 0.3f, 0.7f};
+  std::vector<int32_t> labels{0, 0, 0, 1, 1};
+  CHECK(macro_roc_auc(probs, labels, 2) == doctest::Approx(5.0 / 6.0));
+  // A tie between a positive and a negative counts one half.
+  CHECK(macro_roc_auc({0.5f, 0.5f, 0.5f, 0.5f}, {0, 1}, 2) == doctest::Approx(0.5));
+  // A third class with no samples is skipped; a single class has no AUC.
+  std::vector<float> p3{0.9f, 0.05f, 0.05f, 0.2f, 0.7f, 0.1f};
+  CHECK(macro_roc_auc(p3, {0, 1}, 3) == doctest::Approx(1.0));
+  CHECK(macro_roc_auc({1.0f, 1.0f}, {0, 0}, 1) == -1.0);
 }

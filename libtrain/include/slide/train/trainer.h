@@ -21,6 +21,8 @@ struct EpochStats {
   double loss = 0;        // mean over samples
   double accuracy = 0;    // fraction correct
   double balanced_accuracy = 0;  // mean per-class recall over the classes present
+  std::vector<double> recall;     // per class; -1 for a class with no samples
+  double roc_auc = -1;            // evaluate only: macro one-vs-rest ROC AUC; -1 when undefined
   int64_t samples = 0;
   int64_t steps = 0;       // steps run by this call
   bool completed = true;   // false: stopped by `cancel` after `steps` steps
@@ -45,9 +47,16 @@ struct TrainOptions {
                                              const TrainOptions& options, uint64_t epoch_seed,
                                              slide::core::ThreadPool* pool);
 
-// Inference-mode loss and accuracy over `positions`, in order, no augmentation.
+// Inference-mode loss, accuracy, per-class recall and ROC AUC over `positions`, in order, no
+// augmentation. With `probs_out`, the softmax probabilities, positions.size() x classes, row-major.
 [[nodiscard]] Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data,
                                           const std::vector<size_t>& positions, int64_t batch_size,
-                                          slide::core::ThreadPool* pool);
+                                          slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
+
+// Macro-averaged one-vs-rest ROC AUC (sklearn's roc_auc_score(multi_class="ovr", average="macro")):
+// per class, the probability that a random positive scores above a random negative (ties count
+// half: the Mann-Whitney U statistic), averaged over the classes that have both positives and
+// negatives; -1 when none has. probs: n x classes row-major; labels: n.
+double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes);
 
 }  // namespace slide::train

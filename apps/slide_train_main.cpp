@@ -46,6 +46,14 @@ int fail(const Status& s) {
              : kExitFailed;
 }
 
+Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t classes, int64_t width, uint64_t seed) {
+  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed);
+  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed);
+  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed);
+  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed);
+  return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
+}
+
 struct Run {
   std::unique_ptr<Sequential> model;
   std::unique_ptr<Optimizer> opt;
@@ -121,6 +129,86 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   return slide::core::write_file_atomic(out + "/metrics.csv", csv);
 }
 
+// slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
+int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& out,
+                 int64_t batch, int threads, const std::string& backend) {
+  auto text = slide::core::read_file(checkpoint + "/state.json");
+  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
+  nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
+  if (state.is_discarded() || !state.contains("model") || !state.contains("classes"))
+    return fail(slide::core::data_loss(checkpoint + "/state.json: not a slide-train checkpoint record"));
+  const auto classes = state["classes"].get<std::vector<std::string>>();
+  auto be = make_backend(backend);
+  if (!be.ok()) return fail(be.status());
+  auto ds = TileDataset::open(data);
+  if (!ds.ok()) return fail(ds.status());
+  if ((*ds)->class_names() != classes)
+    return fail(slide::core::invalid_argument("the stores' classes (" + nlohmann::json((*ds)->class_names()).dump() +
+                                              ") differ from the checkpoint's (" + state["classes"].dump() + ")"));
+  auto model = make_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
+                          state.value("width", int64_t{16}), 0);
+  if (!model.ok()) return fail(model.status());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
+  std::vector<size_t> all((*ds)->tiles().size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
+  std::vector<float> probs;
+  auto st = evaluate(**be, **model, **ds, all, batch, &pool, &probs);
+  if (!st.ok()) return fail(st.status());
+  if (auto s = slide::core::make_dirs(out); !s.ok()) return fail(s);
+
+  const size_t k = classes.size();
+  std::string tiles_csv = "slide_id,x_l0,y_l0,label", slides_csv = "slide_id,label,tiles";
+  for (const auto& c : classes) tiles_csv += ",p_" + c, slides_csv += ",mean_p_" + c;
+  tiles_csv += ",predicted\n";
+  slides_csv += ",predicted_by_mean,predicted_by_majority\n";
+  struct SlideAgg {
+    int32_t label = 0;
+    int64_t tiles = 0;
+    std::vector<double> sum;
+    std::vector<int64_t> votes;
+  };
+  std::vector<SlideAgg> slides((*ds)->slide_ids().size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    const TileRef& ref = (*ds)->tiles()[i];
+    slide::tile::TileHeader h;
+    if (auto s = (*ds)->tile_header(i, &h); !s.ok()) return fail(s);
+    const float* p = probs.data() + i * k;
+    const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
+    std::string line = (*ds)->slide_ids()[ref.slide] + "," + std::to_string(h.x_l0) + "," + std::to_string(h.y_l0) +
+                       "," + classes[static_cast<size_t>(ref.label)];
+    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
+    tiles_csv += line + "," + classes[pred] + "\n";
+    SlideAgg& a = slides[ref.slide];
+    if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
+    a.label = ref.label;
+    ++a.tiles;
+    for (size_t c = 0; c < k; ++c) a.sum[c] += p[c];
+    ++a.votes[pred];
+  }
+  for (size_t s = 0; s < slides.size(); ++s) {
+    const SlideAgg& a = slides[s];
+    if (a.tiles == 0) continue;
+    std::string line = (*ds)->slide_ids()[s] + "," + classes[static_cast<size_t>(a.label)] + "," + std::to_string(a.tiles);
+    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(a.sum[c] / static_cast<double>(a.tiles));
+    const auto by_mean = static_cast<size_t>(std::max_element(a.sum.begin(), a.sum.end()) - a.sum.begin());
+    const auto by_vote = static_cast<size_t>(std::max_element(a.votes.begin(), a.votes.end()) - a.votes.begin());
+    slides_csv += line + "," + classes[by_mean] + "," + classes[by_vote] + "\n";
+  }
+  const nlohmann::json metrics = {{"tiles", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
+                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
+                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint}};
+  for (auto [name, body] : {std::pair<std::string, std::string>{"/predictions.csv", tiles_csv},
+                            {"/slides.csv", slides_csv}, {"/metrics.json", metrics.dump(2) + "\n"}})
+    if (auto s = slide::core::write_file_atomic(out + name, body); !s.ok()) return fail(s);
+  slide::core::log_info("evaluated", {{"tiles", st->samples}, {"accuracy", st->accuracy},
+                                      {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -140,11 +228,19 @@ int main(int argc, char** argv) {
   double lr = 0.1, momentum = 0.9, weight_decay = 1e-4, warmup_epochs = 0, smoothing = 0, val_fraction = 0.2;
   uint64_t seed = 0;
   bool nesterov = false, resume = false, no_augment = false, quiet = false, log_json = false;
+  app.require_subcommand(0, 1);
   app.add_option("--data", data, "Tile stores to train on (labelled: patch folders or a manifest with labels)")
-      ->required()->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingDirectory);
   app.add_option("--val-data", val_data, "Validation stores (default: --val-fraction of the slides, split by slide)")
       ->check(CLI::ExistingDirectory);
-  app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv")->required();
+  app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv");
+  auto* eval = app.add_subcommand("evaluate", "A checkpoint's metrics on stores, with per-tile and per-slide CSVs");
+  std::string eval_ckpt, eval_out;
+  std::vector<std::string> eval_data;
+  eval->add_option("--checkpoint", eval_ckpt, "A checkpoints/epoch-E-step-S directory")->required()
+      ->check(CLI::ExistingDirectory);
+  eval->add_option("--data", eval_data, "Labelled tile stores")->required()->check(CLI::ExistingDirectory);
+  eval->add_option("--out", eval_out, "Output directory: predictions.csv, slides.csv, metrics.json")->required();
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -177,6 +273,11 @@ int main(int argc, char** argv) {
   }
   slide::core::set_log_json(log_json);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_out, batch, threads, backend);
+  if (data.empty() || out.empty()) {
+    std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
+    return kExitUsage;
+  }
 
   // Everything that can be wrong with the input is checked before training starts.
   if (!budget.empty()) {
@@ -202,12 +303,7 @@ int main(int argc, char** argv) {
   if (classes < 2) return fail(slide::core::invalid_argument("the stores hold fewer than two classes"));
 
   Run run;
-  Result<std::unique_ptr<Sequential>> model = slide::core::invalid_argument("model '" + model_name +
-                                                                            "' is not one of small, resnet18, resnet34, resnet50");
-  if (model_name == "small") model = make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed);
-  else if (model_name == "resnet18") model = make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed);
-  else if (model_name == "resnet34") model = make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed);
-  else if (model_name == "resnet50") model = make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed);
+  auto model = make_model(model_name, classes, width, seed);
   if (!model.ok()) return fail(model.status());
   run.model = std::move(*model);
   run.model->collect("", &run.params, &run.buffers);
@@ -232,6 +328,7 @@ int main(int argc, char** argv) {
   const std::string ckpt_dir = out + "/checkpoints";
   if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
+                          {"width", width},
                           {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}};
   if (resume) {

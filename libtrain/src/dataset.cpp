@@ -55,6 +55,12 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
   return ds;
 }
 
+Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header) const {
+  const TileRef& ref = tiles_.at(position);
+  std::vector<uint8_t> payload;
+  return stores_[ref.store]->read_tile(ref.tile, header, &payload);
+}
+
 void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
                                  std::vector<size_t>* val) const {
   std::vector<uint32_t> order(slide_ids_.size());

@@ -97,6 +97,26 @@ class TestTrain(Base):
         self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
                          ["epoch-4-step-0", "epoch-5-step-0", "epoch-6-step-0"])
 
+        # evaluate: per-tile predictions whose argmax agrees with the reported accuracy.
+        ev = os.path.join(self.tmp, "eval")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-6-step-0"),
+                            "--data", self.store, "--out", ev], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f]
+        self.assertEqual(rows[0][:4], ["slide_id", "x_l0", "y_l0", "label"])
+        self.assertEqual(len(rows), 361)
+        probs = np.array([[float(v) for v in row[4:7]] for row in rows[1:]])
+        self.assertTrue(np.allclose(probs.sum(axis=1), 1.0, atol=1e-4))
+        classes = ["lung_aca", "lung_n", "lung_scc"]
+        correct = sum(classes[int(np.argmax(p))] == row[3] for p, row in zip(probs, rows[1:]))
+        with open(os.path.join(ev, "metrics.json")) as f:
+            metrics = json.load(f)
+        self.assertAlmostEqual(metrics["accuracy"], correct / 360.0, places=6)
+        self.assertGreater(metrics["roc_auc"], 0.8)
+        with open(os.path.join(ev, "slides.csv")) as f:
+            self.assertEqual(len(f.read().splitlines()), 361)  # one patch per slide
+
 
 class TestResume(Base):
     def test_sigint_then_resume_gives_the_uninterrupted_weights(self):

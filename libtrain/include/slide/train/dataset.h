@@ -37,6 +37,9 @@ class TileDataset {
   const std::vector<TileRef>& tiles() const { return tiles_; }
   int64_t tile_size_px() const { return tile_size_; }
 
+  // The record header of tile `position` (level-0 x, y, size, label). Errors: the store's.
+  [[nodiscard]] Status tile_header(size_t position, slide::tile::TileHeader* header) const;
+
   // Tile positions split by slide: slides shuffled with `seed`, round(val_fraction x slides)
   // (at least one when val_fraction > 0 and there are two slides or more) go to validation.
   void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <numeric>
 #include <random>
 
@@ -28,12 +29,21 @@ struct Scored {
   double loss = 0;
 };
 
-Result<Scored> score(Backend& be, Layer& model, const TileDataset& data, const std::vector<size_t>& idx, bool training,
-                     bool augment, uint64_t seed, double label_smoothing, slide::core::ThreadPool* pool) {
+struct Batch {
+  Tensor images, labels;
+};
+
+Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, bool augment, uint64_t seed,
+                   slide::core::ThreadPool* pool) {
+  Batch b;
+  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
+  return b;
+}
+
+Result<Scored> score(Backend& be, Layer& model, const Batch& batch, bool training, double label_smoothing) {
   Scored out;
-  Tensor images;
-  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &images, &out.labels));
-  SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, training));
+  out.labels = batch.labels;
+  SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, batch.images, training));
   SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
   SLIDE_RETURN_IF_ERROR(
       be.softmax_cross_entropy_forward(logits, out.labels, Tensor(), label_smoothing, out.probs, &out.loss));
@@ -76,37 +86,58 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   EpochStats st;
   int64_t correct = 0;
   double loss_sum = 0;
+  // The epoch's micro-batches, from start_step on; sizes within a step differ by at most one.
+  struct Micro {
+    size_t start, a, b;
+    int64_t step_n;
+    bool first, last;
+  };
+  std::vector<Micro> plan;
   int64_t step_index = 0;
   for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size), ++step_index) {
     if (step_index < options.start_step) continue;
-    if (options.cancel != nullptr && options.cancel->load()) {
-      st.completed = false;
-      break;
-    }
     const size_t end = std::min(order.size(), start + static_cast<size_t>(options.batch_size));
     const auto step_n = static_cast<int64_t>(end - start);
     const int64_t micro = std::min<int64_t>(options.accumulate, step_n);
-    opt.zero_grad();
-    for (int64_t m = 0; m < micro; ++m) {
-      // Micro-batch sizes differ by at most one.
-      const size_t a = start + static_cast<size_t>(step_n * m / micro);
-      const size_t b = start + static_cast<size_t>(step_n * (m + 1) / micro);
-      std::vector<size_t> idx(order.begin() + static_cast<long>(a), order.begin() + static_cast<long>(b));
-      SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, data, idx, true, options.augment,
-                                              epoch_seed * 1000003 + start + a, options.label_smoothing, pool));
-      SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
-      SLIDE_RETURN_IF_ERROR(
-          be.softmax_cross_entropy_backward(sc.probs, sc.labels, Tensor(), options.label_smoothing, dlogits));
-      // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
-      const float share = static_cast<float>(b - a) / static_cast<float>(step_n);
-      for (int64_t i = 0; i < dlogits.numel(); ++i) dlogits.data<float>()[i] *= share;
-      SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
-      loss_sum += sc.loss * static_cast<double>(b - a);
-      tally(sc.probs, sc.labels, &seen, &right, &correct);
+    for (int64_t m = 0; m < micro; ++m)
+      plan.push_back({start, start + static_cast<size_t>(step_n * m / micro),
+                      start + static_cast<size_t>(step_n * (m + 1) / micro), step_n, m == 0, m == micro - 1});
+  }
+  // A bounded prefetch queue of one micro-batch: the next one is decoded (on the pool) while this
+  // one computes. Decoding depends only on (seed, positions), so the order of work changes
+  // nothing in the result.
+  auto fetch = [&](const Micro& mb) {
+    std::vector<size_t> idx(order.begin() + static_cast<long>(mb.a), order.begin() + static_cast<long>(mb.b));
+    return load(be, data, idx, options.augment, epoch_seed * 1000003 + mb.start + mb.a, pool);
+  };
+  std::future<Result<Batch>> next;
+  if (!plan.empty()) next = std::async(std::launch::async, fetch, plan[0]);
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const Micro& mb = plan[i];
+    if (mb.first) {
+      if (options.cancel != nullptr && options.cancel->load()) {
+        st.completed = false;
+        break;  // the future in flight is joined when it goes out of scope
+      }
+      opt.zero_grad();
     }
-    SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
-    st.samples += step_n;
-    ++st.steps;
+    SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
+    if (i + 1 < plan.size()) next = std::async(std::launch::async, fetch, plan[i + 1]);
+    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing));
+    SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
+    SLIDE_RETURN_IF_ERROR(
+        be.softmax_cross_entropy_backward(sc.probs, sc.labels, Tensor(), options.label_smoothing, dlogits));
+    // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
+    const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
+    for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= share;
+    SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
+    loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
+    tally(sc.probs, sc.labels, &seen, &right, &correct);
+    if (mb.last) {
+      SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
+      st.samples += mb.step_n;
+      ++st.steps;
+    }
   }
   finish(&st, loss_sum, correct, seen, right, t0);
   return st;
@@ -155,7 +186,8 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
   for (size_t start = 0; start < positions.size(); start += static_cast<size_t>(batch_size)) {
     const size_t end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
     std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
-    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, data, idx, false, false, 0, 0.0, pool));
+    SLIDE_ASSIGN_OR_RETURN(Batch batch, load(be, data, idx, false, 0, pool));
+    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, false, 0.0));
     loss_sum += sc.loss * static_cast<double>(end - start);
     tally(sc.probs, sc.labels, &seen, &right, &correct);
     all_probs.insert(all_probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + sc.probs.numel());

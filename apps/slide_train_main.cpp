@@ -130,8 +130,8 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
 }
 
 // slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
-int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& out,
-                 int64_t batch, int threads, const std::string& backend) {
+int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& labels_csv,
+                 const std::string& out, int64_t batch, int threads, const std::string& backend) {
   auto text = slide::core::read_file(checkpoint + "/state.json");
   if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
   nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
@@ -140,7 +140,7 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto be = make_backend(backend);
   if (!be.ok()) return fail(be.status());
-  auto ds = TileDataset::open(data);
+  auto ds = TileDataset::open(data, labels_csv);
   if (!ds.ok()) return fail(ds.status());
   if ((*ds)->class_names() != classes)
     return fail(slide::core::invalid_argument("the stores' classes (" + nlohmann::json((*ds)->class_names()).dump() +
@@ -231,6 +231,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   app.add_option("--data", data, "Tile stores to train on (labelled: patch folders or a manifest with labels)")
       ->check(CLI::ExistingDirectory);
+  std::string labels_csv;
+  app.add_option("--labels", labels_csv, "CSV with slide_id,label columns: slide labels instead of the stores'")
+      ->check(CLI::ExistingFile);
   app.add_option("--val-data", val_data, "Validation stores (default: --val-fraction of the slides, split by slide)")
       ->check(CLI::ExistingDirectory);
   app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv");
@@ -241,6 +244,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   eval->add_option("--data", eval_data, "Labelled tile stores")->required()->check(CLI::ExistingDirectory);
   eval->add_option("--out", eval_out, "Output directory: predictions.csv, slides.csv, metrics.json")->required();
+  std::string eval_labels;
+  eval->add_option("--labels", eval_labels, "CSV with slide_id,label columns")->check(CLI::ExistingFile);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -273,7 +278,7 @@ int main(int argc, char** argv) {
   }
   slide::core::set_log_json(log_json);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
-  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_out, batch, threads, backend);
+  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend);
   if (data.empty() || out.empty()) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
     return kExitUsage;
@@ -289,7 +294,7 @@ int main(int argc, char** argv) {
   if (!be.ok()) return fail(be.status());
   std::vector<std::string> all = data;
   all.insert(all.end(), val_data.begin(), val_data.end());
-  auto ds = TileDataset::open(all);
+  auto ds = TileDataset::open(all, labels_csv);
   if (!ds.ok()) return fail(ds.status());
   std::vector<size_t> train, val;
   if (val_data.empty()) {

@@ -6,7 +6,9 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <sstream>
 
+#include "slide/core/file.h"
 #include "slide/tile/image.h"
 
 namespace slide::train {
@@ -19,10 +21,68 @@ constexpr float kStd[3] = {0.229f, 0.224f, 0.225f};
 
 }  // namespace
 
-Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores) {
+namespace {
+
+// slide_id -> label from a CSV with a header naming slide_id and label.
+Result<std::map<std::string, std::string>> read_labels_csv(const std::string& path) {
+  SLIDE_ASSIGN_OR_RETURN(std::string text, slide::core::read_file(path));
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  int64_t id_col = -1, label_col = -1, line_no = 0;
+  auto split = [](const std::string& l) {
+    std::vector<std::string> f;
+    std::string cur;
+    for (char c : l) {
+      if (c == ',') f.push_back(cur), cur.clear();
+      else if (c != '\r') cur += c;
+    }
+    f.push_back(cur);
+    return f;
+  };
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.empty() || line == "\r") continue;
+    const auto f = split(line);
+    if (id_col < 0) {
+      for (size_t i = 0; i < f.size(); ++i) {
+        if (f[i] == "slide_id") id_col = static_cast<int64_t>(i);
+        if (f[i] == "label") label_col = static_cast<int64_t>(i);
+      }
+      if (id_col < 0 || label_col < 0)
+        return slide::core::invalid_argument(path + ":" + std::to_string(line_no) +
+                                             ": the header must name a slide_id and a label column");
+      continue;
+    }
+    if (static_cast<int64_t>(f.size()) <= std::max(id_col, label_col) || f[static_cast<size_t>(label_col)].empty())
+      return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": missing slide_id or label");
+    if (!out.emplace(f[static_cast<size_t>(id_col)], f[static_cast<size_t>(label_col)]).second)
+      return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": slide '" +
+                                           f[static_cast<size_t>(id_col)] + "' appears twice");
+  }
+  if (id_col < 0) return slide::core::invalid_argument(path + ": empty");
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores,
+                                                       const std::string& labels_csv) {
   if (stores.empty()) return slide::core::invalid_argument("no tile stores given");
   auto ds = std::unique_ptr<TileDataset>(new TileDataset());
   std::map<std::string, int32_t> class_index;
+  std::map<std::string, std::string> csv;
+  if (!labels_csv.empty()) {
+    SLIDE_ASSIGN_OR_RETURN(csv, read_labels_csv(labels_csv));
+    std::vector<std::string> names;
+    for (const auto& [id, label] : csv) names.push_back(label);
+    std::sort(names.begin(), names.end());
+    names.erase(std::unique(names.begin(), names.end()), names.end());
+    for (const auto& n : names) {
+      class_index.emplace(n, static_cast<int32_t>(ds->class_names_.size()));
+      ds->class_names_.push_back(n);
+    }
+  }
   for (size_t s = 0; s < stores.size(); ++s) {
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::tile::StoreReader::open(stores[s]));
     const auto& meta = reader->meta();
@@ -31,22 +91,31 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       return slide::core::invalid_argument("store " + stores[s] + " has " + std::to_string(meta.tile_size_px) +
                                            "-px tiles, " + stores[0] + " has " + std::to_string(ds->tile_size_));
     std::vector<int32_t> map_label;
-    for (const std::string& name : meta.label_names) {
+    for (const std::string& name : csv.empty() ? meta.label_names : std::vector<std::string>{}) {
       auto [it, inserted] = class_index.emplace(name, static_cast<int32_t>(ds->class_names_.size()));
       if (inserted) ds->class_names_.push_back(name);
       map_label.push_back(it->second);
     }
     for (const auto& rec : reader->slides()) {
       if (rec.tile_count == 0) continue;
-      if (rec.label_index < 0 || static_cast<size_t>(rec.label_index) >= map_label.size())
+      int32_t label = -1;
+      if (!csv.empty()) {
+        auto it = csv.find(rec.slide_id);
+        if (it == csv.end())
+          return slide::core::invalid_argument(labels_csv + ": no row for slide '" + rec.slide_id + "' of store " +
+                                               stores[s]);
+        label = class_index.at(it->second);
+      } else if (rec.label_index >= 0 && static_cast<size_t>(rec.label_index) < map_label.size()) {
+        label = map_label[static_cast<size_t>(rec.label_index)];
+      } else {
         return slide::core::invalid_argument("store " + stores[s] + ": slide '" + rec.slide_id +
                                              "' has no label: tile it from patch folders or a manifest with a label "
-                                             "column");
+                                             "column, or give --labels CSV");
+      }
       const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
       ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
       for (uint64_t t = 0; t < rec.tile_count; ++t)
-        ds->tiles_.push_back(TileRef{static_cast<uint32_t>(s), rec.first_tile_index + t,
-                                     map_label[static_cast<size_t>(rec.label_index)], slide});
+        ds->tiles_.push_back(TileRef{static_cast<uint32_t>(s), rec.first_tile_index + t, label, slide});
     }
     ds->store_dirs_.push_back(stores[s]);
     ds->stores_.push_back(std::move(reader));

@@ -191,6 +191,41 @@ class TestBadInput(Base):
         self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
 
 
+class TestLabelsCsv(Base):
+    def test_slide_labels_from_a_csv(self):
+        store = os.path.join(self.tmp, "slides")
+        slides = [os.path.join(SAMPLE, "slides", n) for n in
+                  ("CMU-1-Small-Region.svs", "TCGA-CR-7395-01A-01-TS1.svs", "test3-DAPI-2-387.ndpi")]
+        r = subprocess.run([TILE] + slides + ["--source-mpp", "0.5", "--mpp", "2", "--tile-size", "64",
+                                              "--min-tissue", "0.25", "-o", store, "-q"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        labels = os.path.join(self.tmp, "labels.csv")
+        with open(labels, "w") as f:
+            f.write("patient,slide_id,label\np1,CMU-1-Small-Region,he\np2,TCGA-CR-7395-01A-01-TS1,he\n"
+                    "p3,test3-DAPI-2-387,dapi\n")
+        out = os.path.join(self.tmp, "csvrun")
+        r = subprocess.run([TRAIN, "--data", store, "--labels", labels, "--out", out, "--epochs", "1",
+                            "--width", "4", "--val-fraction", "0.34"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertEqual(json.load(f)["classes"], ["dapi", "he"])
+        # Without labels the store cannot train; a slide missing from the CSV or a duplicate row is
+        # named, with the file (and line).
+        r = subprocess.run([TRAIN, "--data", store, "--out", out + "2"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--labels", r.stderr)
+        with open(labels, "w") as f:
+            f.write("slide_id,label\nCMU-1-Small-Region,he\n")
+        r = subprocess.run([TRAIN, "--data", store, "--labels", labels, "--out", out + "3"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("no row for slide", r.stderr)
+        with open(labels, "w") as f:
+            f.write("slide_id,label\nCMU-1-Small-Region,he\nCMU-1-Small-Region,dapi\n")
+        r = subprocess.run([TRAIN, "--data", store, "--labels", labels, "--out", out + "4"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("labels.csv:3: slide 'CMU-1-Small-Region' appears twice", r.stderr)
+
+
 class TestTorchvision(unittest.TestCase):
     """Numerics against PyTorch: torchvision's resnet18 with its own initial weights, one batch,
     forward in training mode, cross-entropy, backward, one SGD-momentum step; the logits, the

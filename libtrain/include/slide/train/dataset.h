@@ -30,7 +30,14 @@ class TileDataset {
   // the store), kInvalidArgument when a store holds unlabelled tiles ("... has no labels: tile it
   // from patch folders or a manifest with a label column"), when stores disagree on the tile size,
   // or when there are no tiles.
-  [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores);
+  //
+  // With `labels_csv` (a file with a header naming `slide_id` and `label` columns, comma-separated,
+  // no quoting), each slide's label is its row's instead of the store's; classes are the CSV's
+  // distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
+  // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
+  // row.
+  [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores,
+                                                                 const std::string& labels_csv = "");
 
   const std::vector<std::string>& class_names() const { return class_names_; }
   const std::vector<std::string>& slide_ids() const { return slide_ids_; }  // "store:slide_id"

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -260,6 +261,10 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", schedule, "cosine | step | constant")->capture_default_str();
   app.add_option("--warmup-epochs", warmup_epochs, "Linear warm-up, in epochs")->capture_default_str();
   app.add_option("--label-smoothing", smoothing, "Label smoothing in [0, 1)")->capture_default_str();
+  std::string class_weights = "none";
+  app.add_option("--class-weights", class_weights,
+                 "none | balanced (n / (classes x n_c) over the training tiles) | w1,w2,... (one per class)")
+      ->capture_default_str();
   app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation")->capture_default_str();
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
@@ -330,6 +335,32 @@ int main(int argc, char** argv) {
   if (schedule != "cosine" && schedule != "step" && schedule != "constant")
     return fail(slide::core::invalid_argument("schedule '" + schedule + "' is not one of cosine, step, constant"));
 
+  Tensor weights;
+  if (class_weights == "balanced") {
+    auto w = balanced_class_weights(**ds, train, cpu_allocator());
+    if (!w.ok()) return fail(w.status());
+    weights = *w;
+  } else if (class_weights != "none") {
+    auto w = Tensor::empty({classes}, DType::kF32, cpu_allocator(), "class weights");
+    if (!w.ok()) return fail(w.status());
+    std::stringstream in(class_weights);
+    std::string item;
+    int64_t i = 0;
+    while (std::getline(in, item, ',')) {
+      char* end = nullptr;
+      const double v = std::strtod(item.c_str(), &end);
+      if (i >= classes || end == item.c_str() || *end != '\0' || !(v >= 0))
+        return fail(slide::core::invalid_argument("--class-weights '" + class_weights + "': give " +
+                                                  std::to_string(classes) + " non-negative numbers, or balanced, or none"));
+      w->data<float>()[i++] = static_cast<float>(v);
+    }
+    if (i != classes)
+      return fail(slide::core::invalid_argument("--class-weights '" + class_weights + "': give " +
+                                                std::to_string(classes) + " numbers (classes: " +
+                                                nlohmann::json((*ds)->class_names()).dump() + ")"));
+    weights = *w;
+  }
+
   const std::string ckpt_dir = out + "/checkpoints";
   if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
@@ -363,6 +394,7 @@ int main(int argc, char** argv) {
     to.batch_size = batch;
     to.accumulate = accumulate;
     to.label_smoothing = smoothing;
+    to.class_weights = weights;
     to.augment = !no_augment;
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;

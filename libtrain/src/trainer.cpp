@@ -40,13 +40,14 @@ Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_
   return b;
 }
 
-Result<Scored> score(Backend& be, Layer& model, const Batch& batch, bool training, double label_smoothing) {
+Result<Scored> score(Backend& be, Layer& model, const Batch& batch, bool training, double label_smoothing,
+                     const Tensor& class_weights = Tensor()) {
   Scored out;
   out.labels = batch.labels;
   SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, batch.images, training));
   SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
   SLIDE_RETURN_IF_ERROR(
-      be.softmax_cross_entropy_forward(logits, out.labels, Tensor(), label_smoothing, out.probs, &out.loss));
+      be.softmax_cross_entropy_forward(logits, out.labels, class_weights, label_smoothing, out.probs, &out.loss));
   return out;
 }
 
@@ -123,10 +124,10 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     }
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
     if (i + 1 < plan.size()) next = std::async(std::launch::async, fetch, plan[i + 1]);
-    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing));
+    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
     SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
-    SLIDE_RETURN_IF_ERROR(
-        be.softmax_cross_entropy_backward(sc.probs, sc.labels, Tensor(), options.label_smoothing, dlogits));
+    SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,
+                                                            options.label_smoothing, dlogits));
     // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
     const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
     for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= share;
@@ -141,6 +142,18 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   }
   finish(&st, loss_sum, correct, seen, right, t0);
   return st;
+}
+
+Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions, Allocator& alloc) {
+  const auto k = static_cast<int64_t>(data.class_names().size());
+  std::vector<int64_t> count(static_cast<size_t>(k), 0);
+  for (size_t p : positions) ++count[static_cast<size_t>(data.tiles().at(p).label)];
+  SLIDE_ASSIGN_OR_RETURN(Tensor w, Tensor::zeros({k}, DType::kF32, alloc, "class weights"));
+  for (int64_t c = 0; c < k; ++c)
+    if (count[static_cast<size_t>(c)] > 0)
+      w.data<float>()[c] = static_cast<float>(static_cast<double>(positions.size()) /
+                                              (static_cast<double>(k) * static_cast<double>(count[static_cast<size_t>(c)])));
+  return w;
 }
 
 double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes) {

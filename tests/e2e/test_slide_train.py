@@ -184,6 +184,11 @@ class TestBadInput(Base):
         r = self.train(out, "--resume")
         self.assertEqual(r.returncode, 2)
         self.assertIn("no complete checkpoint", r.stderr)
+        r = self.train(out, "--class-weights", "1,2")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("give 3 numbers", r.stderr)
+        r = self.train(os.path.join(self.tmp, "balanced"), "--class-weights", "balanced")
+        self.assertEqual(r.returncode, 0, r.stderr)
         # A budget too small for the model is a clear error, not a crash.
         r = self.train(out, "--memory-budget", "64K")
         self.assertEqual(r.returncode, 1, r.stderr)

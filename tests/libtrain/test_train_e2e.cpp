@@ -105,6 +105,15 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   std::vector<size_t> twelve;
   for (size_t i = 0; i < 360; i += 30) twelve.push_back(i);
 
+  // sklearn's "balanced" weights: 160 tiles, 120 of lung_aca and 40 of lung_n, none of lung_scc.
+  std::vector<size_t> first160(160);
+  for (size_t i = 0; i < 160; ++i) first160[i] = i;
+  auto w = balanced_class_weights(**data, first160, cpu_allocator());
+  REQUIRE(w.ok());
+  CHECK(w->data<float>()[0] == doctest::Approx(160.0 / 360.0));
+  CHECK(w->data<float>()[1] == doctest::Approx(160.0 / 120.0));
+  CHECK(w->data<float>()[2] == 0.0f);
+
   auto cpu = make_backend("cpu");
   REQUIRE(cpu.ok());
   // conv -> relu -> global pool -> linear: batch norm would see different statistics per

@@ -34,6 +34,7 @@ struct TrainOptions {
   int64_t accumulate = 1;      // micro-batches per step
   double label_smoothing = 0;
   bool augment = true;
+  Tensor class_weights;    // [classes] f32 on the backend's device, or undefined (all 1)
   int64_t start_step = 0;  // resume inside an epoch: skip its first start_step steps (same order)
   const std::atomic<bool>* cancel = nullptr;  // checked after every step
 };
@@ -52,6 +53,11 @@ struct TrainOptions {
 [[nodiscard]] Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data,
                                           const std::vector<size_t>& positions, int64_t batch_size,
                                           slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
+
+// sklearn's class_weight="balanced" over the tiles at `positions`: n / (classes x n_c) for each
+// class c present, 0 for a class with no tiles. Errors: the allocator's.
+[[nodiscard]] Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions,
+                                                    Allocator& alloc);
 
 // Macro-averaged one-vs-rest ROC AUC (sklearn's roc_auc_score(multi_class="ovr", average="macro")):
 // per class, the probability that a random positive scores above a random negative (ties count

@@ -23,13 +23,17 @@ constexpr float kStd[3] = {0.229f, 0.224f, 0.225f};
 
 namespace {
 
-// slide_id -> label from a CSV with a header naming slide_id and label.
-Result<std::map<std::string, std::string>> read_labels_csv(const std::string& path) {
+struct CsvRow {
+  std::string label, patient;  // patient "" when the CSV has no patient column
+};
+
+// slide_id -> label (and patient) from a CSV with a header naming slide_id, label (, patient).
+Result<std::map<std::string, CsvRow>> read_labels_csv(const std::string& path) {
   SLIDE_ASSIGN_OR_RETURN(std::string text, slide::core::read_file(path));
-  std::map<std::string, std::string> out;
+  std::map<std::string, CsvRow> out;
   std::istringstream in(text);
   std::string line;
-  int64_t id_col = -1, label_col = -1, line_no = 0;
+  int64_t id_col = -1, label_col = -1, patient_col = -1, line_no = 0;
   auto split = [](const std::string& l) {
     std::vector<std::string> f;
     std::string cur;
@@ -48,6 +52,7 @@ Result<std::map<std::string, std::string>> read_labels_csv(const std::string& pa
       for (size_t i = 0; i < f.size(); ++i) {
         if (f[i] == "slide_id") id_col = static_cast<int64_t>(i);
         if (f[i] == "label") label_col = static_cast<int64_t>(i);
+        if (f[i] == "patient") patient_col = static_cast<int64_t>(i);
       }
       if (id_col < 0 || label_col < 0)
         return slide::core::invalid_argument(path + ":" + std::to_string(line_no) +
@@ -56,7 +61,13 @@ Result<std::map<std::string, std::string>> read_labels_csv(const std::string& pa
     }
     if (static_cast<int64_t>(f.size()) <= std::max(id_col, label_col) || f[static_cast<size_t>(label_col)].empty())
       return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": missing slide_id or label");
-    if (!out.emplace(f[static_cast<size_t>(id_col)], f[static_cast<size_t>(label_col)]).second)
+    CsvRow row{f[static_cast<size_t>(label_col)], ""};
+    if (patient_col >= 0) {
+      if (static_cast<int64_t>(f.size()) <= patient_col || f[static_cast<size_t>(patient_col)].empty())
+        return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": missing patient");
+      row.patient = f[static_cast<size_t>(patient_col)];
+    }
+    if (!out.emplace(f[static_cast<size_t>(id_col)], row).second)
       return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": slide '" +
                                            f[static_cast<size_t>(id_col)] + "' appears twice");
   }
@@ -71,11 +82,12 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
   if (stores.empty()) return slide::core::invalid_argument("no tile stores given");
   auto ds = std::unique_ptr<TileDataset>(new TileDataset());
   std::map<std::string, int32_t> class_index;
-  std::map<std::string, std::string> csv;
+  std::map<std::string, CsvRow> csv;
+  std::map<std::string, uint32_t> patient_index;
   if (!labels_csv.empty()) {
     SLIDE_ASSIGN_OR_RETURN(csv, read_labels_csv(labels_csv));
     std::vector<std::string> names;
-    for (const auto& [id, label] : csv) names.push_back(label);
+    for (const auto& [id, row] : csv) names.push_back(row.label);
     std::sort(names.begin(), names.end());
     names.erase(std::unique(names.begin(), names.end()), names.end());
     for (const auto& n : names) {
@@ -104,7 +116,7 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
         if (it == csv.end())
           return slide::core::invalid_argument(labels_csv + ": no row for slide '" + rec.slide_id + "' of store " +
                                                stores[s]);
-        label = class_index.at(it->second);
+        label = class_index.at(it->second.label);
       } else if (rec.label_index >= 0 && static_cast<size_t>(rec.label_index) < map_label.size()) {
         label = map_label[static_cast<size_t>(rec.label_index)];
       } else {
@@ -114,6 +126,11 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       }
       const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
       ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
+      // Group: the patient's (numbered by first appearance) when the CSV names one, else the slide's own.
+      const std::string patient = csv.empty() ? "" : csv.at(rec.slide_id).patient;
+      const std::string group_key = patient.empty() ? "\x01slide:" + ds->slide_ids_.back() : "patient:" + patient;
+      ds->slide_group_.push_back(
+          patient_index.emplace(group_key, static_cast<uint32_t>(patient_index.size())).first->second);
       for (uint64_t t = 0; t < rec.tile_count; ++t)
         ds->tiles_.push_back(TileRef{static_cast<uint32_t>(s), rec.first_tile_index + t, label, slide});
     }
@@ -132,7 +149,9 @@ Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header
 
 void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
                                  std::vector<size_t>* val) const {
-  std::vector<uint32_t> order(slide_ids_.size());
+  uint32_t groups = 0;
+  for (uint32_t g : slide_group_) groups = std::max(groups, g + 1);
+  std::vector<uint32_t> order(groups);
   std::iota(order.begin(), order.end(), 0u);
   std::mt19937_64 rng(seed);
   std::shuffle(order.begin(), order.end(), rng);
@@ -143,7 +162,7 @@ void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector
   for (size_t i = 0; i < n_val; ++i) is_val[order[i]] = true;
   train->clear();
   val->clear();
-  for (size_t i = 0; i < tiles_.size(); ++i) (is_val[tiles_[i].slide] ? val : train)->push_back(i);
+  for (size_t i = 0; i < tiles_.size(); ++i) (is_val[slide_group_[tiles_[i].slide]] ? val : train)->push_back(i);
 }
 
 Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,

@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <string>
 
+#include "slide/core/file.h"
 #include "slide/tile/pipeline.h"
 #include "slide/train/layers.h"
 #include "slide/train/trainer.h"
@@ -50,6 +52,27 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
   (*data)->split_by_slide(0.25, 7, &train, &val);
   CHECK(val.size() == 90);
   CHECK(train.size() == 270);
+
+  {
+    // A labels CSV with a patient column: 360 slides of 12 patients (slide i -> patient i % 12);
+    // the split keeps each patient's slides on one side and holds out round(0.25 x 12) = 3 patients.
+    std::string csv = "slide_id,label,patient\n";
+    for (size_t i = 0; i < (*data)->slide_ids().size(); ++i) {
+      const std::string id = (*data)->slide_ids()[i].substr(2);  // drop "0:"
+      csv += id + "," + id.substr(0, id.find('/')) + ",p" + std::to_string(i % 12) + "\n";
+    }
+    REQUIRE(slide::core::write_file_atomic(dir + "/labels.csv", csv).ok());
+    auto by_patient = TileDataset::open({store}, dir + "/labels.csv");
+    REQUIRE_MESSAGE(by_patient.ok(), by_patient.status().to_string());
+    std::vector<size_t> tr, va;
+    (*by_patient)->split_by_slide(0.25, 7, &tr, &va);
+    CHECK(va.size() == 90);  // 3 patients x 30 slides x 1 tile
+    std::set<size_t> val_patients, train_patients;
+    for (size_t p : va) val_patients.insert((*by_patient)->tiles()[p].slide % 12);
+    for (size_t p : tr) train_patients.insert((*by_patient)->tiles()[p].slide % 12);
+    CHECK(val_patients.size() == 3);
+    for (size_t p : val_patients) CHECK(train_patients.count(p) == 0);
+  }
 
   auto be = make_backend("cpu");
   REQUIRE(be.ok());

@@ -31,8 +31,8 @@ class TileDataset {
   // from patch folders or a manifest with a label column"), when stores disagree on the tile size,
   // or when there are no tiles.
   //
-  // With `labels_csv` (a file with a header naming `slide_id` and `label` columns, comma-separated,
-  // no quoting), each slide's label is its row's instead of the store's; classes are the CSV's
+  // With `labels_csv` (a file with a header naming `slide_id` and `label` columns, and optionally
+  // `patient`; comma-separated, no quoting), each slide's label is its row's instead of the store's; classes are the CSV's
   // distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
   // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
   // row.
@@ -47,8 +47,10 @@ class TileDataset {
   // The record header of tile `position` (level-0 x, y, size, label). Errors: the store's.
   [[nodiscard]] Status tile_header(size_t position, slide::tile::TileHeader* header) const;
 
-  // Tile positions split by slide: slides shuffled with `seed`, round(val_fraction x slides)
-  // (at least one when val_fraction > 0 and there are two slides or more) go to validation.
+  // Tile positions split by slide, or by patient when the labels CSV has a `patient` column (the
+  // slides of one patient stay together): groups shuffled with `seed`, round(val_fraction x
+  // groups) (at least one when val_fraction > 0 and there are two groups or more) go to
+  // validation.
   void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
 
   // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
@@ -65,6 +67,7 @@ class TileDataset {
   std::vector<std::string> store_dirs_;
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores_;
   std::vector<std::string> class_names_, slide_ids_;
+  std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its own
   std::vector<TileRef> tiles_;
   int64_t tile_size_ = 0;
 };

@@ -261,6 +261,11 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", schedule, "cosine | step | constant")->capture_default_str();
   app.add_option("--warmup-epochs", warmup_epochs, "Linear warm-up, in epochs")->capture_default_str();
   app.add_option("--label-smoothing", smoothing, "Label smoothing in [0, 1)")->capture_default_str();
+  std::string cache = "auto";
+  app.add_option("--cache", cache,
+                 "ram: decode the dataset once and keep it in memory; none; auto: ram when it fits in half of the "
+                 "memory budget left (or of the available memory)")
+      ->capture_default_str();
   std::string class_weights = "none";
   app.add_option("--class-weights", class_weights,
                  "none | balanced (n / (classes x n_c) over the training tiles) | w1,w2,... (one per class)")
@@ -335,6 +340,22 @@ int main(int argc, char** argv) {
   if (schedule != "cosine" && schedule != "step" && schedule != "constant")
     return fail(slide::core::invalid_argument("schedule '" + schedule + "' is not one of cosine, step, constant"));
 
+  if (cache != "auto" && cache != "ram" && cache != "none")
+    return fail(slide::core::invalid_argument("--cache '" + cache + "' is not one of auto, ram, none"));
+  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
+  if (cache != "none") {
+    const size_t budget_left = cpu_allocator().budget_bytes() == Allocator::kUnlimited
+                                   ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE))
+                                   : cpu_allocator().budget_bytes() - cpu_allocator().current_bytes();
+    if (cache == "ram" || (*ds)->decoded_bytes() <= budget_left / 2) {
+      if (auto s = (*ds)->cache_in_ram(&pool, cpu_allocator()); !s.ok()) {
+        if (cache == "ram") return fail(s.with_context("--cache ram"));
+        slide::core::log_warn("dataset not cached in RAM", {{"why", s.to_string()}});
+      } else {
+        slide::core::log_info("dataset cached in RAM", {{"bytes", static_cast<int64_t>((*ds)->decoded_bytes())}});
+      }
+    }
+  }
   Tensor weights;
   if (class_weights == "balanced") {
     auto w = balanced_class_weights(**ds, train, cpu_allocator());
@@ -385,7 +406,6 @@ int main(int argc, char** argv) {
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }
 
-  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
   slide::core::log_info("training", {{"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
                                      {"steps_per_epoch", steps_per_epoch}, {"backend", backend}});

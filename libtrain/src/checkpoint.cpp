@@ -15,6 +15,7 @@ const char* st_dtype(DType t) {
     case DType::kF32: return "F32";
     case DType::kF64: return "F64";
     case DType::kI32: return "I32";
+    case DType::kU8: return "U8";
   }
   return "?";
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <future>
 #include <map>
 #include <numeric>
@@ -141,6 +142,54 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
   return ds;
 }
 
+Status TileDataset::decode_tile(size_t position, uint8_t* rgb) const {
+  const int64_t S = tile_size_;
+  const size_t bytes = static_cast<size_t>(3 * S * S);
+  if (cache_.defined()) {
+    std::memcpy(rgb, cache_.data<uint8_t>() + position * bytes, bytes);
+    return slide::core::ok_status();
+  }
+  const TileRef& ref = tiles_.at(position);
+  slide::tile::TileHeader h;
+  std::vector<uint8_t> payload;
+  SLIDE_RETURN_IF_ERROR(stores_[ref.store]->read_tile(ref.tile, &h, &payload));
+  const std::string where = "store " + store_dirs_[ref.store] + ": tile " + std::to_string(ref.tile);
+  if (h.encoding == slide::tile::TileEncoding::kJpeg) {
+    SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img, slide::tile::decode_jpeg(payload));
+    if (img.width != S || img.height != S)
+      return slide::core::invalid_argument(where + " is " + std::to_string(img.width) + "x" + std::to_string(img.height));
+    std::memcpy(rgb, img.pixels.data(), bytes);
+  } else {
+    if (h.width != S || h.height != S || payload.size() != bytes)
+      return slide::core::data_loss(where + ": raw payload size does not match its header");
+    std::memcpy(rgb, payload.data(), bytes);
+  }
+  return slide::core::ok_status();
+}
+
+Status TileDataset::cache_in_ram(slide::core::ThreadPool* pool, Allocator& alloc) {
+  const auto n = static_cast<int64_t>(tiles_.size());
+  SLIDE_ASSIGN_OR_RETURN(Tensor cache, Tensor::empty({n, tile_size_, tile_size_, 3}, DType::kU8, alloc,
+                                                     "decoded dataset (RAM cache)"));
+  const size_t bytes = static_cast<size_t>(3 * tile_size_ * tile_size_);
+  auto range = [&](int64_t a, int64_t b) -> Status {
+    for (int64_t i = a; i < b; ++i)
+      SLIDE_RETURN_IF_ERROR(decode_tile(static_cast<size_t>(i), cache.data<uint8_t>() + static_cast<size_t>(i) * bytes));
+    return slide::core::ok_status();
+  };
+  const int64_t parts = pool != nullptr ? static_cast<int64_t>(pool->size()) : 1;
+  std::vector<std::future<Status>> done;
+  for (int64_t k = 1; k < parts; ++k) done.push_back(pool->submit([&, k] { return range(n * k / parts, n * (k + 1) / parts); }));
+  Status first = range(0, n / parts);
+  for (auto& f : done) {
+    Status s = f.get();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  SLIDE_RETURN_IF_ERROR(first);
+  cache_ = std::move(cache);
+  return slide::core::ok_status();
+}
+
 Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header) const {
   const TileRef& ref = tiles_.at(position);
   std::vector<uint8_t> payload;
@@ -176,22 +225,8 @@ Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augmen
   auto one = [&](int64_t i) -> Status {
     const TileRef& ref = tiles_.at(positions[static_cast<size_t>(i)]);
     labels->data<int32_t>()[i] = ref.label;
-    slide::tile::TileHeader h;
-    std::vector<uint8_t> payload;
-    SLIDE_RETURN_IF_ERROR(stores_[ref.store]->read_tile(ref.tile, &h, &payload));
-    slide::tile::RgbImage img;
-    if (h.encoding == slide::tile::TileEncoding::kJpeg) {
-      SLIDE_ASSIGN_OR_RETURN(img, slide::tile::decode_jpeg(payload));
-    } else {
-      img = slide::tile::RgbImage(h.width, h.height);
-      if (payload.size() != img.pixels.size())
-        return slide::core::data_loss("store " + store_dirs_[ref.store] + ": tile " + std::to_string(ref.tile) +
-                                      ": raw payload size does not match its header");
-      std::copy(payload.begin(), payload.end(), img.pixels.begin());
-    }
-    if (img.width != S || img.height != S)
-      return slide::core::invalid_argument("store " + store_dirs_[ref.store] + ": tile " + std::to_string(ref.tile) +
-                                           " is " + std::to_string(img.width) + "x" + std::to_string(img.height));
+    slide::tile::RgbImage img(S, S);
+    SLIDE_RETURN_IF_ERROR(decode_tile(positions[static_cast<size_t>(i)], img.pixels.data()));
     int flip = 0, rot = 0;
     if (augment) {
       std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + positions[static_cast<size_t>(i)]);

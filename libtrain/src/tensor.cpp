@@ -10,6 +10,7 @@ size_t dtype_size(DType t) {
     case DType::kF32: return 4;
     case DType::kF64: return 8;
     case DType::kI32: return 4;
+    case DType::kU8: return 1;
   }
   return 0;
 }
@@ -19,6 +20,7 @@ const char* dtype_name(DType t) {
     case DType::kF32: return "f32";
     case DType::kF64: return "f64";
     case DType::kI32: return "i32";
+    case DType::kU8: return "u8";
   }
   return "?";
 }

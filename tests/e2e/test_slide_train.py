@@ -118,6 +118,24 @@ class TestTrain(Base):
             self.assertEqual(len(f.read().splitlines()), 361)  # one patch per slide
 
 
+class TestCache(Base):
+    def test_ram_cache_gives_the_same_weights(self):
+        a, b = os.path.join(self.tmp, "cached"), os.path.join(self.tmp, "streamed")
+        r = self.train(a, "--cache", "ram")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("dataset cached in RAM", r.stderr)
+        r = self.train(b, "--cache", "none")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("cached in RAM", r.stderr)
+        wa = read_safetensors(os.path.join(a, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        wb = read_safetensors(os.path.join(b, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        self.assertTrue(all(np.array_equal(wa[k], wb[k]) for k in wa))
+        # A cache that cannot fit the budget is an error when asked for.
+        r = self.train(os.path.join(self.tmp, "nocache"), "--cache", "ram", "--memory-budget", "1M")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("decoded dataset (RAM cache)", r.stderr)
+
+
 class TestResume(Base):
     def test_sigint_then_resume_gives_the_uninterrupted_weights(self):
         ref = os.path.join(self.tmp, "ref")

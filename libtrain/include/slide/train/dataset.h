@@ -44,6 +44,14 @@ class TileDataset {
   const std::vector<TileRef>& tiles() const { return tiles_; }
   int64_t tile_size_px() const { return tile_size_; }
 
+  // Decodes every tile once into host memory from `alloc` (tiles x S x S x 3 bytes), after which
+  // load_batch copies from RAM instead of reading and decoding (the trick of pinning a dataset
+  // on the device, on the CPU). Errors: kResourceExhausted when it does not fit the budget (the
+  // caller may go on without it), and those of reading or decoding a tile.
+  [[nodiscard]] Status cache_in_ram(slide::core::ThreadPool* pool, Allocator& alloc);
+  size_t decoded_bytes() const { return tiles_.size() * static_cast<size_t>(3 * tile_size_ * tile_size_); }
+  bool cached() const { return cache_.defined(); }
+
   // The record header of tile `position` (level-0 x, y, size, label). Errors: the store's.
   [[nodiscard]] Status tile_header(size_t position, slide::tile::TileHeader* header) const;
 
@@ -68,6 +76,10 @@ class TileDataset {
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores_;
   std::vector<std::string> class_names_, slide_ids_;
   std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its own
+  Tensor cache_;                       // u8 [tiles, S, S, 3] when cached in RAM
+
+  // Tile `position` as S x S RGB into `rgb` (from the cache, or read and decoded).
+  [[nodiscard]] Status decode_tile(size_t position, uint8_t* rgb) const;
   std::vector<TileRef> tiles_;
   int64_t tile_size_ = 0;
 };

@@ -20,7 +20,8 @@
 namespace slide::train {
 
 // kF64 exists for the reference backend's gradient checks (central differences in double).
-enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2 };
+// kU8 holds decoded images (the RAM dataset cache).
+enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2, kU8 = 3 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 

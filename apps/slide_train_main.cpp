@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +19,7 @@
 
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+#include "slide/tile/image.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/trainer.h"
 
@@ -114,6 +116,48 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
   return slide::core::ok_status();
 }
 
+// curves.png: the learning curves, 640 x 360, epochs along x. Train loss (blue) and validation
+// loss (orange) scaled to the largest loss; validation accuracy (green) and balanced accuracy
+// (red) on 0..1. Light grid lines at tenths; no text (the numbers are in metrics.csv).
+Status write_curves_png(const std::string& out, const nlohmann::json& history) {
+  constexpr int64_t W = 640, H = 360, M = 20;
+  slide::tile::RgbImage img(W, H, 255);
+  auto put = [&](int64_t x, int64_t y, const uint8_t c[3]) {
+    if (x < 0 || y < 0 || x >= W || y >= H) return;
+    uint8_t* p = img.row(y) + 3 * x;
+    p[0] = c[0], p[1] = c[1], p[2] = c[2];
+  };
+  const uint8_t grid[3] = {225, 225, 225}, axis[3] = {0, 0, 0};
+  for (int k = 0; k <= 10; ++k)
+    for (int64_t x = M; x < W - M; ++x) put(x, H - M - (H - 2 * M) * k / 10, k == 0 ? axis : grid);
+  for (int64_t y = M; y < H - M; ++y) put(M, y, axis);
+  const size_t n = history.size();
+  if (n == 0) return slide::core::ok_status();
+  double max_loss = 1e-12;
+  for (const auto& h : history)
+    max_loss = std::max({max_loss, h["train_loss"].get<double>(), h["val_loss"].get<double>()});
+  auto px = [&](size_t i) { return M + (n == 1 ? 0 : (W - 2 * M) * static_cast<int64_t>(i) / static_cast<int64_t>(n - 1)); };
+  auto py = [&](double v) { return H - M - static_cast<int64_t>(std::lround(std::clamp(v, 0.0, 1.0) * (H - 2 * M))); };
+  auto line = [&](const char* key, double scale, const uint8_t c[3]) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t x0 = px(i), y0 = py(history[i][key].get<double>() / scale);
+      for (int64_t dy = -2; dy <= 2; ++dy)
+        for (int64_t dx = -2; dx <= 2; ++dx) put(x0 + dx, y0 + dy, c);  // a dot per epoch
+      if (i + 1 == n) break;
+      const int64_t x1 = px(i + 1), y1 = py(history[i + 1][key].get<double>() / scale);
+      const int64_t steps = std::max<int64_t>({1, std::abs(x1 - x0), std::abs(y1 - y0)});
+      for (int64_t t = 0; t <= steps; ++t) put(x0 + (x1 - x0) * t / steps, y0 + (y1 - y0) * t / steps, c);
+    }
+  };
+  const uint8_t blue[3] = {31, 119, 180}, orange[3] = {255, 127, 14}, green[3] = {44, 160, 44}, red[3] = {214, 39, 40};
+  line("train_loss", max_loss, blue);
+  line("val_loss", max_loss, orange);
+  line("val_accuracy", 1.0, green);
+  line("val_balanced_accuracy", 1.0, red);
+  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
+  return slide::core::write_file_atomic(out + "/curves.png", png);
+}
+
 // metrics.jsonl and metrics.csv, rewritten whole (atomically) from the history.
 Status write_metrics(const std::string& out, const nlohmann::json& history) {
   std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,val_roc_auc,lr,seconds\n";
@@ -127,7 +171,8 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
     csv += line;
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
-  return slide::core::write_file_atomic(out + "/metrics.csv", csv);
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.csv", csv));
+  return write_curves_png(out, history);
 }
 
 // slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.

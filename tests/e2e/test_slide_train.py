@@ -88,6 +88,11 @@ class TestTrain(Base):
         with open(os.path.join(out, "metrics.csv")) as f:
             csv = f.read().splitlines()
         self.assertEqual(len(csv), 7)
+        from PIL import Image
+        with Image.open(os.path.join(out, "curves.png")) as im:
+            self.assertEqual(im.size, (640, 360))
+            colors = {c for _, c in im.convert("RGB").getcolors(1 << 16)}
+            self.assertTrue({(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)} <= colors)
         best = read_safetensors(os.path.join(out, "best.safetensors"))
         self.assertEqual(best["0.weight"].shape, (8, 3, 3, 3))
         self.assertEqual(best["fc.weight"].shape, (3, 32))

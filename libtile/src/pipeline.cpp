@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 
+#include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/core/progress.h"
@@ -41,40 +42,6 @@ bool is_patch_extension(const std::string& ext) {
   return e == ".jpg" || e == ".jpeg" || e == ".png" || e == ".tif" || e == ".tiff";
 }
 
-std::vector<std::string> split_csv_line(const std::string& line) {
-  // Plain CSV with optional double quotes around fields ("" inside quotes is a quote).
-  std::vector<std::string> out;
-  std::string cur;
-  bool quoted = false;
-  for (size_t i = 0; i < line.size(); ++i) {
-    char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
-        cur += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        cur += c;
-      }
-    } else if (c == '"') {
-      quoted = true;
-    } else if (c == ',') {
-      out.push_back(cur);
-      cur.clear();
-    } else if (c != '\r') {
-      cur += c;
-    }
-  }
-  out.push_back(cur);
-  for (auto& f : out) {
-    auto b = f.find_first_not_of(" \t");
-    auto e = f.find_last_not_of(" \t");
-    f = b == std::string::npos ? std::string() : f.substr(b, e - b + 1);
-  }
-  return out;
-}
-
 Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
   std::ifstream in(csv);
   if (!in) return slide::core::errno_status(errno, "open manifest " + csv);
@@ -84,8 +51,8 @@ Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
   int id_col = -1, path_col = -1, label_col = -1;
   while (std::getline(in, line)) {
     ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#') continue;
-    auto fields = split_csv_line(line);
+    if (slide::core::csv_line_is_blank(line)) continue;
+    auto fields = slide::core::split_csv_line(line);
     if (id_col < 0) {
       for (size_t i = 0; i < fields.size(); ++i) {
         if (fields[i] == "slide_id") id_col = static_cast<int>(i);

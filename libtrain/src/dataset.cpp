@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/tile/image.h"
 
@@ -35,20 +36,10 @@ Result<std::map<std::string, CsvRow>> read_labels_csv(const std::string& path) {
   std::istringstream in(text);
   std::string line;
   int64_t id_col = -1, label_col = -1, patient_col = -1, line_no = 0;
-  auto split = [](const std::string& l) {
-    std::vector<std::string> f;
-    std::string cur;
-    for (char c : l) {
-      if (c == ',') f.push_back(cur), cur.clear();
-      else if (c != '\r') cur += c;
-    }
-    f.push_back(cur);
-    return f;
-  };
   while (std::getline(in, line)) {
     ++line_no;
-    if (line.empty() || line == "\r") continue;
-    const auto f = split(line);
+    if (slide::core::csv_line_is_blank(line)) continue;
+    const auto f = slide::core::split_csv_line(line);
     if (id_col < 0) {
       for (size_t i = 0; i < f.size(); ++i) {
         if (f[i] == "slide_id") id_col = static_cast<int64_t>(i);

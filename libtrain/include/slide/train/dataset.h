@@ -32,7 +32,7 @@ class TileDataset {
   // or when there are no tiles.
   //
   // With `labels_csv` (a file with a header naming `slide_id` and `label` columns, and optionally
-  // `patient`; comma-separated, no quoting), each slide's label is its row's instead of the store's; classes are the CSV's
+  // `patient`; the manifest's CSV dialect, slide/core/csv.h), each slide's label is its row's instead of the store's; classes are the CSV's
   // distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
   // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
   // row.

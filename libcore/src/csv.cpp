@@ -1,0 +1,42 @@
+#include "slide/core/csv.h"
+
+namespace slide::core {
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cur;
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        cur += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        cur += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      out.push_back(cur);
+      cur.clear();
+    } else if (c != '\r') {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  for (auto& f : out) {
+    auto b = f.find_first_not_of(" \t");
+    auto e = f.find_last_not_of(" \t");
+    f = b == std::string::npos ? std::string() : f.substr(b, e - b + 1);
+  }
+  return out;
+}
+
+bool csv_line_is_blank(const std::string& line) {
+  return line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#';
+}
+
+}  // namespace slide::core

@@ -71,19 +71,20 @@ std::vector<NamedTensor> named(const std::vector<Parameter*>& ps, const std::vec
   return out;
 }
 
-// The newest complete checkpoint directory ("epoch-E-step-S", no ".partial"), or "".
-std::string latest_checkpoint(const std::string& dir) {
-  std::string best;
-  std::pair<long, long> best_key{-1, -1};
+// The complete checkpoint directories ("epoch-E-step-S", no ".partial") in `dir`, oldest first.
+std::vector<fs::path> list_checkpoints(const std::string& dir) {
+  std::vector<std::pair<std::pair<long, long>, fs::path>> found;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     long ep = 0, st = 0;
     const std::string n = e.path().filename().string();
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos &&
-        std::pair<long, long>{ep, st} > best_key)
-      best_key = {ep, st}, best = e.path().string();
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos)
+      found.push_back({{ep, st}, e.path()});
   }
-  return best;
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
 }
 
 // Writes <dir>/epoch-E-step-S via a .partial directory renamed into place; keeps the newest `keep`.
@@ -104,15 +105,8 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
   fs::rename(partial, final_dir, ec);
   if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
   // Keep the newest `keep` checkpoints.
-  std::vector<std::pair<std::pair<long, long>, fs::path>> all;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    long ep = 0, st = 0;
-    const std::string n = e.path().filename().string();
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos)
-      all.push_back({{ep, st}, e.path()});
-  }
-  std::sort(all.begin(), all.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  const std::vector<fs::path> all = list_checkpoints(dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
   return slide::core::ok_status();
 }
 
@@ -434,7 +428,8 @@ int main(int argc, char** argv) {
                           {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}};
   if (resume) {
-    const std::string latest = latest_checkpoint(ckpt_dir);
+    const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
+    const std::string latest = checkpoints.empty() ? "" : checkpoints.back().string();
     if (latest.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
     auto text = slide::core::read_file(latest + "/state.json");
     if (!text.ok()) return fail(text.status());

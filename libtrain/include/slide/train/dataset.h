@@ -31,9 +31,9 @@ class TileDataset {
   // from patch folders or a manifest with a label column"), when stores disagree on the tile size,
   // or when there are no tiles.
   //
-  // With `labels_csv` (a file with a header naming `slide_id` and `label` columns, and optionally
-  // `patient`; the manifest's CSV dialect, slide/core/csv.h), each slide's label is its row's instead of the store's; classes are the CSV's
-  // distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
+  // With `labels_csv` (a header naming `slide_id` and `label` columns, optionally `patient`; the
+  // manifest's CSV dialect, slide/core/csv.h), each slide's label is its row's instead of the
+  // store's; classes are the CSV's distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
   // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
   // row.
   [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores,

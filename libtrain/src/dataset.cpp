@@ -23,14 +23,9 @@ constexpr float kStd[3] = {0.229f, 0.224f, 0.225f};
 
 }  // namespace
 
-namespace {
+using CsvRow = SlideLabelRow;
 
-struct CsvRow {
-  std::string label, patient;  // patient "" when the CSV has no patient column
-};
-
-// slide_id -> label (and patient) from a CSV with a header naming slide_id, label (, patient).
-Result<std::map<std::string, CsvRow>> read_labels_csv(const std::string& path) {
+Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path) {
   SLIDE_ASSIGN_OR_RETURN(std::string text, slide::core::read_file(path));
   std::map<std::string, CsvRow> out;
   std::istringstream in(text);
@@ -67,7 +62,18 @@ Result<std::map<std::string, CsvRow>> read_labels_csv(const std::string& path) {
   return out;
 }
 
-}  // namespace
+std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed) {
+  std::vector<uint32_t> order(groups);
+  std::iota(order.begin(), order.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  size_t n_val = static_cast<size_t>(std::llround(val_fraction * static_cast<double>(order.size())));
+  if (val_fraction > 0 && n_val == 0 && order.size() >= 2) n_val = 1;
+  n_val = std::min(n_val, order.size());
+  std::vector<bool> is_val(order.size(), false);
+  for (size_t i = 0; i < n_val; ++i) is_val[order[i]] = true;
+  return is_val;
+}
 
 Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores,
                                                        const std::string& labels_csv) {
@@ -77,7 +83,7 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
   std::map<std::string, CsvRow> csv;
   std::map<std::string, uint32_t> patient_index;
   if (!labels_csv.empty()) {
-    SLIDE_ASSIGN_OR_RETURN(csv, read_labels_csv(labels_csv));
+    SLIDE_ASSIGN_OR_RETURN(csv, read_slide_labels_csv(labels_csv));
     std::vector<std::string> names;
     for (const auto& [id, row] : csv) names.push_back(row.label);
     std::sort(names.begin(), names.end());
@@ -191,15 +197,7 @@ void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector
                                  std::vector<size_t>* val) const {
   uint32_t groups = 0;
   for (uint32_t g : slide_group_) groups = std::max(groups, g + 1);
-  std::vector<uint32_t> order(groups);
-  std::iota(order.begin(), order.end(), 0u);
-  std::mt19937_64 rng(seed);
-  std::shuffle(order.begin(), order.end(), rng);
-  size_t n_val = static_cast<size_t>(std::llround(val_fraction * static_cast<double>(order.size())));
-  if (val_fraction > 0 && n_val == 0 && order.size() >= 2) n_val = 1;
-  n_val = std::min(n_val, order.size());
-  std::vector<bool> is_val(order.size(), false);
-  for (size_t i = 0; i < n_val; ++i) is_val[order[i]] = true;
+  const std::vector<bool> is_val = split_groups(groups, val_fraction, seed);
   train->clear();
   val->clear();
   for (size_t i = 0; i < tiles_.size(); ++i) (is_val[slide_group_[tiles_[i].slide]] ? val : train)->push_back(i);

@@ -219,4 +219,31 @@ Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, 
   return d;
 }
 
+// --- Attention MIL ops ---
+Result<LinearDims> validate_rows(const char* op, const Tensor& x, const Tensor& y, const Tensor* z, DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
+  if (x.dim(1) < 1) return invalid_argument(std::string(op) + ": rows of x " + shape_string(x.shape()) + " are empty");
+  SLIDE_RETURN_IF_ERROR(validate_same_shape(op, x, y, z, dtypes));
+  return LinearDims{x.dim(0), x.dim(1), x.dim(1)};
+}
+
+Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& y,
+                                   DTypes dtypes) {
+  const char* op = "matmul";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "a", a, 2));
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "b", b, 2));
+  const MatmulDims d{transpose_a ? a.dim(1) : a.dim(0), transpose_a ? a.dim(0) : a.dim(1),
+                     transpose_b ? b.dim(0) : b.dim(1)};
+  const int64_t kb = transpose_b ? b.dim(1) : b.dim(0);
+  if (kb != d.K)
+    return invalid_argument(std::string(op) + ": a " + shape_string(a.shape()) + (transpose_a ? " (transposed)" : "") +
+                            " and b " + shape_string(b.shape()) + (transpose_b ? " (transposed)" : "") +
+                            " do not chain");
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {d.M, d.N}));
+  if (y.raw() == a.raw() || y.raw() == b.raw())
+    return invalid_argument(std::string(op) + ": y shares storage with an operand");
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"a", &a}, {"b", &b}, {"y", &y}}, dtypes));
+  return d;
+}
+
 }  // namespace slide::train::detail

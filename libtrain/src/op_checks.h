@@ -66,4 +66,15 @@ struct LinearDims {
                                                         const Tensor& class_weights, double label_smoothing,
                                                         const Tensor& out, DTypes dtypes);
 
+// --- Attention MIL ops ---
+struct MatmulDims {
+  int64_t M, K, N;
+};
+// x and y (and z when given) [R,C] of one shape (the row softmax): returns {R, C} as {N, I, I}.
+[[nodiscard]] Result<LinearDims> validate_rows(const char* op, const Tensor& x, const Tensor& y, const Tensor* z,
+                                               DTypes dtypes);
+// y[M,N] = op(a)[M,K] op(b)[K,N]; y must not share storage with a or b.
+[[nodiscard]] Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                                                 const Tensor& y, DTypes dtypes);
+
 }  // namespace slide::train::detail

@@ -397,6 +397,92 @@ class OneDnnBackend final : public Backend {
     return loops_->adamw_update(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step);
   }
 
+  // --- Attention MIL ops: oneDNN eltwise (tanh, logistic: the *_use_dst_for_bwd forms, so backward
+  // needs only the output, as the op list says), softmax and matmul primitives ---
+  Status tanh_forward(const Tensor& x, Tensor& y) override {
+    return eltwise_forward("tanh_forward", dnnl::algorithm::eltwise_tanh_use_dst_for_bwd, x, y);
+  }
+  Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    return eltwise_backward("tanh_backward", dnnl::algorithm::eltwise_tanh_use_dst_for_bwd, y, dy, dx);
+  }
+  Status sigmoid_forward(const Tensor& x, Tensor& y) override {
+    return eltwise_forward("sigmoid_forward", dnnl::algorithm::eltwise_logistic_use_dst_for_bwd, x, y);
+  }
+  Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    return eltwise_backward("sigmoid_backward", dnnl::algorithm::eltwise_logistic_use_dst_for_bwd, y, dy, dx);
+  }
+
+  Status softmax_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kF32Only));
+    return run("softmax_forward", [&] {
+      auto& pd = softmax_fwd_pd(d.N, d.I);
+      dnnl::softmax_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
+    });
+  }
+
+  Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kF32Only));
+    return run("softmax_backward", [&] {
+      auto& pd = cached<dnnl::softmax_backward::primitive_desc>(key_of("softmax_bwd", {d.N, d.I}), [&] {
+        dnnl::softmax_backward::desc desc(plain({d.N, d.I}, tag::nc), plain({d.N, d.I}, tag::nc), 1);
+        return dnnl::softmax_backward::primitive_desc(desc, eng_, softmax_fwd_pd(d.N, d.I));
+      });
+      dnnl::softmax_backward(pd).execute(strm_, {{DNNL_ARG_DST, mem(pd.dst_desc(), y)},
+                                                 {DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
+                                                 {DNNL_ARG_DIFF_SRC, mem(pd.diff_src_desc(), dx)}});
+    });
+  }
+
+  // A transposed operand is the same storage described with the swapped (ba) layout: no copy.
+  Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d,
+                           detail::validate_matmul(a, transpose_a, b, transpose_b, y, kF32Only));
+    return run("matmul", [&] {
+      const auto a_md = plain({d.M, d.K}, transpose_a ? tag::ba : tag::ab);
+      const auto b_md = plain({d.K, d.N}, transpose_b ? tag::ba : tag::ab);
+      const auto y_md = plain({d.M, d.N}, tag::ab);
+      auto& pd = cached<dnnl::matmul::primitive_desc>(key_of("matmul", {d.M, d.K, d.N, transpose_a, transpose_b}), [&] {
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, y_md), eng_);
+      });
+      dnnl::matmul(pd).execute(strm_, {{DNNL_ARG_SRC, mem(a_md, a)}, {DNNL_ARG_WEIGHTS, mem(b_md, b)},
+                                       {DNNL_ARG_DST, mem(y_md, y)}});
+    });
+  }
+
+ private:
+  Status eltwise_forward(const char* op, dnnl::algorithm alg, const Tensor& x, Tensor& y) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kF32Only));
+    return run(op, [&] {
+      auto& pd = eltwise_fwd_pd(alg, x.numel());
+      dnnl::eltwise_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
+    });
+  }
+  Status eltwise_backward(const char* op, dnnl::algorithm alg, const Tensor& y, const Tensor& dy, Tensor& dx) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, kF32Only));
+    return run(op, [&] {
+      auto& pd = cached<dnnl::eltwise_backward::primitive_desc>(key_of(op, {y.numel()}), [&] {
+        dnnl::eltwise_backward::desc desc(alg, flat(y), flat(y), 0.f);
+        return dnnl::eltwise_backward::primitive_desc(desc, eng_, eltwise_fwd_pd(alg, y.numel()));
+      });
+      dnnl::eltwise_backward(pd).execute(strm_, {{DNNL_ARG_DST, mem(flat(y), y)},
+                                                 {DNNL_ARG_DIFF_DST, mem(flat(dy), dy)},
+                                                 {DNNL_ARG_DIFF_SRC, mem(flat(dx), dx)}});
+    });
+  }
+  dnnl::eltwise_forward::primitive_desc& eltwise_fwd_pd(dnnl::algorithm alg, int64_t n) {
+    return cached<dnnl::eltwise_forward::primitive_desc>(key_of("eltwise_fwd", {static_cast<int64_t>(alg), n}), [&] {
+      dnnl::eltwise_forward::desc desc(dnnl::prop_kind::forward_training, alg,
+                                       memory::desc({n}, dt::f32, tag::a), 0.f, 0.f);
+      return dnnl::eltwise_forward::primitive_desc(desc, eng_);
+    });
+  }
+  dnnl::softmax_forward::primitive_desc& softmax_fwd_pd(int64_t rows, int64_t cols) {
+    return cached<dnnl::softmax_forward::primitive_desc>(key_of("softmax_fwd", {rows, cols}), [&] {
+      dnnl::softmax_forward::desc desc(dnnl::prop_kind::forward_training, plain({rows, cols}, tag::nc), 1);
+      return dnnl::softmax_forward::primitive_desc(desc, eng_);
+    });
+  }
+
  private:
   // Runs body on the stream and waits; a dnnl::error becomes a Status naming the op.
   Status run(const char* op, const std::function<void()>& body) {

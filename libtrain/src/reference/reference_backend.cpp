@@ -440,6 +440,97 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  // --- Attention MIL ops ---
+  Status tanh_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_forward", x, y, nullptr, kDTypes));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = std::tanh(xp[i]);
+      return ok_status();
+    });
+  }
+
+  Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_backward", y, dy, &dx, kDTypes));
+    return dispatch(y.dtype(), [&]<typename T>() {
+      const T *yp = y.data<T>(), *dyp = dy.data<T>();
+      T* dxp = dx.data<T>();
+      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = dyp[i] * (T(1) - yp[i] * yp[i]);
+      return ok_status();
+    });
+  }
+
+  Status sigmoid_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_forward", x, y, nullptr, kDTypes));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = T(1) / (T(1) + std::exp(-xp[i]));
+      return ok_status();
+    });
+  }
+
+  Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_backward", y, dy, &dx, kDTypes));
+    return dispatch(y.dtype(), [&]<typename T>() {
+      const T *yp = y.data<T>(), *dyp = dy.data<T>();
+      T* dxp = dx.data<T>();
+      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = dyp[i] * yp[i] * (T(1) - yp[i]);
+      return ok_status();
+    });
+  }
+
+  Status softmax_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kDTypes));
+    const int64_t R = d.N, C = d.I;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t r = 0; r < R; ++r) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t c = 0; c < C; ++c) m = std::max(m, double(xp[r * C + c]));
+        double se = 0;
+        for (int64_t c = 0; c < C; ++c) se += std::exp(double(xp[r * C + c]) - m);
+        for (int64_t c = 0; c < C; ++c) yp[r * C + c] = static_cast<T>(std::exp(double(xp[r * C + c]) - m) / se);
+      }
+      return ok_status();
+    });
+  }
+
+  Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kDTypes));
+    const int64_t R = d.N, C = d.I;
+    return dispatch(y.dtype(), [&]<typename T>() {
+      const T *yp = y.data<T>(), *dyp = dy.data<T>();
+      T* dxp = dx.data<T>();
+      for (int64_t r = 0; r < R; ++r) {
+        double dot = 0;
+        for (int64_t c = 0; c < C; ++c) dot += double(dyp[r * C + c]) * double(yp[r * C + c]);
+        for (int64_t c = 0; c < C; ++c)
+          dxp[r * C + c] = static_cast<T>(double(yp[r * C + c]) * (double(dyp[r * C + c]) - dot));
+      }
+      return ok_status();
+    });
+  }
+
+  Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, kDTypes));
+    const auto [M, K, N] = d;
+    return dispatch(a.dtype(), [&]<typename T>() {
+      const T *ap = a.data<T>(), *bp = b.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int64_t k = 0; k < K; ++k)
+            acc += double(ap[transpose_a ? k * M + m : m * K + k]) * double(bp[transpose_b ? n * K + k : k * N + n]);
+          yp[m * N + n] = static_cast<T>(acc);
+        }
+      return ok_status();
+    });
+  }
+
  private:
   // Forward (y != nullptr) or backward (dx != nullptr) of max pooling.
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {

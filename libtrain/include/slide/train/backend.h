@@ -127,6 +127,49 @@ class Backend {
   [[nodiscard]] virtual Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
                                             double beta1, double beta2, double eps, double weight_decay,
                                             int64_t step) = 0;
+
+  // --- Attention MIL (ABMIL: Ilse, Tomczak & Welling, ICML 2018) ---------------------------------
+  // The gated attention's non-linearities, the softmax over a bag's instances and the pooling
+  // product. Element-wise ops take any shape; y may be x (in place). A backend that lacks them
+  // (one that predates them) answers kUnimplemented naming the op; reference and cpu have them.
+  // y = tanh(x).
+  [[nodiscard]] virtual Status tanh_forward(const Tensor& x, Tensor& y) {
+    return unimplemented_op("tanh_forward", x, y);
+  }
+  // dx = dy * (1 - y^2), from the forward's output y (overwritten).
+  [[nodiscard]] virtual Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+    return unimplemented_op("tanh_backward", y, dy, dx);
+  }
+  // y = 1 / (1 + exp(-x)) (the logistic sigmoid).
+  [[nodiscard]] virtual Status sigmoid_forward(const Tensor& x, Tensor& y) {
+    return unimplemented_op("sigmoid_forward", x, y);
+  }
+  // dx = dy * y * (1 - y), from the forward's output y (overwritten).
+  [[nodiscard]] virtual Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+    return unimplemented_op("sigmoid_backward", y, dy, dx);
+  }
+  // Softmax along each row of x[R,C]: y[r,c] = exp(x[r,c] - max_c x[r,:]) / sum_c' exp(x[r,c'] - max).
+  // ABMIL's attention weights over a bag's N instances are one row [1,N]. y may be x.
+  [[nodiscard]] virtual Status softmax_forward(const Tensor& x, Tensor& y) {
+    return unimplemented_op("softmax_forward", x, y);
+  }
+  // dx[R,C] = y * (dy - sum_c dy * y) per row (the softmax's Jacobian-vector product), overwritten.
+  [[nodiscard]] virtual Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+    return unimplemented_op("softmax_backward", y, dy, dx);
+  }
+  // y[M,N] = op(a) op(b), op(t) = t, or t^T when its transpose flag is set: a is [M,K] (or [K,M]),
+  // b is [K,N] (or [N,K]); y overwritten, not aliasing a or b. Attention pooling is z[1,L] =
+  // a[1,N] h[N,L]; its backward is da = dz h^T and dh = a^T dz.
+  [[nodiscard]] virtual Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                                      Tensor& y) {
+    return unimplemented_op("matmul", a, transpose_a, b, transpose_b, y);
+  }
+
+ private:
+  template <typename... Unused>
+  static Status unimplemented_op(const char* op, const Unused&...) {
+    return slide::core::unimplemented(std::string(op) + ": not implemented by this backend");
+  }
 };
 
 // The backends this build has: "reference" always; "cpu" (oneDNN) and "cuda" when built.

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,21 @@
 #include "slide/train/tensor.h"
 
 namespace slide::train {
+
+// One row of a slide labels CSV: the slide's label and its patient ("" without a patient column).
+struct SlideLabelRow {
+  std::string label, patient;
+};
+// slide_id -> row, from a CSV whose header names `slide_id` and `label` columns, optionally
+// `patient` (other columns ignored; the manifest dialect, slide/core/csv.h). Shared by tile and
+// bag (MIL) datasets. Errors: kNotFound (no such file), kInvalidArgument naming the file and line
+// (no such header, a missing field, a duplicate slide id).
+[[nodiscard]] Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path);
+
+// The validation split's rule over `groups` groups (slides, or patients): groups shuffled with
+// `seed`, round(val_fraction x groups) (at least one when val_fraction > 0 and groups >= 2) are
+// validation. Returns is_val per group.
+std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed);
 
 struct TileRef {
   uint32_t store = 0;

@@ -18,6 +18,11 @@
 
 namespace slide::train {
 
+// torchvision's ImageNet normalisation (transforms.Normalize in its model docs), RGB order: a pixel
+// value v in 0..255 becomes (v / 255 - mean) / std. Shared by the datasets and slide-embed.
+inline constexpr float kImageNetMean[3] = {0.485f, 0.456f, 0.406f};
+inline constexpr float kImageNetStd[3] = {0.229f, 0.224f, 0.225f};
+
 // One row of a slide labels CSV: the slide's label and its patient ("" without a patient column).
 struct SlideLabelRow {
   std::string label, patient;

@@ -61,6 +61,7 @@ class Conv2d final : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override { x_ = Tensor(); }
+  Conv2dParams params() const { return p_; }  // stride and padding (read by the inference path)
   Parameter weight, bias;  // bias.value undefined when built without bias
 
  private:
@@ -78,6 +79,7 @@ class BatchNorm2d final : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override { x_ = mean_ = invstd_ = Tensor(); }
+  double eps() const { return eps_; }
   Parameter weight, bias;        // gamma, beta
   Buffer running_mean, running_var;
 
@@ -101,6 +103,7 @@ class ReLU final : public Layer {
 class MaxPool2d final : public Layer {
  public:
   explicit MaxPool2d(Pool2dParams p) : p_(p) {}
+  Pool2dParams params() const { return p_; }
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void release() override { x_ = Tensor(); }
@@ -145,6 +148,9 @@ class Sequential final : public Layer {
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
   size_t size() const { return layers_.size(); }
+  // The i-th layer (i < size()) and its name, for the memory planner and activation checkpointing.
+  Layer& at(size_t i) { return *layers_.at(i); }
+  const std::string& name_at(size_t i) const { return names_.at(i); }
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
@@ -159,6 +165,10 @@ class ResidualBlock : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
+  // The main path and the downsample shortcut (null: identity), for the inference path (embed.h),
+  // which folds and fuses them.
+  Sequential& main_path() { return main_; }
+  Sequential* downsample() { return down_.get(); }
 
  protected:
   Sequential main_;

@@ -1,0 +1,162 @@
+// slide-embed: per-tile features of slide-tile stores into HDF5 feature bags (one per slide), for
+// slide-level multiple-instance learning. CLI parsing, signals and exit codes; the work is
+// slide::train::embed_stores (libtrain/include/slide/train/embed.h).
+#include <omp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "slide/cache/bag.h"
+#include "slide/core/log.h"
+#include "slide/train/embed.h"
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitSomeFailed = 3;
+constexpr int kExitInterrupted = 130;
+
+std::atomic<bool> g_cancel{false};
+
+void on_signal(int) {
+  if (g_cancel.exchange(true)) {
+    // A second Ctrl-C: stop now. Only a .partial bag can be left, which never looks complete.
+    _exit(kExitInterrupted);
+  }
+  static const char kMsg[] = "\ninterrupt: discarding the current bag, writing bags.csv (Ctrl-C again to stop now)\n";
+  (void)!::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
+}
+
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+int fail(const slide::core::Status& s) {
+  slide::core::log_error(s.to_string());
+  const auto c = s.code();
+  return c == slide::core::StatusCode::kInvalidArgument || c == slide::core::StatusCode::kNotFound ? kExitUsage
+                                                                                                   : kExitFailed;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"slide-embed: features of every tile of slide-tile stores, from a CNN cut at a layer, into one HDF5 "
+               "feature bag per slide (/features N x D, /coords N x 2 level-0 x, y; CLAM/TRIDENT layout). "
+               "Resumable: complete bags are skipped, so rerun the same command after a crash or Ctrl-C."};
+  app.set_version_flag("--version", std::string("slide-embed ") + SLIDE_VERSION);
+  app.set_config("--config", "", "Read options from a TOML/INI file (keys are the long option names)");
+
+  slide::train::EmbedOptions opt;
+  std::string weights, model, layer, dtype = "float32", compression = "none";
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int decode_threads = 1;
+  bool quiet = false, verbose = false, log_json = false;
+
+  app.add_option("stores", opt.stores, "Tile stores (slide-tile output directories)")->required();
+  app.add_option("-o,--out", opt.out_dir, "Output directory for <slide_id>.h5 bags and bags.csv (created)")->required();
+  app.add_option("--weights", weights,
+                 "A slide-train checkpoint directory (checkpoints/epoch-E-step-S), or a safetensors file with "
+                 "torchvision names (scripts/convert_torchvision_weights.py makes one from a .pth)")
+      ->required();
+  app.add_option("--model", model, "Architecture of a safetensors --weights file: resnet18, resnet34, resnet50 "
+                                   "(a checkpoint names its own)");
+  app.add_option("--layer", layer, "Cut the model after this layer, then global average pooling (default: layer3 for "
+                                   "resnet50, CLAM's 1024-d features; avgpool, the penultimate features, otherwise)");
+  app.add_option("--slides", opt.slide_ids, "Embed only these slide ids (repeatable or comma-separated)")->delimiter(',');
+  app.add_option("--batch-size", opt.batch, "Tiles per forward pass")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--dtype", dtype, "Stored feature type: float32 or float16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"float32", "float16"}));
+  app.add_option("--compression", compression, "HDF5 compression of the bags: none, gzip (or lzf where the filter is "
+                                                "installed)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "gzip", "lzf"}));
+  app.add_option("--chunk-rows", opt.bag.chunk_rows, "Rows per HDF5 chunk (the writer buffers one chunk)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", threads, "Compute threads (oneDNN)")->capture_default_str()->check(CLI::Range(1, 1024));
+  app.add_option("--decode-threads", decode_threads, "JPEG decode threads, running one batch ahead of compute")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_flag("-q,--quiet", quiet, "Only warnings and errors; no progress");
+  app.add_flag("-v,--verbose", verbose, "Also debug records (one per bag written)");
+  app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  install_signal_handlers();
+  slide::core::set_log_json(log_json);
+  if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+  if (verbose) slide::core::set_log_level(slide::core::LogLevel::kDebug);
+  omp_set_num_threads(threads);
+
+  auto dt = slide::cache::parse_feature_dtype(dtype);
+  auto comp = slide::cache::parse_compression(compression);
+  if (!dt.ok()) return fail(dt.status());
+  if (!comp.ok()) return fail(comp.status());
+  opt.bag.dtype = *dt;
+  opt.bag.compression = *comp;
+  if (!slide::cache::compression_available(*comp)) {
+    return fail(slide::core::invalid_argument(std::string("--compression ") + compression +
+                                              ": the HDF5 filter is not available here (gzip always is)"));
+  }
+  opt.decode_threads = decode_threads;
+  opt.progress = !quiet;
+  opt.cancel = &g_cancel;
+  opt.tool_version = std::string("slide-embed ") + SLIDE_VERSION;
+
+  auto loaded = slide::train::load_embed_model(weights, model, layer);
+  if (!loaded.ok()) return fail(loaded.status());
+  const std::string cut = loaded->layer;
+  auto extractor = slide::train::FeatureExtractor::create(*loaded->net, cut);
+  if (!extractor.ok()) return fail(extractor.status());
+  loaded->net.reset();  // the extractor holds folded copies of the weights
+  slide::core::log_info("model", {{"model", loaded->model},
+                                  {"layer", cut},
+                                  {"feature_dim", (*extractor)->feature_dim()},
+                                  {"weights_sha256", loaded->weights_sha256},
+                                  {"threads", threads}});
+
+  auto summary = slide::train::embed_stores(**extractor, *loaded, opt);
+  if (!summary.ok()) return fail(summary.status());
+  int done = 0, skipped = 0, empty = 0;
+  for (const auto& s : summary->slides) {
+    if (!s.status.ok()) continue;
+    if (s.skipped) ++skipped;
+    else if (s.tiles == 0) ++empty;
+    else ++done;
+  }
+  const double rate = summary->seconds > 0 ? static_cast<double>(summary->tiles_embedded) / summary->seconds : 0.0;
+  slide::core::log_info("summary", {{"bags_written", done},
+                                    {"bags_skipped_complete", skipped},
+                                    {"slides_without_tiles", empty},
+                                    {"slides_failed", summary->failed()},
+                                    {"tiles", summary->tiles_embedded},
+                                    {"seconds", std::to_string(summary->seconds)},
+                                    {"tiles_per_s", std::to_string(rate)}});
+  for (const auto& s : summary->slides) {
+    if (!s.status.ok() && s.status.code() != slide::core::StatusCode::kCancelled) {
+      slide::core::log_error("failed slide", {{"slide", s.slide_id}, {"store", s.store}, {"error", s.status.message()}});
+    }
+  }
+  if (summary->interrupted) return kExitInterrupted;
+  if (summary->failed() > 0) return kExitSomeFailed;
+  return kExitOk;
+}

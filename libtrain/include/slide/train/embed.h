@@ -1,0 +1,137 @@
+// Feature extraction for slide-level MIL: a trained or pretrained CNN cut at a named layer, run for
+// inference over the tiles of slide-tile stores, one HDF5 feature bag per slide (slide/cache/bag.h).
+//
+// The inference path (FeatureExtractor) compiles the model once per batch shape into oneDNN
+// primitives: batch norm folded into the preceding convolution (w' = w * g / sqrt(v + eps),
+// b' = beta - mean * g / sqrt(v + eps): Ioffe & Szegedy's inference transform), ReLU and the
+// residual add fused into the convolution as post-ops (sum, then eltwise_relu), activations kept
+// in oneDNN's blocked layouts from the first convolution to the pooling, and the weights
+// reordered once. Global average pooling after a 4-D cut gives one D-vector per tile: cutting
+// torchvision's ResNet-50 after `layer3` gives CLAM's 1024-d features (Lu et al., Nature BME 2021,
+// extract_features_fp.py: resnet50_baseline = conv1..layer3 + AdaptiveAvgPool2d(1)).
+//
+// embed_stores() streams the stores slide by slide: tiles are read and JPEG-decoded on a thread
+// pool one batch ahead of the forward pass, features appended to a BagWriter as they come, so
+// memory is independent of the number of tiles; a bag is renamed into place only when complete.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/cache/bag.h"
+#include "slide/core/status.h"
+#include "slide/train/layers.h"
+
+namespace slide::train {
+
+// A backbone with its weights, ready to be cut.
+struct EmbedModel {
+  std::unique_ptr<Sequential> net;
+  std::string model;           // "resnet18" | "resnet34" | "resnet50" | "small"
+  std::string layer;           // the cut (the `layer` asked for, or default_layer(model))
+  std::string weights_path;    // the safetensors file read
+  std::string weights_sha256;  // of that file, lower-case hex
+};
+
+// Loads a backbone. `weights` is either a slide-train checkpoint directory (state.json names the
+// model, classes and width; model.safetensors holds the weights) or a safetensors file with
+// torchvision's names (e.g. ImageNet weights converted by scripts/convert_torchvision_weights.py),
+// in which case `model` names the architecture (resnet18/34/50); for a checkpoint `model` must be
+// empty or agree. An empty `layer` means default_layer(model). Only the parameters and buffers of the children up to and including the cut
+// `layer` are needed in the file (a file without `fc.*` loads for any cut before fc).
+// Errors: kNotFound (no such file), kInvalidArgument (unknown model or layer, a model that
+// disagrees with the checkpoint, a missing or mis-shaped tensor, naming it), kDataLoss (a corrupt
+// state.json or safetensors file).
+[[nodiscard]] Result<EmbedModel> load_embed_model(const std::string& weights, const std::string& model,
+                                                  const std::string& layer);
+
+// The cut points of a model: its top-level children's names ("conv1", "bn1", "relu", "maxpool",
+// "layer1".."layer4", "avgpool", "fc" for ResNets), and "avgpool" for the small CNN's pooling.
+std::vector<std::string> cut_points(Sequential& model);
+// The default cut: "layer3" for resnet50 (CLAM), "avgpool" (the penultimate features) otherwise.
+std::string default_layer(const std::string& model);
+// The index of the child `layer` names. Errors: kInvalidArgument listing the cut points.
+[[nodiscard]] Result<size_t> find_cut(Sequential& model, const std::string& layer);
+
+// The engine's own forward pass (the training code path, `training` = false) through children
+// 0..cut of `model`, then global average pooling if the output is 4-D: images [N,3,H,W] f32 ->
+// [N,D]. The oracle for FeatureExtractor's tests. Errors: the backend's, kInvalidArgument for a
+// bad cut.
+[[nodiscard]] Result<Tensor> engine_features(Backend& be, Sequential& model, size_t cut, const Tensor& images);
+
+// The inference path. Not thread-safe (one per thread); oneDNN parallelises each primitive over
+// OMP_NUM_THREADS (or every core).
+class FeatureExtractor {
+ public:
+  // Copies and folds the weights of children 0..cut of `model` (the model may be destroyed
+  // afterwards). Supported: Conv2d (+ BatchNorm2d, + ReLU), MaxPool2d, ResNet blocks
+  // (BasicBlock, Bottleneck), GlobalAvgPool, Linear (only last). Errors: kInvalidArgument for a
+  // bad cut, kUnimplemented for another layer kind (naming it).
+  [[nodiscard]] static Result<std::unique_ptr<FeatureExtractor>> create(Sequential& model, const std::string& layer);
+  ~FeatureExtractor();
+
+  // D for `in_channels` x size x size inputs (the output width of the cut).
+  int64_t feature_dim() const;
+  const std::string& layer() const;
+
+  // images: n x 3 x h x w f32, plain NCHW, normalised (ImageNet mean/std); features: n x D f32,
+  // row-major, overwritten. The first call for a shape compiles its primitives (tens of ms);
+  // later calls reuse them. Errors: kInvalidArgument (n < 1, an input too small for the cut),
+  // kInternal (oneDNN's error, with its message), kResourceExhausted (out of memory).
+  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features);
+
+  struct Impl;
+
+ private:
+  explicit FeatureExtractor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// SHA-256 of a file's bytes (FIPS 180-4, through OpenSSL's libcrypto), lower-case hex.
+// Errors: kNotFound / kPermissionDenied / kInternal naming the path.
+[[nodiscard]] Result<std::string> sha256_file(const std::string& path);
+
+struct EmbedOptions {
+  std::vector<std::string> stores;     // slide-tile store directories
+  std::vector<std::string> slide_ids;  // restrict to these ids (empty: every slide)
+  std::string out_dir;                 // bags: <out_dir>/<bag_file_name(slide_id)>, and bags.csv
+  int64_t batch = 32;                  // tiles per forward pass
+  int decode_threads = 2;              // JPEG decode workers (run one batch ahead of compute)
+  slide::cache::BagWriterOptions bag;  // dtype, compression, chunk rows
+  std::string tool_version;            // "slide-embed 0.1.0"
+  const std::atomic<bool>* cancel = nullptr;  // set by a signal handler: the current bag is discarded
+  bool progress = true;                // progress lines with tiles/s on stderr
+};
+
+struct SlideOutcome {
+  std::string store, slide_id, bag_path;
+  int64_t tiles = 0;
+  double seconds = 0;
+  bool skipped = false;  // a complete bag was already there
+  Status status;         // not OK: this slide failed (the others went on)
+};
+
+struct EmbedSummary {
+  std::vector<SlideOutcome> slides;
+  int64_t tiles_embedded = 0;
+  double seconds = 0;
+  bool interrupted = false;
+  int failed() const;
+};
+
+// Embeds every complete slide of `options.stores` (in store order, then slide index), skipping
+// slides whose bag exists (complete by construction) after checking that it was made with the same
+// model, layer, weights and dtype (else that slide fails with kFailedPrecondition: remove the bag
+// or use another --out). Per-slide failures (an unreadable or corrupt tile, a bag that cannot be
+// written) are recorded in the summary and the run goes on; zero-tile slides are reported and get
+// no bag. At the end (also when cancelled) `<out_dir>/bags.csv` lists every bag in the directory.
+// Errors (the run does not start or stops): kNotFound / kDataLoss opening a store, kInvalidArgument
+// (no stores, a requested slide id in no store, two slides whose bag file names collide),
+// kPermissionDenied / kResourceExhausted for the output directory or the manifest.
+[[nodiscard]] Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel& model,
+                                                const EmbedOptions& options);
+
+}  // namespace slide::train

@@ -42,7 +42,9 @@ void push(const std::string& prefix, Parameter& p, std::vector<Parameter*>* para
   (void)prefix;
 }
 
-std::string join(const std::string& prefix, const std::string& name) { return prefix.empty() ? name : prefix + "." + name; }
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
+}
 
 }  // namespace
 
@@ -264,6 +266,11 @@ Result<Tensor> Sequential::backward(Backend& be, const Tensor& dy) {
 
 void Sequential::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->collect(join(prefix, names_[i]), params, buffers);
+}
+
+std::unique_ptr<Layer> Sequential::replace(size_t i, std::unique_ptr<Layer> layer) {
+  std::swap(layers_.at(i), layer);
+  return layer;
 }
 
 void Sequential::release() {

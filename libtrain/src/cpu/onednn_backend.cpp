@@ -544,7 +544,7 @@ class OneDnnBackend final : public Backend {
 
   // Scratch for a reordered copy, from the (caching, budgeted) allocator; lives until run() ends.
   memory scratch(const memory::desc& md) {
-    auto t = Tensor::empty({static_cast<int64_t>(md.get_size())}, DType::kF32, alloc_, "reorder scratch");
+    auto t = Tensor::empty({static_cast<int64_t>(md.get_size())}, DType::kU8, alloc_, "reorder scratch");  // get_size(): bytes
     if (!t.ok()) throw std::bad_alloc();
     scratch_.push_back(*t);
     return memory(md, eng_, t->raw());

@@ -151,6 +151,9 @@ class Sequential final : public Layer {
   // The i-th layer (i < size()) and its name, for the memory planner and activation checkpointing.
   Layer& at(size_t i) { return *layers_.at(i); }
   const std::string& name_at(size_t i) const { return names_.at(i); }
+  // Puts `layer` in place of the i-th (same name) and returns the old one. An empty name is
+  // transparent in parameter names (a wrapper's children keep theirs).
+  std::unique_ptr<Layer> replace(size_t i, std::unique_ptr<Layer> layer);
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;

@@ -1,0 +1,63 @@
+// Activation checkpointing (gradient checkpointing): a segment of layers keeps only its input
+// through the forward pass and recomputes its activations in backward (Chen et al., 2016,
+// "Training Deep Nets with Sublinear Memory Cost"; PyTorch's torch.utils.checkpoint).
+//
+// Memory: the saved activations of a checkpointed model are the segments' inputs plus, during
+// backward, one segment's activations at a time; the price is a second forward of every segment
+// (about a third more arithmetic for a CNN whose backward costs twice its forward).
+//
+// Exactness: the recomputed forward sees the same input and parameters, so its activations and
+// the gradients are those of the plain model (oneDNN's kernels are deterministic for a given
+// shape and thread count). Batch norm's running statistics are updated once: the segment saves
+// its buffers before the recompute and puts them back after it. A layer that draws random numbers
+// in forward (Dropout) would draw again in the recompute: wrap no such layer (none of the models
+// here has one in a segment).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/train/layers.h"
+
+namespace slide::train {
+
+// Runs `layers` (in order) as one checkpointed segment. Parameter names are unchanged: the
+// segment sits in its parent at the first layer's place and name, and its other layers' places
+// hold pass-through placeholders (see checkpoint_activations).
+class CheckpointedSegment final : public Layer {
+ public:
+  // `names`: each layer's name in the parent Sequential; names[0] is the segment's own name there.
+  CheckpointedSegment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names);
+  // Training: runs the layers, then drops what they saved, keeping only x. Inference: runs them.
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  // Recomputes the segment's forward from the kept input (batch norm's running statistics put
+  // back as they were), then runs the layers' backward. Errors: kFailedPrecondition without a
+  // training forward; the layers' (kResourceExhausted for the recomputed activations).
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  // `prefix` is the parent's prefix joined with names[0]; each layer gets the parent's prefix
+  // joined with its own name, as if it were still in the parent.
+  void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
+  void release() override;
+  size_t layers() const { return layers_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::string> names_;
+  std::vector<Buffer*> buffers_;  // the layers' batch norm statistics
+  Tensor x_;
+  bool training_forward_ = false;
+};
+
+// Rewrites `model` in place so that its activations are checkpointed. `mode`:
+// - "stage": every child that is itself a Sequential (ResNet's layer1..layer4) is one segment;
+// - "block": every ResidualBlock (at any depth) is one segment;
+// - "K" (an integer >= 1): the model's top-level children in consecutive groups of K.
+// - "none": nothing.
+// Parameter names and the computed function are unchanged (checkpoints stay interchangeable).
+// Returns the number of segments made. Errors: kInvalidArgument for another mode, or when the
+// mode finds nothing to wrap ("stage" on a model without stages).
+[[nodiscard]] Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode);
+
+}  // namespace slide::train

@@ -1,0 +1,159 @@
+#include "slide/train/activation_checkpoint.h"
+
+#include <cstdlib>
+#include <utility>
+
+namespace slide::train {
+
+namespace {
+
+using slide::core::failed_precondition;
+using slide::core::invalid_argument;
+
+// Holds the place (and name) of a layer that moved into a segment: passes values through.
+class PassThrough final : public Layer {
+ public:
+  Result<Tensor> forward(Backend&, const Tensor& x, bool) override { return x; }
+  Result<Tensor> backward(Backend&, const Tensor& dy) override { return dy; }
+};
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+// Wraps every ResidualBlock found under `seq` (at any depth) in a one-layer segment.
+size_t wrap_blocks(Sequential& seq) {
+  size_t made = 0;
+  for (size_t i = 0; i < seq.size(); ++i) {
+    Layer& l = seq.at(i);
+    if (dynamic_cast<ResidualBlock*>(&l) != nullptr) {
+      std::vector<std::unique_ptr<Layer>> one;
+      one.push_back(seq.replace(i, nullptr));
+      seq.replace(i, std::make_unique<CheckpointedSegment>(std::move(one), std::vector<std::string>{seq.name_at(i)}));
+      ++made;
+    } else if (auto* inner = dynamic_cast<Sequential*>(&l); inner != nullptr) {
+      made += wrap_blocks(*inner);
+    }
+  }
+  return made;
+}
+
+}  // namespace
+
+CheckpointedSegment::CheckpointedSegment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names)
+    : layers_(std::move(layers)), names_(std::move(names)) {}
+
+Result<Tensor> CheckpointedSegment::forward(Backend& be, const Tensor& x, bool training) {
+  Tensor h = x;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto r = layers_[i]->forward(be, h, training);
+    if (!r.ok()) {
+      release();
+      return r.status().with_context("layer " + names_[i]);
+    }
+    h = std::move(*r);
+  }
+  if (training) {
+    // Keep only the boundary: the layers' saved activations go back to the allocator now.
+    for (auto& l : layers_) l->release();
+    x_ = x;
+  }
+  training_forward_ = training;
+  return h;
+}
+
+Result<Tensor> CheckpointedSegment::backward(Backend& be, const Tensor& dy) {
+  if (!training_forward_ || !x_.defined())
+    return failed_precondition("checkpointed segment: backward without a training forward");
+  // Recompute. Batch norm's running statistics are updated into copies that are then dropped, so
+  // they advance once per training forward, as without checkpointing.
+  std::vector<Tensor> kept;
+  kept.reserve(buffers_.size());
+  for (Buffer* b : buffers_) {
+    kept.push_back(b->value);
+    SLIDE_ASSIGN_OR_RETURN(b->value, b->value.clone("running statistic (recompute)"));
+  }
+  Tensor h = x_;
+  Status failed;
+  for (size_t i = 0; i < layers_.size() && failed.ok(); ++i) {
+    auto r = layers_[i]->forward(be, h, true);
+    if (!r.ok()) failed = r.status().with_context("layer " + names_[i] + " (recompute)");
+    else h = std::move(*r);
+  }
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i]->value = kept[i];
+  h = Tensor();
+  if (!failed.ok()) {
+    release();
+    return failed;
+  }
+  Tensor g = dy;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    auto r = layers_[i]->backward(be, g);
+    if (!r.ok()) {
+      release();
+      return r.status().with_context("layer " + names_[i] + " backward");
+    }
+    g = std::move(*r);
+    layers_[i]->release();
+  }
+  x_ = Tensor();
+  training_forward_ = false;
+  return g;
+}
+
+void CheckpointedSegment::collect(const std::string& prefix, std::vector<Parameter*>* params,
+                                  std::vector<Buffer*>* buffers) {
+  // prefix = join(parent prefix, names_[0]): recover the parent's prefix.
+  std::string parent;
+  if (prefix.size() > names_[0].size()) parent = prefix.substr(0, prefix.size() - names_[0].size() - 1);
+  buffers_.clear();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::vector<Buffer*> mine;
+    layers_[i]->collect(join(parent, names_[i]), params, &mine);
+    buffers_.insert(buffers_.end(), mine.begin(), mine.end());
+    if (buffers != nullptr) buffers->insert(buffers->end(), mine.begin(), mine.end());
+  }
+}
+
+void CheckpointedSegment::release() {
+  for (auto& l : layers_) l->release();
+  x_ = Tensor();
+  training_forward_ = false;
+}
+
+Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode) {
+  size_t made = 0;
+  if (mode == "none") return made;
+  if (mode == "stage") {
+    for (size_t i = 0; i < model.size(); ++i) {
+      if (dynamic_cast<Sequential*>(&model.at(i)) == nullptr) continue;
+      std::vector<std::unique_ptr<Layer>> one;
+      one.push_back(model.replace(i, nullptr));
+      model.replace(i, std::make_unique<CheckpointedSegment>(std::move(one), std::vector<std::string>{model.name_at(i)}));
+      ++made;
+    }
+  } else if (mode == "block") {
+    made = wrap_blocks(model);
+  } else {
+    char* end = nullptr;
+    const long k = std::strtol(mode.c_str(), &end, 10);
+    if (mode.empty() || *end != '\0' || k < 1)
+      return invalid_argument("activation checkpointing '" + mode + "' is not one of none, stage, block, or a layer count");
+    for (size_t first = 0; first < model.size(); first += static_cast<size_t>(k)) {
+      const size_t last = std::min(model.size(), first + static_cast<size_t>(k));
+      std::vector<std::unique_ptr<Layer>> group;
+      std::vector<std::string> names;
+      for (size_t j = first; j < last; ++j) {
+        group.push_back(model.replace(j, std::make_unique<PassThrough>()));
+        names.push_back(model.name_at(j));
+      }
+      model.replace(first, std::make_unique<CheckpointedSegment>(std::move(group), std::move(names)));
+      ++made;
+    }
+  }
+  if (made == 0) return invalid_argument("activation checkpointing '" + mode + "': the model has nothing to wrap");
+  model.collect("", nullptr, nullptr);  // the segments learn their batch norm buffers
+  return made;
+}
+
+}  // namespace slide::train

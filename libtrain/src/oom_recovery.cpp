@@ -1,0 +1,48 @@
+#include "slide/train/oom_recovery.h"
+
+#include <cstring>
+
+#include "slide/core/log.h"
+
+namespace slide::train {
+
+StepRecovery::StepRecovery(Layer& model, bool enabled) : model_(model), enabled_(enabled) {
+  if (enabled_) model_.collect("", nullptr, &buffers_);
+}
+
+Status StepRecovery::begin_step() {
+  if (!enabled_) return slide::core::ok_status();
+  saved_.resize(buffers_.size());
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const Tensor& t = buffers_[i]->value;
+    if (t.device() != Device::kCpu)
+      return slide::core::unimplemented("out-of-memory recovery: buffer " + buffers_[i]->name + " is not in host memory");
+    const auto* p = static_cast<const unsigned char*>(t.raw());
+    saved_[i].assign(p, p + t.bytes());
+  }
+  return slide::core::ok_status();
+}
+
+Status StepRecovery::recover(const Status& error, int64_t* micro_count, int64_t step_samples, Allocator& alloc) {
+  if (!enabled_ || error.code() != slide::core::StatusCode::kResourceExhausted) return error;
+  if (*micro_count >= step_samples)
+    return error.with_context("out of memory with one sample per micro-batch (" + std::to_string(step_samples) +
+                              " micro-batches): no smaller split is left");
+  model_.release();
+  for (size_t i = 0; i < buffers_.size() && i < saved_.size(); ++i)
+    std::memcpy(buffers_[i]->value.raw(), saved_[i].data(), saved_[i].size());
+  // Freed blocks cached by the allocator do not count against the budget, but they do against the
+  // machine's memory: give them back before the finer split allocates its (smaller) blocks.
+  if (auto* cpu = dynamic_cast<CpuAllocator*>(&alloc); cpu != nullptr) cpu->trim_cache();
+  const int64_t old_count = *micro_count;
+  *micro_count = std::min<int64_t>(2 * old_count, step_samples);
+  slide::core::log_warn("out of memory in a step: its work is discarded and the step rerun with smaller micro-batches",
+                        {{"error", error.to_string()},
+                         {"micro_batch_before", (step_samples + old_count - 1) / old_count},
+                         {"micro_batch_now", (step_samples + *micro_count - 1) / *micro_count},
+                         {"accumulate_before", old_count},
+                         {"accumulate_now", *micro_count}});
+  return slide::core::ok_status();
+}
+
+}  // namespace slide::train

@@ -1,0 +1,398 @@
+#!/usr/bin/python3
+"""End-to-end tests of slide-embed on real tiles (the CMU-1 and TCGA sample slides, LC25000 lung
+patches), with Debian's python3-h5py to read the bags and python3-torch / python3-torchvision for
+the reference features (run by ctest, one class per test).
+
+Environment: SLIDE_TILE, SLIDE_EMBED (the binaries), SLIDE_SAMPLE_DIR (sample_data/),
+SLIDE_CONVERT (scripts/convert_torchvision_weights.py).
+"""
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import h5py
+import lmdb
+import numpy as np
+from PIL import Image
+
+TILE = os.environ["SLIDE_TILE"]
+EMBED = os.environ["SLIDE_EMBED"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+CONVERT = os.environ["SLIDE_CONVERT"]
+SLIDES = os.path.join(SAMPLE, "slides")
+LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
+PY = "/usr/bin/python3"
+
+
+def run(args, **kw):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, **kw)
+
+
+def store_tiles(store, slide_id):
+    """(images N x H x W x 3 uint8, coords N x 2) of a slide, read as README's Python example does."""
+    env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+    slides, tiles = env.open_db(b"slides"), env.open_db(b"tiles")
+    imgs, coords = [], []
+    with env.begin() as txn:
+        rec = json.loads(txn.get(slide_id.encode(), db=slides))
+        for i in range(rec["first_tile_index"], rec["first_tile_index"] + rec["tile_count"]):
+            val = txn.get(struct.pack(">Q", i), db=tiles)
+            _, _, hdr, _, _, x, y, w, h, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", val)
+            img = (Image.open(io.BytesIO(val[hdr:hdr + n])).convert("RGB") if enc == 1
+                   else Image.frombytes("RGB", (w, h), val[hdr:hdr + n]))
+            imgs.append(np.asarray(img))
+            coords.append((x, y))
+    env.close()
+    return np.stack(imgs), np.array(coords, dtype=np.int64)
+
+
+def torch_features(model, layer, images):
+    """torchvision's features: ImageNet-normalised images through the model up to `layer`, then
+    global average pooling (for resnet50 layer3: CLAM's resnet50_baseline)."""
+    import torch
+    x = torch.from_numpy(images.astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"]
+    body = torch.nn.Sequential(*[getattr(model, n) for n in names[:names.index(layer) + 1]],
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    body.eval()
+    with torch.no_grad():
+        return torch.cat([body(x[i:i + 16]) for i in range(0, len(x), 16)]).numpy()
+
+
+def sha256_of(path):
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def csv_rows(path):
+    return list(csv.DictReader(io.StringIO(read_text(path))))
+
+
+def rel_err(got, want):
+    return float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
+
+
+class Base(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="slide_embed_e2e_")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    @classmethod
+    def tile(cls, name, *args):
+        out = os.path.join(cls.tmp, name)
+        r = run([TILE] + list(args) + ["-o", out, "-q"])
+        assert r.returncode in (0, 3), r.stderr
+        return out
+
+    @classmethod
+    def random_weights(cls, model, seed=0):
+        """torchvision's random initialisation of `model`, saved with torch.save as a user's .pth
+        would be, then converted by the committed script (which checks the names)."""
+        import torch
+        import torchvision
+        torch.manual_seed(seed)
+        m = getattr(torchvision.models, model)()
+        # Batch norm statistics away from 0/1, so a wrong fold would show.
+        g = torch.Generator().manual_seed(seed + 1)
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                mod.running_mean.copy_(torch.rand(mod.num_features, generator=g) * 0.4 - 0.2)
+                mod.running_var.copy_(torch.rand(mod.num_features, generator=g) * 1.5 + 0.5)
+                mod.weight.data.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+                mod.bias.data.copy_(torch.rand(mod.num_features, generator=g) * 0.4 - 0.2)
+        pth = os.path.join(cls.tmp, "%s-%d.pth" % (model, seed))
+        torch.save(m.state_dict(), pth)
+        out = os.path.join(cls.tmp, "%s-%d.safetensors" % (model, seed))
+        r = run([PY, CONVERT, pth, out, "--model", model])
+        assert r.returncode == 0, r.stderr
+        return m, out
+
+    def embed(self, stores, out, *extra, **kw):
+        stores = stores if isinstance(stores, list) else [stores]
+        return run([EMBED] + stores + ["-o", out, "--threads", "2"] + list(extra), **kw)
+
+
+class TestTorchvision(Base):
+    """Features equal torchvision's on the same weights: CLAM's ResNet-50 layer3 cut on a real
+    slide's JPEG tiles, and ResNet-18's penultimate features (float16 bags) on LC25000 patches."""
+
+    def test_resnet50_layer3_on_cmu1_equals_torchvision(self):
+        import torch
+        torch.set_num_threads(2)
+        store = self.tile("cmu", os.path.join(SLIDES, "CMU-1-Small-Region.svs"), "--mpp", "0.5")
+        model, weights = self.random_weights("resnet50")
+        out = os.path.join(self.tmp, "bags50")
+        r = self.embed(store, out, "--weights", weights, "--model", "resnet50")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+            ours, coords = f["features"][:], f["coords"][:]
+            self.assertEqual(f.attrs["layer"], "layer3")
+        images, want_coords = store_tiles(store, "CMU-1-Small-Region")
+        self.assertEqual(ours.shape, (29, 1024))
+        np.testing.assert_array_equal(coords, want_coords)
+        want = torch_features(model, "layer3", images)
+        err = rel_err(ours, want)
+        self.assertLess(err, 1e-4, "max |ours - torchvision| / scale = %.3g" % err)
+
+    def test_resnet18_avgpool_float16_on_patches_equals_torchvision(self):
+        import torch
+        torch.set_num_threads(2)
+        store = self.tile("lc", "--patches", LC, "--tile-size", "224")
+        model, weights = self.random_weights("resnet18", seed=3)
+        out = os.path.join(self.tmp, "bags18")
+        ids = ["lung_aca/lungaca1", "lung_n/lungn10", "lung_scc/lungscc100"]
+        r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--slides", ",".join(ids),
+                       "--dtype", "float16", "--compression", "gzip")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(out)), sorted(["bags.csv"] + [i.replace("/", "_") + ".h5" for i in ids]))
+        for sid in ids:
+            with h5py.File(os.path.join(out, sid.replace("/", "_") + ".h5"), "r") as f:
+                ours = f["features"][:]
+                self.assertEqual(ours.dtype, np.float16)
+                self.assertEqual(f.attrs["layer"], "avgpool")
+            images, _ = store_tiles(store, sid)
+            want = torch_features(model, "layer4", images)  # avgpool: layer4 + global average pool
+            self.assertEqual(ours.shape, (1, 512))
+            err = rel_err(ours.astype(np.float32), want)
+            self.assertLess(err, 1e-3, "%s: float16 features vs torchvision: %.3g" % (sid, err))
+
+
+class TestLayout(Base):
+    """The documented HDF5 layout, read back with h5py: names, shapes, dtypes, chunking,
+    compression, attributes, coordinates from the store, and bags.csv."""
+
+    def test_layout(self):
+        store = self.tile("multi", os.path.join(SLIDES, "CMU-1-Small-Region.svs"),
+                          os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
+                          "--tile-size", "64")
+        _, weights = self.random_weights("resnet18")
+        for dtype, comp in (("float32", "none"), ("float16", "gzip")):
+            out = os.path.join(self.tmp, "bags-" + dtype)
+            r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--layer", "layer2",
+                           "--dtype", dtype, "--compression", comp, "--chunk-rows", "100")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("tiles/s", r.stderr)
+            rows = csv_rows(os.path.join(out, "bags.csv"))
+            self.assertEqual([x["slide_id"] for x in rows], ["CMU-1-Small-Region", "TCGA-CR-7395-01A-01-TS1"])
+            for row in rows:
+                sid = row["slide_id"]
+                with h5py.File(os.path.join(out, row["file"]), "r") as f:
+                    self.assertEqual(sorted(f.keys()), ["coords", "features"])
+                    feats, coords = f["features"], f["coords"]
+                    _, want_coords = store_tiles(store, sid)
+                    n = len(want_coords)
+                    self.assertEqual(feats.shape, (n, 128))
+                    self.assertEqual(feats.dtype, np.dtype(dtype))
+                    self.assertEqual(coords.shape, (n, 2))
+                    self.assertEqual(coords.dtype, np.int32)
+                    self.assertEqual(feats.chunks, (100, 128))
+                    self.assertEqual(feats.maxshape, (None, 128))
+                    self.assertEqual(feats.compression, None if comp == "none" else comp)
+                    np.testing.assert_array_equal(coords[:], want_coords)
+                    self.assertTrue(np.isfinite(feats[:].astype(np.float32)).all())
+                    self.assertGreater(float(np.abs(feats[:].astype(np.float32)).max()), 0)
+                    a = f.attrs
+                    self.assertEqual(a["slide_id"], sid)
+                    self.assertEqual(a["label"], "")
+                    self.assertEqual(int(a["tile_size_px"]), 64)
+                    self.assertAlmostEqual(float(a["mpp_um"]), 1.0, places=6)
+                    self.assertEqual(a["model"], "resnet18")
+                    self.assertEqual(a["layer"], "layer2")
+                    self.assertEqual(int(a["feature_dim"]), 128)
+                    self.assertEqual(a["weights_sha256"], sha256_of(weights))
+                    self.assertTrue(a["tool_version"].startswith("slide-embed "))
+                    self.assertEqual(int(a["format_version"]), 1)
+                    self.assertEqual(int(coords.attrs["patch_size"]), 64)
+                    self.assertEqual(int(coords.attrs["patch_size_level0"]), 128)  # 64 px at 1 um/px over 0.5 um/px
+                    self.assertEqual(int(coords.attrs["patch_level"]), 0)
+                    self.assertEqual((int(row["num_tiles"]), int(row["feature_dim"]), row["dtype"]), (n, 128, dtype))
+        # float16 bags hold the float32 features rounded.
+        with h5py.File(os.path.join(self.tmp, "bags-float32", "CMU-1-Small-Region.h5"), "r") as f32, \
+                h5py.File(os.path.join(self.tmp, "bags-float16", "CMU-1-Small-Region.h5"), "r") as f16:
+            np.testing.assert_array_equal(f32["features"][:].astype(np.float16), f16["features"][:])
+
+
+class TestResume(Base):
+    """Kill slide-embed (SIGKILL) mid-run and rerun: complete bags are skipped, the bags equal an
+    uninterrupted run's, no .partial is left. Ctrl-C (SIGINT) exits 130 leaving no .partial."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.store = cls.tile("multi", os.path.join(SLIDES, "CMU-1-Small-Region.svs"),
+                             os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
+                             "--tile-size", "64")
+        _, cls.weights = cls.random_weights("resnet18")
+
+    def args(self, out):
+        return [EMBED, self.store, "-o", out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer3",
+                "--batch-size", "8", "--threads", "2"]
+
+    def run_until_first_bag(self, out, sig):
+        p = subprocess.Popen(self.args(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        first = os.path.join(out, "CMU-1-Small-Region.h5")
+        deadline = time.time() + 120
+        while not os.path.exists(first) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        self.assertTrue(os.path.exists(first), "the first bag never appeared")
+        self.assertIsNone(p.poll(), "the run ended before it could be interrupted")
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=120)
+        return p.returncode, err
+
+    def test_kill_and_rerun_equals_uninterrupted(self):
+        ref = os.path.join(self.tmp, "ref")
+        r = run(self.args(ref))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = os.path.join(self.tmp, "killed")
+        rc, _ = self.run_until_first_bag(out, signal.SIGKILL)
+        self.assertEqual(rc, -signal.SIGKILL)
+        names = os.listdir(out)
+        self.assertNotIn("TCGA-CR-7395-01A-01-TS1.h5", names)  # an unfinished bag never looks complete
+        self.assertIn("TCGA-CR-7395-01A-01-TS1.h5.partial", names)
+        r = run(self.args(out))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("bags_skipped_complete=1", r.stderr)
+        self.assertEqual(sorted(os.listdir(out)), sorted(os.listdir(ref)))
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".partial")])
+        for name in ("CMU-1-Small-Region.h5", "TCGA-CR-7395-01A-01-TS1.h5"):
+            with h5py.File(os.path.join(ref, name), "r") as a, h5py.File(os.path.join(out, name), "r") as b:
+                np.testing.assert_array_equal(a["features"][:], b["features"][:])
+                np.testing.assert_array_equal(a["coords"][:], b["coords"][:])
+                self.assertEqual(dict(a.attrs), dict(b.attrs))
+        self.assertEqual(read_text(os.path.join(ref, "bags.csv")), read_text(os.path.join(out, "bags.csv")))
+
+    def test_ctrl_c_exits_130_and_leaves_no_partial(self):
+        out = os.path.join(self.tmp, "interrupted")
+        rc, err = self.run_until_first_bag(out, signal.SIGINT)
+        self.assertEqual(rc, 130, err)
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".partial")], os.listdir(out))
+        self.assertIn("CMU-1-Small-Region.h5", os.listdir(out))
+        self.assertEqual(len(csv_rows(os.path.join(out, "bags.csv"))), 1)
+
+    def test_rerun_with_other_weights_is_refused_per_slide(self):
+        out = os.path.join(self.tmp, "other")
+        r = run(self.args(out) + ["--slides", "CMU-1-Small-Region"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        _, other = self.random_weights("resnet18", seed=9)
+        args = self.args(out)
+        args[args.index("--weights") + 1] = other
+        r = run(args)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("exists but was made with", r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(out, "TCGA-CR-7395-01A-01-TS1.h5")))
+
+
+class TestMemory(Base):
+    """Peak RSS of embedding is flat in the number of tiles: 100 tiles vs 1564 tiles of CMU-1."""
+
+    def peak_rss_mb(self, args):
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err = p.stderr.read().decode()
+        p.stderr.close()
+        self.assertEqual(p.returncode, 0, err)
+        return usage.ru_maxrss / 1024.0
+
+    def test_peak_memory_flat_in_tiles(self):
+        svs = os.path.join(SLIDES, "CMU-1-Small-Region.svs")
+        small = self.tile("small", svs, "--mpp", "0.5", "--tile-size", "64", "--min-tissue", "0",
+                          "--max-tiles-per-slide", "100")
+        large = self.tile("large", svs, "--mpp", "0.5", "--tile-size", "64", "--min-tissue", "0")
+        _, weights = self.random_weights("resnet18")
+        peaks = []
+        for store in (small, large):
+            out = os.path.join(self.tmp, "bags-" + os.path.basename(store))
+            peaks.append(self.peak_rss_mb([EMBED, store, "-o", out, "--weights", weights, "--model", "resnet18",
+                                           "--layer", "layer4", "--threads", "2", "-q"]))
+            with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+                n = f["features"].shape[0]
+        self.assertEqual(n, 1564)
+        # 1464 more tiles: decoded they would be 1464 x 3 x 64 x 64 x 4 B = 72 MB, their features
+        # 3 MB. The bound allows allocator noise, not a per-tile cost.
+        print("peak RSS: %.1f MB at 100 tiles, %.1f MB at 1564 tiles" % tuple(peaks), file=sys.stderr)
+        self.assertLess(peaks[1] - peaks[0], 24.0, "peak RSS grew with the number of tiles: %s" % peaks)
+
+
+class TestBadInput(Base):
+    """Usage errors before any work (exit 2), and a corrupt tile failing its slide alone (exit 3)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.store = cls.tile("multi", os.path.join(SLIDES, "CMU-1-Small-Region.svs"),
+                             os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
+                             "--tile-size", "64")
+        _, cls.weights = cls.random_weights("resnet18")
+
+    def test_usage_errors(self):
+        out = os.path.join(self.tmp, "u")
+        r = self.embed(self.store, out, "--weights", os.path.join(self.tmp, "missing.safetensors"), "--model", "resnet18")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("missing.safetensors", r.stderr)
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer7")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("layer4", r.stderr)
+        r = self.embed(self.store, out, "--weights", self.weights)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--model", r.stderr)
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--slides", "nope")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("nope", r.stderr)
+        r = self.embed(os.path.join(self.tmp, "no-store"), out, "--weights", self.weights, "--model", "resnet18")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("no-store", r.stderr)
+        # A file that is not safetensors.
+        bad = os.path.join(self.tmp, "bad.safetensors")
+        with open(bad, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+        r = self.embed(self.store, out, "--weights", bad, "--model", "resnet18")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("bad.safetensors", r.stderr)
+
+    def test_corrupt_tile_fails_its_slide_only(self):
+        store = os.path.join(self.tmp, "corrupt")
+        shutil.copytree(self.store, store)
+        env = lmdb.open(store, max_dbs=4)
+        slides, tiles = env.open_db(b"slides"), env.open_db(b"tiles")
+        with env.begin(write=True) as txn:
+            rec = json.loads(txn.get(b"TCGA-CR-7395-01A-01-TS1", db=slides))
+            key = struct.pack(">Q", rec["first_tile_index"] + 5)
+            val = bytearray(txn.get(key, db=tiles))
+            hdr = struct.unpack_from("<H", val, 6)[0]
+            val[hdr + 2:hdr + 200] = b"\xff" * 198  # the JPEG's markers and tables destroyed
+            txn.put(key, bytes(val), db=tiles)
+        env.close()
+        out = os.path.join(self.tmp, "c")
+        r = self.embed(store, out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer1")
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("TCGA-CR-7395-01A-01-TS1", r.stderr)
+        self.assertIn("tile %d" % (rec["first_tile_index"] + 5), r.stderr)
+        self.assertEqual(sorted(os.listdir(out)), ["CMU-1-Small-Region.h5", "bags.csv"])
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:], verbosity=2)

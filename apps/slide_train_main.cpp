@@ -21,7 +21,13 @@
 #include "slide/core/log.h"
 #include "slide/tile/image.h"
 #include "slide/train/checkpoint.h"
+#include "slide/train/data_parallel.h"
 #include "slide/train/trainer.h"
+#include "train_common.h"
+#include "slide_train_mil.h"
+#include "slide_train_dist.h"
+#include "slide_train_memory.h"
+#include "slide_train_sweep.h"
 
 namespace {
 
@@ -35,6 +41,8 @@ constexpr int kExitUsage = 2;
 constexpr int kExitInterrupted = 130;
 
 std::atomic<bool> g_cancel{false};
+// The ranks (--dist); set once in main. With several, a failure on one rank takes the job down.
+Communicator* g_comm = nullptr;
 
 void on_signal(int) {
   if (g_cancel.exchange(true)) _exit(kExitInterrupted);
@@ -43,17 +51,23 @@ void on_signal(int) {
 }
 
 int fail(const Status& s) {
-  slide::core::log_error(s.to_string());
-  return s.code() == slide::core::StatusCode::kInvalidArgument || s.code() == slide::core::StatusCode::kNotFound
-             ? kExitUsage
-             : kExitFailed;
+  slide::core::log_error(g_comm != nullptr && g_comm->world_size() > 1
+                             ? "rank " + std::to_string(g_comm->rank()) + ": " + s.to_string()
+                             : s.to_string());
+  const int code = s.code() == slide::core::StatusCode::kInvalidArgument || s.code() == slide::core::StatusCode::kNotFound
+                       ? kExitUsage
+                       : kExitFailed;
+  // The other ranks would otherwise wait in their next collective until --dist-timeout.
+  if (g_comm != nullptr && g_comm->world_size() > 1) g_comm->abort_job(code);
+  return code;
 }
 
-Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t classes, int64_t width, uint64_t seed) {
-  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed);
-  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed);
-  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed);
-  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed);
+Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t classes, int64_t width, uint64_t seed,
+                                               double dropout = 0) {
+  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed, dropout);
+  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed, dropout);
+  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed, dropout);
+  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed, dropout);
   return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
 }
 
@@ -64,109 +78,13 @@ struct Run {
   std::vector<Buffer*> buffers;
 };
 
-std::vector<NamedTensor> named(const std::vector<Parameter*>& ps, const std::vector<Buffer*>& bs) {
-  std::vector<NamedTensor> out;
-  for (auto* p : ps) out.push_back({p->name, &p->value});
-  for (auto* b : bs) out.push_back({b->name, &b->value});
-  return out;
-}
+// Checkpoint files, metrics and curves: apps/train_common.h (shared with slide_train_mil.cpp).
+using slide::apps::list_checkpoints;
+using slide::apps::named;
+using slide::apps::write_metrics;
 
-// The complete checkpoint directories ("epoch-E-step-S", no ".partial") in `dir`, oldest first.
-std::vector<fs::path> list_checkpoints(const std::string& dir) {
-  std::vector<std::pair<std::pair<long, long>, fs::path>> found;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    long ep = 0, st = 0;
-    const std::string n = e.path().filename().string();
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos)
-      found.push_back({{ep, st}, e.path()});
-  }
-  std::sort(found.begin(), found.end());
-  std::vector<fs::path> out;
-  for (auto& f : found) out.push_back(std::move(f.second));
-  return out;
-}
-
-// Writes <dir>/epoch-E-step-S via a .partial directory renamed into place; keeps the newest `keep`.
 Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& state, int keep) {
-  const std::string name = "epoch-" + std::to_string(state["epoch"].get<long>()) + "-step-" +
-                           std::to_string(state["step_in_epoch"].get<long>());
-  const std::string partial = dir + "/" + name + ".partial", final_dir = dir + "/" + name;
-  std::error_code ec;
-  fs::remove_all(partial, ec);
-  SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(partial));
-  SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/model.safetensors", named(run.params, run.buffers),
-                                         {{"format", "pt"}}));
-  std::vector<NamedTensor> opt_state;
-  for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});
-  if (!opt_state.empty()) SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state));
-  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(partial + "/state.json", state.dump(2)));
-  fs::remove_all(final_dir, ec);
-  fs::rename(partial, final_dir, ec);
-  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
-  // Keep the newest `keep` checkpoints.
-  const std::vector<fs::path> all = list_checkpoints(dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
-  return slide::core::ok_status();
-}
-
-// curves.png: the learning curves, 640 x 360, epochs along x. Train loss (blue) and validation
-// loss (orange) scaled to the largest loss; validation accuracy (green) and balanced accuracy
-// (red) on 0..1. Light grid lines at tenths; no text (the numbers are in metrics.csv).
-Status write_curves_png(const std::string& out, const nlohmann::json& history) {
-  constexpr int64_t W = 640, H = 360, M = 20;
-  slide::tile::RgbImage img(W, H, 255);
-  auto put = [&](int64_t x, int64_t y, const uint8_t c[3]) {
-    if (x < 0 || y < 0 || x >= W || y >= H) return;
-    uint8_t* p = img.row(y) + 3 * x;
-    p[0] = c[0], p[1] = c[1], p[2] = c[2];
-  };
-  const uint8_t grid[3] = {225, 225, 225}, axis[3] = {0, 0, 0};
-  for (int k = 0; k <= 10; ++k)
-    for (int64_t x = M; x < W - M; ++x) put(x, H - M - (H - 2 * M) * k / 10, k == 0 ? axis : grid);
-  for (int64_t y = M; y < H - M; ++y) put(M, y, axis);
-  const size_t n = history.size();
-  if (n == 0) return slide::core::ok_status();
-  double max_loss = 1e-12;
-  for (const auto& h : history)
-    max_loss = std::max({max_loss, h["train_loss"].get<double>(), h["val_loss"].get<double>()});
-  auto px = [&](size_t i) { return M + (n == 1 ? 0 : (W - 2 * M) * static_cast<int64_t>(i) / static_cast<int64_t>(n - 1)); };
-  auto py = [&](double v) { return H - M - static_cast<int64_t>(std::lround(std::clamp(v, 0.0, 1.0) * (H - 2 * M))); };
-  auto line = [&](const char* key, double scale, const uint8_t c[3]) {
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t x0 = px(i), y0 = py(history[i][key].get<double>() / scale);
-      for (int64_t dy = -2; dy <= 2; ++dy)
-        for (int64_t dx = -2; dx <= 2; ++dx) put(x0 + dx, y0 + dy, c);  // a dot per epoch
-      if (i + 1 == n) break;
-      const int64_t x1 = px(i + 1), y1 = py(history[i + 1][key].get<double>() / scale);
-      const int64_t steps = std::max<int64_t>({1, std::abs(x1 - x0), std::abs(y1 - y0)});
-      for (int64_t t = 0; t <= steps; ++t) put(x0 + (x1 - x0) * t / steps, y0 + (y1 - y0) * t / steps, c);
-    }
-  };
-  const uint8_t blue[3] = {31, 119, 180}, orange[3] = {255, 127, 14}, green[3] = {44, 160, 44}, red[3] = {214, 39, 40};
-  line("train_loss", max_loss, blue);
-  line("val_loss", max_loss, orange);
-  line("val_accuracy", 1.0, green);
-  line("val_balanced_accuracy", 1.0, red);
-  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
-  return slide::core::write_file_atomic(out + "/curves.png", png);
-}
-
-// metrics.jsonl and metrics.csv, rewritten whole (atomically) from the history.
-Status write_metrics(const std::string& out, const nlohmann::json& history) {
-  std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,val_roc_auc,lr,seconds\n";
-  for (const auto& h : history) {
-    jsonl += h.dump() + "\n";
-    char line[256];
-    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6g,%.3f\n", h["epoch"].get<long>(),
-                  h["train_loss"].get<double>(), h["train_accuracy"].get<double>(), h["val_loss"].get<double>(),
-                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(),
-                  h["val_roc_auc"].get<double>(), h["lr"].get<double>(), h["seconds"].get<double>());
-    csv += line;
-  }
-  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
-  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.csv", csv));
-  return write_curves_png(out, history);
+  return slide::apps::save_checkpoint(dir, run.params, run.buffers, *run.opt, state, keep);
 }
 
 // slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
@@ -182,9 +100,9 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   if (!be.ok()) return fail(be.status());
   auto ds = TileDataset::open(data, labels_csv);
   if (!ds.ok()) return fail(ds.status());
-  if ((*ds)->class_names() != classes)
-    return fail(slide::core::invalid_argument("the stores' classes (" + nlohmann::json((*ds)->class_names()).dump() +
-                                              ") differ from the checkpoint's (" + state["classes"].dump() + ")"));
+  // The stores may list the classes in another order, or only some of them: labels are matched by name.
+  if (auto s = (*ds)->remap_classes(classes); !s.ok())
+    return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));
   auto model = make_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
                           state.value("width", int64_t{16}), 0);
   if (!model.ok()) return fail(model.status());
@@ -289,7 +207,11 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--batch-size", batch, "Samples per optimizer step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", batch,
+                 "Samples per optimizer step, or auto: the largest micro-batch that fits the memory budget")
+      ->capture_default_str()
+      ->transform([](const std::string& v) { return v == "auto" ? std::string("0") : v; })  // 0: auto
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--accumulate", accumulate, "Micro-batches per step (gradient accumulation)")->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "Peak learning rate")->capture_default_str();
@@ -317,6 +239,33 @@ int main(int argc, char** argv) {
   app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--resume", resume, "Continue from the newest checkpoint in --out");
   app.add_flag("--no-augment", no_augment, "No flips or rotations");
+  slide::apps::MilOptions mil;  // --features: attention MIL on feature bags (slide_train_mil.cpp)
+  slide::apps::add_mil_options(app, &mil);
+  slide::apps::MemoryOptions memory;  // --dry-run, --checkpoint-activations, --global-batch (slide_train_memory.cpp)
+  slide::apps::add_memory_options(app, &memory);
+  slide::apps::SweepOptions sweep_options;  // slide-train sweep (slide_train_sweep.cpp)
+  auto* sweep = slide::apps::add_sweep_command(app, &sweep_options);
+  std::vector<float> color_jitter;
+  app.add_option("--color-jitter", color_jitter,
+                 "Colour jitter as torchvision's ColorJitter: brightness,contrast,saturation,hue (e.g. 0.2,0.2,0.2,0.05)")
+      ->delimiter(',')->expected(4);
+  float crop_min_scale = 1;
+  app.add_option("--random-resized-crop", crop_min_scale,
+                 "Smallest area fraction of torchvision's RandomResizedCrop, resized back to the tile size (1 = off)")
+      ->capture_default_str()->check(CLI::Range(0.01, 1.0));
+  double dropout = 0;
+  app.add_option("--dropout", dropout, "Dropout probability before the classifier (0 = none)")->capture_default_str()
+      ->check(CLI::Range(0.0, 0.95));
+  std::string dist = "auto";
+  double dist_timeout = 300;
+  bool sync_bn = false;
+  app.add_option("--dist", dist,
+                 "auto (mpi when launched by mpirun or srun with several ranks, else local) | local | mpi")
+      ->capture_default_str();
+  app.add_option("--dist-timeout", dist_timeout,
+                 "Seconds a collective between ranks may take before the job stops with an error")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--sync-bn", sync_bn, "Batch norm statistics over all ranks' samples (default: per rank)");
   app.add_flag("-q,--quiet", quiet, "Only warnings and errors");
   app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
   try {
@@ -327,13 +276,28 @@ int main(int argc, char** argv) {
   }
   slide::core::set_log_json(log_json);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+  if (sweep->parsed()) {
+    std::error_code ec;
+    return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
+  }
   if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend);
+  if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
     return kExitUsage;
   }
+  auto made_comm = make_communicator(dist, dist_timeout);
+  if (!made_comm.ok()) return fail(made_comm.status());
+  const std::unique_ptr<Communicator> comm = std::move(*made_comm);
+  g_comm = comm.get();
+  const bool writer = comm->rank() == 0;  // only rank 0 writes checkpoints, metrics, plots and logs
+  if (!writer) slide::core::set_log_level(slide::core::LogLevel::kWarn);
 
   // Everything that can be wrong with the input is checked before training starts.
+  if (!color_jitter.empty() &&
+      (*std::min_element(color_jitter.begin(), color_jitter.end()) < 0 || color_jitter[3] > 0.5f))
+    return fail(slide::core::invalid_argument("--color-jitter: brightness, contrast and saturation must be >= 0 "
+                                              "and hue in [0, 0.5] (torchvision's ColorJitter)"));
   if (!budget.empty()) {
     auto b = parse_bytes(budget);
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
@@ -357,7 +321,7 @@ int main(int argc, char** argv) {
   if (classes < 2) return fail(slide::core::invalid_argument("the stores hold fewer than two classes"));
 
   Run run;
-  auto model = make_model(model_name, classes, width, seed);
+  auto model = make_model(model_name, classes, width, seed, dropout);
   if (!model.ok()) return fail(model.status());
   run.model = std::move(*model);
   run.model->collect("", &run.params, &run.buffers);
@@ -369,6 +333,12 @@ int main(int argc, char** argv) {
   auto opt = Optimizer::make(oc, run.params, cpu_allocator());
   if (!opt.ok()) return fail(opt.status());
   run.opt = std::move(*opt);
+  // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
+  auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
+                                                 momentum, backend, static_cast<int64_t>(train.size()), &batch,
+                                                 &accumulate);
+  if (!memory_plan.ok()) return fail(memory_plan.status());
+  if (memory.dry_run) return kExitOk;
   const int64_t steps_per_epoch = (static_cast<int64_t>(train.size()) + batch - 1) / batch;
   Schedule sched;
   sched.kind = schedule;
@@ -386,7 +356,7 @@ int main(int argc, char** argv) {
     const size_t budget_left = cpu_allocator().budget_bytes() == Allocator::kUnlimited
                                    ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE))
                                    : cpu_allocator().budget_bytes() - cpu_allocator().current_bytes();
-    if (cache == "ram" || (*ds)->decoded_bytes() <= budget_left / 2) {
+    if (cache == "ram" || slide::apps::dataset_fits_in_ram((*ds)->decoded_bytes(), budget_left, *memory_plan)) {
       if (auto s = (*ds)->cache_in_ram(&pool, cpu_allocator()); !s.ok()) {
         if (cache == "ram") return fail(s.with_context("--cache ram"));
         slide::core::log_warn("dataset not cached in RAM", {{"why", s.to_string()}});
@@ -422,12 +392,20 @@ int main(int argc, char** argv) {
   }
 
   const std::string ckpt_dir = out + "/checkpoints";
-  if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
+  if (auto s = writer ? slide::core::make_dirs(ckpt_dir) : slide::core::ok_status(); !s.ok()) return fail(s);
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
-                          {"width", width},
+                          {"width", width}, {"dropout", dropout}, {"epochs", epochs},
                           {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}};
-  if (resume) {
+  // What changes the math of a run: --resume refuses a run whose options differ (epochs aside).
+  const nlohmann::json config = {{"model", model_name}, {"width", width}, {"dropout", dropout}, {"optimizer", optimizer},
+                     {"lr", lr}, {"momentum", momentum}, {"nesterov", nesterov}, {"weight_decay", weight_decay},
+                     {"schedule", schedule}, {"warmup_epochs", warmup_epochs}, {"label_smoothing", smoothing},
+                     {"batch_size", batch}, {"seed", seed}, {"class_weights", class_weights},
+                     {"val_fraction", val_fraction}, {"labels", labels_csv}, {"augment", !no_augment},
+                     {"color_jitter", color_jitter}, {"random_resized_crop", crop_min_scale}};
+  state["config"] = config;
+  if (resume && writer) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     const std::string latest = checkpoints.empty() ? "" : checkpoints.back().string();
     if (latest.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
@@ -436,17 +414,37 @@ int main(int argc, char** argv) {
     nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
     if (saved.is_discarded() || saved.value("model", "") != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
+    if (saved.contains("config")) {
+      std::string diffs;
+      for (const auto& [key, value] : state["config"].items())
+        if (!saved["config"].contains(key) || saved["config"][key] != value)
+          diffs += " --" + key + " " + (saved["config"].contains(key) ? saved["config"][key].dump() : "(unset)") +
+                   " -> " + value.dump() + ";";
+      if (!diffs.empty())
+        return fail(slide::core::invalid_argument("--resume: " + latest + " was made with other options:" + diffs +
+                                                  " rerun with the original options, or use a new --out"));
+    }
+    if (saved.value("epochs", epochs) != epochs)
+      slide::core::log_warn("--resume with another --epochs: the schedule's length changes",
+                            {{"was", saved.value("epochs", epochs)}, {"now", epochs}});
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers)); !s.ok()) return fail(s);
     std::vector<NamedTensor> opt_state;
     for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});
     if (!opt_state.empty())
       if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
     state = saved;
+    state["epochs"] = epochs;
+    state["config"] = config;
     run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }
 
-  slide::core::log_info("training", {{"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
+  // Every rank starts from rank 0's parameters, buffers, optimizer state and run state.
+  if (auto s = slide::apps::broadcast_run(*comm, run.params, run.buffers, run.opt->state(), &state); !s.ok())
+    return fail(s);
+  run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
+  if (sync_bn && comm->world_size() > 1) run.model->set_batch_norm_sync(comm.get());
+  slide::core::log_info("training", {{"ranks", comm->world_size()}, {"dist", comm->name()}, {"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
                                      {"steps_per_epoch", steps_per_epoch}, {"backend", backend}});
   for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
@@ -455,25 +453,33 @@ int main(int argc, char** argv) {
     to.accumulate = accumulate;
     to.label_smoothing = smoothing;
     to.class_weights = weights;
-    to.augment = !no_augment;
+    to.augment.flips_rotations = !no_augment;
+    if (!color_jitter.empty())
+      to.augment.brightness = color_jitter[0], to.augment.contrast = color_jitter[1],
+      to.augment.saturation = color_jitter[2], to.augment.hue = color_jitter[3];
+    to.augment.crop_min_scale = crop_min_scale;
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;
+    if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
     const double lr_now = sched.at(run.opt->steps());
     auto st = train_epoch(**be, *run.model, *run.opt, sched, **ds, train, to, seed * 7919 + static_cast<uint64_t>(epoch),
                           &pool);
     if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
+    accumulate = std::max(accumulate, st->accumulate);  // after out-of-memory recovery: the finer split
     state["optimizer_steps"] = run.opt->steps();
     if (!st->completed) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
-      if (auto s = save_checkpoint(ckpt_dir, run, state, keep); !s.ok()) return fail(s);
+      if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
       slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
                             {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
       return kExitInterrupted;
     }
     EpochStats v;
     if (!val.empty()) {
-      auto ev = evaluate(**be, *run.model, **ds, val, batch, &pool);
+      // Per-rank batch norm: every rank evaluates rank 0's running statistics (the checkpoint's).
+      if (auto s = slide::apps::broadcast_buffers(*comm, run.buffers); !s.ok()) return fail(s);
+      auto ev = evaluate_data_parallel(**be, *run.model, **ds, val, (batch + accumulate - 1) / accumulate, &pool, *comm);
       if (!ev.ok()) return fail(ev.status().with_context("validation"));
       v = *ev;
     }
@@ -485,19 +491,22 @@ int main(int argc, char** argv) {
                                 {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
-    if (auto s = write_metrics(out, state["history"]); !s.ok()) return fail(s);
+    if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
     if (v.balanced_accuracy > state["best_val_balanced_accuracy"].get<double>()) {
       state["best_val_balanced_accuracy"] = v.balanced_accuracy;
       state["best_epoch"] = epoch + 1;
-      if (auto s = save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}}); !s.ok())
+      if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}})
+                         : slide::core::ok_status();
+          !s.ok())
         return fail(s);
     }
-    if (auto s = save_checkpoint(ckpt_dir, run, state, keep); !s.ok()) return fail(s);
+    if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_accuracy", v.accuracy}, {"val_balanced_accuracy", v.balanced_accuracy},
                                     {"val_roc_auc", v.roc_auc},
-                                    {"images_per_s", st->samples / st->seconds}});
+                                    {"images_per_s", st->samples / st->seconds},
+                                    {"all_reduce_s", st->all_reduce_seconds}});
   }
-  std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  if (writer) std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
   return kExitOk;
 }

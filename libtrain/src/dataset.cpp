@@ -193,6 +193,26 @@ Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header
   return stores_[ref.store]->read_tile(ref.tile, header, &payload);
 }
 
+Status TileDataset::remap_classes(const std::vector<std::string>& names) {
+  std::map<std::string, int32_t> index;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (!index.emplace(names[i], static_cast<int32_t>(i)).second)
+      return slide::core::invalid_argument("class list has '" + names[i] + "' twice");
+  std::vector<int32_t> to(class_names_.size(), -1);
+  std::vector<bool> used(class_names_.size(), false);
+  for (const TileRef& t : tiles_) used[static_cast<size_t>(t.label)] = true;
+  for (size_t c = 0; c < class_names_.size(); ++c) {
+    auto it = index.find(class_names_[c]);
+    if (it != index.end()) to[c] = it->second;
+    else if (used[c])
+      return slide::core::invalid_argument("class '" + class_names_[c] + "' of the stores is not one of the model's " +
+                                           std::to_string(names.size()) + " classes");
+  }
+  for (TileRef& t : tiles_) t.label = to[static_cast<size_t>(t.label)];
+  class_names_ = names;
+  return slide::core::ok_status();
+}
+
 void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
                                  std::vector<size_t>* val) const {
   uint32_t groups = 0;
@@ -203,7 +223,7 @@ void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector
   for (size_t i = 0; i < tiles_.size(); ++i) (is_val[slide_group_[tiles_[i].slide]] ? val : train)->push_back(i);
 }
 
-Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,
+Status TileDataset::load_batch(const std::vector<size_t>& positions, const Augmentation& aug, uint64_t seed,
                                slide::core::ThreadPool* pool, Allocator& alloc, Tensor* images,
                                Tensor* labels) const {
   const auto n = static_cast<int64_t>(positions.size());
@@ -216,13 +236,28 @@ Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augmen
     labels->data<int32_t>()[i] = ref.label;
     slide::tile::RgbImage img(S, S);
     SLIDE_RETURN_IF_ERROR(decode_tile(positions[static_cast<size_t>(i)], img.pixels.data()));
-    int flip = 0, rot = 0;
-    if (augment) {
-      std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + positions[static_cast<size_t>(i)]);
-      flip = static_cast<int>(rng() & 1);
-      rot = static_cast<int>((rng() >> 1) & 3);
-    }
     float* dst = out + i * 3 * S * S;
+    if (!aug.any()) {
+      for (int64_t y = 0; y < S; ++y)
+        for (int64_t x = 0; x < S; ++x) {
+          const uint8_t* p = img.pixels.data() + 3 * (y * S + x);
+          for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] / 255.0f - kMean[c]) / kStd[c];
+        }
+      return slide::core::ok_status();
+    }
+    // Flip and rotation are drawn first, so a flips-only recipe draws what it always drew.
+    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + positions[static_cast<size_t>(i)]);
+    const uint64_t fr = rng();
+    const int flip = aug.flips_rotations ? static_cast<int>(fr & 1) : 0;
+    const int rot = aug.flips_rotations ? static_cast<int>((fr >> 1) & 3) : 0;
+    std::vector<float> hwc(static_cast<size_t>(3 * S * S)), tmp;
+    for (size_t k = 0; k < hwc.size(); ++k) hwc[k] = img.pixels[k] / 255.0f;
+    if (aug.random_crop()) {
+      tmp.resize(hwc.size());
+      resize_crop(hwc.data(), S, draw_crop(S, aug.crop_min_scale, rng), tmp.data());
+      hwc.swap(tmp);
+    }
+    if (aug.color_jitter()) apply_jitter(draw_jitter(aug, rng), hwc.data(), S * S);
     for (int64_t y = 0; y < S; ++y)
       for (int64_t x = 0; x < S; ++x) {
         // Output (y, x) takes source (sy, sx): rotate by rot x 90 degrees, then flip horizontally.
@@ -230,8 +265,8 @@ Status TileDataset::load_batch(const std::vector<size_t>& positions, bool augmen
         if (rot == 1) sy = S - 1 - xx, sx = y;
         else if (rot == 2) sy = S - 1 - y, sx = S - 1 - xx;
         else if (rot == 3) sy = xx, sx = S - 1 - y;
-        const uint8_t* p = img.pixels.data() + 3 * (sy * S + sx);
-        for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] / 255.0f - kMean[c]) / kStd[c];
+        const float* p = hwc.data() + 3 * (sy * S + sx);
+        for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] - kMean[c]) / kStd[c];
       }
     return slide::core::ok_status();
   };

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <utility>
 
+#include "dist/sync_batch_norm.h"
+
 namespace slide::train {
 
 namespace {
@@ -122,8 +124,13 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
   const Shape c{weight.value.dim(0)};
   SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, x.dtype(), "batch mean"));
   SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, x.dtype(), "batch 1/std"));
-  SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
-                                                       running_mean.value, running_var.value, y, mean_, invstd_));
+  if (sync_ != nullptr)
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, x, weight.value, bias.value, eps_, momentum_,
+                                                        running_mean.value, running_var.value, y, mean_, invstd_,
+                                                        &sync_count_));
+  else
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
+                                                         running_mean.value, running_var.value, y, mean_, invstd_));
   x_ = x;
   return y;
 }
@@ -131,7 +138,11 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
 Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("BatchNorm2d: backward without a training forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
-  SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+  if (sync_ != nullptr)
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, x_, dy, weight.value, mean_, invstd_, sync_count_, dx,
+                                                         weight.grad, bias.grad));
+  else
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
   return dx;
 }
 
@@ -277,6 +288,42 @@ void Sequential::release() {
   for (auto& l : layers_) l->release();
 }
 
+void Sequential::set_rng_seed(uint64_t seed) {
+  for (auto& l : layers_) l->set_rng_seed(seed);
+}
+
+void Sequential::set_batch_norm_sync(Communicator* comm) {
+  for (auto& l : layers_) l->set_batch_norm_sync(comm);
+}
+
+// ---------------------------------------------------------------------------------------------
+Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
+  if (!(p_ >= 0 && p_ < 1)) return invalid_argument("dropout probability " + std::to_string(p_) + " is not in [0, 1)");
+  identity_ = !training || p_ == 0;
+  if (identity_) return x;
+  SLIDE_ASSIGN_OR_RETURN(mask_, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout mask"));
+  // The mask is drawn on the host: a SplitMix-style mix of (seed, salt) seeds the generator.
+  std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
+  std::bernoulli_distribution keep(1.0 - p_);
+  const double scale = 1.0 / (1.0 - p_);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double m = keep(rng) ? scale : 0.0;
+    if (x.dtype() == DType::kF64) mask_.data<double>()[i] = m;
+    else mask_.data<float>()[i] = static_cast<float>(m);
+  }
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout output"));
+  SLIDE_RETURN_IF_ERROR(be.mul(x, mask_, y));
+  return y;
+}
+
+Result<Tensor> Dropout::backward(Backend& be, const Tensor& dy) {
+  if (identity_) return dy;
+  if (!mask_.defined()) return failed_precondition("Dropout backward without a training forward");
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, Tensor::empty(dy.shape(), dy.dtype(), be.allocator(), "dropout input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.mul(dy, mask_, dx));
+  return dx;
+}
+
 // ---------------------------------------------------------------------------------------------
 namespace {
 
@@ -331,6 +378,16 @@ void ResidualBlock::collect(const std::string& prefix, std::vector<Parameter*>* 
   if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
 }
 
+void ResidualBlock::set_batch_norm_sync(Communicator* comm) {
+  main_.set_batch_norm_sync(comm);
+  if (down_) down_->set_batch_norm_sync(comm);
+}
+
+void ResidualBlock::set_rng_seed(uint64_t seed) {
+  main_.set_rng_seed(seed);
+  if (down_) down_->set_rng_seed(seed);
+}
+
 void ResidualBlock::release() {
   main_.release();
   if (down_) down_->release();
@@ -364,7 +421,8 @@ Result<std::unique_ptr<Bottleneck>> Bottleneck::make(Allocator& alloc, DType dty
 
 
 Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth, int64_t classes,
-                                                uint64_t seed) {
+                                                uint64_t seed, double dropout) {
+  if (!(dropout >= 0 && dropout < 1)) return invalid_argument("dropout " + std::to_string(dropout) + " is not in [0, 1)");
   std::vector<int> blocks;
   if (depth == 18) blocks = {2, 2, 2, 2};
   else if (depth == 34 || depth == 50) blocks = {3, 4, 6, 3};
@@ -397,6 +455,7 @@ Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, i
     net->add(std::move(layer), "layer" + std::to_string(stage + 1));
   }
   net->add(std::make_unique<GlobalAvgPool>(), "avgpool");
+  if (dropout > 0) net->add(std::make_unique<Dropout>(dropout), "dropout");
   SLIDE_ASSIGN_OR_RETURN(auto fc, Linear::make(alloc, dtype, in, classes, rng));
   net->add(std::move(fc), "fc");
   return net;
@@ -404,7 +463,8 @@ Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, i
 
 // ---------------------------------------------------------------------------------------------
 Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels, int64_t classes,
-                                                   int64_t width, uint64_t seed) {
+                                                   int64_t width, uint64_t seed, double dropout) {
+  if (!(dropout >= 0 && dropout < 1)) return invalid_argument("dropout " + std::to_string(dropout) + " is not in [0, 1)");
   InitRng rng(seed);
   auto net = std::make_unique<Sequential>();
   int64_t c = in_channels;
@@ -419,6 +479,7 @@ Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype
     c = out;
   }
   net->add(std::make_unique<GlobalAvgPool>());
+  if (dropout > 0) net->add(std::make_unique<Dropout>(dropout), "dropout");
   SLIDE_ASSIGN_OR_RETURN(auto fc, Linear::make(alloc, dtype, c, classes, rng));
   net->add(std::move(fc), "fc");
   return net;

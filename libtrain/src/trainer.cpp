@@ -1,10 +1,15 @@
 #include "slide/train/trainer.h"
 
+#include "slide/core/log.h"
+#include "slide/train/data_parallel.h"
+#include "slide/train/oom_recovery.h"
+
 #include <algorithm>
 #include <chrono>
 #include <future>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 namespace slide::train {
 
@@ -33,8 +38,8 @@ struct Batch {
   Tensor images, labels;
 };
 
-Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, bool augment, uint64_t seed,
-                   slide::core::ThreadPool* pool) {
+Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
+                   uint64_t seed, slide::core::ThreadPool* pool) {
   Batch b;
   SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
   return b;
@@ -94,52 +99,134 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     bool first, last;
   };
   std::vector<Micro> plan;
+  // Data-parallel (data_parallel.h): this rank's slice of each step, and the gradient buckets.
+  const int rank = options.comm != nullptr ? options.comm->rank() : 0;
+  const int world = options.comm != nullptr ? options.comm->world_size() : 1;
+  std::unique_ptr<GradientBuckets> buckets;
+  if (options.comm != nullptr) {
+    std::vector<Parameter*> params;
+    std::vector<Buffer*> buffers;
+    model.collect("", &params, &buffers);
+    SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator()));
+  }
+  bool stop_all = false;  // data-parallel: some rank asked to stop (all-reduced with the gradients)
   int64_t step_index = 0;
   for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size), ++step_index) {
     if (step_index < options.start_step) continue;
     const size_t end = std::min(order.size(), start + static_cast<size_t>(options.batch_size));
     const auto step_n = static_cast<int64_t>(end - start);
-    const int64_t micro = std::min<int64_t>(options.accumulate, step_n);
+    const ShardRange mine = shard_range(end - start, rank, world);  // all of it on one rank
+    const size_t first = start + mine.begin;
+    const auto rank_n = static_cast<int64_t>(mine.end - mine.begin);
+    // --sync-bn: the same number of micro-batches on every rank, so that their batch norms meet.
+    if (options.sync_batch_norm && step_n < world)
+      return slide::core::invalid_argument("--sync-bn: step " + std::to_string(step_index) + " of the epoch has " +
+                                           std::to_string(step_n) + " samples for " + std::to_string(world) +
+                                           " ranks; choose a batch size whose last step has at least one per rank");
+    const int64_t micro = std::min<int64_t>(options.accumulate, options.sync_batch_norm ? step_n / world : rank_n);
+    // A rank with no sample in this step (step_n < ranks) still all-reduces and steps.
+    if (micro == 0) plan.push_back({start, first, first, step_n, true, true});
     for (int64_t m = 0; m < micro; ++m)
-      plan.push_back({start, start + static_cast<size_t>(step_n * m / micro),
-                      start + static_cast<size_t>(step_n * (m + 1) / micro), step_n, m == 0, m == micro - 1});
+      plan.push_back({start, first + static_cast<size_t>(rank_n * m / micro),
+                      first + static_cast<size_t>(rank_n * (m + 1) / micro), step_n, m == 0, m == micro - 1});
   }
   // A bounded prefetch queue of one micro-batch: the next one is decoded (on the pool) while this
   // one computes. Decoding depends only on (seed, positions), so the order of work changes
   // nothing in the result.
   auto fetch = [&](const Micro& mb) {
     std::vector<size_t> idx(order.begin() + static_cast<long>(mb.a), order.begin() + static_cast<long>(mb.b));
-    return load(be, data, idx, options.augment, epoch_seed * 1000003 + mb.start + mb.a, pool);
+    // Seeded per step: a sample's augmentation depends on its step and position, not on how the
+    // step is split into ranks and micro-batches.
+    if (idx.empty()) return Result<Batch>(Batch{});
+    return load(be, data, idx, options.augment, epoch_seed * 1000003 + mb.start, pool);
   };
   std::future<Result<Batch>> next;
   if (!plan.empty()) next = std::async(std::launch::async, fetch, plan[0]);
+  // Out-of-memory recovery (oom_recovery.h): the micro-batches of the step that starts at
+  // plan[step_first], and what the step changed, so that it can be rerun split finer.
+  StepRecovery recovery(model, options.oom_recovery);
+  int64_t micro_count = options.accumulate;
+  size_t step_first = 0;
+  StepTally tally_at_step;
   for (size_t i = 0; i < plan.size(); ++i) {
     const Micro& mb = plan[i];
     if (mb.first) {
-      if (options.cancel != nullptr && options.cancel->load()) {
+      if (options.comm != nullptr ? stop_all : options.cancel != nullptr && options.cancel->load()) {
         st.completed = false;
         break;  // the future in flight is joined when it goes out of scope
       }
       opt.zero_grad();
+      step_first = i;
+      tally_at_step = {loss_sum, correct, seen, right};
+      SLIDE_RETURN_IF_ERROR(recovery.begin_step());
     }
+    const Status micro_status = [&]() -> Status {
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
     if (i + 1 < plan.size()) next = std::async(std::launch::async, fetch, plan[i + 1]);
-    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
-    SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
-    SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,
-                                                            options.label_smoothing, dlogits));
-    // The micro-batch's mean-loss gradient, weighted by its share of the step's samples.
-    const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
-    for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= share;
-    SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
-    loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
-    tally(sc.probs, sc.labels, &seen, &right, &correct);
+    if (mb.a != mb.b) {  // else: no sample of this step on this rank
+      model.set_rng_seed(epoch_seed * 1000003 + mb.a);  // Dropout's masks: a function of the data order
+      SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
+      SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
+      SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,
+                                                              options.label_smoothing, dlogits));
+      // The micro-batch's mean-loss gradient, weighted by its share of the (global) step's samples.
+      const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
+      for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= share;
+      SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
+      loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
+      tally(sc.probs, sc.labels, &seen, &right, &correct);
+    }
+    return slide::core::ok_status();
+    }();
+    if (!micro_status.ok()) {
+      // Out of memory inside the step: discard its partial work and rerun it whole with the
+      // micro-batches halved (twice as many), which gives the same update (trainer.h).
+      int64_t step_rank_n = 0;
+      for (size_t j = step_first; j < plan.size(); ++j) {
+        step_rank_n += static_cast<int64_t>(plan[j].b - plan[j].a);
+        if (plan[j].last) break;
+      }
+      if (next.valid()) (void)next.get();  // the prefetched micro-batch belongs to the old split
+      SLIDE_RETURN_IF_ERROR(recovery.recover(micro_status, &micro_count, step_rank_n, be.allocator()));
+      opt.zero_grad();
+      std::tie(loss_sum, correct, seen, right) =
+          std::tie(tally_at_step.loss_sum, tally_at_step.correct, tally_at_step.seen, tally_at_step.right);
+      // Re-split this step and every later one into micro_count micro-batches.
+      std::vector<Micro> redo(plan.begin(), plan.begin() + static_cast<long>(step_first));
+      for (size_t j = step_first; j < plan.size();) {
+        size_t last = j;
+        while (!plan[last].last) ++last;
+        const size_t first = plan[j].a;
+        const auto rank_n = static_cast<int64_t>(plan[last].b - first);
+        const int64_t micro = std::min<int64_t>(micro_count, rank_n);
+        if (micro == 0) redo.push_back(plan[j]);
+        for (int64_t m = 0; m < micro; ++m)
+          redo.push_back({plan[j].start, first + static_cast<size_t>(rank_n * m / micro),
+                          first + static_cast<size_t>(rank_n * (m + 1) / micro), plan[j].step_n, m == 0,
+                          m == micro - 1});
+        j = last + 1;
+      }
+      plan = std::move(redo);
+      st.oom_retries += 1;
+      next = std::async(std::launch::async, fetch, plan[step_first]);
+      i = step_first - 1;  // wraps to SIZE_MAX for the first step; ++i makes it step_first
+      continue;
+    }
     if (mb.last) {
+      if (buckets != nullptr) {
+        options.comm->set_step(opt.steps());
+        SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->all_reduce(*options.comm, options.cancel != nullptr && options.cancel->load()));
+      }
       SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
       st.samples += mb.step_n;
       ++st.steps;
     }
   }
+  if (options.comm != nullptr) {
+    SLIDE_RETURN_IF_ERROR(all_reduce_tallies(*options.comm, &loss_sum, &correct, &seen, &right));
+    st.all_reduce_seconds = buckets->seconds();
+  }
+  st.accumulate = micro_count;
   finish(&st, loss_sum, correct, seen, right, t0);
   return st;
 }
@@ -196,11 +283,21 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
   EpochStats st;
   int64_t correct = 0;
   double loss_sum = 0;
-  for (size_t start = 0; start < positions.size(); start += static_cast<size_t>(batch_size)) {
-    const size_t end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
+  for (size_t start = 0, end = 0; start < positions.size(); start = end) {
+    end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
     std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
-    SLIDE_ASSIGN_OR_RETURN(Batch batch, load(be, data, idx, false, 0, pool));
-    SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, false, 0.0));
+    auto batch = load(be, data, idx, Augmentation{}, 0, pool);
+    auto scored = batch.ok() ? score(be, model, *batch, false, 0.0) : Result<Scored>(batch.status());
+    if (!scored.ok() && scored.status().code() == slide::core::StatusCode::kResourceExhausted && batch_size > 1) {
+      // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
+      batch_size = (batch_size + 1) / 2;
+      slide::core::log_warn("out of memory in evaluation: batch halved", {{"batch_size", batch_size}});
+      if (auto* cpu = dynamic_cast<CpuAllocator*>(&be.allocator()); cpu != nullptr) cpu->trim_cache();
+      end = start;
+      continue;
+    }
+    if (!scored.ok()) return scored.status();
+    const Scored& sc = *scored;
     loss_sum += sc.loss * static_cast<double>(end - start);
     tally(sc.probs, sc.labels, &seen, &right, &correct);
     all_probs.insert(all_probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + sc.probs.numel());

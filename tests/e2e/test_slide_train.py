@@ -186,6 +186,124 @@ class TestResume(Base):
         a = read_safetensors(os.path.join(ref, "checkpoints", "epoch-6-step-0", "model.safetensors"))
         b = read_safetensors(os.path.join(out, "checkpoints", "epoch-6-step-0", "model.safetensors"))
         self.assertTrue(all(np.array_equal(a[k], b[k]) for k in a))
+        # A resume with options that change the math is refused, naming them.
+        r = subprocess.run([TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32",
+                            "--lr", "0.2", "--width", "8", "--threads", "2", "--seed", "3", "--dropout", "0.1",
+                            "--resume"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made with other options:", r.stderr)
+        self.assertIn(" --lr 0.05 -> 0.2;", r.stderr)
+        self.assertIn(" --dropout 0.0 -> 0.1;", r.stderr)
+
+    def test_resume_is_exact_with_dropout_colour_jitter_and_random_crops(self):
+        extra = ["--dropout", "0.3", "--color-jitter", "0.2,0.2,0.2,0.05", "--random-resized-crop", "0.5"]
+        ref = os.path.join(self.tmp, "ref3")
+        r = self.train(ref, *extra)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = os.path.join(self.tmp, "killed3")
+        p = subprocess.Popen([TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32",
+                              "--lr", "0.05", "--width", "8", "--threads", "2", "--seed", "3"] + extra,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "checkpoints", "epoch-3-step-0")):
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        r = self.train(out, "--resume", *extra)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a = read_safetensors(os.path.join(ref, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        b = read_safetensors(os.path.join(out, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        self.assertTrue(all(np.array_equal(a[k], b[k]) for k in a))
+        # The augmented, dropped-out run still learns (chance: 1/3), and differs from a plain one.
+        with open(os.path.join(ref, "metrics.jsonl")) as f:
+            history = [json.loads(l) for l in f]
+        self.assertGreater(history[-1]["val_balanced_accuracy"], 0.6)
+        plain = os.path.join(self.tmp, "plain3")
+        self.assertEqual(self.train(plain).returncode, 0)
+        c = read_safetensors(os.path.join(plain, "checkpoints", "epoch-6-step-0", "model.safetensors"))
+        self.assertFalse(np.array_equal(a["fc.weight"], c["fc.weight"]))
+
+
+class TestEvaluateRemap(Base):
+    def test_stores_with_a_subset_of_the_classes_in_another_order(self):
+        out = os.path.join(self.tmp, "run")
+        r = self.train(out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ckpt = os.path.join(out, "checkpoints", "epoch-6-step-0")
+        # A store of two of the three classes: its own class list is [lung_n, lung_scc].
+        sub = os.path.join(self.tmp, "sub")
+        for c in ("lung_scc", "lung_n"):
+            shutil.copytree(os.path.join(LC, c), os.path.join(sub, c))
+        store = os.path.join(self.tmp, "substore")
+        self.assertEqual(subprocess.run([TILE, "--patches", sub, "--tile-size", "48", "-o", store, "-q"]).returncode, 0)
+        ev = os.path.join(self.tmp, "ev")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", ckpt, "--data", store, "--out", ev],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f]
+        self.assertEqual(rows[0][4:8], ["p_lung_aca", "p_lung_n", "p_lung_scc", "predicted"])
+        self.assertEqual(len(rows), 241)
+        # Each row's label is its folder's: the labels were matched by name, not by index.
+        # (A patch's slide id is "<class folder>/<file stem>".)
+        self.assertTrue(all(row[0].split(":")[-1].split("/")[0] == row[3] for row in rows[1:]))
+        self.assertEqual({row[3] for row in rows[1:]}, {"lung_n", "lung_scc"})
+        with open(os.path.join(ev, "metrics.json")) as f:
+            metrics = json.load(f)
+        self.assertEqual(metrics["recall"][0], -1)  # no lung_aca tile
+        self.assertGreater(metrics["accuracy"], 0.5)
+        # A class the checkpoint does not know is named.
+        os.rename(os.path.join(sub, "lung_n"), os.path.join(sub, "stroma"))
+        store2 = os.path.join(self.tmp, "substore2")
+        self.assertEqual(subprocess.run([TILE, "--patches", sub, "--tile-size", "48", "-o", store2, "-q"]).returncode, 0)
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", ckpt, "--data", store2, "--out", ev + "2"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("class 'stroma' of the stores is not one of the model's 3 classes", r.stderr)
+
+
+class TestAugment(unittest.TestCase):
+    """Our colour jitter and resized crop against torchvision.transforms.functional on a real
+    LC25000 patch: the same factors and box give the same pixels."""
+
+    def test_matches_torchvision(self):
+        import torch
+        import torchvision.transforms.functional as F
+        from PIL import Image
+        src = os.path.join(LC, "lung_aca", sorted(os.listdir(os.path.join(LC, "lung_aca")))[0])
+        with Image.open(src) as im:
+            img = np.asarray(im.convert("RGB").crop((40, 60, 104, 124)), dtype=np.float32) / 255.0  # 64 x 64
+        tmp = tempfile.mkdtemp(prefix="slide_aug_")
+        try:
+            path_in, path_out = os.path.join(tmp, "in.safetensors"), os.path.join(tmp, "out.safetensors")
+            write_safetensors(path_in, {"image": img})
+            t = torch.from_numpy(img.copy()).permute(2, 0, 1)
+
+            def ours(*args):
+                r = subprocess.run([os.environ["SLIDE_GOLDEN_AUGMENT"], path_in, path_out, "64"] + [str(a) for a in args],
+                                   capture_output=True, text=True)
+                self.assertEqual(r.returncode, 0, r.stderr)
+                return read_safetensors(path_out)["image"]
+
+            for b, c, s, h in [(1.3, 1, 1, 0), (0.7, 1, 1, 0), (1, 0.6, 1, 0), (1, 1.5, 1, 0), (1, 1, 0.3, 0),
+                               (1, 1, 1.8, 0), (1, 1, 1, 0.1), (1, 1, 1, -0.35), (1.2, 0.8, 1.3, 0.04)]:
+                want = t
+                want = F.adjust_brightness(want, b) if b != 1 else want
+                want = F.adjust_contrast(want, c) if c != 1 else want
+                want = F.adjust_saturation(want, s) if s != 1 else want
+                want = F.adjust_hue(want, h) if h != 0 else want
+                want = want.permute(1, 2, 0).numpy()
+                got = ours("jitter", b, c, s, h)
+                err = float(np.abs(got - want).max())
+                self.assertLess(err, 2e-5, "jitter %s: max |ours - torchvision| = %g" % ((b, c, s, h), err))
+                self.assertGreater(float(np.abs(got - img).max()), 0.01)  # the transform did something
+            for x, y, w, h in [(5, 9, 40, 33), (0, 0, 64, 64), (20, 3, 17, 61)]:
+                want = F.resized_crop(t, y, x, h, w, [64, 64], F.InterpolationMode.BILINEAR)
+                got = ours("crop", x, y, w, h)
+                err = float(np.abs(got - want.permute(1, 2, 0).numpy()).max())
+                self.assertLess(err, 1e-5, "crop %s: max |ours - torchvision| = %g" % ((x, y, w, h), err))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class TestBadInput(Base):

@@ -105,7 +105,7 @@ TEST_CASE("cpu vs reference: batch norm training, inference, backward (+=)") {
   compare("bn dbeta", db, 1e-5);
 }
 
-TEST_CASE("cpu vs reference: relu, add, max pool, global average pool") {
+TEST_CASE("cpu vs reference: relu, add, mul, max pool, global average pool") {
   Pair x = make({2, 4, 9, 7}, 9), y = make(x.d.shape()), dy = make(x.d.shape(), 10), dx = make(x.d.shape());
   BOTH(relu_forward(x.d, y.d), relu_forward(x.f, y.f));
   compare("relu y", y, 1e-6);
@@ -114,6 +114,8 @@ TEST_CASE("cpu vs reference: relu, add, max pool, global average pool") {
   Pair s = make(x.d.shape());
   BOTH(add(x.d, dy.d, s.d), add(x.f, dy.f, s.f));
   compare("add", s, 1e-6);
+  BOTH(mul(x.d, dy.d, s.d), mul(x.f, dy.f, s.f));
+  compare("mul", s, 1e-6);
 
   for (Pool2dParams p : {Pool2dParams{3, 2, 1}, Pool2dParams{2, 2, 0}}) {
     CAPTURE(p.kernel);

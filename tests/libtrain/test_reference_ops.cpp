@@ -177,6 +177,14 @@ TEST_CASE("reference relu, add, global average pool: gradients") {
   Tensor a = random({2, 5}, 17), b = random({2, 5}, 18), s = make({2, 5});
   REQUIRE(ref().add(a, b, s).ok());
   CHECK(s.data<double>()[3] == a.data<double>()[3] + b.data<double>()[3]);
+  // mul is its own backward: d(sum(a * b * r))/da = r * b.
+  Tensor m = make({2, 5}), rm = random({2, 5}, 20), da = make({2, 5});
+  auto mul_loss = [&] {
+    REQUIRE(ref().mul(a, b, m).ok());
+    return dot(m, rm);
+  };
+  REQUIRE(ref().mul(rm, b, da).ok());
+  check_gradient("mul da", a, da, mul_loss);
 
   Tensor g = make({2, 3}), rg = random({2, 3}, 19), dgx = make(x.shape());
   auto gap_loss = [&] {

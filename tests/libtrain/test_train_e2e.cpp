@@ -159,7 +159,7 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
     TrainOptions to;
     to.batch_size = 12;
     to.accumulate = accumulate;
-    to.augment = false;
+    to.augment = {};
     auto st = train_epoch(**cpu, net, **opt, sched, **data, twelve, to, 1, nullptr);
     REQUIRE_MESSAGE(st.ok(), st.status().to_string());
     CHECK(st->steps == 1);

@@ -244,6 +244,18 @@ class OneDnnBackend final : public Backend {
     });
   }
 
+  Status mul(const Tensor& a, const Tensor& b, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, kF32Only));
+    return run("mul", [&] {
+      auto& pd = cached<dnnl::binary::primitive_desc>(key_of("mul", {a.numel()}), [&] {
+        dnnl::binary::desc desc(dnnl::algorithm::binary_mul, flat(a), flat(b), flat(y));
+        return dnnl::binary::primitive_desc(desc, eng_);
+      });
+      dnnl::binary(pd).execute(strm_, {{DNNL_ARG_SRC_0, mem(flat(a), a)}, {DNNL_ARG_SRC_1, mem(flat(b), b)},
+                                       {DNNL_ARG_DST, mem(flat(y), y)}});
+    });
+  }
+
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
                            detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kF32Only));

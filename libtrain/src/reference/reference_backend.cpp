@@ -257,6 +257,16 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  Status mul(const Tensor& a, const Tensor& b, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, kDTypes));
+    return dispatch(a.dtype(), [&]<typename T>() {
+      const T *ap = a.data<T>(), *bp = b.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t i = 0; i < a.numel(); ++i) yp[i] = ap[i] * bp[i];
+      return ok_status();
+    });
+  }
+
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
     return max_pool(x, nullptr, p, &y, nullptr);
   }

@@ -79,6 +79,9 @@ class Backend {
   [[nodiscard]] virtual Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
   // y = a + b, same shapes (the residual add); y may be a or b.
   [[nodiscard]] virtual Status add(const Tensor& a, const Tensor& b, Tensor& y) = 0;
+  // y = a * b element by element, same shapes; y may be a or b. Its backward is itself:
+  // da = dy * b, db = dy * a (Dropout's mask, gated attention).
+  [[nodiscard]] virtual Status mul(const Tensor& a, const Tensor& b, Tensor& y) = 0;
 
   // --- Pooling -----------------------------------------------------------------------------------
   // y[N,C,P,Q] = max over the window of x[N,C,H,W].

@@ -14,6 +14,7 @@
 
 #include "slide/core/thread_pool.h"
 #include "slide/tile/store.h"
+#include "slide/train/augment.h"
 #include "slide/train/tensor.h"
 
 namespace slide::train {
@@ -61,6 +62,11 @@ class TileDataset {
                                                                  const std::string& labels_csv = "");
 
   const std::vector<std::string>& class_names() const { return class_names_; }
+  // Re-indexes the labels onto `names` (a model's class list, e.g. a checkpoint's), matching by
+  // name: afterwards class_names() == names and every tile's label indexes it. Classes of `names`
+  // that no tile has are allowed (a store with a subset of the classes). Errors: kInvalidArgument
+  // naming the first class of the stores that `names` lacks, or a duplicate in `names`.
+  [[nodiscard]] Status remap_classes(const std::vector<std::string>& names);
   const std::vector<std::string>& slide_ids() const { return slide_ids_; }  // "store:slide_id"
   const std::vector<TileRef>& tiles() const { return tiles_; }
   int64_t tile_size_px() const { return tile_size_; }
@@ -83,14 +89,22 @@ class TileDataset {
   void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
 
   // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
-  // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. With
-  // `augment`, each image gets a random horizontal flip and rotation by a multiple of 90 degrees
-  // from a generator seeded by (seed, position): the same batch seed gives the same images.
-  // Decoding runs on `pool` when given. Errors: the store's (kDataLoss naming store and tile),
-  // JPEG decode errors, kInvalidArgument for a tile of another size, the allocator's.
-  [[nodiscard]] Status load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,
+  // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. Each image
+  // gets the augmentation `aug` (augment.h: random resized crop, then flip and rotation, then
+  // colour jitter) from a generator seeded by (seed, position): the same batch seed gives the same
+  // images. Decoding runs on `pool` when given. Errors: the store's (kDataLoss naming store and
+  // tile), JPEG decode errors, kInvalidArgument for a tile of another size, the allocator's.
+  [[nodiscard]] Status load_batch(const std::vector<size_t>& positions, const Augmentation& aug, uint64_t seed,
                                   slide::core::ThreadPool* pool, Allocator& alloc, Tensor* images,
                                   Tensor* labels) const;
+  // The same with flips and rotations only (augment) or none.
+  [[nodiscard]] Status load_batch(const std::vector<size_t>& positions, bool augment, uint64_t seed,
+                                  slide::core::ThreadPool* pool, Allocator& alloc, Tensor* images,
+                                  Tensor* labels) const {
+    Augmentation aug;
+    aug.flips_rotations = augment;
+    return load_batch(positions, aug, seed, pool, alloc, images, labels);
+  }
 
  private:
   std::vector<std::string> store_dirs_;

@@ -17,6 +17,8 @@
 
 namespace slide::train {
 
+class Communicator;
+
 // A trainable tensor and its gradient (same shape and dtype).
 struct Parameter {
   std::string name;
@@ -44,6 +46,14 @@ class Layer {
   }
   // Drops what forward saved (activations), so their memory returns to the allocator.
   virtual void release() {}
+  // Seeds the random layers (Dropout) for the next training forward. The trainer calls it once
+  // per micro-batch with a seed derived from (epoch seed, micro-batch position), so the masks
+  // depend only on the data order and a resumed run draws the same masks as an uninterrupted one.
+  virtual void set_rng_seed(uint64_t seed) { (void)seed; }
+  // Batch norm layers take their training statistics over the samples of every rank of `comm`
+  // (--sync-bn; dist/sync_batch_norm.h), or over this rank's batch (nullptr, the default).
+  // Containers pass it to their layers.
+  virtual void set_batch_norm_sync(Communicator* comm) { (void)comm; }
 };
 
 // Deterministic initialisation (torchvision's): a seeded generator per model.
@@ -79,12 +89,15 @@ class BatchNorm2d final : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override { x_ = mean_ = invstd_ = Tensor(); }
+  void set_batch_norm_sync(Communicator* comm) override { sync_ = comm; }
   double eps() const { return eps_; }
   Parameter weight, bias;        // gamma, beta
   Buffer running_mean, running_var;
 
  private:
   double eps_, momentum_;
+  Communicator* sync_ = nullptr;  // --sync-bn: statistics over every rank
+  double sync_count_ = 0;         // --sync-bn: the last forward's values per channel over all ranks
   Tensor x_, mean_, invstd_;
 };
 
@@ -111,6 +124,26 @@ class MaxPool2d final : public Layer {
  private:
   Pool2dParams p_;
   Tensor x_;
+};
+
+// Dropout(p) (Srivastava et al., 2014; PyTorch's nn.Dropout): in training each element is kept
+// with probability 1 - p and scaled by 1 / (1 - p), else zeroed; in inference y = x. The mask is
+// drawn from a generator seeded by set_rng_seed() and `salt` (one per Dropout in a model).
+// Saves: the mask (training). Errors: the allocator's; kInvalidArgument for p outside [0, 1).
+class Dropout final : public Layer {
+ public:
+  explicit Dropout(double p, uint64_t salt = 0) : p_(p), salt_(salt) {}
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void release() override { mask_ = Tensor(); }
+  void set_rng_seed(uint64_t seed) override { seed_ = seed; }
+  double p() const { return p_; }
+
+ private:
+  double p_;
+  uint64_t salt_, seed_ = 0;
+  Tensor mask_;
+  bool identity_ = true;  // the last forward passed x through (inference, or p == 0)
 };
 
 // AdaptiveAvgPool2d(1) + flatten: [N,C,H,W] -> [N,C]. Saves: the input shape.
@@ -147,6 +180,8 @@ class Sequential final : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
+  void set_rng_seed(uint64_t seed) override;
+  void set_batch_norm_sync(Communicator* comm) override;
   size_t size() const { return layers_.size(); }
   // The i-th layer (i < size()) and its name, for the memory planner and activation checkpointing.
   Layer& at(size_t i) { return *layers_.at(i); }
@@ -168,6 +203,8 @@ class ResidualBlock : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
+  void set_rng_seed(uint64_t seed) override;
+  void set_batch_norm_sync(Communicator* comm) override;
   // The main path and the downsample shortcut (null: identity), for the inference path (embed.h),
   // which folds and fuses them.
   Sequential& main_path() { return main_; }
@@ -197,14 +234,16 @@ class Bottleneck final : public ResidualBlock {
 
 // torchvision's resnet18 / resnet34 / resnet50 (He et al., 2016), same architecture and parameter
 // names ("conv1.weight", "layer1.0.bn1.running_mean", "fc.bias"), `classes` outputs, initialised
-// as torchvision does from `seed`. Any input size of at least 32 px. Errors: kInvalidArgument for
-// another depth, the allocator's.
+// as torchvision does from `seed`. Any input size of at least 32 px. With `dropout` > 0, a Dropout
+// named "dropout" (no parameters, so the names are unchanged) comes before fc. Errors:
+// kInvalidArgument for another depth or a dropout outside [0, 1), the allocator's.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth,
-                                                              int64_t classes, uint64_t seed);
+                                                              int64_t classes, uint64_t seed, double dropout = 0);
 
 // A small CNN for tests and small patches: 3 x [conv3x3 -> bn -> relu -> maxpool 2], then global
-// average pool and a linear classifier. Widths w, 2w, 4w.
+// average pool and a linear classifier. Widths w, 2w, 4w. `dropout` as in make_resnet.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels,
-                                                                 int64_t classes, int64_t width, uint64_t seed);
+                                                                 int64_t classes, int64_t width, uint64_t seed,
+                                                                 double dropout = 0);
 
 }  // namespace slide::train

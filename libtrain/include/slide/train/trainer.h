@@ -17,6 +17,8 @@
 
 namespace slide::train {
 
+class Communicator;
+
 struct EpochStats {
   double loss = 0;        // mean over samples
   double accuracy = 0;    // fraction correct
@@ -27,16 +29,36 @@ struct EpochStats {
   int64_t steps = 0;       // steps run by this call
   bool completed = true;   // false: stopped by `cancel` after `steps` steps
   double seconds = 0;
+  double all_reduce_seconds = 0;  // data-parallel: wall time in the gradient all-reduce
+  int64_t accumulate = 0;   // micro-batches per step at the end (more than asked after OOM recovery)
+  int64_t oom_retries = 0;  // steps rerun after running out of memory
 };
 
 struct TrainOptions {
   int64_t batch_size = 32;
   int64_t accumulate = 1;      // micro-batches per step
   double label_smoothing = 0;
-  bool augment = true;
+  Augmentation augment = {.flips_rotations = true};  // augment.h; {} for none
   Tensor class_weights;    // [classes] f32 on the backend's device, or undefined (all 1)
   int64_t start_step = 0;  // resume inside an epoch: skip its first start_step steps (same order)
   const std::atomic<bool>* cancel = nullptr;  // checked after every step
+  // Data-parallel ranks (data_parallel.h); nullptr: one rank. Each step's global batch is split
+  // over the ranks by shard_range before the micro-batch split; micro-batches are weighted by
+  // their share of the global step's samples; gradients are summed over the ranks before the
+  // update; the epoch's statistics are reduced over the ranks; a cancel on any rank stops every
+  // rank after the same step (at most one step later than on one rank).
+  Communicator* comm = nullptr;
+  // The model's batch norms are synchronised over `comm` (Layer::set_batch_norm_sync): every rank
+  // then runs the same number of micro-batches per step (min(accumulate, step samples / ranks)),
+  // and a step with fewer samples than ranks is kInvalidArgument.
+  bool sync_batch_norm = false;
+  // Out of memory (kResourceExhausted) inside a step: the step's partial work is discarded
+  // (gradients zeroed, saved activations released, batch norm's running statistics put back,
+  // the allocator's cache trimmed), its micro-batches are halved (twice as many, up to one
+  // sample each) and it is rerun, with a warning naming the new sizes; later steps keep the finer
+  // split (EpochStats::accumulate). The update is the same up to float rounding (see above).
+  // false: the error is returned.
+  bool oom_recovery = true;
 };
 
 // Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.

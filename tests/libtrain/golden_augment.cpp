@@ -1,0 +1,43 @@
+// For the augmentation test against torchvision (tests/e2e/test_slide_train.py, TestAugment):
+// reads an image (HWC f32 RGB in [0, 1], S x S) from a safetensors file, applies one of our
+// transforms with the given factors, and writes the result, so the test can compare it with
+// torchvision.transforms.functional on the same pixels.
+//
+// usage: golden_augment IN.safetensors OUT.safetensors SIZE jitter B C S H
+//        golden_augment IN.safetensors OUT.safetensors SIZE crop X Y W H
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "slide/train/augment.h"
+#include "slide/train/checkpoint.h"
+
+using namespace slide::train;
+
+int main(int argc, char** argv) {
+  if (argc != 9 || (std::strcmp(argv[4], "jitter") != 0 && std::strcmp(argv[4], "crop") != 0)) {
+    std::fprintf(stderr, "usage: golden_augment IN OUT SIZE jitter B C S H | crop X Y W H\n");
+    return 2;
+  }
+  const int64_t size = std::atoll(argv[3]);
+  Tensor img = *Tensor::empty({size, size, 3}, DType::kF32, cpu_allocator());
+  if (auto s = load_safetensors(argv[1], {{"image", &img}}); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.to_string().c_str());
+    return 1;
+  }
+  Tensor out = *img.clone();
+  if (std::strcmp(argv[4], "jitter") == 0) {
+    JitterFactors f{std::strtof(argv[5], nullptr), std::strtof(argv[6], nullptr), std::strtof(argv[7], nullptr),
+                    std::strtof(argv[8], nullptr)};
+    apply_jitter(f, out.data<float>(), size * size);
+  } else {
+    CropBox box{std::atoll(argv[5]), std::atoll(argv[6]), std::atoll(argv[7]), std::atoll(argv[8])};
+    resize_crop(img.data<float>(), size, box, out.data<float>());
+  }
+  if (auto s = save_safetensors(argv[2], {{"image", &out}}); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.to_string().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,147 @@
+// Augmentation (augment.h) and Dropout: hand-computed values of torchvision's formulas, the crop
+// geometry, determinism, and Dropout's gradient in double. The pixel-for-pixel comparison with
+// torchvision itself is the e2e TestAugment.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "slide/train/augment.h"
+#include "slide/train/layers.h"
+#include "test_util.h"
+
+using namespace slide::train;
+using slide::train::testing::dot_f64;
+using slide::train::testing::random_f64;
+using slide::train::testing::reference;
+
+TEST_CASE("colour jitter: torchvision's brightness, contrast, saturation and hue formulas") {
+  // Two pixels: orange-ish and dark blue.
+  const std::vector<float> src = {0.8f, 0.5f, 0.2f, 0.1f, 0.2f, 0.6f};
+  auto run = [&](JitterFactors f) {
+    std::vector<float> v = src;
+    apply_jitter(f, v.data(), 2);
+    return v;
+  };
+  auto b = run({1.5f, 1, 1, 0});  // x * 1.5, clamped to 1
+  CHECK(b[0] == doctest::Approx(1.0f));
+  CHECK(b[1] == doctest::Approx(0.75f));
+  CHECK(b[5] == doctest::Approx(0.9f));
+  // contrast 0.5: 0.5 x + 0.5 mean(gray), gray = 0.2989 R + 0.587 G + 0.114 B over both pixels.
+  const float g0 = 0.2989f * 0.8f + 0.587f * 0.5f + 0.114f * 0.2f, g1 = 0.2989f * 0.1f + 0.587f * 0.2f + 0.114f * 0.6f;
+  auto c = run({1, 0.5f, 1, 0});
+  CHECK(c[0] == doctest::Approx(0.5f * 0.8f + 0.5f * (g0 + g1) / 2));
+  CHECK(c[4] == doctest::Approx(0.5f * 0.2f + 0.5f * (g0 + g1) / 2));
+  // saturation 0: every channel becomes the pixel's gray.
+  auto s = run({1, 1, 0, 0});
+  CHECK(s[0] == doctest::Approx(g0));
+  CHECK(s[2] == doctest::Approx(g0));
+  CHECK(s[3] == doctest::Approx(g1));
+  // hue: a third of the circle turns red into green, a half turns it into cyan.
+  std::vector<float> red = {1, 0, 0};
+  apply_jitter({1, 1, 1, 1.0f / 3}, red.data(), 1);
+  CHECK(red[0] == doctest::Approx(0.0f));
+  CHECK(red[1] == doctest::Approx(1.0f));
+  CHECK(red[2] == doctest::Approx(0.0f));
+  red = {1, 0, 0};
+  apply_jitter({1, 1, 1, -0.5f}, red.data(), 1);
+  CHECK(red == std::vector<float>{0, 1, 1});
+  // A shift and its inverse give the colours back (HSV round trip).
+  auto h = run({1, 1, 1, 0.2f});
+  CHECK(h != src);
+  apply_jitter({1, 1, 1, -0.2f}, h.data(), 2);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(h[i] == doctest::Approx(src[i]).epsilon(1e-5));
+  // The identity changes nothing.
+  CHECK(run({}) == src);
+}
+
+TEST_CASE("colour jitter factors stay within ColorJitter's ranges") {
+  Augmentation aug;
+  aug.brightness = 0.25f, aug.contrast = 1.5f, aug.saturation = 0.1f, aug.hue = 0.05f;
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 1000; ++i) {
+    const JitterFactors f = draw_jitter(aug, rng);
+    CHECK((f.brightness >= 0.75f && f.brightness <= 1.25f));
+    CHECK((f.contrast >= 0.0f && f.contrast <= 2.5f));
+    CHECK((f.saturation >= 0.9f && f.saturation <= 1.1f));
+    CHECK((f.hue >= -0.05f && f.hue <= 0.05f));
+  }
+}
+
+TEST_CASE("random resized crop: boxes inside the tile, area and aspect within range; whole box is the identity") {
+  std::mt19937_64 rng(3);
+  const int64_t S = 64;
+  for (int i = 0; i < 500; ++i) {
+    const CropBox b = draw_crop(S, 0.3f, rng);
+    REQUIRE((b.w > 0 && b.h > 0 && b.x >= 0 && b.y >= 0 && b.x + b.w <= S && b.y + b.h <= S));
+    const double area = static_cast<double>(b.w * b.h) / (S * S);
+    CHECK(area >= 0.3 * 0.85);  // rounding of w and h to whole pixels
+    const double ratio = static_cast<double>(b.w) / static_cast<double>(b.h);
+    CHECK((ratio >= 0.75 * 0.9 && ratio <= 4.0 / 3 * 1.1));
+  }
+  std::vector<float> img(static_cast<size_t>(3 * S * S)), out(img.size());
+  for (size_t i = 0; i < img.size(); ++i) img[i] = static_cast<float>(i % 97) / 97.0f;
+  resize_crop(img.data(), S, {0, 0, S, S}, out.data());
+  CHECK(out == img);
+  // Upsampling a 2 x 2 box of a 4 x 4 image: half-pixel centres give 0.25 / 0.75 weights.
+  std::vector<float> small(3 * 16, 0.0f), up(3 * 16);
+  for (int64_t y = 0; y < 4; ++y)
+    for (int64_t x = 0; x < 4; ++x) small[static_cast<size_t>(3 * (y * 4 + x))] = static_cast<float>(x);  // red = column
+  resize_crop(small.data(), 4, {1, 1, 2, 2}, up.data());
+  // Output column 1: source 0.25 within the box -> 1 + 0.25 = 1.25; column 0 clamps to the box's first column.
+  CHECK(up[3 * (0 * 4 + 0)] == doctest::Approx(1.0f));
+  CHECK(up[3 * (0 * 4 + 1)] == doctest::Approx(1.25f));
+  CHECK(up[3 * (0 * 4 + 2)] == doctest::Approx(1.75f));
+  CHECK(up[3 * (0 * 4 + 3)] == doctest::Approx(2.0f));
+}
+
+TEST_CASE("Dropout: identity in inference, mask from the seed, gradient in double") {
+  Backend& be = reference();
+  Dropout d(0.4);
+  Tensor x = random_f64({4, 50}, 11);
+  auto y_eval = d.forward(be, x, false);
+  REQUIRE(y_eval.ok());
+  CHECK(y_eval->raw() == x.raw());
+  d.set_rng_seed(5);
+  auto y = d.forward(be, x, true);
+  REQUIRE(y.ok());
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double v = y->data<double>()[i], want = x.data<double>()[i] / 0.6;
+    if (v == 0) ++zeros;
+    else CHECK(v == doctest::Approx(want));
+  }
+  CHECK((zeros > 50 && zeros < 110));  // p = 0.4 of 200: 80 expected
+  // The same seed draws the same mask; another seed another.
+  Tensor first = *y->clone();
+  d.set_rng_seed(5);
+  auto again = d.forward(be, x, true);
+  REQUIRE(again.ok());
+  CHECK(std::memcmp(again->raw(), first.raw(), first.bytes()) == 0);
+  d.set_rng_seed(6);
+  auto other = d.forward(be, x, true);
+  REQUIRE(other.ok());
+  CHECK(std::memcmp(other->raw(), first.raw(), first.bytes()) != 0);
+  // Gradient of sum(y * r) with the mask fixed by the seed: central differences.
+  Tensor r = random_f64(x.shape(), 12);
+  d.set_rng_seed(9);
+  auto y9 = d.forward(be, x, true);
+  REQUIRE(y9.ok());
+  auto dx = d.backward(be, r);
+  REQUIRE(dx.ok());
+  const double h = 1e-6;
+  for (int64_t i : {0, 7, 33, 150, 199}) {
+    const double keep = x.data<double>()[i];
+    x.data<double>()[i] = keep + h;
+    d.set_rng_seed(9);
+    const double up = dot_f64(*d.forward(be, x, true), r);
+    x.data<double>()[i] = keep - h;
+    d.set_rng_seed(9);
+    const double down = dot_f64(*d.forward(be, x, true), r);
+    x.data<double>()[i] = keep;
+    CHECK(dx->data<double>()[i] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-6));
+  }
+  Dropout bad(1.0);
+  CHECK(bad.forward(be, x, true).status().code() == slide::core::StatusCode::kInvalidArgument);
+}

@@ -1,0 +1,288 @@
+// slide-train --features BAGS...: attention MIL on feature bags. Outputs in --out, as tile
+// training's: checkpoints/epoch-E-step-S/{model,optimizer}.safetensors,state.json, metrics.jsonl,
+// metrics.csv, curves.png, best.safetensors; and, after the last epoch, the attention of every bag:
+// <attention-dir>/<bag file> (HDF5: /attention, /coords), <attention-dir>/<slide>.png (heatmap
+// over the tile grid) and predictions.csv.
+#include "slide_train_mil.h"
+
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "slide/cache/bag.h"
+#include "slide/core/file.h"
+#include "slide/core/log.h"
+#include "slide/train/checkpoint.h"
+#include "slide/train/mil.h"
+#include "train_common.h"
+
+namespace slide::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+using slide::core::Status;
+using namespace slide::train;
+
+constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitInterrupted = 130;
+
+int fail(const Status& s) {
+  slide::core::log_error(s.to_string());
+  return s.code() == slide::core::StatusCode::kInvalidArgument || s.code() == slide::core::StatusCode::kNotFound
+             ? kExitUsage
+             : kExitFailed;
+}
+
+Result<Tensor> parse_class_weights(const std::string& text, const BagDataset& ds, const std::vector<size_t>& train) {
+  const auto classes = static_cast<int64_t>(ds.class_names().size());
+  if (text == "none") return Tensor();
+  if (text == "balanced") return balanced_bag_weights(ds, train, cpu_allocator());
+  SLIDE_ASSIGN_OR_RETURN(Tensor w, Tensor::empty({classes}, DType::kF32, cpu_allocator(), "class weights"));
+  std::stringstream in(text);
+  std::string item;
+  int64_t i = 0;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (i >= classes || end == item.c_str() || *end != '\0' || !(v >= 0)) break;
+    w.data<float>()[i++] = static_cast<float>(v);
+  }
+  if (i != classes || std::count(text.begin(), text.end(), ',') + 1 != classes)
+    return slide::core::invalid_argument("--class-weights '" + text + "': give " + std::to_string(classes) +
+                                         " non-negative numbers (classes: " + nlohmann::json(ds.class_names()).dump() +
+                                         "), or balanced, or none");
+  return w;
+}
+
+// The final model over every bag: per-bag attention file and heatmap, and predictions.csv.
+Status write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds, const std::vector<bool>& is_val,
+                               const std::string& dir, int prefetch) {
+  SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
+  std::vector<size_t> all(ds.bags().size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  std::vector<float> probs;
+  std::vector<std::vector<float>> attention;
+  SLIDE_ASSIGN_OR_RETURN(EpochStats st, evaluate_mil(be, model, ds, all, prefetch, &probs, &attention));
+  (void)st;
+  const auto& classes = ds.class_names();
+  const size_t k = classes.size();
+  std::string csv = "slide_id,split,label,tiles";
+  for (const auto& c : classes) csv += ",p_" + c;
+  csv += ",predicted,attention_file,heatmap\n";
+  for (size_t i = 0; i < all.size(); ++i) {
+    const BagRef& bag = ds.bags()[i];
+    const float* p = probs.data() + i * k;
+    const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
+    SLIDE_ASSIGN_OR_RETURN(std::vector<int32_t> coords, ds.coords(i));
+    const std::string h5 = slide::cache::bag_file_name(bag.slide_id);
+    const std::string png = fs::path(h5).stem().string() + ".png";
+    SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, classes[static_cast<size_t>(bag.label)],
+                                             classes[pred], std::vector<double>(p, p + k), attention[i], coords));
+    SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
+    SLIDE_RETURN_IF_ERROR(write_attention_heatmap(dir + "/" + png, attention[i], coords,
+                                                  reader->info().attributes.tile_size_l0_px));
+    std::string line = bag.slide_id + "," + (is_val[i] ? "val" : "train") + "," +
+                       classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
+    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
+    csv += line + "," + classes[pred] + "," + h5 + "," + png + "\n";
+  }
+  return slide::core::write_file_atomic(dir + "/predictions.csv", csv);
+}
+
+}  // namespace
+
+void add_mil_options(CLI::App& app, MilOptions* o) {
+  app.add_option("--features", o->features,
+                 "Feature-bag directories (slide-embed output: <slide>.h5 and bags.csv): train attention MIL "
+                 "(ABMIL, gated) on slide labels instead of a tile CNN")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--mil-hidden", o->hidden, "ABMIL: width of the first fully connected layer")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--mil-attention", o->attention, "ABMIL: width of the gated attention")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--prefetch", o->prefetch, "MIL: bags read ahead of the one in compute when streaming")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--attention-dir", o->attention_dir,
+                 "MIL: where the per-slide attention (.h5) and heatmaps (.png) go (default: OUT/attention)");
+  app.add_flag("--no-attention", o->no_attention, "MIL: do not write attention files and heatmaps at the end");
+}
+
+int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>* cancel) {
+  for (const char* tile_only : {"--data", "--val-data", "--model", "--accumulate"}) {
+    const CLI::Option* opt = app.get_option_no_throw(tile_only);
+    if (opt != nullptr && opt->count() > 0) {
+      std::fprintf(stderr, "slide-train: %s does not apply to --features (attention MIL on bags)\n", tile_only);
+      return kExitUsage;
+    }
+  }
+  auto take = [&](const char* name, auto* value) {
+    const CLI::Option* opt = app.get_option_no_throw(name);
+    if (opt != nullptr && opt->count() > 0) *value = opt->as<std::decay_t<decltype(*value)>>();
+  };
+  take("--labels", &o.labels_csv), take("--out", &o.out), take("--optimizer", &o.optimizer);
+  take("--schedule", &o.schedule), take("--backend", &o.backend), take("--memory-budget", &o.budget);
+  take("--cache", &o.cache), take("--class-weights", &o.class_weights), take("--epochs", &o.epochs);
+  take("--keep", &o.keep), take("--batch-size", &o.batch), take("--lr", &o.lr), take("--momentum", &o.momentum);
+  take("--weight-decay", &o.weight_decay), take("--warmup-epochs", &o.warmup_epochs);
+  take("--label-smoothing", &o.label_smoothing), take("--val-fraction", &o.val_fraction), take("--seed", &o.seed);
+  take("--nesterov", &o.nesterov), take("--resume", &o.resume);
+  if (o.out.empty()) {
+    std::fprintf(stderr, "slide-train: --out is required\n");
+    return kExitUsage;
+  }
+  if (!o.budget.empty()) {
+    auto b = parse_bytes(o.budget);
+    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
+    cpu_allocator().set_budget_bytes(*b);
+  }
+  auto be = make_backend(o.backend);
+  if (!be.ok()) return fail(be.status());
+  auto ds = BagDataset::open(o.features, o.labels_csv);
+  if (!ds.ok()) return fail(ds.status().with_context("--features"));
+  std::vector<size_t> train, val;
+  (*ds)->split(o.val_fraction, o.seed, &train, &val);
+  if (train.empty()) return fail(slide::core::invalid_argument("no training bags after the split"));
+  const auto classes = static_cast<int64_t>((*ds)->class_names().size());
+
+  AbmilConfig mc;
+  mc.in_features = (*ds)->feature_dim();
+  mc.hidden = o.hidden;
+  mc.attention = o.attention;
+  mc.classes = classes;
+  auto model = Abmil::make(cpu_allocator(), DType::kF32, mc, o.seed);
+  if (!model.ok()) return fail(model.status());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  OptimizerConfig oc;
+  oc.name = o.optimizer;
+  oc.momentum = o.momentum;
+  oc.nesterov = o.nesterov;
+  oc.weight_decay = o.weight_decay;
+  auto opt = Optimizer::make(oc, params, cpu_allocator());
+  if (!opt.ok()) return fail(opt.status());
+  const int64_t steps_per_epoch = (static_cast<int64_t>(train.size()) + o.batch - 1) / o.batch;
+  Schedule sched;
+  sched.kind = o.schedule;
+  sched.base_lr = o.lr;
+  sched.warmup_steps = static_cast<int64_t>(o.warmup_epochs * static_cast<double>(steps_per_epoch));
+  sched.total_steps = steps_per_epoch * o.epochs;
+  sched.step_size = std::max<int64_t>(1, sched.total_steps / 3);
+  if (o.schedule != "cosine" && o.schedule != "step" && o.schedule != "constant")
+    return fail(slide::core::invalid_argument("schedule '" + o.schedule + "' is not one of cosine, step, constant"));
+  if (o.cache != "auto" && o.cache != "ram" && o.cache != "none")
+    return fail(slide::core::invalid_argument("--cache '" + o.cache + "' is not one of auto, ram, none"));
+  auto weights = parse_class_weights(o.class_weights, **ds, train);
+  if (!weights.ok()) return fail(weights.status());
+
+  // Bags in RAM when they fit in half of the budget left (or of the available memory): the
+  // dataset-pinning idea; otherwise streamed from HDF5 with a bounded prefetch.
+  if (o.cache != "none") {
+    const size_t budget_left =
+        cpu_allocator().budget_bytes() == Allocator::kUnlimited
+            ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE))
+            : cpu_allocator().budget_bytes() - std::min(cpu_allocator().budget_bytes(), cpu_allocator().current_bytes());
+    if (o.cache == "ram" || (*ds)->feature_bytes() <= budget_left / 2) {
+      if (auto s = (*ds)->cache_in_ram(cpu_allocator()); !s.ok()) {
+        if (o.cache == "ram") return fail(s.with_context("--cache ram"));
+        slide::core::log_warn("bags not cached in RAM", {{"why", s.to_string()}});
+      } else {
+        slide::core::log_info("bags cached in RAM", {{"bytes", static_cast<int64_t>((*ds)->feature_bytes())}});
+      }
+    }
+  }
+
+  const std::string ckpt_dir = o.out + "/checkpoints";
+  if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
+  const nlohmann::json mil = {{"in_features", mc.in_features}, {"hidden", mc.hidden}, {"attention", mc.attention}};
+  nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", "abmil"},
+                          {"mil", mil}, {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
+                          {"best_val_balanced_accuracy", -1.0}};
+  if (o.resume) {
+    const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
+    if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
+    const std::string latest = checkpoints.back().string();
+    auto text = slide::core::read_file(latest + "/state.json");
+    if (!text.ok()) return fail(text.status());
+    nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
+    if (saved.is_discarded() || saved.value("model", "") != "abmil" || saved["classes"] != state["classes"] ||
+        saved["mil"] != mil)
+      return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
+    if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
+    std::vector<NamedTensor> opt_state;
+    for (auto* b : (*opt)->state()) opt_state.push_back({b->name, &b->value});
+    if (!opt_state.empty())
+      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
+    state = saved;
+    (*opt)->set_steps(state["optimizer_steps"].get<int64_t>());
+    slide::core::log_info("resumed", {{"checkpoint", latest}});
+  }
+
+  slide::core::log_info("training MIL", {{"model", "abmil"}, {"train_bags", static_cast<int64_t>(train.size())},
+                                         {"val_bags", static_cast<int64_t>(val.size())}, {"classes", classes},
+                                         {"feature_dim", mc.in_features}, {"steps_per_epoch", steps_per_epoch},
+                                         {"cached", (*ds)->cached()}, {"backend", o.backend}});
+  for (long epoch = state["epoch"].get<long>(); epoch < o.epochs; ++epoch) {
+    MilTrainOptions to;
+    to.batch_size = o.batch;
+    to.prefetch = o.prefetch;
+    to.label_smoothing = o.label_smoothing;
+    to.class_weights = *weights;
+    to.start_step = state["step_in_epoch"].get<int64_t>();
+    to.cancel = cancel;
+    const double lr_now = sched.at((*opt)->steps());
+    auto st = train_mil_epoch(**be, **model, **opt, sched, **ds, train, to, o.seed * 7919 + static_cast<uint64_t>(epoch));
+    if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
+    state["optimizer_steps"] = (*opt)->steps();
+    if (!st->completed) {
+      state["epoch"] = epoch;
+      state["step_in_epoch"] = to.start_step + st->steps;
+      if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep); !s.ok()) return fail(s);
+      slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
+                            {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
+      return kExitInterrupted;
+    }
+    EpochStats v;
+    if (!val.empty()) {
+      auto ev = evaluate_mil(**be, **model, **ds, val, o.prefetch);
+      if (!ev.ok()) return fail(ev.status().with_context("validation"));
+      v = *ev;
+    }
+    // A resumed epoch's train figures cover only the steps run after the resume.
+    state["history"].push_back({{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
+                                {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
+                                {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc},
+                                {"val_recall", v.recall}, {"lr", lr_now}, {"seconds", st->seconds + v.seconds},
+                                {"bags_per_s", st->seconds > 0 ? static_cast<double>(st->samples) / st->seconds : 0.0}});
+    state["epoch"] = epoch + 1;
+    state["step_in_epoch"] = 0;
+    if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
+    if (v.balanced_accuracy > state["best_val_balanced_accuracy"].get<double>()) {
+      state["best_val_balanced_accuracy"] = v.balanced_accuracy;
+      state["best_epoch"] = epoch + 1;
+      if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}); !s.ok())
+        return fail(s);
+    }
+    if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep); !s.ok()) return fail(s);
+    slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
+                                    {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
+                                    {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc}});
+  }
+  if (!o.no_attention) {
+    std::vector<bool> is_val((*ds)->bags().size(), false);
+    for (size_t i : val) is_val[i] = true;
+    const std::string dir = o.attention_dir.empty() ? o.out + "/attention" : o.attention_dir;
+    if (auto s = write_attention_outputs(**be, **model, **ds, is_val, dir, o.prefetch); !s.ok())
+      return fail(s.with_context("attention outputs"));
+    slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(is_val.size())}});
+  }
+  std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  return kExitOk;
+}
+
+}  // namespace slide::apps

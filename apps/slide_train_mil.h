@@ -1,0 +1,46 @@
+// slide-train --features: attention MIL (ABMIL) on HDF5 feature bags (libtrain/mil.h), with the
+// checkpoint, metrics and resume layout of tile training (train_common.h).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace slide::apps {
+
+// What MIL training takes from slide-train's command line: the options it shares with tile
+// training, and its own (registered by add_mil_options).
+struct MilOptions {
+  // Shared with tile training (slide_train_main.cpp fills them from its own options).
+  std::string labels_csv, out, optimizer = "adamw", schedule = "cosine", backend = "cpu", budget, cache = "auto",
+                          class_weights = "none";
+  int epochs = 10, keep = 3;
+  int64_t batch = 1;
+  double lr = 2e-4, momentum = 0.9, weight_decay = 1e-5, warmup_epochs = 0, label_smoothing = 0, val_fraction = 0.2;
+  uint64_t seed = 0;
+  bool nesterov = false, resume = false;
+  // Registered by add_mil_options.
+  std::vector<std::string> features;  // bag directories (slide-embed output)
+  int64_t hidden = 512, attention = 256;
+  int prefetch = 2;
+  std::string attention_dir;  // default <out>/attention
+  bool no_attention = false;
+};
+
+// Adds --features, --mil-hidden, --mil-attention, --prefetch, --attention-dir, --no-attention.
+void add_mil_options(CLI::App& app, MilOptions* options);
+
+// Runs MIL training (and writes the attention outputs at the end). The options it shares with
+// tile training are read from `app` (slide-train's parsed command line) where given, else
+// MilOptions' defaults (CLAM's: AdamW, lr 2e-4, weight decay 1e-5, one bag per step); tile-only
+// options (--data, --val-data, --model, --accumulate) are a usage error. Returns the process exit
+// code: 0 ok, 1 failed, 2 usage or bad input (checked before any work), 130 interrupted (a
+// checkpoint is written first; --resume continues exactly).
+int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<bool>* cancel);
+
+}  // namespace slide::apps

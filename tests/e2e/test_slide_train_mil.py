@@ -1,0 +1,378 @@
+#!/usr/bin/python3
+"""End-to-end tests of slide-train --features (attention MIL, ABMIL) on feature bags made from real
+tiles: the LC25000 lung subset in sample_data (run by ctest, one class per test).
+
+The bags: each class folder's 120 patches, shuffled with a fixed seed, in chunks of 12 tiles: one
+bag ("a slide") per chunk, 30 bags, 10 per class ("each LC25000 class folder chunk as a bag"). A
+bag's tiles are laid out as a 4 x 3 mosaic of 224-px tiles: /coords are (col x 224, row x 224).
+The per-tile features are computed here from the real pixels with numpy (768 values: the mean of
+each RGB channel over a 16 x 16 grid of 14-px blocks, standardised per dimension), so the test needs no backbone
+weights; the layout is slide/cache/bag.h's (h5py writes it: /features N x D float32, /coords N x 2
+int32, root attributes slide_id, label, tile_size_px, feature_dim, format_version). TestPipeline
+runs the real pipeline instead: slide-tile, slide-train (a small CNN), slide-embed, then MIL.
+
+Environment: SLIDE_TRAIN, SLIDE_TILE, SLIDE_EMBED (binaries), SLIDE_SAMPLE_DIR (sample_data/).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+import h5py
+import numpy as np
+from PIL import Image
+
+TRAIN = os.environ["SLIDE_TRAIN"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
+CLASSES = ["lung_aca", "lung_n", "lung_scc"]
+BAG_TILES, COLS = 12, 4
+
+
+def tile_features(path):
+    """768 real features of one patch: RGB means over a 16 x 16 grid of 14-px blocks, in 0..1."""
+    a = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255.0
+    assert a.shape == (224, 224, 3), path
+    return a.reshape(16, 14, 16, 14, 3).mean(axis=(1, 3)).reshape(-1)
+
+
+def write_bag(path, slide_id, label, feats, coords):
+    """A bag in slide/cache/bag.h's layout, written to path.partial and renamed (as the writer does)."""
+    with h5py.File(path + ".partial", "w") as f:
+        f.create_dataset("features", data=feats.astype(np.float32), maxshape=(None, feats.shape[1]),
+                         chunks=(min(256, len(feats)), feats.shape[1]))
+        c = f.create_dataset("coords", data=coords.astype(np.int32), maxshape=(None, 2), chunks=(min(256, len(feats)), 2))
+        c.attrs["patch_size"] = np.int32(224)
+        c.attrs["patch_size_level0"] = np.int32(224)
+        c.attrs["patch_level"] = np.int32(0)
+        f.attrs["slide_id"] = slide_id
+        f.attrs["label"] = label
+        f.attrs["tile_size_px"] = np.int32(224)
+        f.attrs["mpp_um"] = 0.0
+        f.attrs["model"] = "rgb_block_means"
+        f.attrs["layer"] = "16x16"
+        f.attrs["feature_dim"] = np.int32(feats.shape[1])
+        f.attrs["format_version"] = np.int32(1)
+    os.rename(path + ".partial", path)
+
+
+_FEATURES = {}
+
+
+def class_features():
+    """{class: (120, 768) features of its patches in a fixed shuffled order}, computed once."""
+    if not _FEATURES:
+        rng = np.random.default_rng(7)
+        for c in CLASSES:
+            files = sorted(os.listdir(os.path.join(LC, c)))
+            rng.shuffle(files)
+            _FEATURES[c] = np.stack([tile_features(os.path.join(LC, c, f)) for f in files])
+        # Standardised per dimension over all tiles (as one would a backbone's features).
+        allf = np.concatenate(list(_FEATURES.values()))
+        mean, std = allf.mean(axis=0), allf.std(axis=0) + 1e-6
+        for c in CLASSES:
+            _FEATURES[c] = (_FEATURES[c] - mean) / std
+    return _FEATURES
+
+
+def make_bags(out, copies=1):
+    """30 x copies bags of 12 tiles (copies > 1 repeats the 30 under new slide ids: more tiles, same bags)."""
+    os.makedirs(out, exist_ok=True)
+    coords = np.array([[(i % COLS) * 224, (i // COLS) * 224] for i in range(BAG_TILES)])
+    bags = []
+    for k in range(copies):
+        for c, feats in class_features().items():
+            for b in range(len(feats) // BAG_TILES):
+                sid = f"{c}-{b:02d}" + (f"-copy{k}" if k else "")
+                write_bag(os.path.join(out, sid + ".h5"), sid, c, feats[b * BAG_TILES:(b + 1) * BAG_TILES], coords)
+                bags.append((sid, c))
+    return bags
+
+
+def run_train(*args, **kw):
+    return subprocess.run([TRAIN] + [str(a) for a in args], capture_output=True, text=True, **kw)
+
+
+def read_safetensors(path):
+    import struct
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
+        b, end = e["data_offsets"]
+        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
+    return out
+
+
+MIL_ARGS = ["--mil-hidden", "64", "--mil-attention", "32", "--lr", "1e-3", "--val-fraction", "0.3", "--seed", "1"]
+
+
+class Base(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="slide_mil_e2e_")
+        cls.bags_dir = os.path.join(cls.tmp, "bags")
+        cls.bags = make_bags(cls.bags_dir)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def history(self, out):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(l) for l in f]
+
+
+class TestLearns(Base):
+    def test_learns_above_chance_and_writes_checkpoints_metrics_attention(self):
+        out = os.path.join(self.tmp, "run")
+        r = run_train("--features", self.bags_dir, "--out", out, "--epochs", 12, *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        h = self.history(out)
+        self.assertEqual([e["epoch"] for e in h], list(range(1, 13)))
+        # 9 validation bags (3 per class, split by slide); chance is 1/3 and 0.5.
+        self.assertGreaterEqual(h[-1]["val_balanced_accuracy"], 0.66, h[-1])
+        self.assertGreater(h[-1]["val_roc_auc"], 0.8, h[-1])
+        self.assertLess(h[-1]["train_loss"], h[0]["train_loss"])
+        self.assertEqual(len(h[-1]["val_recall"]), 3)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
+                         ["epoch-10-step-0", "epoch-11-step-0", "epoch-12-step-0"])
+        ck = os.path.join(out, "checkpoints", "epoch-12-step-0")
+        w = read_safetensors(os.path.join(ck, "model.safetensors"))
+        # CLAM_SB's parameter names and shapes (768 -> 64 -> gated 32 -> 3 classes).
+        self.assertEqual(w["attention_net.0.weight"].shape, (64, 768))
+        self.assertEqual(w["attention_net.3.attention_a.0.weight"].shape, (32, 64))
+        self.assertEqual(w["attention_net.3.attention_b.0.weight"].shape, (32, 64))
+        self.assertEqual(w["attention_net.3.attention_c.weight"].shape, (1, 32))
+        self.assertEqual(w["classifiers.weight"].shape, (3, 64))
+        opt = read_safetensors(os.path.join(ck, "optimizer.safetensors"))
+        self.assertIn("classifiers.weight.exp_avg", opt)  # AdamW, CLAM's optimizer, by default
+        with open(os.path.join(ck, "state.json")) as f:
+            state = json.load(f)
+        self.assertEqual(state["model"], "abmil")
+        self.assertEqual(state["classes"], CLASSES)
+        self.assertTrue(os.path.exists(os.path.join(out, "best.safetensors")))
+        self.assertTrue(os.path.exists(os.path.join(out, "curves.png")))
+        self.assertIn("bags cached in RAM", r.stderr)
+
+        # Attention: one HDF5 file and one heatmap per bag, predictions for all 30.
+        att = os.path.join(out, "attention")
+        with open(os.path.join(att, "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f]
+        self.assertEqual(rows[0][:4], ["slide_id", "split", "label", "tiles"])
+        self.assertEqual(len(rows), 31)
+        self.assertEqual(sum(r[1] == "val" for r in rows[1:]), 9)
+        val_rows = [r for r in rows[1:] if r[1] == "val"]
+        correct = sum(r[2] == r[7] for r in val_rows)
+        self.assertAlmostEqual(correct / 9.0, h[-1]["val_accuracy"], places=6)
+        for row in rows[1:]:
+            sid = row[0]
+            with h5py.File(os.path.join(att, row[8]), "r") as f:
+                a = f["attention"][:]
+                self.assertEqual(a.shape, (BAG_TILES,))
+                self.assertAlmostEqual(float(a.sum()), 1.0, places=5)
+                self.assertTrue((a > 0).all())
+                with h5py.File(os.path.join(self.bags_dir, sid + ".h5"), "r") as bag:
+                    self.assertTrue(np.array_equal(f["coords"][:], bag["coords"][:]))
+                self.assertEqual(f.attrs["slide_id"], sid)
+                self.assertEqual(f.attrs["predicted"], row[7])
+            with Image.open(os.path.join(att, row[9])) as im:
+                self.assertEqual(im.size, (COLS * 8, (BAG_TILES // COLS) * 8))  # one 8-px cell per tile
+                px = im.convert("RGB")
+                # The most attended tile is the reddest cell (jet colormap over attention ranks).
+                top = int(np.argmax(a))
+                r_, g_, b_ = px.getpixel(((top % COLS) * 8 + 4, (top // COLS) * 8 + 4))
+                self.assertGreater(r_, 100)
+                self.assertLess(b_, 60)
+        self.assertFalse([n for n in os.listdir(att) if n.endswith(".partial")])
+
+
+class TestStreamedEqualsRam(Base):
+    def test_streamed_bags_give_the_weights_of_bags_in_ram(self):
+        a, b = os.path.join(self.tmp, "ram"), os.path.join(self.tmp, "streamed")
+        r = run_train("--features", self.bags_dir, "--out", a, "--epochs", 2, "--cache", "ram", "--no-attention", *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = run_train("--features", self.bags_dir, "--out", b, "--epochs", 2, "--cache", "none", "--batch-size", 4,
+                      "--no-attention", *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("cached in RAM", r.stderr)
+        r = run_train("--features", self.bags_dir, "--out", a + "4", "--epochs", 2, "--cache", "ram", "--batch-size", 4,
+                      "--no-attention", *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        wa = read_safetensors(os.path.join(a + "4", "checkpoints", "epoch-2-step-0", "model.safetensors"))
+        wb = read_safetensors(os.path.join(b, "checkpoints", "epoch-2-step-0", "model.safetensors"))
+        self.assertTrue(all(np.array_equal(wa[k], wb[k]) for k in wa))
+        # A cache that cannot fit the budget is an error when asked for.
+        r = run_train("--features", self.bags_dir, "--out", os.path.join(self.tmp, "nocache"), "--cache", "ram",
+                      "--memory-budget", "100K", *MIL_ARGS)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("budget", r.stderr)
+
+
+class TestResume(Base):
+    def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(self):
+        bags = os.path.join(self.tmp, "bags_x8")
+        make_bags(bags, copies=8)  # 240 bags: epochs long enough to interrupt one in the middle
+        args = ["--features", bags, "--epochs", 3, "--schedule", "cosine", "--no-attention", "--cache", "none",
+                *MIL_ARGS]
+        full = os.path.join(self.tmp, "full")
+        r = run_train("--out", full, *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        cut = os.path.join(self.tmp, "cut")
+        p = subprocess.Popen([TRAIN, "--out", cut] + [str(a) for a in args], stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(cut, "metrics.jsonl")) and time.time() < deadline and p.poll() is None:
+            time.sleep(0.005)
+        time.sleep(0.1)
+        p.send_signal(signal.SIGINT)  # in epoch 2: the step finishes, a checkpoint is written, exit 130
+        _, err = p.communicate(timeout=120)
+        if p.returncode == 0:
+            self.skipTest("the run finished before the interrupt arrived")
+        self.assertEqual(p.returncode, 130, err)
+        names = sorted(os.listdir(os.path.join(cut, "checkpoints")))
+        print("checkpoints at the interrupt:", names)
+        r = run_train("--out", cut, "--resume", *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("resumed", r.stderr)
+        wa = read_safetensors(os.path.join(full, "checkpoints", "epoch-3-step-0", "model.safetensors"))
+        wb = read_safetensors(os.path.join(cut, "checkpoints", "epoch-3-step-0", "model.safetensors"))
+        self.assertTrue(all(np.array_equal(wa[k], wb[k]) for k in wa))
+        oa = read_safetensors(os.path.join(full, "checkpoints", "epoch-3-step-0", "optimizer.safetensors"))
+        ob = read_safetensors(os.path.join(cut, "checkpoints", "epoch-3-step-0", "optimizer.safetensors"))
+        self.assertTrue(all(np.array_equal(oa[k], ob[k]) for k in oa))
+
+
+class TestMemoryFlat(Base):
+    def peak(self, bags_dir, out, cache):
+        """(peak RSS in bytes of the child, peak tensor bytes it reports)."""
+        p = subprocess.Popen([TRAIN, "--features", bags_dir, "--out", out, "--epochs", "1", "--no-attention",
+                              "--cache", cache] + MIL_ARGS, stderr=subprocess.PIPE, text=True)
+        err = p.stderr.read()
+        p.stderr.close()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        self.assertEqual(p.returncode, 0, err)
+        tensor = int([l for l in err.splitlines() if l.startswith("peak tensor memory:")][0].split()[3])
+        return usage.ru_maxrss * 1024, tensor
+
+    def test_peak_memory_stays_flat_as_tiles_grow_when_streaming(self):
+        big = os.path.join(self.tmp, "bags_x16")
+        make_bags(big, copies=16)  # 480 bags, 5760 tiles: 17.7 MB of features vs 1.1 MB
+        extra = (480 - 30) * BAG_TILES * 768 * 4
+        rss_small, t_small = self.peak(self.bags_dir, os.path.join(self.tmp, "m1"), "none")
+        rss_big, t_big = self.peak(big, os.path.join(self.tmp, "m2"), "none")
+        print(f"streamed: 30 bags: peak RSS {rss_small / 2**20:.1f} MiB, tensors {t_small} B; "
+              f"480 bags: peak RSS {rss_big / 2**20:.1f} MiB, tensors {t_big} B")
+        # Tensors: the model, optimizer and one bag's activations (+ the prefetched bags), whatever
+        # the number of bags.
+        self.assertLessEqual(t_big, t_small * 1.05 + 64 * 1024)
+        self.assertLess(rss_big - rss_small, extra / 4)  # generous: far below the features' growth
+        # The control: with the bags pinned in RAM, the same measurement grows with the data.
+        _, t_ram = self.peak(big, os.path.join(self.tmp, "m3"), "ram")
+        self.assertGreater(t_ram, t_big + extra * 0.9)
+
+
+class TestBadInput(Base):
+    def test_errors_name_the_problem(self):
+        out = os.path.join(self.tmp, "bad")
+        # Tile-only options are refused with --features.
+        r = run_train("--features", self.bags_dir, "--out", out, "--model", "resnet18")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--model does not apply to --features", r.stderr)
+        # A corrupt bag: the error names the file.
+        bad = os.path.join(self.tmp, "badbags")
+        shutil.copytree(self.bags_dir, bad)
+        with open(os.path.join(bad, "lung_n-03.h5"), "r+b") as f:
+            f.write(b"garbage" * 10)
+        r = run_train("--features", bad, "--out", out, *MIL_ARGS)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("lung_n-03.h5", r.stderr)
+        # A labels CSV that misses a slide names it; one with a patient column splits by patient.
+        csv = os.path.join(self.tmp, "labels.csv")
+        with open(csv, "w") as f:
+            f.write("slide_id,label\n" + "".join(f"{s},{c}\n" for s, c in self.bags[1:]))
+        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, *MIL_ARGS)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn(self.bags[0][0], r.stderr)
+        # Nothing was written for a run refused at the start.
+        self.assertFalse(os.path.exists(os.path.join(out, "metrics.jsonl")))
+
+
+class TestLabelsCsvPatients(Base):
+    def test_patient_column_keeps_a_patients_bags_on_one_side(self):
+        # Two bags per "patient" (consecutive bags of a class); labels from the CSV, not the bags.
+        csv = os.path.join(self.tmp, "patients.csv")
+        with open(csv, "w") as f:
+            f.write("slide_id,label,patient\n")
+            for i, (s, c) in enumerate(self.bags):
+                f.write(f"{s},{c},p{i // 2}\n")
+        out = os.path.join(self.tmp, "patients")
+        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "attention", "predictions.csv")) as f:
+            rows = [l.split(",") for l in f.read().splitlines()[1:]]
+        split = {r[0]: r[1] for r in rows}
+        for i in range(0, len(self.bags), 2):
+            self.assertEqual(split[self.bags[i][0]], split[self.bags[i + 1][0]])
+        self.assertEqual(sum(v == "val" for v in split.values()), 10)  # round(0.3 x 15 patients) x 2
+
+
+class TestPipeline(unittest.TestCase):
+    """The real pipeline: slide-tile (the LC25000 patches and the CMU-1 slide), slide-train (a small
+    CNN, one epoch), slide-embed (its features into bags and bags.csv), then MIL on those bags."""
+
+    def test_tile_train_embed_mil(self):
+        tmp = tempfile.mkdtemp(prefix="slide_mil_pipeline_")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        lc, cmu, cnn, bags, out = (os.path.join(tmp, n) for n in ("lc", "cmu", "cnn", "bags", "mil"))
+        for cmd in ([tile, "--patches", LC, "--tile-size", "48", "-o", lc, "-q"],
+                    [tile, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "1", "--tile-size", "64",
+                     "-o", cmu, "-q"],
+                    [TRAIN, "--data", lc, "--out", cnn, "--epochs", "1", "--batch-size", "32", "--lr", "0.05",
+                     "--width", "8", "--threads", "2", "-q"],
+                    [embed, lc, cmu, "-o", bags, "--weights", os.path.join(cnn, "checkpoints", "epoch-1-step-0"), "-q"]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, (cmd, r.stderr))
+        # Labels: the patches' classes from bags.csv; the one real slide gets a class only so that
+        # its attention heatmap is drawn (the LC25000 bags are one tile each, so it is the only bag
+        # with a tile grid).
+        with open(os.path.join(bags, "bags.csv")) as f:
+            rows = [l.split(",") for l in f.read().splitlines()[1:]]
+        self.assertEqual(len(rows), 361)
+        labels = os.path.join(tmp, "labels.csv")
+        with open(labels, "w") as f:
+            f.write("slide_id,label\n" + "".join(f"{r[0]},{r[5] or 'lung_n'}\n" for r in rows))
+        r = run_train("--features", bags, "--labels", labels, "--out", out, "--epochs", 4, "--batch-size", 8,
+                      *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            h = [json.loads(l) for l in f]
+        self.assertGreater(h[-1]["val_balanced_accuracy"], 0.5, h[-1])  # chance 1/3
+        att = os.path.join(out, "attention")
+        with h5py.File(os.path.join(att, "CMU-1-Small-Region.h5"), "r") as f, \
+                h5py.File(os.path.join(bags, "CMU-1-Small-Region.h5"), "r") as bag:
+            self.assertEqual(f["attention"].shape, (bag["features"].shape[0],))
+            self.assertAlmostEqual(float(f["attention"][:].sum()), 1.0, places=5)
+            coords = bag["coords"][:]
+            self.assertTrue(np.array_equal(f["coords"][:], coords))
+            step = int(bag["coords"].attrs["patch_size_level0"])
+        with Image.open(os.path.join(att, "CMU-1-Small-Region.png")) as im:
+            cols = (coords[:, 0].max() - coords[:, 0].min()) // step + 1
+            rows_ = (coords[:, 1].max() - coords[:, 1].min()) // step + 1
+            self.assertEqual(im.size, (cols * 8, rows_ * 8))
+            a = np.asarray(im.convert("RGB")).reshape(-1, 3)
+            self.assertEqual((a != 255).any(axis=1).sum(), len(coords) * 64)  # one coloured cell per tile
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,307 @@
+// Attention MIL: the ops it added to the backend (tanh, sigmoid, row softmax, matmul) against
+// central differences in double on the reference backend and cpu against reference; the ABMIL
+// model as a whole against central differences; a bag dataset, training and attention outputs on
+// bags written with the cache writer from real LC25000 patches (colour statistics per tile: real
+// pixels, no backbone needed here; the e2e test runs the whole pipeline).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "slide/cache/bag.h"
+#include "slide/core/file.h"
+#include "slide/tile/image.h"
+#include "slide/train/backend.h"
+#include "slide/train/mil.h"
+#include "test_util.h"
+
+using slide::core::StatusCode;
+using namespace slide::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+Backend& ref() { return testing::reference(); }
+
+Tensor make(const Shape& s, DType dt = DType::kF64) {
+  auto t = Tensor::zeros(s, dt, cpu_allocator());
+  REQUIRE(t.ok());
+  return *t;
+}
+
+Tensor random(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
+  return testing::random_f64(s, seed, lo, hi);
+}
+
+double dot(const Tensor& a, const Tensor& b) { return testing::dot_f64(a, b); }
+
+// Largest error of `analytic` against the central difference of loss() over every element of
+// `input`, normalised by max(1, |numeric|, |analytic|).
+double gradient_error(Tensor& input, const Tensor& analytic, const std::function<double()>& loss, double h = 1e-6) {
+  REQUIRE(analytic.shape() == input.shape());
+  double worst = 0;
+  for (int64_t i = 0; i < input.numel(); ++i) {
+    double& v = input.data<double>()[i];
+    const double saved = v;
+    v = saved + h;
+    const double up = loss();
+    v = saved - h;
+    const double down = loss();
+    v = saved;
+    const double numeric = (up - down) / (2 * h);
+    const double a = analytic.data<double>()[i];
+    worst = std::max(worst, std::abs(numeric - a) / std::max({1.0, std::abs(numeric), std::abs(a)}));
+  }
+  return worst;
+}
+
+void check_gradient(const std::string& what, Tensor& input, const Tensor& analytic, const std::function<double()>& loss) {
+  const double err = gradient_error(input, analytic, loss);
+  CAPTURE(what);
+  CHECK(err < 1e-6);
+}
+
+// f64 reference and f32 cpu copies of the same values.
+struct Pair {
+  Tensor d, f;
+};
+Pair pair(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
+  Pair p{make(s), make(s, DType::kF32)};
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const auto v = static_cast<float>(u(g));
+    p.d.data<double>()[i] = v;
+    p.f.data<float>()[i] = v;
+  }
+  return p;
+}
+void compare(const std::string& what, const Pair& p, double tol) {
+  double scale = 1, worst = 0;
+  for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const float v = p.f.data<float>()[i];
+    REQUIRE_MESSAGE(std::isfinite(v), what, ": element ", i, " is not finite");
+    worst = std::max(worst, std::abs(double(v) - p.d.data<double>()[i]) / scale);
+  }
+  CAPTURE(what);
+  CHECK(worst < tol);
+}
+
+Backend& cpu() {
+  static std::unique_ptr<Backend> b = testing::must_make("cpu");
+  return *b;
+}
+
+#define BOTH(call_d, call_f)                        \
+  do {                                             \
+    Status sd = ref().call_d;                      \
+    Status sf = cpu().call_f;                      \
+    REQUIRE_MESSAGE(sd.ok(), sd.to_string());      \
+    REQUIRE_MESSAGE(sf.ok(), sf.to_string());      \
+  } while (0)
+
+}  // namespace
+
+TEST_CASE("reference tanh, sigmoid: hand values, gradients from the output") {
+  Tensor x = make({1, 3}), y = make({1, 3});
+  x.data<double>()[0] = 0, x.data<double>()[1] = 1, x.data<double>()[2] = -2;
+  REQUIRE(ref().tanh_forward(x, y).ok());
+  CHECK(y.data<double>()[1] == doctest::Approx(0.7615941559557649));
+  REQUIRE(ref().sigmoid_forward(x, y).ok());
+  CHECK(y.data<double>()[0] == doctest::Approx(0.5));
+  CHECK(y.data<double>()[2] == doctest::Approx(0.11920292202211755));
+
+  for (bool sigmoid : {false, true}) {
+    CAPTURE(sigmoid);
+    Tensor xx = random({4, 7}, 1, -3, 3), yy = make({4, 7}), r = random({4, 7}, 2), dx = make({4, 7});
+    auto fwd = [&] { REQUIRE((sigmoid ? ref().sigmoid_forward(xx, yy) : ref().tanh_forward(xx, yy)).ok()); };
+    auto loss = [&] {
+      fwd();
+      return dot(yy, r);
+    };
+    fwd();
+    REQUIRE((sigmoid ? ref().sigmoid_backward(yy, r, dx) : ref().tanh_backward(yy, r, dx)).ok());
+    check_gradient(sigmoid ? "sigmoid dx" : "tanh dx", xx, dx, loss);
+  }
+}
+
+TEST_CASE("reference row softmax: rows sum to one, large scores do not overflow, gradient") {
+  Tensor x = make({2, 3}), y = make({2, 3});
+  for (int i = 0; i < 3; ++i) x.data<double>()[i] = 1000.0 + i, x.data<double>()[3 + i] = -i;
+  REQUIRE(ref().softmax_forward(x, y).ok());
+  for (int r = 0; r < 2; ++r) {
+    double s = 0;
+    for (int c = 0; c < 3; ++c) s += y.data<double>()[r * 3 + c];
+    CHECK(s == doctest::Approx(1.0));
+  }
+  CHECK(y.data<double>()[2] == doctest::Approx(1.0 / (1.0 + std::exp(-1.0) + std::exp(-2.0))));
+
+  Tensor xx = random({3, 9}, 3, -2, 2), yy = make({3, 9}), r = random({3, 9}, 4), dx = make({3, 9});
+  auto loss = [&] {
+    REQUIRE(ref().softmax_forward(xx, yy).ok());
+    return dot(yy, r);
+  };
+  loss();
+  REQUIRE(ref().softmax_backward(yy, r, dx).ok());
+  check_gradient("softmax dx", xx, dx, loss);
+  Tensor bad = make({3, 8});
+  Status s = ref().softmax_forward(xx, bad);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("softmax_forward") != std::string::npos);
+}
+
+TEST_CASE("reference matmul: hand example, every transpose combination, gradients, errors") {
+  Tensor a = make({2, 3}), b = make({3, 2}), y = make({2, 2});
+  for (int i = 0; i < 6; ++i) a.data<double>()[i] = i + 1, b.data<double>()[i] = i + 1;
+  REQUIRE(ref().matmul(a, false, b, false, y).ok());
+  // [[1,2,3],[4,5,6]] x [[1,2],[3,4],[5,6]] = [[22,28],[49,64]]
+  CHECK(y.data<double>()[0] == 22);
+  CHECK(y.data<double>()[1] == 28);
+  CHECK(y.data<double>()[2] == 49);
+  CHECK(y.data<double>()[3] == 64);
+
+  const int64_t M = 3, K = 5, N = 4;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      CAPTURE(ta);
+      CAPTURE(tb);
+      Tensor aa = random(ta ? Shape{K, M} : Shape{M, K}, 5), bb = random(tb ? Shape{N, K} : Shape{K, N}, 6);
+      Tensor yy = make({M, N}), r = random({M, N}, 7);
+      auto loss = [&] {
+        REQUIRE(ref().matmul(aa, ta, bb, tb, yy).ok());
+        return dot(yy, r);
+      };
+      // dL/d op(a) = r op(b)^T, dL/d op(b) = op(a)^T r; transposed back for a transposed operand.
+      Tensor da = make(aa.shape()), db = make(bb.shape());
+      if (ta) REQUIRE(ref().matmul(bb, tb, r, true, da).ok());   // (r op(b)^T)^T = op(b) r^T
+      else REQUIRE(ref().matmul(r, false, bb, !tb, da).ok());
+      if (tb) REQUIRE(ref().matmul(r, true, aa, ta, db).ok());   // (op(a)^T r)^T = r^T op(a)
+      else REQUIRE(ref().matmul(aa, !ta, r, false, db).ok());
+      check_gradient("matmul da", aa, da, loss);
+      check_gradient("matmul db", bb, db, loss);
+    }
+  Tensor bad = make({2, 2});
+  Status s = ref().matmul(a, false, a, false, bad);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("do not chain") != std::string::npos);
+  CHECK(ref().matmul(a, false, b, false, a).code() == StatusCode::kInvalidArgument);  // y must be [2, 2]
+}
+
+TEST_CASE("cpu vs reference: tanh, sigmoid, row softmax, matmul (all transposes)") {
+  Pair x = pair({5, 37}, 11, -4, 4), y = pair({5, 37}, 12), dy = pair({5, 37}, 13), dx = pair({5, 37}, 14);
+  BOTH(tanh_forward(x.d, y.d), tanh_forward(x.f, y.f));
+  compare("tanh y", y, 1e-6);
+  BOTH(tanh_backward(y.d, dy.d, dx.d), tanh_backward(y.f, dy.f, dx.f));
+  compare("tanh dx", dx, 1e-6);
+  BOTH(sigmoid_forward(x.d, y.d), sigmoid_forward(x.f, y.f));
+  compare("sigmoid y", y, 1e-6);
+  BOTH(sigmoid_backward(y.d, dy.d, dx.d), sigmoid_backward(y.f, dy.f, dx.f));
+  compare("sigmoid dx", dx, 1e-6);
+  // In place, as ABMIL runs them.
+  Pair xi = pair({5, 37}, 11, -4, 4);
+  BOTH(tanh_forward(xi.d, xi.d), tanh_forward(xi.f, xi.f));
+  compare("tanh in place", xi, 1e-6);
+
+  for (Shape s : {Shape{1, 1}, Shape{1, 257}, Shape{4, 33}}) {
+    CAPTURE(shape_string(s));
+    Pair sx = pair(s, 15, -6, 6), sy = pair(s, 16), sdy = pair(s, 17), sdx = pair(s, 18);
+    BOTH(softmax_forward(sx.d, sy.d), softmax_forward(sx.f, sy.f));
+    compare("softmax y", sy, 1e-6);
+    BOTH(softmax_backward(sy.d, sdy.d, sdx.d), softmax_backward(sy.f, sdy.f, sdx.f));
+    compare("softmax dx", sdx, 1e-6);
+  }
+
+  const int64_t M = 7, K = 300, N = 9;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      CAPTURE(ta);
+      CAPTURE(tb);
+      Pair a = pair(ta ? Shape{K, M} : Shape{M, K}, 19), b = pair(tb ? Shape{N, K} : Shape{K, N}, 20), my = pair({M, N}, 21);
+      BOTH(matmul(a.d, ta, b.d, tb, my.d), matmul(a.f, ta, b.f, tb, my.f));
+      compare("matmul y", my, 1e-5);
+    }
+  // The pooling shapes: [1, N] x [N, L].
+  Pair a = pair({1, 1000}, 22, 0, 0.002), h = pair({1000, 64}, 23), z = pair({1, 64}, 24);
+  BOTH(matmul(a.d, false, h.d, false, z.d), matmul(a.f, false, h.f, false, z.f));
+  compare("pooling z", z, 1e-5);
+  Tensor x64 = make({2, 3}), y64 = make({2, 3});
+  CHECK(cpu().softmax_forward(x64, y64).code() == StatusCode::kUnimplemented);  // f64 on cpu
+}
+
+TEST_CASE("ABMIL: every parameter's gradient and the input's against central differences (f64)") {
+  AbmilConfig c;
+  c.in_features = 6, c.hidden = 5, c.attention = 4, c.classes = 3, c.input_gradient = true;
+  auto model = Abmil::make(cpu_allocator(), DType::kF64, c, 42);
+  REQUIRE(model.ok());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  std::vector<std::string> names;
+  for (auto* p : params) names.push_back(p->name);
+  CHECK(names == std::vector<std::string>{"attention_net.0.weight", "attention_net.0.bias",
+                                          "attention_net.3.attention_a.0.weight", "attention_net.3.attention_a.0.bias",
+                                          "attention_net.3.attention_b.0.weight", "attention_net.3.attention_b.0.bias",
+                                          "attention_net.3.attention_c.weight", "attention_net.3.attention_c.bias",
+                                          "classifiers.weight", "classifiers.bias"});
+  Tensor x = random({7, 6}, 31), r = random({1, 3}, 32);
+  auto loss = [&] {
+    auto y = (*model)->forward(ref(), x, false);
+    REQUIRE(y.ok());
+    return dot(*y, r);
+  };
+  for (auto* p : params) p->grad.fill_zero();
+  auto y = (*model)->forward(ref(), x, true);
+  REQUIRE(y.ok());
+  // The attention weights are a distribution over the bag's 7 tiles.
+  double sum = 0;
+  for (int64_t i = 0; i < 7; ++i) sum += (*model)->attention().data<double>()[i];
+  CHECK(sum == doctest::Approx(1.0));
+  auto dx = (*model)->backward(ref(), r);
+  REQUIRE(dx.ok());
+  check_gradient("ABMIL dx", x, *dx, loss);
+  for (auto* p : params) check_gradient(p->name, p->value, p->grad, loss);
+
+  // A broken gradient is caught: the check can fail (a wrong sign in one parameter's gradient).
+  params[2]->grad.data<double>()[0] = -params[2]->grad.data<double>()[0] + 0.1;
+  CHECK(gradient_error(params[2]->value, params[2]->grad, loss) > 1e-3);
+
+  // A bag of one tile: attention 1, the slide embedding is that tile's h.
+  Tensor one = random({1, 6}, 33);
+  auto y1 = (*model)->forward(ref(), one, false);
+  REQUIRE(y1.ok());
+  CHECK((*model)->attention().data<double>()[0] == doctest::Approx(1.0));
+  // Wrong feature width.
+  CHECK((*model)->forward(ref(), random({3, 5}, 34), false).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("ABMIL on cpu (f32) equals the reference (f64) forward and parameter gradients") {
+  AbmilConfig c;
+  c.in_features = 24, c.hidden = 16, c.attention = 8, c.classes = 2;
+  auto md = Abmil::make(cpu_allocator(), DType::kF64, c, 7);
+  auto mf = Abmil::make(cpu_allocator(), DType::kF32, c, 7);
+  REQUIRE(md.ok());
+  REQUIRE(mf.ok());
+  std::vector<Parameter*> pd, pf;
+  std::vector<Buffer*> bd, bf;
+  (*md)->collect("", &pd, &bd);
+  (*mf)->collect("", &pf, &bf);
+  for (size_t i = 0; i < pd.size(); ++i) {  // same initial values in both precisions
+    for (int64_t j = 0; j < pd[i]->value.numel(); ++j) pd[i]->value.data<double>()[j] = pf[i]->value.data<float>()[j];
+    pd[i]->grad.fill_zero(), pf[i]->grad.fill_zero();
+  }
+  Pair x = pair({50, 24}, 41, -1, 1), dy = pair({1, 2}, 42);
+  auto yd = (*md)->forward(ref(), x.d, true);
+  auto yf = (*mf)->forward(cpu(), x.f, true);
+  REQUIRE(yd.ok());
+  REQUIRE(yf.ok());
+  compare("ABMIL logits", Pair{*yd, *yf}, 1e-5);
+  compare("ABMIL attention", Pair{(*md)->attention(), (*mf)->attention()}, 1e-6);
+  REQUIRE((*md)->backward(ref(), dy.d).ok());
+  REQUIRE((*mf)->backward(cpu(), dy.f).ok());
+  for (size_t i = 0; i < pd.size(); ++i) compare(pd[i]->name + " grad", Pair{pd[i]->grad, pf[i]->grad}, 1e-5);
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# slide-embed against PyTorch on the CPU (../shared/peers/torch_peer.py embed --model resnet50: CLAM's
+# truncated ResNet-50, layer3 + global average pooling, 1024-d), in one run, same thread count:
+#  1. compute only: 224-px tiles, batch 32, tiles/s of each and the ratio (target >= 2x), and the
+#     fraction of the machine's measured FP32 peak (oneDNN sgemm on the same threads) each reaches;
+#  2. end to end from a store (LMDB read + JPEG decode on worker threads + forward + HDF5 bags):
+#     CMU-1-Small-Region tiled at 0.5 um/px into 224-px tiles, slide-embed's tiles/s and peak RSS.
+#
+# usage: bench/embed_bench.sh   (needs a build in $BUILD (default build/) and Debian's python3-torch
+#        python3-torchvision; the machine should be otherwise idle: figures from a loaded machine are noise)
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD:-$here/build}
+shared=${SLIDE_SHARED:-$here/../shared}
+threads=${THREADS:-2}
+export OMP_NUM_THREADS=$threads
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+echo "threads $threads; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+peak=$("$build/bench/sgemm_peak" | sed -E 's/.*gflops=([0-9.]+).*/\1/')
+echo "sgemm peak ${peak} GFLOP/s"
+# Multiply-adds per 224-px image of ResNet-50 up to layer3: torchvision's 4.09G for the whole model
+# less layer4 (0.81G, counted conv by conv) and fc.
+gmacs=3.28
+ours=$("$build/bench/embed_step" --model resnet50 --batch 32 --size 224 --steps 4)
+peer=$(/usr/bin/python3 "$shared/peers/torch_peer.py" embed --model resnet50 --batch 32 --size 224 \
+         --threads "$threads" --steps 4)
+o=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$ours"); p=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$peer")
+printf 'compute   resnet50/layer3  slide-embed %7.2f tiles/s   pytorch %7.2f tiles/s   ratio %.2fx (target >= 2x)   of peak: %4.1f%% vs %4.1f%%\n' \
+  "$o" "$p" "$(awk -v a="$o" -v b="$p" 'BEGIN{print a/b}')" \
+  "$(awk -v i="$o" -v g="$gmacs" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')" \
+  "$(awk -v i="$p" -v g="$gmacs" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')"
+
+# End to end from a store.
+"$build/apps/slide-tile" "$here/sample_data/slides/CMU-1-Small-Region.svs" --mpp 0.5 --tile-size 224 --min-tissue 0 \
+  -o "$tmp/store" -q >/dev/null
+/usr/bin/python3 "$here/scripts/convert_torchvision_weights.py" --random resnet50 "$tmp/r50.safetensors" >/dev/null
+/usr/bin/python3 - "$build/apps/slide-embed" "$tmp" "$threads" "$p" <<'PY'
+import os, re, subprocess, sys
+exe, tmp, threads, peer = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+p = subprocess.Popen([exe, tmp + "/store", "-o", tmp + "/bags", "--weights", tmp + "/r50.safetensors",
+                      "--model", "resnet50", "--threads", threads, "--decode-threads", "1", "--batch-size", "32"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+err = p.stderr.read(); p.stderr.close()
+_, status, ru = os.wait4(p.pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, err
+tiles = int(re.search(r" tiles=(\d+)", err).group(1)); rate = float(re.search(r"tiles_per_s=([0-9.]+)", err).group(1))
+print("end2end   resnet50/layer3  slide-embed %7.2f tiles/s (%d tiles of CMU-1, decode + HDF5 included)   "
+      "vs pytorch compute only %.2f: %.2fx   peak RSS %.0f MB" % (rate, tiles, peer, rate / peer, ru.ru_maxrss / 1024))
+PY

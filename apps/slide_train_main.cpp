@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <atomic>
 #include <cstdio>
@@ -19,6 +20,7 @@
 
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+#include "slide/core/progress.h"
 #include "slide/tile/image.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/data_parallel.h"
@@ -461,9 +463,23 @@ int main(int argc, char** argv) {
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
+    // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
+    slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),
+                                   static_cast<int64_t>(train.size()) - to.start_step * batch, "img/s",
+                                   writer && !quiet);
+    const auto epoch_t0 = std::chrono::steady_clock::now();
+    int64_t steps_done = 0;
+    to.on_step = [&](int64_t samples, double mean_loss) {
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_t0).count();
+      char detail[96];
+      std::snprintf(detail, sizeof detail, "%.2f steps/s, loss %.4f", ++steps_done / std::max(secs, 1e-9), mean_loss);
+      progress.set_detail(detail);
+      progress.add(samples);
+    };
     const double lr_now = sched.at(run.opt->steps());
     auto st = train_epoch(**be, *run.model, *run.opt, sched, **ds, train, to, seed * 7919 + static_cast<uint64_t>(epoch),
                           &pool);
+    progress.finish();
     if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
     accumulate = std::max(accumulate, st->accumulate);  // after out-of-memory recovery: the finer split
     state["optimizer_steps"] = run.opt->steps();

@@ -32,6 +32,11 @@ void Progress::add(int64_t n) {
   render(false);
 }
 
+void Progress::set_detail(std::string detail) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  detail_ = std::move(detail);
+}
+
 void Progress::finish() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (finished_) return;
@@ -50,25 +55,27 @@ void Progress::render(bool final_line) {
     if (filled > width) filled = width;
     std::string bar(filled, '#');
     bar.resize(width, '.');
-    std::snprintf(buf, sizeof buf, "\r%s [%s] %lld/%lld %.1f %s\x1b[K", label_.c_str(), bar.c_str(),
-                  static_cast<long long>(n), static_cast<long long>(total_), rate, unit_.c_str());
+    std::snprintf(buf, sizeof buf, "\r%s [%s] %lld/%lld %.1f %s%s%s\x1b[K", label_.c_str(), bar.c_str(),
+                  static_cast<long long>(n), static_cast<long long>(total_), rate, unit_.c_str(),
+                  detail_.empty() ? "" : ", ", detail_.c_str());
     write_stderr_locked(buf);
     return;
   }
   if (final_line) {
-    std::snprintf(buf, sizeof buf, "%s%s: %lld in %.1f s (%.1f %s)\n", tty_ ? "\r\x1b[K" : "", label_.c_str(),
-                  static_cast<long long>(n), secs, rate, unit_.c_str());
+    std::snprintf(buf, sizeof buf, "%s%s: %lld in %.1f s (%.1f %s%s%s)\n", tty_ ? "\r\x1b[K" : "", label_.c_str(),
+                  static_cast<long long>(n), secs, rate, unit_.c_str(), detail_.empty() ? "" : ", ", detail_.c_str());
     if (log_json()) {
       log_info("progress done", {{"what", label_}, {"count", n}, {"seconds", std::to_string(secs)}});
       return;
     }
   } else {
     if (log_json()) {
-      log_info("progress", {{"what", label_}, {"count", n}, {"total", total_}, {"rate", std::to_string(rate)}});
+      log_info("progress", {{"what", label_}, {"count", n}, {"total", total_}, {"rate", std::to_string(rate)},
+                            {"detail", detail_}});
       return;
     }
-    std::snprintf(buf, sizeof buf, "%s: %lld/%lld (%.1f %s)\n", label_.c_str(), static_cast<long long>(n),
-                  static_cast<long long>(total_), rate, unit_.c_str());
+    std::snprintf(buf, sizeof buf, "%s: %lld/%lld (%.1f %s%s%s)\n", label_.c_str(), static_cast<long long>(n),
+                  static_cast<long long>(total_), rate, unit_.c_str(), detail_.empty() ? "" : ", ", detail_.c_str());
   }
   write_stderr_locked(buf);
 }

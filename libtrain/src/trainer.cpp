@@ -220,6 +220,11 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
       st.samples += mb.step_n;
       ++st.steps;
+      if (options.on_step) {
+        int64_t local = 0;
+        for (int64_t n : seen) local += n;
+        options.on_step(mb.step_n, local > 0 ? loss_sum / static_cast<double>(local) : 0.0);
+      }
     }
   }
   if (options.comm != nullptr) {

@@ -21,6 +21,8 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   void add(int64_t n = 1);
+  // A short text shown after the rate from the next line on, e.g. "loss 0.513, 3.2 steps/s".
+  void set_detail(std::string detail);
   // Prints the final line ("label: N unit in S s (R unit/s)"); idempotent.
   void finish();
   int64_t count() const { return count_.load(); }
@@ -28,7 +30,7 @@ class Progress {
  private:
   void render(bool final_line);
 
-  std::string label_, unit_;
+  std::string label_, unit_, detail_;
   int64_t total_;
   bool enabled_, tty_;
   double period_s_;

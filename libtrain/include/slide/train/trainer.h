@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "slide/core/thread_pool.h"
@@ -42,6 +43,9 @@ struct TrainOptions {
   Tensor class_weights;    // [classes] f32 on the backend's device, or undefined (all 1)
   int64_t start_step = 0;  // resume inside an epoch: skip its first start_step steps (same order)
   const std::atomic<bool>* cancel = nullptr;  // checked after every step
+  // Called after every step with the step's (global) sample count and this rank's mean training
+  // loss so far in the epoch: progress reporting.
+  std::function<void(int64_t samples, double mean_loss)> on_step;
   // Data-parallel ranks (data_parallel.h); nullptr: one rank. Each step's global batch is split
   // over the ranks by shard_range before the micro-batch split; micro-batches are weighted by
   // their share of the global step's samples; gradients are summed over the ranks before the

@@ -255,6 +255,10 @@ int main(int argc, char** argv) {
   app.add_option("--random-resized-crop", crop_min_scale,
                  "Smallest area fraction of torchvision's RandomResizedCrop, resized back to the tile size (1 = off)")
       ->capture_default_str()->check(CLI::Range(0.01, 1.0));
+  std::string best_metric = "balanced_accuracy";
+  app.add_option("--best-metric", best_metric,
+                 "Validation metric that picks best.safetensors: balanced_accuracy | accuracy | roc_auc | loss")
+      ->capture_default_str()->check(CLI::IsMember({"balanced_accuracy", "accuracy", "roc_auc", "loss"}));
   double dropout = 0;
   app.add_option("--dropout", dropout, "Dropout probability before the classifier (0 = none)")->capture_default_str()
       ->check(CLI::Range(0.0, 0.95));
@@ -405,7 +409,8 @@ int main(int argc, char** argv) {
                      {"schedule", schedule}, {"warmup_epochs", warmup_epochs}, {"label_smoothing", smoothing},
                      {"batch_size", batch}, {"seed", seed}, {"class_weights", class_weights},
                      {"val_fraction", val_fraction}, {"labels", labels_csv}, {"augment", !no_augment},
-                     {"color_jitter", color_jitter}, {"random_resized_crop", crop_min_scale}};
+                     {"color_jitter", color_jitter}, {"random_resized_crop", crop_min_scale},
+                     {"best_metric", best_metric}};
   state["config"] = config;
   if (resume && writer) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
@@ -508,8 +513,17 @@ int main(int argc, char** argv) {
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
-    if (v.balanced_accuracy > state["best_val_balanced_accuracy"].get<double>()) {
-      state["best_val_balanced_accuracy"] = v.balanced_accuracy;
+    // best.safetensors: the epoch with the best --best-metric (the lowest loss, else the highest).
+    const double score = best_metric == "loss" ? -v.loss
+                         : best_metric == "accuracy" ? v.accuracy
+                         : best_metric == "roc_auc" ? v.roc_auc
+                                                    : v.balanced_accuracy;
+    const bool improved = !state.contains("best_score") || score > state["best_score"].get<double>();
+    state["best_val_balanced_accuracy"] =
+        std::max(state.value("best_val_balanced_accuracy", -1.0), v.balanced_accuracy);  // read by sweeps
+    if (improved) {
+      state["best_score"] = score;
+      state["best_metric"] = "val_" + best_metric;
       state["best_epoch"] = epoch + 1;
       if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}})
                          : slide::core::ok_status();

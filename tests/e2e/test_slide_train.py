@@ -93,7 +93,16 @@ class TestTrain(Base):
             self.assertEqual(im.size, (640, 360))
             colors = {c for _, c in im.convert("RGB").getcolors(1 << 16)}
             self.assertTrue({(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)} <= colors)
+        # best.safetensors is the epoch with the best validation balanced accuracy (the default --best-metric).
+        with open(os.path.join(out, "checkpoints", "epoch-6-step-0", "state.json")) as f:
+            state = json.load(f)
+        best_epoch = max(history, key=lambda h: h["val_balanced_accuracy"])["epoch"]
+        self.assertEqual(state["best_epoch"], best_epoch)
+        self.assertEqual(state["best_metric"], "val_balanced_accuracy")
         best = read_safetensors(os.path.join(out, "best.safetensors"))
+        if best_epoch >= 4:  # its checkpoint is still kept: the same weights
+            kept = read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % best_epoch, "model.safetensors"))
+            self.assertTrue(all(np.array_equal(best[k], kept[k]) for k in kept))
         self.assertEqual(best["0.weight"].shape, (8, 3, 3, 3))
         self.assertEqual(best["fc.weight"].shape, (3, 32))
         self.assertIn("1.running_var", best)

@@ -32,7 +32,7 @@ printf 'compute   resnet50/layer3  slide-embed %7.2f tiles/s   pytorch %7.2f til
 
 # End to end from a store.
 "$build/apps/slide-tile" "$here/sample_data/slides/CMU-1-Small-Region.svs" --mpp 0.5 --tile-size 224 --min-tissue 0 \
-  -o "$tmp/store" -q >/dev/null
+  -o "$tmp/store" -q >/dev/null 2>&1
 /usr/bin/python3 "$here/scripts/convert_torchvision_weights.py" --random resnet50 "$tmp/r50.safetensors" >/dev/null
 /usr/bin/python3 - "$build/apps/slide-embed" "$tmp" "$threads" "$p" <<'PY'
 import os, re, subprocess, sys

@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <hdf5.h>
+#include <lzf.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -24,12 +26,77 @@ namespace {
 using slide::core::StatusCode;
 
 constexpr H5Z_filter_t kLzfFilterId = 32000;  // h5py's LZF filter (registered with The HDF Group)
+constexpr unsigned kLzfFilterVersion = 4;       // h5py's lzf_filter.c, H5PY_FILTER_LZF_VERSION
+
+// The LZF filter, byte for byte the format of h5py's lzf_filter.c (h5py reads and writes it
+// natively, without a plugin), on Debian's liblzf. cd_values: [filter version, LZF API version,
+// uncompressed chunk bytes]. Debian's hdf5-plugin-lzf would provide it, but its library is not
+// linked against liblzf (lzf_compress is undefined: HDF5's dlopen refuses it), so it is
+// registered here.
+herr_t lzf_set_local(hid_t dcpl, hid_t type, hid_t) {
+  unsigned flags = 0;
+  size_t n = 8;
+  unsigned values[8] = {0};
+  if (H5Pget_filter_by_id2(dcpl, kLzfFilterId, &flags, &n, values, 0, nullptr, nullptr) < 0) return -1;
+  hsize_t chunk[32];
+  const int ndims = H5Pget_chunk(dcpl, 32, chunk);
+  if (ndims < 0) return -1;
+  size_t bytes = H5Tget_size(type);
+  for (int i = 0; i < ndims; ++i) bytes *= chunk[i];
+  values[0] = kLzfFilterVersion;
+  values[1] = LZF_VERSION;
+  values[2] = static_cast<unsigned>(bytes);
+  return H5Pmodify_filter(dcpl, kLzfFilterId, flags, std::max<size_t>(n, 3), values);
+}
+
+// HDF5's filter contract: return the new size and swap *buf, or 0 on failure (for an optional
+// filter, a chunk that does not shrink is then stored as is).
+size_t lzf_filter(unsigned flags, size_t cd_nelmts, const unsigned cd_values[], size_t nbytes, size_t* buf_size,
+                  void** buf) {
+  void* out = nullptr;
+  size_t out_size = 0;
+  unsigned status = 0;
+  if ((flags & H5Z_FLAG_REVERSE) == 0) {
+    out_size = *buf_size;
+    out = std::malloc(out_size);
+    if (out == nullptr) return 0;
+    status = lzf_compress(*buf, static_cast<unsigned>(nbytes), out, static_cast<unsigned>(out_size));
+  } else {
+    out_size = (cd_nelmts >= 3 && cd_values[2] != 0) ? cd_values[2] : *buf_size;
+    while (status == 0) {
+      std::free(out);
+      out = std::malloc(out_size);
+      if (out == nullptr) return 0;
+      status = lzf_decompress(*buf, static_cast<unsigned>(nbytes), out, static_cast<unsigned>(out_size));
+      if (status == 0) {
+        if (errno != E2BIG) break;  // EINVAL: corrupt data
+        out_size += *buf_size;
+      }
+    }
+  }
+  if (status == 0) {
+    std::free(out);
+    return 0;
+  }
+  std::free(*buf);
+  *buf = out;
+  *buf_size = out_size;
+  return status;
+}
 
 // HDF5 prints its error stack to stderr by default; we turn that off once and turn the stack into
-// the message of a Status instead.
+// the message of a Status instead. The LZF filter is registered here too, unless a plugin did.
 void quiet_hdf5() {
   static std::once_flag once;
-  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  std::call_once(once, [] {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    if (H5Zfilter_avail(kLzfFilterId) <= 0) {
+      static const H5Z_class2_t kLzfClass = {H5Z_CLASS_T_VERS, kLzfFilterId, 1, 1, "lzf", nullptr, lzf_set_local,
+                                             lzf_filter};
+      H5Zregister(&kLzfClass);
+    }
+    H5Eclear2(H5E_DEFAULT);
+  });
 }
 
 herr_t collect_error(unsigned n, const H5E_error2_t* err, void* data) {
@@ -233,8 +300,7 @@ bool compression_available(Compression compression) {
       return H5Zfilter_avail(H5Z_FILTER_DEFLATE) > 0 && H5Zget_filter_info(H5Z_FILTER_DEFLATE, &config) >= 0 &&
              (config & H5Z_FILTER_CONFIG_ENCODE_ENABLED) != 0;
     case Compression::kLzf: {
-      // H5Zfilter_avail loads the plugin from HDF5_PLUGIN_PATH or HDF5's default plugin directory.
-      const bool ok = H5Zfilter_avail(kLzfFilterId) > 0;
+      const bool ok = H5Zfilter_avail(kLzfFilterId) > 0;  // registered by quiet_hdf5()
       H5Eclear2(H5E_DEFAULT);
       return ok;
     }
@@ -390,7 +456,7 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
   if (!compression_available(options.compression)) {
     return slide::core::failed_precondition(
         std::string("bag ") + path + ": the HDF5 " + compression_name(options.compression) +
-        " filter is not available (for lzf install Debian's hdf5-plugin-lzf, or set HDF5_PLUGIN_PATH)");
+        " filter is not available in this HDF5 library");
   }
 
   auto impl = std::make_unique<Impl>();
@@ -427,7 +493,7 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
       H5Pset_deflate(dcpl.get(), static_cast<unsigned>(options.gzip_level));
     } else if (options.compression == Compression::kLzf) {
       H5Pset_shuffle(dcpl.get());
-      H5Pset_filter(dcpl.get(), kLzfFilterId, H5Z_FLAG_MANDATORY, 0, nullptr);
+      H5Pset_filter(dcpl.get(), kLzfFilterId, H5Z_FLAG_OPTIONAL, 0, nullptr);  // as h5py sets it
     }
     *out = Hid(H5Dcreate2(impl->file.get(), name, type, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
                H5Dclose);

@@ -188,8 +188,8 @@ class TestLayout(Base):
                           os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
                           "--tile-size", "64")
         _, weights = self.random_weights("resnet18")
-        for dtype, comp in (("float32", "none"), ("float16", "gzip")):
-            out = os.path.join(self.tmp, "bags-" + dtype)
+        for dtype, comp in (("float32", "none"), ("float16", "gzip"), ("float32", "lzf")):
+            out = os.path.join(self.tmp, "bags-%s-%s" % (dtype, comp))
             r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--layer", "layer2",
                            "--dtype", dtype, "--compression", comp, "--chunk-rows", "100")
             self.assertEqual(r.returncode, 0, r.stderr)
@@ -229,9 +229,12 @@ class TestLayout(Base):
                     self.assertEqual(int(coords.attrs["patch_level"]), 0)
                     self.assertEqual((int(row["num_tiles"]), int(row["feature_dim"]), row["dtype"]), (n, 128, dtype))
         # float16 bags hold the float32 features rounded.
-        with h5py.File(os.path.join(self.tmp, "bags-float32", "CMU-1-Small-Region.h5"), "r") as f32, \
-                h5py.File(os.path.join(self.tmp, "bags-float16", "CMU-1-Small-Region.h5"), "r") as f16:
+        bag = lambda d: h5py.File(os.path.join(self.tmp, d, "CMU-1-Small-Region.h5"), "r")
+        with bag("bags-float32-none") as f32, bag("bags-float16-gzip") as f16, bag("bags-float32-lzf") as lzf:
             np.testing.assert_array_equal(f32["features"][:].astype(np.float16), f16["features"][:])
+            # lzf (h5py's own filter, read here by h5py natively) loses nothing.
+            np.testing.assert_array_equal(f32["features"][:], lzf["features"][:])
+            self.assertLess(os.path.getsize(lzf.filename), os.path.getsize(f32.filename))
 
 
 class TestResume(Base):

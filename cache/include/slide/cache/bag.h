@@ -7,7 +7,8 @@
 //   /features   N x D dataset, float32 (H5T_IEEE_F32LE) or float16 (IEEE 754 binary16, little-
 //               endian: h5py and PyTorch read it as numpy.float16), chunked (chunk_rows x D rows),
 //               maximum shape (unlimited) x D, optionally compressed (gzip, or lzf: HDF5 filter
-//               32000, h5py's own, and Debian's hdf5-plugin-lzf for C readers).
+//               32000 in h5py's format, which h5py reads natively; this library registers it on
+//               Debian's liblzf; other C readers need an LZF filter plugin).
 //   /coords     N x 2 dataset, int32 (H5T_STD_I32LE), chunked the same: row i is the level-0 x and
 //               y, in pixels, of tile i's top-left corner. Row i of /coords is row i of /features.
 //               Attributes (as CLAM's patch files): patch_size (int32, tile size in px at the tile
@@ -65,8 +66,8 @@ enum class Compression { kNone, kGzip, kLzf };
 const char* compression_name(Compression compression);
 // Parses "none" / "gzip" / "lzf". kInvalidArgument otherwise.
 [[nodiscard]] Result<Compression> parse_compression(const std::string& name);
-// True when the HDF5 library can encode `compression` here (gzip: built in; lzf: the filter
-// plugin, Debian's hdf5-plugin-lzf, can be loaded). kNone is always available.
+// True when the HDF5 library can encode `compression` here (gzip: HDF5's deflate; lzf: registered
+// by this library). kNone is always available.
 bool compression_available(Compression compression);
 
 // The root attributes of a bag (see the layout above).

@@ -1,0 +1,110 @@
+// Communicator: the collectives that data-parallel training needs between ranks (DESIGN.md,
+// "Distributed"), behind one narrow interface with no MPI or NCCL type in it.
+//
+// Implementations: "local" (one rank, every collective is the identity) and "mpi" (CPU ranks,
+// Open MPI or any MPI-3 library: non-blocking collectives polled against a deadline). "nccl"
+// (GPU ranks; its unique id broadcast over MPI) fills the same interface: buffers live on
+// device(), and all_reduce_async lets a caller start a bucket's all-reduce while backward is still
+// producing the next bucket's gradients. make_communicator() in src/dist/communicator.cpp is the
+// one place that knows which implementations were built.
+//
+// Every collective must be called by every rank, in the same order, with the same count, dtype
+// and root ("what" may differ). A collective that has not completed `timeout_s` seconds after it
+// started fails with kDeadlineExceeded naming this rank, the step (set_step) and the collective;
+// after any failed collective the communicator is broken: later calls fail at once with
+// kFailedPrecondition and the caller should take the job down with abort_job(). Not thread-safe:
+// one thread (the training loop's) calls the collectives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/train/tensor.h"
+
+namespace slide::train {
+
+enum class ReduceOp : uint8_t { kSum = 0, kAverage = 1 };
+
+// A collective in flight, from Communicator::all_reduce_async.
+class CollectiveWork {
+ public:
+  virtual ~CollectiveWork() = default;
+  // Blocks until the collective has completed (its buffer holds the result) or the timeout has
+  // passed. Errors: kDeadlineExceeded (the message names rank, step and collective), kInternal
+  // (the library's error text). Calling it again after success returns OK at once.
+  [[nodiscard]] virtual Status wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual std::string name() const = 0;  // "local", "mpi", "nccl"
+  virtual int rank() const = 0;          // 0 .. world_size() - 1
+  virtual int world_size() const = 0;
+  virtual int local_rank() const = 0;    // rank among the ranks of this node (picks the GPU)
+  virtual Device device() const = 0;     // where the buffers given to collectives live
+  double timeout_s() const { return timeout_s_; }
+  // Bounds the collectives started from now on (seconds, > 0; e.g. longer while ranks load data).
+  void set_timeout_s(double s) { timeout_s_ = s; }
+  // The training step named in error messages (the global optimizer step).
+  void set_step(int64_t step) { step_ = step; }
+  int64_t step() const { return step_; }
+
+  // In place: data[0 .. count) of `dtype` (kF32, kF64 or kI32) becomes the element-wise sum (or
+  // mean) over the ranks. `what` names the collective in errors ("gradient bucket 2 of 5").
+  // Errors: kInvalidArgument (negative count, an unsupported dtype/op pair such as a kI32
+  // average), kDeadlineExceeded, kFailedPrecondition (broken by an earlier failure), kInternal.
+  [[nodiscard]] virtual Status all_reduce(void* data, int64_t count, DType dtype, ReduceOp op,
+                                          const std::string& what) = 0;
+  // The same, started now and completed by wait() on the returned work; `data` must stay valid
+  // and untouched until then. Several may be in flight; the deadline runs from the start.
+  [[nodiscard]] virtual Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void* data, int64_t count,
+                                                                                 DType dtype, ReduceOp op,
+                                                                                 const std::string& what) = 0;
+  // data[0 .. bytes) of rank `root` copied to every rank. Errors: as all_reduce, and
+  // kInvalidArgument for a root outside 0 .. world_size() - 1.
+  [[nodiscard]] virtual Status broadcast(void* data, size_t bytes, int root, const std::string& what) = 0;
+  // Returns when every rank has entered it. Errors: as all_reduce.
+  [[nodiscard]] virtual Status barrier(const std::string& what) = 0;
+  // One small host value per rank, gathered on every rank: (*out)[r] is rank r's `value`.
+  // Errors: as all_reduce.
+  [[nodiscard]] virtual Status all_gather(double value, std::vector<double>* out, const std::string& what) = 0;
+  // Takes every rank of the job down with `exit_code` (MPI_Abort): what an app does after a
+  // failure on one rank so that the others are not left blocked. Only apps call it (libraries
+  // return Status). "local" returns, and the app exits as it would without ranks.
+  virtual void abort_job(int exit_code) = 0;
+
+ protected:
+  explicit Communicator(double timeout_s) : timeout_s_(timeout_s) {}
+  // "rank R of P at step S: <what> did not complete within T s (...)": the deadline message.
+  std::string describe(const std::string& what) const;
+
+ private:
+  double timeout_s_;
+  int64_t step_ = 0;
+};
+
+// The communicator for `kind`: "local", "mpi", or "auto" ("mpi" when launch_world_size() > 1,
+// else "local"). "mpi" initialises MPI (MPI_Init_thread, funneled: only the calling thread makes
+// MPI calls) and finalises it when destroyed; it works for a world of one too. `timeout_s` > 0
+// bounds every collective. Errors: kInvalidArgument (unknown kind, timeout_s <= 0),
+// kUnimplemented ("mpi" in a build without MPI), kInternal (MPI failed to start).
+[[nodiscard]] Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s);
+
+// The world size the launcher announced in the environment, before any MPI call: Open MPI's
+// OMPI_COMM_WORLD_SIZE (mpirun), PMIx/PMI's PMIX_SIZE / PMI_SIZE, Slurm's SLURM_STEP_NUM_TASKS
+// (srun, inside a job step); 1 when none is set or parsable.
+int launch_world_size();
+
+// The half-open range of a batch of `n` samples that rank `rank` of `world` takes:
+// [n * rank / world, n * (rank + 1) / world). Sizes differ by at most one over the ranks, the
+// ranges tile [0, n) in rank order, and an empty range is possible when n < world.
+struct ShardRange {
+  size_t begin = 0, end = 0;
+};
+ShardRange shard_range(size_t n, int rank, int world);
+
+}  // namespace slide::train

@@ -1,0 +1,89 @@
+// Data parallelism over a Communicator (DESIGN.md, "Distributed"): each rank holds a replica of
+// the model and takes a slice of every global batch (trainer.h, TrainOptions::comm).
+//
+// - Gradients are summed over the ranks through one flat buffer per rank, in buckets: one
+//   all-reduce per bucket per step (GradientBuckets). Each rank weights its micro-batches by their
+//   share of the GLOBAL step's samples, so the sum is the single-rank gradient of the same B
+//   samples.
+// - Parameters, buffers and optimizer state are broadcast from rank 0 at the start and after a
+//   resume (broadcast_tensors), so every replica starts from the same bits.
+// - Validation is split over the ranks and its metrics reduced (evaluate_data_parallel).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/train/communicator.h"
+#include "slide/train/layers.h"
+#include "slide/train/trainer.h"
+
+namespace slide::train {
+
+// PyTorch DistributedDataParallel's default bucket_cap_mb (25 MiB).
+inline constexpr size_t kDefaultBucketBytes = size_t{25} << 20;
+
+class GradientBuckets {
+ public:
+  // Lays out the gradients of `params` (f32, host memory) in one flat buffer from `alloc`: in
+  // reverse order of `params` (the order backward produces them, the order in which an
+  // all-reduce overlapped with backward would start them, as PyTorch DDP), cut into buckets of at
+  // most `bucket_bytes` (a larger parameter is a bucket of its own). One more element, at the end
+  // of the last bucket, carries the ranks' stop requests. Errors: kInvalidArgument (a gradient
+  // that is not f32, bucket_bytes < 4), the allocator's (kResourceExhausted: the buffer is as
+  // large as the gradients).
+  [[nodiscard]] static Result<std::unique_ptr<GradientBuckets>> make(const std::vector<Parameter*>& params,
+                                                                     Allocator& alloc,
+                                                                     size_t bucket_bytes = kDefaultBucketBytes);
+
+  // Sums every parameter gradient over the ranks of `comm`, in place. Bucket by bucket: the
+  // gradients are copied into the flat buffer and its all-reduce started at once, so copying
+  // bucket k+1 overlaps reducing bucket k; then each is waited for and copied back.
+  // `stop_requested` is this rank's wish to stop after this step; the result says whether any
+  // rank has it, so that every rank stops after the same step. Errors: the communicator's
+  // (kDeadlineExceeded naming rank, step and bucket); the gradients are then undefined.
+  [[nodiscard]] Result<bool> all_reduce(Communicator& comm, bool stop_requested);
+
+  size_t bucket_count() const { return buckets_.size(); }
+  int64_t elements() const { return flat_.numel(); }  // gradient elements + 1 (the stop flag)
+  double seconds() const { return seconds_; }          // wall time spent in all_reduce, total
+
+ private:
+  struct Bucket {
+    int64_t offset = 0, count = 0;     // elements of flat_
+    std::vector<Parameter*> params;    // in flat_ order
+  };
+  Tensor flat_;
+  std::vector<Bucket> buckets_;
+  double seconds_ = 0;
+};
+
+// An epoch's tallies summed over the ranks, in place: the loss sum (sum over samples of the
+// loss), the correct count and the per-class seen / right counts (all ranks: the same class
+// count). One all-reduce of doubles (counts stay exact below 2^53). Errors: the communicator's.
+[[nodiscard]] Status all_reduce_tallies(Communicator& comm, double* loss_sum, int64_t* correct,
+                                        std::vector<int64_t>* seen, std::vector<int64_t>* right);
+
+// Copies the tensors of rank `root` to every rank: packed into one flat host buffer of at most
+// `chunk_bytes` at a time, one broadcast per chunk. Every rank must pass tensors of the same
+// shapes and dtypes in the same order. Errors: the communicator's.
+[[nodiscard]] Status broadcast_tensors(Communicator& comm, const std::vector<Tensor*>& tensors, int root,
+                                       const std::string& what, size_t chunk_bytes = size_t{64} << 20);
+
+// Copies rank `root`'s string to every rank (its length first). Errors: the communicator's.
+[[nodiscard]] Status broadcast_string(Communicator& comm, std::string* text, int root, const std::string& what);
+
+// evaluate() over `positions` split by shard_range over the ranks of `comm`: each rank scores its
+// contiguous part, then the loss sum is all-reduced and the probabilities of every tile are
+// gathered (an all-reduce of a zero-filled positions.size() x classes buffer), so every rank
+// returns the metrics of the whole set, equal to a single-rank evaluate() of `positions` up to
+// float summation order. With `probs_out`, all probabilities, in the order of `positions`.
+// Errors: those of evaluate() and of the communicator.
+[[nodiscard]] Result<EpochStats> evaluate_data_parallel(Backend& be, Layer& model, const TileDataset& data,
+                                                        const std::vector<size_t>& positions, int64_t batch_size,
+                                                        slide::core::ThreadPool* pool, Communicator& comm,
+                                                        std::vector<float>* probs_out = nullptr);
+
+}  // namespace slide::train

@@ -1,0 +1,96 @@
+// The factory (the one place that knows which communicators were built), the local one, and the
+// helpers every implementation shares.
+#include <cstdlib>
+#include <cstring>
+
+#include "dist/communicators.h"
+
+namespace slide::train {
+
+namespace {
+
+// One rank: every collective leaves its buffer as it is (the sum and mean over one rank).
+class LocalCommunicator final : public Communicator {
+ public:
+  explicit LocalCommunicator(double timeout_s) : Communicator(timeout_s) {}
+  std::string name() const override { return "local"; }
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  int local_rank() const override { return 0; }
+  Device device() const override { return Device::kCpu; }
+  Status all_reduce(void* data, int64_t count, DType dtype, ReduceOp op, const std::string& what) override {
+    (void)data;
+    if (count < 0) return slide::core::invalid_argument(what + ": negative count");
+    if (dtype == DType::kU8 || (dtype == DType::kI32 && op == ReduceOp::kAverage))
+      return slide::core::invalid_argument(what + ": all-reduce of " + dtype_name(dtype));
+    return slide::core::ok_status();
+  }
+  Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void* data, int64_t count, DType dtype, ReduceOp op,
+                                                           const std::string& what) override {
+    struct Done final : CollectiveWork {
+      Status wait() override { return slide::core::ok_status(); }
+    };
+    SLIDE_RETURN_IF_ERROR(all_reduce(data, count, dtype, op, what));
+    return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());
+  }
+  Status broadcast(void*, size_t, int root, const std::string& what) override {
+    if (root != 0) return slide::core::invalid_argument(what + ": broadcast from rank " + std::to_string(root) + " of 1");
+    return slide::core::ok_status();
+  }
+  Status barrier(const std::string&) override { return slide::core::ok_status(); }
+  Status all_gather(double value, std::vector<double>* out, const std::string&) override {
+    out->assign(1, value);
+    return slide::core::ok_status();
+  }
+  void abort_job(int) override {}
+};
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return (*end == '\0' && n > 0 && n < (1L << 30)) ? static_cast<int>(n) : -1;
+}
+
+}  // namespace
+
+std::string Communicator::describe(const std::string& what) const {
+  return "rank " + std::to_string(rank()) + " of " + std::to_string(world_size()) + " at step " +
+         std::to_string(step_) + ": " + what;
+}
+
+int launch_world_size() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
+    if (const int n = env_int(name); n > 0) return n;
+  return 1;
+}
+
+ShardRange shard_range(size_t n, int rank, int world) {
+  const auto r = static_cast<size_t>(rank), p = static_cast<size_t>(world);
+  return {n * r / p, n * (r + 1) / p};
+}
+
+namespace dist {
+std::unique_ptr<Communicator> make_local_communicator(double timeout_s) {
+  return std::make_unique<LocalCommunicator>(timeout_s);
+}
+}  // namespace dist
+
+Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s) {
+  if (!(timeout_s > 0))
+    return slide::core::invalid_argument("the collective timeout must be positive, not " + std::to_string(timeout_s));
+  std::string k = kind;
+  if (k == "auto") k = launch_world_size() > 1 ? "mpi" : "local";
+  if (k == "local") return dist::make_local_communicator(timeout_s);
+  if (k == "mpi") {
+#ifdef SLIDE_WITH_MPI
+    return dist::make_mpi_communicator(timeout_s);
+#else
+    return slide::core::unimplemented("--dist mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+  }
+  return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi");
+}
+
+}  // namespace slide::train

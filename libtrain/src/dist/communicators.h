@@ -1,0 +1,16 @@
+// The communicator implementations' constructors, for make_communicator (communicator.cpp) only.
+#pragma once
+
+#include <memory>
+
+#include "slide/train/communicator.h"
+
+namespace slide::train::dist {
+
+std::unique_ptr<Communicator> make_local_communicator(double timeout_s);
+#ifdef SLIDE_WITH_MPI
+// Errors: kInternal when MPI cannot start (the library's text).
+[[nodiscard]] Result<std::unique_ptr<Communicator>> make_mpi_communicator(double timeout_s);
+#endif
+
+}  // namespace slide::train::dist

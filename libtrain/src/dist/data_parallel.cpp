@@ -1,0 +1,166 @@
+#include "slide/train/data_parallel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace slide::train {
+
+Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector<Parameter*>& params,
+                                                               Allocator& alloc, size_t bucket_bytes) {
+  if (bucket_bytes < sizeof(float)) return slide::core::invalid_argument("gradient bucket of " + std::to_string(bucket_bytes) + " bytes");
+  auto g = std::unique_ptr<GradientBuckets>(new GradientBuckets());
+  const auto cap = static_cast<int64_t>(bucket_bytes / sizeof(float));
+  int64_t offset = 0;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    Parameter* p = *it;
+    if (p->grad.dtype() != DType::kF32 || p->grad.device() != Device::kCpu)
+      return slide::core::invalid_argument("gradient of " + p->name + ": data-parallel training takes f32 host gradients");
+    const int64_t n = p->grad.numel();
+    if (g->buckets_.empty() || (g->buckets_.back().count > 0 && g->buckets_.back().count + n > cap))
+      g->buckets_.push_back({offset, 0, {}});
+    g->buckets_.back().params.push_back(p);
+    g->buckets_.back().count += n;
+    offset += n;
+  }
+  if (g->buckets_.empty()) g->buckets_.push_back({0, 0, {}});
+  g->buckets_.back().count += 1;  // the stop flag
+  SLIDE_ASSIGN_OR_RETURN(g->flat_, Tensor::zeros({offset + 1}, DType::kF32, alloc, "flat gradient buffer"));
+  return g;
+}
+
+Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested) {
+  const auto t0 = std::chrono::steady_clock::now();
+  float* flat = flat_.data<float>();
+  const int64_t n_buckets = static_cast<int64_t>(buckets_.size());
+  std::vector<std::unique_ptr<CollectiveWork>> work;
+  work.reserve(buckets_.size());
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    const Bucket& bk = buckets_[static_cast<size_t>(b)];
+    int64_t at = bk.offset;
+    for (Parameter* p : bk.params) {
+      std::memcpy(flat + at, p->grad.data<float>(), p->grad.bytes());
+      at += p->grad.numel();
+    }
+    if (b + 1 == n_buckets) flat[at] = stop_requested ? 1.0f : 0.0f;
+    SLIDE_ASSIGN_OR_RETURN(auto w, comm.all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,
+                                                         "all-reduce of gradient bucket " + std::to_string(b + 1) +
+                                                             " of " + std::to_string(n_buckets) + " (" +
+                                                             std::to_string(bk.count) + " floats)"));
+    work.push_back(std::move(w));
+  }
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    SLIDE_RETURN_IF_ERROR(work[static_cast<size_t>(b)]->wait());
+    const Bucket& bk = buckets_[static_cast<size_t>(b)];
+    int64_t at = bk.offset;
+    for (Parameter* p : bk.params) {
+      std::memcpy(p->grad.data<float>(), flat + at, p->grad.bytes());
+      at += p->grad.numel();
+    }
+  }
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return flat[flat_.numel() - 1] > 0.5f;
+}
+
+Status all_reduce_tallies(Communicator& comm, double* loss_sum, int64_t* correct, std::vector<int64_t>* seen,
+                          std::vector<int64_t>* right) {
+  std::vector<double> v{*loss_sum, static_cast<double>(*correct)};
+  for (int64_t x : *seen) v.push_back(static_cast<double>(x));
+  for (int64_t x : *right) v.push_back(static_cast<double>(x));
+  SLIDE_RETURN_IF_ERROR(comm.all_reduce(v.data(), static_cast<int64_t>(v.size()), DType::kF64, ReduceOp::kSum,
+                                        "all-reduce of the epoch's training statistics"));
+  *loss_sum = v[0];
+  *correct = static_cast<int64_t>(v[1]);
+  const size_t k = seen->size();
+  for (size_t i = 0; i < k; ++i) (*seen)[i] = static_cast<int64_t>(v[2 + i]), (*right)[i] = static_cast<int64_t>(v[2 + k + i]);
+  return slide::core::ok_status();
+}
+
+Status broadcast_tensors(Communicator& comm, const std::vector<Tensor*>& tensors, int root, const std::string& what,
+                         size_t chunk_bytes) {
+  if (comm.world_size() == 1) return slide::core::ok_status();
+  chunk_bytes = std::max<size_t>(chunk_bytes, 1);
+  std::vector<char> buf;
+  size_t i = 0;
+  while (i < tensors.size()) {
+    // Tensors [i, j) fit in one chunk (a larger tensor goes alone).
+    size_t j = i, bytes = 0;
+    while (j < tensors.size() && (j == i || bytes + tensors[j]->bytes() <= chunk_bytes)) bytes += tensors[j++]->bytes();
+    buf.resize(bytes);
+    size_t at = 0;
+    if (comm.rank() == root)
+      for (size_t k = i; k < j; ++k) std::memcpy(buf.data() + at, tensors[k]->raw(), tensors[k]->bytes()), at += tensors[k]->bytes();
+    SLIDE_RETURN_IF_ERROR(comm.broadcast(buf.data(), bytes, root, what));
+    at = 0;
+    if (comm.rank() != root)
+      for (size_t k = i; k < j; ++k) std::memcpy(tensors[k]->raw(), buf.data() + at, tensors[k]->bytes()), at += tensors[k]->bytes();
+    i = j;
+  }
+  return slide::core::ok_status();
+}
+
+Status broadcast_string(Communicator& comm, std::string* text, int root, const std::string& what) {
+  if (comm.world_size() == 1) return slide::core::ok_status();
+  uint64_t n = text->size();
+  SLIDE_RETURN_IF_ERROR(comm.broadcast(&n, sizeof n, root, what + " (length)"));
+  text->resize(n);
+  return comm.broadcast(text->data(), n, root, what);
+}
+
+Result<EpochStats> evaluate_data_parallel(Backend& be, Layer& model, const TileDataset& data,
+                                          const std::vector<size_t>& positions, int64_t batch_size,
+                                          slide::core::ThreadPool* pool, Communicator& comm,
+                                          std::vector<float>* probs_out) {
+  if (comm.world_size() == 1) return evaluate(be, model, data, positions, batch_size, pool, probs_out);
+  const auto t0 = std::chrono::steady_clock::now();
+  const ShardRange mine = shard_range(positions.size(), comm.rank(), comm.world_size());
+  const std::vector<size_t> part(positions.begin() + static_cast<long>(mine.begin),
+                                 positions.begin() + static_cast<long>(mine.end));
+  EpochStats local;
+  std::vector<float> part_probs;
+  if (!part.empty()) {
+    SLIDE_ASSIGN_OR_RETURN(local, evaluate(be, model, data, part, batch_size, pool, &part_probs));
+  }
+  const size_t classes = data.class_names().size();
+  std::vector<float> probs(positions.size() * classes, 0.0f);
+  std::copy(part_probs.begin(), part_probs.end(), probs.begin() + static_cast<long>(mine.begin * classes));
+  SLIDE_RETURN_IF_ERROR(comm.all_reduce(probs.data(), static_cast<int64_t>(probs.size()), DType::kF32, ReduceOp::kSum,
+                                        "all-gather of validation probabilities"));
+  double loss_sum = local.loss * static_cast<double>(local.samples);
+  SLIDE_RETURN_IF_ERROR(comm.all_reduce(&loss_sum, 1, DType::kF64, ReduceOp::kSum, "all-reduce of validation loss"));
+
+  // The metrics of the whole set, as evaluate() computes them, from the gathered probabilities.
+  EpochStats st;
+  st.samples = static_cast<int64_t>(positions.size());
+  st.steps = local.steps;
+  std::vector<int64_t> seen(classes, 0), right(classes, 0);
+  std::vector<int32_t> labels(positions.size());
+  int64_t correct = 0;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const float* p = probs.data() + i * classes;
+    const int32_t y = data.tiles()[positions[i]].label;
+    labels[i] = y;
+    const auto pred = static_cast<int32_t>(std::max_element(p, p + classes) - p);
+    ++seen[static_cast<size_t>(y)];
+    if (pred == y) ++right[static_cast<size_t>(y)], ++correct;
+  }
+  const double n = static_cast<double>(st.samples);
+  st.loss = st.samples ? loss_sum / n : 0;
+  st.accuracy = st.samples ? static_cast<double>(correct) / n : 0;
+  st.recall.assign(classes, -1.0);
+  double sum = 0;
+  int present = 0;
+  for (size_t k = 0; k < classes; ++k) {
+    if (seen[k] == 0) continue;
+    st.recall[k] = static_cast<double>(right[k]) / static_cast<double>(seen[k]);
+    sum += st.recall[k];
+    ++present;
+  }
+  st.balanced_accuracy = present ? sum / present : 0.0;
+  st.roc_auc = macro_roc_auc(probs, labels, static_cast<int64_t>(classes));
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (probs_out != nullptr) *probs_out = std::move(probs);
+  return st;
+}
+
+}  // namespace slide::train

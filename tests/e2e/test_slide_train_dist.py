@@ -1,0 +1,265 @@
+#!/usr/bin/python3
+"""End-to-end tests of data-parallel slide-train over MPI ranks (mpirun) on real tiles: the LC25000
+lung subset in sample_data, tiled by slide-tile (run by ctest, one class per test, label mpi).
+
+The equivalences tested: P ranks with one micro-batch each take the same slices of every global
+step as one rank with P micro-batches (--accumulate P), batch norm's per-micro-batch statistics
+included, so the parameters must agree to float summation order; with --sync-bn, P ranks agree
+with one rank and one micro-batch.
+
+Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/), SLIDE_MPIEXEC
+(mpirun), and Open MPI's settings for root, oversubscription and containers (tests/CMakeLists.txt).
+"""
+import glob
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+TILE = os.environ["SLIDE_TILE"]
+TRAIN = os.environ["SLIDE_TRAIN"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+MPIEXEC = os.environ.get("SLIDE_MPIEXEC", "mpirun")
+LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
+# One oneDNN thread per rank: 2 ranks fill CI's 2 cores, 3 oversubscribe them.
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def read_safetensors(path):
+    """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
+        b, end = e["data_offsets"]
+        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
+    return out
+
+
+def subset(src, dst, per_class, skip=0):
+    """A patch folder with `per_class` images of each class (after skipping `skip`), as symlinks."""
+    for cls in sorted(os.listdir(src)):
+        os.makedirs(os.path.join(dst, cls))
+        for f in sorted(os.listdir(os.path.join(src, cls)))[skip:skip + per_class]:
+            os.symlink(os.path.join(src, cls, f), os.path.join(dst, cls, f))
+
+
+def params(run_dir, epoch):
+    """The trainable parameters of a checkpoint (batch norm's running statistics left out: with
+    per-rank batch norm they are rank 0's, by design)."""
+    t = read_safetensors(os.path.join(run_dir, "checkpoints", "epoch-%d-step-0" % epoch, "model.safetensors"))
+    return {k: v for k, v in t.items() if "running_" not in k}
+
+
+def rank_pids(mpirun_pid):
+    """{rank: pid} of the processes mpirun started (its children carry OMPI_COMM_WORLD_RANK)."""
+    out = {}
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(os.path.join(d, "stat")) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != mpirun_pid:
+                continue
+            with open(os.path.join(d, "environ"), "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            if b"OMPI_COMM_WORLD_RANK" in env:
+                out[int(env[b"OMPI_COMM_WORLD_RANK"])] = int(os.path.basename(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+class Base(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="slide_train_dist_")
+        # 33 training tiles (11 per class) and 15 validation tiles: 33 is odd, prime to 4, 5 and 7.
+        for name, per_class, skip in (("train", 11, 0), ("val", 5, 11)):
+            subset(LC, os.path.join(cls.tmp, name + "_patches"), per_class, skip)
+            r = subprocess.run([TILE, "--patches", os.path.join(cls.tmp, name + "_patches"), "--tile-size", "48",
+                                "-o", os.path.join(cls.tmp, name), "-q"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+        cls.train_store = os.path.join(cls.tmp, "train")
+        cls.val_store = os.path.join(cls.tmp, "val")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def args(self, out, batch, epochs, *extra):
+        return [TRAIN, "--data", self.train_store, "--val-data", self.val_store, "--out", out, "--epochs", str(epochs),
+                "--batch-size", str(batch), "--lr", "0.05", "--width", "8", "--threads", "1", "--seed", "3",
+                "--cache", "none"] + list(extra)
+
+    def train(self, ranks, out, batch, epochs, *extra, timeout=300):
+        cmd = self.args(out, batch, epochs, *extra)
+        if ranks > 0:
+            cmd = [MPIEXEC, "-np", str(ranks)] + cmd
+        return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+    def assert_close(self, a, b, rtol=2e-4, atol=2e-5):
+        self.assertEqual(sorted(a), sorted(b))
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+    def history(self, out):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+class TestEquivalence(Base):
+    def check(self, ranks, batch, extra_single, extra_ranks, epochs=2, same_validation=False):
+        one = os.path.join(self.tmp, "one_%d_%d_%s" % (ranks, batch, "_".join(extra_single)))
+        many = os.path.join(self.tmp, "many_%d_%d_%s" % (ranks, batch, "_".join(extra_ranks)))
+        r = self.train(0, one, batch, epochs, *extra_single)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.train(ranks, many, batch, epochs, *extra_ranks)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # Only rank 0 logs: one "training" record, naming the ranks.
+        self.assertEqual(r.stderr.count("training"), 1, r.stderr)
+        self.assertIn("ranks=%d" % ranks, r.stderr)
+        a, b = params(one, epochs), params(many, epochs)
+        # Equal parameters are not a given: the last epoch moved them well beyond the tolerance.
+        before = params(one, epochs - 1)
+        self.assertGreater(max(float(np.abs(a[k] - before[k]).max()) for k in a), 1e-2)
+        self.assert_close(a, b)
+        # The training statistics are reduced over the ranks: the single rank's.
+        for h1, h2 in zip(self.history(one), self.history(many)):
+            self.assertAlmostEqual(h1["train_loss"], h2["train_loss"], places=4)
+            self.assertAlmostEqual(h1["train_accuracy"], h2["train_accuracy"], places=6)
+        # Validation, split over the ranks and reduced, scores the checkpoint rank 0 wrote (its
+        # running statistics): what `slide-train evaluate` of that checkpoint finds.
+        ev = os.path.join(self.tmp, "eval_" + os.path.basename(many))
+        r = subprocess.run([TRAIN, "--threads", "1", "evaluate", "--checkpoint",
+                            os.path.join(many, "checkpoints", "epoch-%d-step-0" % epochs), "--data", self.val_store,
+                            "--out", ev], capture_output=True, text=True, env=ENV)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "metrics.json")) as f:
+            m = json.load(f)
+        last = self.history(many)[-1]
+        self.assertAlmostEqual(m["loss"], last["val_loss"], places=5)
+        self.assertAlmostEqual(m["accuracy"], last["val_accuracy"], places=6)
+        self.assertAlmostEqual(m["roc_auc"], last["val_roc_auc"], places=5)
+        if same_validation:
+            # --sync-bn: the running statistics are the single rank's too.
+            for h1, h2 in zip(self.history(one), self.history(many)):
+                self.assertAlmostEqual(h1["val_loss"], h2["val_loss"], places=4)
+                self.assertAlmostEqual(h1["val_accuracy"], h2["val_accuracy"], places=6)
+
+    def test_two_ranks_odd_batch_equal_one_rank_with_two_micro_batches(self):
+        # B = 5 over 2 ranks: 2 + 3 samples per step; 33 tiles: the last step has 3.
+        self.check(2, 5, ["--accumulate", "2"], [])
+
+    def test_two_ranks_when_the_last_step_has_one_sample(self):
+        # B = 4: 33 = 8 x 4 + 1, so in the last step rank 0 has no sample and still all-reduces.
+        self.check(2, 4, ["--accumulate", "2"], [])
+
+    def test_three_ranks_oversubscribed_uneven_split(self):
+        # B = 7 over 3 ranks: 2 + 2 + 3; the last step of 5: 1 + 2 + 2. 3 ranks on 2 cores.
+        self.check(3, 7, ["--accumulate", "3"], [])
+
+    def test_ranks_compose_with_gradient_accumulation(self):
+        # 2 ranks x 2 micro-batches of a step of 8 = 4 micro-batches of 2 on one rank.
+        self.check(2, 8, ["--accumulate", "4"], ["--accumulate", "2"])
+
+    def test_sync_bn_two_ranks_equal_one_rank_with_the_whole_batch(self):
+        self.check(2, 6, [], ["--sync-bn"], same_validation=True)
+        self.assert_close(read_safetensors(os.path.join(self.tmp, "one_2_6_", "best.safetensors")),
+                          read_safetensors(os.path.join(self.tmp, "many_2_6_--sync-bn", "best.safetensors")))
+
+
+class TestFailure(Base):
+    def start(self, ranks, out, batch, epochs, *extra):
+        cmd = [MPIEXEC, "-np", str(ranks)] + self.args(out, batch, epochs, *extra)
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+
+    def wait_for(self, path, seconds=120):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not os.path.isdir(path):
+            time.sleep(0.01)
+        self.assertTrue(os.path.isdir(path), path)
+
+    def test_a_stopped_rank_times_out_the_others_and_a_resume_continues(self):
+        ref = os.path.join(self.tmp, "ref_stop")
+        self.assertEqual(self.train(2, ref, 5, 4).returncode, 0)
+        out = os.path.join(self.tmp, "stopped")
+        p = self.start(2, out, 5, 4, "--dist-timeout", "5")
+        self.wait_for(os.path.join(out, "checkpoints", "epoch-1-step-0"))
+        pids = rank_pids(p.pid)
+        self.assertEqual(sorted(pids), [0, 1])
+        # A hung rank (stopped, not dead: the launcher sees nothing wrong).
+        os.kill(pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            _, err = p.communicate(timeout=60)
+        finally:
+            for pid in pids.values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.assertLess(time.monotonic() - t0, 40)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertRegex(err, r"rank 0: .*rank 0 of 2 at step \d+: all-reduce of gradient bucket 1 of 1 .* "
+                              r"did not complete within 5 s")
+        # The newest complete checkpoint is intact: the same 2 ranks resume to the same weights.
+        r = self.train(2, out, 5, 4, "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_close(params(ref, 4), params(out, 4), rtol=0, atol=0)
+
+    def test_a_killed_rank_takes_the_job_down_and_a_resume_with_another_world_size_continues(self):
+        # Reference: one rank with 2 micro-batches, the same math as 2 ranks (see TestEquivalence).
+        ref = os.path.join(self.tmp, "ref_kill")
+        self.assertEqual(self.train(0, ref, 5, 4, "--accumulate", "2").returncode, 0)
+        out = os.path.join(self.tmp, "killed")
+        p = self.start(2, out, 5, 4, "--dist-timeout", "20")
+        self.wait_for(os.path.join(out, "checkpoints", "epoch-2-step-0"))
+        pids = rank_pids(p.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        self.assertLess(time.monotonic() - t0, 30)
+        self.assertNotEqual(p.returncode, 0, err)
+        # Resume on one rank (2 micro-batches) and then on 3 ranks: the same global schedule.
+        r = self.train(0, out, 5, 4, "--resume", "--accumulate", "2")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_close(params(ref, 4), params(out, 4))
+        self.assertEqual([h["epoch"] for h in self.history(out)], [1, 2, 3, 4])
+
+
+class TestWorldSize(Base):
+    def test_resume_with_more_ranks_continues_the_same_schedule(self):
+        # 3 epochs on one rank (3 micro-batches), the reference.
+        ref = os.path.join(self.tmp, "ref_ws")
+        r = self.train(0, ref, 7, 3, "--accumulate", "3", "--warmup-epochs", "1")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # The same run as if it had died during epoch 2: only the epoch-1 checkpoint is left.
+        out = os.path.join(self.tmp, "ws")
+        shutil.copytree(ref, out)
+        for e in (2, 3):
+            shutil.rmtree(os.path.join(out, "checkpoints", "epoch-%d-step-0" % e))
+        # Resumed on 3 ranks (oversubscribed), one micro-batch each: the same slices of each step.
+        r = self.train(3, out, 7, 3, "--resume", "--warmup-epochs", "1")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stderr, r"resumed .*epoch-1-step-0")
+        self.assert_close(params(ref, 3), params(out, 3))
+        # The learning-rate schedule (warm-up, then cosine over the global steps) goes on unchanged.
+        self.assertEqual([h["lr"] for h in self.history(out)], [h["lr"] for h in self.history(ref)])
+        self.assertEqual([h["epoch"] for h in self.history(out)], [1, 2, 3])
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:])

@@ -8,11 +8,14 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <cstdio>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "slide/cache/bag.h"
+#include "slide/core/csv.h"
+#include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/train/embed.h"
 
@@ -41,6 +44,38 @@ void install_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+}
+
+// Slide ids from a file: one per line, or a CSV whose header has a `slide_id` column (a slide-tile
+// manifest, a labels CSV). Blank and '#' lines are skipped.
+slide::core::Result<std::vector<std::string>> read_slide_ids(const std::string& path) {
+  auto text = slide::core::read_file(path);
+  if (!text.ok()) return text.status().with_context("--slides-file");
+  std::vector<std::string> ids;
+  std::istringstream in(*text);
+  std::string line;
+  int column = -1;
+  bool first = true;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (slide::core::csv_line_is_blank(line)) continue;
+    auto fields = slide::core::split_csv_line(line);
+    if (first) {
+      first = false;
+      for (size_t i = 0; i < fields.size(); ++i) {
+        if (fields[i] == "slide_id") column = static_cast<int>(i);
+      }
+      if (column >= 0) continue;  // a header
+      if (fields.size() > 1) {
+        return slide::core::invalid_argument("--slides-file " + path +
+                                             ": several columns but no slide_id header (or one id per line)");
+      }
+    }
+    const size_t c = column >= 0 ? static_cast<size_t>(column) : 0;
+    if (c < fields.size() && !fields[c].empty()) ids.push_back(fields[c]);
+  }
+  if (ids.empty()) return slide::core::invalid_argument("--slides-file " + path + ": no slide ids");
+  return ids;
 }
 
 int fail(const slide::core::Status& s) {
@@ -75,7 +110,10 @@ int main(int argc, char** argv) {
                                    "(a checkpoint names its own)");
   app.add_option("--layer", layer, "Cut the model after this layer, then global average pooling (default: layer3 for "
                                    "resnet50, CLAM's 1024-d features; avgpool, the penultimate features, otherwise)");
+  std::string slides_file;
   app.add_option("--slides", opt.slide_ids, "Embed only these slide ids (repeatable or comma-separated)")->delimiter(',');
+  app.add_option("--slides-file", slides_file, "Embed only the slide ids in this file (one per line, or a CSV with a "
+                                               "slide_id column)");
   app.add_option("--batch-size", opt.batch, "Tiles per forward pass")->capture_default_str()->check(CLI::Range(1, 4096));
   app.add_option("--dtype", dtype, "Stored feature type: float32 or float16")
       ->capture_default_str()
@@ -116,6 +154,11 @@ int main(int argc, char** argv) {
   if (!slide::cache::compression_available(*comp)) {
     return fail(slide::core::invalid_argument(std::string("--compression ") + compression +
                                               ": the HDF5 filter is not available here (gzip always is)"));
+  }
+  if (!slides_file.empty()) {
+    auto ids = read_slide_ids(slides_file);
+    if (!ids.ok()) return fail(ids.status());
+    opt.slide_ids.insert(opt.slide_ids.end(), ids->begin(), ids->end());
   }
   opt.decode_threads = decode_threads;
   opt.progress = !quiet;

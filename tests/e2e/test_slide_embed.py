@@ -365,6 +365,12 @@ class TestBadInput(Base):
         r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--slides", "nope")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("nope", r.stderr)
+        ids = os.path.join(self.tmp, "ids.csv")
+        with open(ids, "w") as f:
+            f.write("slide_id,label\nCMU-1-Small-Region,a\nmissing-slide,b\n")
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--slides-file", ids)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("missing-slide", r.stderr)
         r = self.embed(os.path.join(self.tmp, "no-store"), out, "--weights", self.weights, "--model", "resnet18")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("no-store", r.stderr)
@@ -395,6 +401,16 @@ class TestBadInput(Base):
         self.assertIn("TCGA-CR-7395-01A-01-TS1", r.stderr)
         self.assertIn("tile %d" % (rec["first_tile_index"] + 5), r.stderr)
         self.assertEqual(sorted(os.listdir(out)), ["CMU-1-Small-Region.h5", "bags.csv"])
+
+    def test_slides_file_restricts_the_run(self):
+        ids = os.path.join(self.tmp, "one.txt")
+        with open(ids, "w") as f:
+            f.write("# one id per line\nTCGA-CR-7395-01A-01-TS1\n")
+        out = os.path.join(self.tmp, "one")
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer1",
+                       "--slides-file", ids)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(out)), ["TCGA-CR-7395-01A-01-TS1.h5", "bags.csv"])
 
 
 if __name__ == "__main__":

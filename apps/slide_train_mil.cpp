@@ -180,6 +180,14 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   auto weights = parse_class_weights(o.class_weights, **ds, train);
   if (!weights.ok()) return fail(weights.status());
 
+  // The allocator keeps freed blocks by size for reuse; bags of different sizes would fill that
+  // cache with blocks of sizes never seen again, so it is bounded by two bags' worth of
+  // activations (features, hidden, gates, gradients: about D + 4 L + 6 A floats per tile).
+  {
+    const size_t per_tile = static_cast<size_t>(mc.in_features + 4 * mc.hidden + 6 * mc.attention) * sizeof(float);
+    const size_t bag_bytes = per_tile * static_cast<size_t>((*ds)->max_tiles());
+    cpu_allocator().set_cache_limit_bytes(std::max<size_t>(size_t{16} << 20, 2 * bag_bytes));
+  }
   // Bags in RAM when they fit in half of the budget left (or of the available memory): the
   // dataset-pinning idea; otherwise streamed from HDF5 with a bounded prefetch.
   if (o.cache != "none") {

@@ -281,6 +281,26 @@ class TestMemoryFlat(Base):
         self.assertGreater(t_ram, t_big + extra * 0.9)
 
 
+    def test_peak_memory_is_bounded_when_every_bag_has_its_own_size(self):
+        # Real slides have N tiles each, N different from slide to slide: caches keyed by shape
+        # (freed blocks of the allocator, oneDNN's primitive descriptors) must stay bounded.
+        feats = np.concatenate(list(class_features().values()))
+        def bags_of_sizes(out, sizes):
+            os.makedirs(out)
+            for b, n in enumerate(sizes):
+                idx = (np.arange(n) * 7 + b) % len(feats)
+                coords = np.array([[(i % 16) * 224, (i // 16) * 224] for i in range(n)])
+                write_bag(os.path.join(out, f"v{b:04d}.h5"), f"v{b:04d}", CLASSES[b % 3], feats[idx], coords)
+        small, big = os.path.join(self.tmp, "var_small"), os.path.join(self.tmp, "var_big")
+        bags_of_sizes(small, list(range(20, 221, 5)))           # 41 bags, 41 sizes
+        bags_of_sizes(big, list(range(20, 220)) * 2)            # 400 bags, 200 sizes, same largest
+        rss_small, _ = self.peak(small, os.path.join(self.tmp, "v1"), "none")
+        rss_big, _ = self.peak(big, os.path.join(self.tmp, "v2"), "none")
+        print(f"bags of varying size, streamed: 41 bags: peak RSS {rss_small / 2**20:.1f} MiB; "
+              f"400 bags: {rss_big / 2**20:.1f} MiB")
+        self.assertLess(rss_big - rss_small, 40 * 2**20)  # 147 MB more features; caches bounded
+
+
 class TestBadInput(Base):
     def test_errors_name_the_problem(self):
         out = os.path.join(self.tmp, "bad")

@@ -502,6 +502,9 @@ class OneDnnBackend final : public Backend {
       std::vector<Tensor>& s;
       ~ClearScratch() { s.clear(); }
     } clear{scratch_};
+    // Descriptors are cached by shape; shapes that vary without end (MIL bags of N tiles each)
+    // would grow the cache without bound, so past kMaxCachedPrimitives it starts over.
+    if (cache_.size() > kMaxCachedPrimitives) cache_.clear();
     try {
       body();
       strm_.wait();
@@ -642,6 +645,7 @@ class OneDnnBackend final : public Backend {
   dnnl::engine eng_;
   dnnl::stream strm_;
   std::unordered_map<std::string, std::any> cache_;
+  static constexpr size_t kMaxCachedPrimitives = 512;
   std::unique_ptr<Backend> loops_;  // the reference backend, for ops oneDNN does not have
   std::vector<Tensor> scratch_;     // reorder scratch of the op in flight
 };

@@ -34,15 +34,20 @@ Status StepRecovery::recover(const Status& error, int64_t* micro_count, int64_t 
   // Freed blocks cached by the allocator do not count against the budget, but they do against the
   // machine's memory: give them back before the finer split allocates its (smaller) blocks.
   if (auto* cpu = dynamic_cast<CpuAllocator*>(&alloc); cpu != nullptr) cpu->trim_cache();
-  const int64_t old_count = *micro_count;
-  *micro_count = std::min<int64_t>(2 * old_count, step_samples);
-  slide::core::log_warn("out of memory in a step: its work is discarded and the step rerun with smaller micro-batches",
-                        {{"error", error.to_string()},
-                         {"micro_batch_before", (step_samples + old_count - 1) / old_count},
-                         {"micro_batch_now", (step_samples + *micro_count - 1) / *micro_count},
-                         {"accumulate_before", old_count},
-                         {"accumulate_now", *micro_count}});
+  if (reruns_++ == 0) count_before_ = *micro_count, first_error_ = error.to_string();
+  *micro_count = std::min<int64_t>(2 * *micro_count, step_samples);
   return slide::core::ok_status();
+}
+
+void StepRecovery::end_step(int64_t micro_count, int64_t step_samples) {
+  if (reruns_ == 0) return;
+  slide::core::log_warn("out of memory in a step: it was rerun with smaller micro-batches (same update); "
+                        "later steps keep them",
+                        {{"error", first_error_}, {"reruns", reruns_},
+                         {"micro_batch_before", (step_samples + count_before_ - 1) / count_before_},
+                         {"micro_batch_now", (step_samples + micro_count - 1) / micro_count},
+                         {"accumulate_before", count_before_}, {"accumulate_now", micro_count}});
+  reruns_ = 0;
 }
 
 }  // namespace slide::train

@@ -218,6 +218,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
         SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->all_reduce(*options.comm, options.cancel != nullptr && options.cancel->load()));
       }
       SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
+      recovery.end_step(micro_count, static_cast<int64_t>(mb.b - plan[step_first].a));
       st.samples += mb.step_n;
       ++st.steps;
       if (options.on_step) {

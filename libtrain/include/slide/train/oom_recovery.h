@@ -5,10 +5,12 @@
 // snapshots the model's buffers (batch norm's running statistics, which a discarded forward
 // would have advanced) at begin_step(), and on a kResourceExhausted error recover() puts them
 // back, releases the saved activations, trims the allocator's cache of freed blocks, and doubles
-// the micro-batch count, logging the new sizes once per recovery. Not thread-safe.
+// the micro-batch count; end_step() logs the step's recovery once, with the old and new sizes.
+// Not thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "slide/train/layers.h"
@@ -32,16 +34,21 @@ class StepRecovery {
   // After `error` inside a step whose samples on this rank are `step_samples`: when the error is
   // kResourceExhausted, recovery is enabled and the micro-batches can still be split finer
   // (*micro_count < step_samples), undoes the step's effects on the model as above, sets
-  // *micro_count = min(2 x *micro_count, step_samples), logs a warning with the old and new
-  // micro-batch sizes, and returns ok: the caller reruns the step. Otherwise returns `error`
+  // *micro_count = min(2 x *micro_count, step_samples) and returns ok: the caller reruns the
+  // step. Otherwise returns `error`
   // (with context saying that even one sample per micro-batch did not fit, when that is why).
   [[nodiscard]] Status recover(const Status& error, int64_t* micro_count, int64_t step_samples, Allocator& alloc);
+  // After the step's update: when it was rerun, one warning with the first error, the micro-batch
+  // size and count before and after (`micro_count` now), and the number of reruns.
+  void end_step(int64_t micro_count, int64_t step_samples);
 
  private:
   Layer& model_;
   bool enabled_;
   std::vector<Buffer*> buffers_;
   std::vector<std::vector<unsigned char>> saved_;
+  int64_t reruns_ = 0, count_before_ = 0;  // this step's
+  std::string first_error_;
 };
 
 }  // namespace slide::train

@@ -1,0 +1,50 @@
+// slide-train's memory options (issue 6): --dry-run (the memory plan), --batch-size auto with
+// --global-batch, --checkpoint-activations, and the --cache auto rule. The logic is in libtrain
+// (planner.h, activation_checkpoint.h); this file wires it to the command line.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "slide/core/status.h"
+#include "slide/train/layers.h"
+
+namespace slide::apps {
+
+struct MemoryOptions {
+  std::string checkpoint_activations = "none";
+  bool dry_run = false;
+  int64_t global_batch = 0;  // with --batch-size auto: samples per step; 0 = one micro-batch
+};
+
+// Adds --checkpoint-activations, --dry-run and --global-batch to `app`.
+void add_memory_options(CLI::App& app, MemoryOptions* options);
+
+// What prepare_memory decided.
+struct MemoryDecision {
+  size_t step_bytes = 0;  // the plan's peak beyond weights, gradients and optimizer state
+  size_t peak_bytes = 0;  // the plan's whole peak
+};
+
+// After the model and optimizer exist (their bytes live in the allocator), before the schedule:
+// wraps the model's segments (--checkpoint-activations), resolves --batch-size auto (*batch == 0)
+// into the largest micro-batch that fits the budget (the allocator's, else the available memory)
+// confirmed by real steps, setting *batch and *accumulate (with --global-batch G: *batch = G,
+// *accumulate = ceil(G / micro-batch)); then plans the step at the micro-batch and logs the
+// predicted peak. With --dry-run the plan's table goes to stdout. `limit`: the largest
+// micro-batch worth trying (the training tiles). Errors: kInvalidArgument (a bad mode,
+// --global-batch without auto), kResourceExhausted (not even a micro-batch of 1 fits), those of
+// the planner and of the probe steps.
+[[nodiscard]] slide::core::Result<MemoryDecision> prepare_memory(
+    const MemoryOptions& options, slide::train::Backend& be, slide::train::Sequential& model, int64_t tile_px,
+    int64_t classes, const std::string& optimizer, double momentum, const std::string& backend_name, int64_t limit,
+    int64_t* batch, int64_t* accumulate);
+
+// --cache auto: keep the decoded dataset in RAM when it fits beside the training step within
+// what is left of the budget, with a tenth of it spare (oneDNN's own buffers, rounding): logs the
+// choice and the figures either way.
+bool dataset_fits_in_ram(size_t decoded_bytes, size_t budget_left_bytes, const MemoryDecision& decision);
+
+}  // namespace slide::apps

@@ -1,0 +1,386 @@
+#include "slide_train_sweep.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "slide/core/file.h"
+#include "slide/core/log.h"
+
+extern char** environ;
+
+namespace slide::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+using slide::core::Result;
+using slide::core::Status;
+
+constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitSomeFailed = 3, kExitInterrupted = 130;
+
+// One trial: its options in order (name without dashes, value; a flag has value "true").
+using Trial = std::vector<std::pair<std::string, std::string>>;
+
+std::string trim(const std::string& s) {
+  const auto a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+std::string unquote(const std::string& v) {
+  if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) return v.substr(1, v.size() - 2);
+  return v;
+}
+
+// `[a, "b", 3]` -> {a, b, 3}: commas outside quotes split.
+std::vector<std::string> split_list(const std::string& body) {
+  std::vector<std::string> out;
+  std::string cur;
+  char quote = 0;
+  for (char c : body) {
+    if (quote) {
+      cur += c;
+      if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+      cur += c;
+    } else if (c == ',') {
+      out.push_back(unquote(trim(cur)));
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!trim(cur).empty()) out.push_back(unquote(trim(cur)));
+  return out;
+}
+
+Result<std::vector<Trial>> read_toml_grid(const std::string& path, const std::string& text) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> axes;
+  std::istringstream in(text);
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    std::string t = trim(line);
+    if (const auto hash = t.find('#'); hash != std::string::npos && t.find('"') == std::string::npos) t = trim(t.substr(0, hash));
+    if (t.empty() || (t.front() == '[' && t.find('=') == std::string::npos)) continue;  // [section]
+    const auto eq = t.find('=');
+    if (eq == std::string::npos)
+      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": expected 'option = value' or 'option = [v1, v2]'");
+    std::string key = trim(t.substr(0, eq)), value = trim(t.substr(eq + 1));
+    if (key.rfind("--", 0) == 0) key = key.substr(2);
+    if (key.empty() || value.empty())
+      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": an option name and a value are needed");
+    std::vector<std::string> values;
+    if (value.front() == '[') {
+      if (value.back() != ']') return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": a list must end with ']' on its line");
+      values = split_list(value.substr(1, value.size() - 2));
+      if (values.empty()) return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": an empty list");
+    } else {
+      values = {unquote(value)};
+    }
+    axes.push_back({key, values});
+  }
+  if (axes.empty()) return slide::core::invalid_argument(path + ": no options");
+  std::vector<Trial> trials{Trial{}};
+  for (const auto& [key, values] : axes) {  // the cartesian product, the last axis fastest
+    std::vector<Trial> next;
+    for (const Trial& t : trials)
+      for (const std::string& v : values) {
+        Trial u = t;
+        u.push_back({key, v});
+        next.push_back(std::move(u));
+      }
+    trials = std::move(next);
+  }
+  return trials;
+}
+
+Result<std::vector<Trial>> read_csv_grid(const std::string& path, const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  std::vector<std::string> header;
+  std::vector<Trial> trials;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (trim(line).empty() || trim(line).front() == '#') continue;
+    std::vector<std::string> cells = split_list(line);
+    while (cells.size() < header.size() && !line.empty() && line.back() == ',') cells.push_back("");  // trailing empties
+    if (header.empty()) {
+      for (auto& c : cells) header.push_back(c.rfind("--", 0) == 0 ? c.substr(2) : c);
+      continue;
+    }
+    if (cells.size() > header.size())
+      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": more cells than the header names");
+    Trial t;
+    for (size_t i = 0; i < cells.size(); ++i)
+      if (!cells[i].empty()) t.push_back({header[i], cells[i]});
+    trials.push_back(std::move(t));
+  }
+  if (trials.empty()) return slide::core::invalid_argument(path + ": no trials (a header row, then one row per trial)");
+  return trials;
+}
+
+std::string trial_id(size_t i) {
+  std::string n = std::to_string(i);
+  return "t" + std::string(n.size() < 3 ? 3 - n.size() : 0, '0') + n;
+}
+
+// The trial's last error line from its log ("[hh:mm:ss] error ..."), or "".
+std::string last_error(const std::string& log_path) {
+  std::ifstream f(log_path);
+  std::string line, last;
+  while (std::getline(f, line))
+    if (line.find("] error ") != std::string::npos) last = line.substr(line.find("] error ") + 8);
+  if (last.size() > 400) last = last.substr(0, 400) + "...";
+  return last;
+}
+
+// The best validation balanced accuracy over the trial's epochs (metrics.jsonl), or -1.
+double best_metric(const std::string& dir) {
+  std::ifstream f(dir + "/metrics.jsonl");
+  std::string line;
+  double best = -1;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("val_balanced_accuracy")) best = std::max(best, j["val_balanced_accuracy"].get<double>());
+  }
+  return best;
+}
+
+bool has_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir + "/checkpoints", ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("epoch-", 0) == 0 && n.find(".partial") == std::string::npos) return true;
+  }
+  return false;
+}
+
+std::string signal_name(int sig) {
+  const char* n = sigabbrev_np(sig);
+  return n != nullptr ? std::string("SIG") + n : std::to_string(sig);
+}
+
+// results.json and results.csv from every trial's record.
+Status write_results(const std::string& out, const std::vector<Trial>& trials, const std::vector<nlohmann::json>& records) {
+  nlohmann::json all = nlohmann::json::array();
+  std::string best;
+  double best_value = -2;
+  std::vector<std::string> keys;
+  for (const Trial& t : trials)
+    for (const auto& [k, v] : t)
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  std::string csv = "trial";
+  for (const auto& k : keys) csv += "," + k;
+  csv += ",status,reason,best_val_balanced_accuracy,seconds\n";
+  auto cell = [](std::string s) {
+    if (s.find_first_of(",\"\n") == std::string::npos) return s;
+    std::string q = "\"";
+    for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c == '\n' ? ' ' : c);
+    return q + "\"";
+  };
+  for (size_t i = 0; i < trials.size(); ++i) {
+    const nlohmann::json& r = records[i];
+    all.push_back(r);
+    std::map<std::string, std::string> opts(trials[i].begin(), trials[i].end());
+    csv += trial_id(i);
+    for (const auto& k : keys) csv += "," + cell(opts.count(k) ? opts[k] : "");
+    csv += "," + r.value("status", "pending") + "," + cell(r.value("reason", "")) + "," +
+           std::to_string(r.value("best_val_balanced_accuracy", -1.0)) + "," + std::to_string(r.value("seconds", 0.0)) + "\n";
+    if (r.value("status", "") == "ok" && r.value("best_val_balanced_accuracy", -1.0) > best_value)
+      best_value = r["best_val_balanced_accuracy"].get<double>(), best = trial_id(i);
+  }
+  const nlohmann::json doc = {{"trials", all}, {"best", best.empty() ? nlohmann::json() : nlohmann::json(best)},
+                              {"metric", "best_val_balanced_accuracy"}};
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/results.json", doc.dump(2) + "\n"));
+  return slide::core::write_file_atomic(out + "/results.csv", csv);
+}
+
+}  // namespace
+
+CLI::App* add_sweep_command(CLI::App& app, SweepOptions* o) {
+  auto* sweep = app.add_subcommand("sweep", "Hyper-parameter trials, each its own slide-train process: "
+                                            "slide-train sweep --grid G --out DIR -- COMMON OPTIONS");
+  sweep->add_option("--grid", o->grid, "Trials: a TOML file of 'option = [values]' (their product) or a CSV of rows")
+      ->required()->check(CLI::ExistingFile);
+  sweep->add_option("--out", o->out, "Sweep directory: trials/tNNN/, results.json, results.csv")->required();
+  sweep->add_option("--parallel", o->parallel, "Trials at once")->capture_default_str()->check(CLI::PositiveNumber);
+  sweep->add_option("--trial-memory-budget", o->trial_memory_budget,
+                    "--memory-budget of every trial that does not set its own (e.g. 2G)");
+  sweep->add_option("common", o->common, "slide-train options for every trial, after --");
+  return sweep;
+}
+
+int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<bool>* cancel) {
+  auto text = slide::core::read_file(o.grid);
+  if (!text.ok()) {
+    slide::core::log_error(text.status().to_string());
+    return kExitUsage;
+  }
+  const bool csv = o.grid.size() > 4 && o.grid.substr(o.grid.size() - 4) == ".csv";
+  auto trials = csv ? read_csv_grid(o.grid, *text) : read_toml_grid(o.grid, *text);
+  if (!trials.ok()) {
+    slide::core::log_error(trials.status().to_string());
+    return kExitUsage;
+  }
+  for (const Trial& t : *trials)
+    for (const auto& [k, v] : t)
+      if (k == "out" || k == "resume") {
+        slide::core::log_error(o.grid + ": --" + k + " is the sweep's to set");
+        return kExitUsage;
+      }
+  if (auto s = slide::core::make_dirs(o.out + "/trials"); !s.ok()) {
+    slide::core::log_error(s.to_string());
+    return kExitFailed;
+  }
+  const size_t n = trials->size();
+  std::vector<nlohmann::json> records(n);
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string dir = o.out + "/trials/" + trial_id(i);
+    auto prev = slide::core::read_file(dir + "/result.json");
+    if (prev.ok()) records[i] = nlohmann::json::parse(*prev, nullptr, false);
+    if (!records[i].is_object()) records[i] = nlohmann::json::object();
+    if (records[i].value("status", "") == "ok") continue;
+    records[i] = {{"trial", trial_id(i)}, {"status", "pending"}};
+    todo.push_back(i);
+  }
+  slide::core::log_info("sweep", {{"trials", static_cast<int64_t>(n)}, {"to_run", static_cast<int64_t>(todo.size())},
+                                  {"already_done", static_cast<int64_t>(n - todo.size())}, {"parallel", o.parallel}});
+  struct Running {
+    size_t trial;
+    std::chrono::steady_clock::time_point t0;
+  };
+  std::map<pid_t, Running> running;
+  size_t next = 0;
+  bool interrupted = false, forwarded = false;
+  auto launch = [&](size_t i) -> Status {
+    const std::string dir = o.out + "/trials/" + trial_id(i);
+    SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
+    std::vector<std::string> args{self};
+    args.insert(args.end(), o.common.begin(), o.common.end());
+    bool own_budget = false;
+    for (const auto& [k, v] : (*trials)[i]) {
+      if (v == "false") continue;
+      args.push_back("--" + k);
+      if (v != "true") args.push_back(v);
+      own_budget |= k == "memory-budget";
+    }
+    if (!own_budget && !o.trial_memory_budget.empty()) args.insert(args.end(), {"--memory-budget", o.trial_memory_budget});
+    args.insert(args.end(), {"--out", dir});
+    if (has_checkpoint(dir)) args.push_back("--resume");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    const std::string log = dir + "/log.txt";
+    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, self.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) return slide::core::errno_status(rc, "start trial " + trial_id(i) + " (" + self + ")");
+    SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/pid", std::to_string(pid) + "\n"));
+    std::string line;
+    for (size_t k = 1; k < args.size(); ++k) line += (k > 1 ? " " : "") + args[k];
+    slide::core::log_info("trial started", {{"trial", trial_id(i)}, {"pid", static_cast<int64_t>(pid)}, {"args", line}});
+    running[pid] = {i, std::chrono::steady_clock::now()};
+    records[i]["status"] = "running";
+    return slide::core::ok_status();
+  };
+  while (true) {
+    if (cancel != nullptr && cancel->load()) {
+      interrupted = true;
+      if (!forwarded) {
+        for (const auto& [pid, r] : running) ::kill(pid, SIGINT);  // each trial checkpoints and exits 130
+        forwarded = true;
+      }
+    }
+    while (!interrupted && next < todo.size() && running.size() < static_cast<size_t>(o.parallel)) {
+      if (auto s = launch(todo[next++]); !s.ok()) {
+        slide::core::log_error(s.to_string());
+        records[todo[next - 1]]["status"] = "failed";
+        records[todo[next - 1]]["reason"] = s.to_string();
+      }
+    }
+    if (running.empty()) break;
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      slide::core::log_error(std::string("waitpid: ") + std::strerror(errno));
+      return kExitFailed;
+    }
+    auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const size_t i = it->second.trial;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.t0).count();
+    running.erase(it);
+    const std::string dir = o.out + "/trials/" + trial_id(i);
+    nlohmann::json& r = records[i];
+    r["trial"] = trial_id(i);
+    r["options"] = nlohmann::json::object();
+    for (const auto& [k, v] : (*trials)[i]) r["options"][k] = v;
+    r["seconds"] = seconds;
+    r["best_val_balanced_accuracy"] = best_metric(dir);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+      r["status"] = "ok";
+      r["reason"] = "";
+    } else {
+      r["status"] = "failed";
+      const std::string err = last_error(dir + "/log.txt");
+      if (WIFSIGNALED(status)) {
+        r["reason"] = "killed by signal " + signal_name(WTERMSIG(status));
+      } else if (WEXITSTATUS(status) == kExitInterrupted) {
+        r["reason"] = "interrupted (exit 130): rerun the sweep to finish it";
+      } else {
+        r["reason"] = (err.find("RESOURCE_EXHAUSTED") != std::string::npos ? "out of memory: " : "exit code " +
+                       std::to_string(WEXITSTATUS(status)) + ": ") + err;
+      }
+    }
+    if (auto s = slide::core::write_file_atomic(dir + "/result.json", r.dump(2) + "\n"); !s.ok())
+      slide::core::log_error(s.to_string());
+    std::error_code ec;
+    fs::remove(dir + "/pid", ec);
+    (r["status"] == "ok" ? slide::core::log_info : slide::core::log_warn)(
+        "trial ended", {{"trial", trial_id(i)}, {"status", r["status"].get<std::string>()},
+                        {"reason", r["reason"].get<std::string>()},
+                        {"best_val_balanced_accuracy", r["best_val_balanced_accuracy"].get<double>()}});
+    if (auto s = write_results(o.out, *trials, records); !s.ok()) {
+      slide::core::log_error(s.to_string());
+      return kExitFailed;
+    }
+  }
+  if (auto s = write_results(o.out, *trials, records); !s.ok()) {
+    slide::core::log_error(s.to_string());
+    return kExitFailed;
+  }
+  size_t ok = 0;
+  for (const auto& r : records) ok += r.value("status", "") == "ok";
+  auto doc = slide::core::read_file(o.out + "/results.json");
+  const nlohmann::json results = doc.ok() ? nlohmann::json::parse(*doc, nullptr, false) : nlohmann::json();
+  slide::core::log_info("sweep finished", {{"ok", static_cast<int64_t>(ok)}, {"failed", static_cast<int64_t>(n - ok)},
+                                           {"best", results.is_object() && results["best"].is_string()
+                                                        ? results["best"].get<std::string>()
+                                                        : std::string("none")}});
+  if (interrupted) return kExitInterrupted;
+  return ok == n ? kExitOk : kExitSomeFailed;
+}
+
+}  // namespace slide::apps

@@ -1,0 +1,46 @@
+// slide-train sweep: hyper-parameter trials, each a slide-train child process (DESIGN.md,
+// "Memory: never die of OOM": every trial starts with all memory free, and one that crashes, is
+// killed or runs out of memory is recorded as failed while the sweep goes on).
+//
+//   slide-train sweep --grid sweep.toml --out runs/sweep [--parallel 2] [--trial-memory-budget 2G]
+//       -- --data lung --epochs 3            (one line; options common to every trial after --)
+//
+// The grid: a TOML subset, `option = value` or `option = [v1, v2, ...]` per line (option names
+// without the leading dashes; strings quoted or bare; `true` is a flag, `false` leaves it out;
+// '#' comments; [sections] are not read), whose lists span a cartesian product in file order; or
+// a CSV (.csv) whose header names the options and whose rows are the trials (an empty cell leaves
+// the option out).
+//
+// Layout of --out: trials/tNNN/ is trial NNN's --out (its checkpoints, metrics, log.txt with its
+// stderr and stdout, pid while it runs, result.json when it ended); results.json and results.csv
+// (every trial: id, options, status ok|failed, reason, best validation balanced accuracy, seconds;
+// results.json names the best trial) are rewritten atomically whenever a trial ends.
+//
+// Resumable: a rerun with the same --out skips the trials whose result.json says ok and reruns
+// the others (failed or never finished), with --resume when the trial left a complete checkpoint.
+// Exit codes: 0 every trial ok, 3 some failed, 2 usage (a bad grid), 1 the sweep itself failed,
+// 130 interrupted (running trials were interrupted too; rerun to finish them).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+namespace slide::apps {
+
+struct SweepOptions {
+  std::string grid, out, trial_memory_budget;
+  int parallel = 1;
+  std::vector<std::string> common;  // slide-train options given to every trial (after --)
+};
+
+// The `sweep` subcommand with its options.
+CLI::App* add_sweep_command(CLI::App& app, SweepOptions* options);
+
+// Runs the sweep with `self` (this slide-train's path) as every trial's program. Returns the exit
+// code above. `cancel` (Ctrl-C) stops launching trials; running ones get SIGINT themselves.
+int run_sweep(const SweepOptions& options, const std::string& self, const std::atomic<bool>* cancel);
+
+}  // namespace slide::apps

@@ -1,0 +1,83 @@
+// The single-process parts of data parallelism: the batch split, the local communicator, the
+// factory's errors and the gradient buckets' layout. The collectives over real ranks are in
+// tests/dist/test_mpi.cpp (label mpi).
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+
+#include "slide/train/communicator.h"
+#include "slide/train/data_parallel.h"
+
+using namespace slide::train;
+
+TEST_CASE("shard_range: ranks tile the batch in order, sizes differ by at most one") {
+  for (size_t n : {0, 1, 2, 5, 7, 32, 33, 101})
+    for (int p : {1, 2, 3, 4, 8}) {
+      size_t next = 0, smallest = n, largest = 0;
+      for (int r = 0; r < p; ++r) {
+        const ShardRange s = shard_range(n, r, p);
+        REQUIRE(s.begin == next);
+        REQUIRE(s.end >= s.begin);
+        smallest = std::min(smallest, s.end - s.begin), largest = std::max(largest, s.end - s.begin);
+        next = s.end;
+      }
+      CHECK(next == n);
+      CHECK(largest - smallest <= 1);
+    }
+  // B = 5 over 2 ranks: 2 + 3, the split --accumulate 2 makes on one rank.
+  CHECK(shard_range(5, 0, 2).end == 2);
+  CHECK(shard_range(1, 0, 2).end == 0);  // rank 0 has nothing; rank 1 the sample
+}
+
+TEST_CASE("local communicator: one rank, collectives leave the data, bad arguments are named") {
+  unsetenv("OMPI_COMM_WORLD_SIZE"), unsetenv("PMIX_SIZE"), unsetenv("PMI_SIZE"), unsetenv("SLURM_STEP_NUM_TASKS");
+  CHECK(launch_world_size() == 1);
+  auto c = make_communicator("auto", 10);
+  REQUIRE(c.ok());
+  Communicator& comm = **c;
+  CHECK(comm.name() == "local");
+  CHECK(comm.world_size() == 1);
+  float x[3] = {1, 2, 3};
+  REQUIRE(comm.all_reduce(x, 3, DType::kF32, ReduceOp::kAverage, "x").ok());
+  CHECK(x[2] == 3.0f);
+  std::vector<double> all;
+  REQUIRE(comm.all_gather(2.5, &all, "g").ok());
+  CHECK(all == std::vector<double>{2.5});
+  CHECK(comm.broadcast(x, sizeof x, 1, "b").code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(comm.all_reduce(x, 1, DType::kI32, ReduceOp::kAverage, "i").code() == slide::core::StatusCode::kInvalidArgument);
+  auto bad = make_communicator("nccl2", 10);
+  CHECK(bad.status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(bad.status().message().find("'nccl2' is not one of auto, local, mpi") != std::string::npos);
+  CHECK(make_communicator("local", 0).status().code() == slide::core::StatusCode::kInvalidArgument);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  CHECK(launch_world_size() == 4);
+  setenv("OMPI_COMM_WORLD_SIZE", "four", 1);
+  CHECK(launch_world_size() == 1);
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+}
+
+TEST_CASE("gradient buckets: reverse parameter order, capped size, the stop flag, gradients kept on one rank") {
+  auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 1).value();
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  model->collect("", &params, &buffers);
+  int64_t total = 0, largest = 0;
+  for (Parameter* p : params) {
+    for (int64_t k = 0; k < p->grad.numel(); ++k) p->grad.data<float>()[k] = static_cast<float>(k % 5);
+    total += p->grad.numel(), largest = std::max(largest, p->grad.numel());
+  }
+  auto one = GradientBuckets::make(params, cpu_allocator()).value();
+  CHECK(one->bucket_count() == 1);  // the small CNN is far below 25 MiB
+  CHECK(one->elements() == total + 1);
+  auto many = GradientBuckets::make(params, cpu_allocator(), 8192).value();
+  CHECK(many->bucket_count() > 2);
+  CHECK(many->bucket_count() < params.size() + 1);
+  auto comm = make_communicator("local", 10).value();
+  auto stop = many->all_reduce(*comm, true);
+  REQUIRE(stop.ok());
+  CHECK(*stop);
+  CHECK_FALSE(*many->all_reduce(*comm, false));
+  for (Parameter* p : params)
+    for (int64_t k = 0; k < p->grad.numel(); ++k) REQUIRE(p->grad.data<float>()[k] == static_cast<float>(k % 5));
+  CHECK(GradientBuckets::make(params, cpu_allocator(), 2).status().code() == slide::core::StatusCode::kInvalidArgument);
+}

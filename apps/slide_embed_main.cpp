@@ -171,6 +171,7 @@ int main(int argc, char** argv) {
   auto extractor = slide::train::FeatureExtractor::create(*loaded->net, cut);
   if (!extractor.ok()) return fail(extractor.status());
   loaded->net.reset();  // the extractor holds folded copies of the weights
+  slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
   slide::core::log_info("model", {{"model", loaded->model},
                                   {"layer", cut},
                                   {"feature_dim", (*extractor)->feature_dim()},

@@ -231,6 +231,19 @@ struct FeatureExtractor::Impl {
   dnnl::engine eng{dnnl::engine::kind::cpu, 0};
   dnnl::stream strm{eng};
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<Step>> plans;  // by (N, H, W)
+  std::map<const ConvSpec*, std::vector<std::pair<memory::desc, Tensor>>> weight_cache;
+  std::map<const ConvSpec*, Tensor> biases;
+
+  Tensor bias_tensor(const ConvSpec& s) {
+    Tensor& b = biases[&s];
+    if (!b.defined()) {
+      auto t = Tensor::empty({s.K}, DType::kF32, cpu_allocator(), "embedding bias");
+      if (!t.ok()) return Tensor();
+      b = *t;
+      std::memcpy(b.raw(), s.b.data(), s.b.size() * sizeof(float));
+    }
+    return b;
+  }
 
   memory mem(const Act& a) { return memory(a.md, eng, a.ptr()); }
 
@@ -267,14 +280,23 @@ struct FeatureExtractor::Impl {
     auto e = std::make_shared<ConvExec>();
     e->pd = dnnl::convolution_forward::primitive_desc(desc, attr, eng);
     e->prim = dnnl::convolution_forward(e->pd);
-    SLIDE_ASSIGN_OR_RETURN(e->weights, Tensor::empty({static_cast<int64_t>(e->pd.weights_desc().get_size())}, DType::kU8,
-                                                     cpu_allocator(), "embedding weights"));
-    memory plain({{s.K, s.C, s.R, s.S}, dt::f32, tag::oihw}, eng, const_cast<float*>(s.w.data()));
-    memory blocked(e->pd.weights_desc(), eng, e->weights.raw());
-    dnnl::reorder(plain, blocked).execute(strm, plain, blocked);
-    SLIDE_ASSIGN_OR_RETURN(e->bias, Tensor::empty({s.K}, DType::kF32, cpu_allocator(), "embedding bias"));
-    std::memcpy(e->bias.raw(), s.b.data(), s.b.size() * sizeof(float));
-    strm.wait();
+    // The weights in the layout this primitive wants, shared by every plan (batch size) that wants
+    // the same layout: one reordered copy per convolution, not one per batch size.
+    auto& cached = weight_cache[&s];
+    for (const auto& [md, t] : cached) {
+      if (md == e->pd.weights_desc()) e->weights = t;
+    }
+    if (!e->weights.defined()) {
+      SLIDE_ASSIGN_OR_RETURN(e->weights, Tensor::empty({static_cast<int64_t>(e->pd.weights_desc().get_size())},
+                                                       DType::kU8, cpu_allocator(), "embedding weights"));
+      memory plain({{s.K, s.C, s.R, s.S}, dt::f32, tag::oihw}, eng, const_cast<float*>(s.w.data()));
+      memory blocked(e->pd.weights_desc(), eng, e->weights.raw());
+      dnnl::reorder(plain, blocked).execute(strm, plain, blocked);
+      strm.wait();
+      cached.emplace_back(e->pd.weights_desc(), e->weights);
+    }
+    e->bias = bias_tensor(s);
+    if (!e->bias.defined()) return slide::core::resource_exhausted("no memory for a convolution's bias");
     *H = P, *W = Q;
     return e;
   }

@@ -1,6 +1,7 @@
 // HDF5 feature bags: write/read round trips (float32, float16, gzip, lzf), slices, atomic commit,
 // the directory listing and manifest, float16 rounding, and corrupt or foreign files.
 #include <doctest/doctest.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -329,4 +330,30 @@ TEST_CASE("bag_file_name sanitises ids") {
   CHECK(bag_file_name("a/b c") == "a_b_c.h5");
   CHECK(bag_file_name("../x") == "_._x.h5");
   CHECK(bag_file_name("") == "_.h5");
+}
+
+TEST_CASE("bag reader: read-only files, HDF5_USE_FILE_LOCKING=FALSE, and several readers of one bag at once") {
+  TempDir tmp;
+  std::vector<float> f;
+  std::vector<int64_t> c;
+  const std::string path = write_bag(tmp.path, "ro", 20, 8, {}, &f, &c);
+  fs::permissions(path, fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
+  fs::permissions(tmp.path, fs::perms::owner_read | fs::perms::owner_exec);
+  {
+    // HDF5 reads the variable at each open; readers must honour it (network filesystems without
+    // locks are where users set it).
+    ::setenv("HDF5_USE_FILE_LOCKING", "FALSE", 1);
+    auto a = BagReader::open(path);
+    ::unsetenv("HDF5_USE_FILE_LOCKING");
+    REQUIRE_MESSAGE(a.ok(), a.status().to_string());
+    auto b = BagReader::open(path);  // with locking (shared read locks), while `a` is open
+    REQUIRE_MESSAGE(b.ok(), b.status().to_string());
+    auto ba = (*a)->read_all();
+    auto bb = (*b)->read_all();
+    REQUIRE(ba.ok());
+    REQUIRE(bb.ok());
+    CHECK(ba->features == f);
+    CHECK(bb->features == f);
+  }
+  fs::permissions(tmp.path, fs::perms::owner_all);
 }

@@ -17,9 +17,9 @@ namespace slide::train {
 
 namespace {
 
-// torchvision's ImageNet normalisation (transforms.Normalize in its model docs).
-constexpr float kMean[3] = {0.485f, 0.456f, 0.406f};
-constexpr float kStd[3] = {0.229f, 0.224f, 0.225f};
+// torchvision's ImageNet normalisation (dataset.h; slide-embed uses the same constants).
+constexpr const float (&kMean)[3] = kImageNetMean;
+constexpr const float (&kStd)[3] = kImageNetStd;
 
 }  // namespace
 

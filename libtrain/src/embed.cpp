@@ -716,7 +716,13 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
 
   EmbedSummary summary;
   int64_t total_tiles = 0;
-  for (const auto& j : jobs) total_tiles += static_cast<int64_t>(j.record.tile_count);
+  for (const auto& j : jobs) {
+    // Complete bags are skipped without work: they are not in the progress total (tiles/s).
+    std::error_code ec;
+    if (!std::filesystem::exists(opt.out_dir + "/" + slide::cache::bag_file_name(j.record.slide_id), ec)) {
+      total_tiles += static_cast<int64_t>(j.record.tile_count);
+    }
+  }
   slide::core::Progress progress("embedding", total_tiles, "tiles/s", opt.progress);
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, opt.decode_threads)));
   const int64_t D = extractor.feature_dim();
@@ -754,7 +760,6 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
           o.tiles = info.num_tiles;
         }
       }
-      progress.add(static_cast<int64_t>(rec.tile_count));
       if (!o.status.ok()) slide::core::log_error(o.status.message(), {{"slide", rec.slide_id}});
       summary.slides.push_back(o);
       continue;

@@ -207,9 +207,9 @@ std::string MemoryPlan::table() const {
   }
   std::snprintf(line, sizeof line,
                 "total: parameters %.2f, gradients %.2f, optimizer %.2f, inputs %.2f, saved activations %.2f, "
-                "other %.2f\npeak: %.2f MiB (%s) at %s\n",
+                "other %.2f\npeak: %.2f MiB (%zu bytes) at %s\n",
                 mib(parameter_bytes), mib(gradient_bytes), mib(optimizer_bytes), mib(input_bytes), mib(saved_bytes),
-                mib(other_bytes), mib(peak_bytes), format_bytes(peak_bytes).c_str(), peak_at.c_str());
+                mib(other_bytes), mib(peak_bytes), peak_bytes, peak_at.c_str());
   out += line;
   return out;
 }

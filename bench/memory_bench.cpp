@@ -1,0 +1,122 @@
+// Memory benchmark (issue 6): for ResNet-18 and ResNet-50 training at 224 px, with and without
+// activation checkpointing (--checkpoint-activations stage: ResNet's four stages, close to Chen et
+// al.'s sqrt(n) segments), the measured peak of live tensors and the images/s of real SGD steps
+// at one batch size, the planner's peak beside it, and the largest micro-batch that the planner
+// fits in a 4 GiB budget each way. bench/memory_bench.sh prints the peers' figures beside these.
+//
+// usage: memory_bench [--batch 16] [--steps 3] [--size 224] [--budget 4G] [--models resnet18,resnet50]
+// oneDNN's thread count follows OMP_NUM_THREADS.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "slide/train/activation_checkpoint.h"
+#include "slide/train/optimizer.h"
+#include "slide/train/planner.h"
+
+using namespace slide::train;
+
+namespace {
+
+struct Figures {
+  double peak_mib = 0, planned_mib = 0, images_per_s = 0;
+  int64_t largest_batch = 0;
+};
+
+int run(const std::string& model, const std::string& mode, int64_t batch, int64_t size, int steps, size_t budget,
+        Backend& be, Figures* out) {
+  const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
+  auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 3, 0);
+  if (!net.ok()) return std::fprintf(stderr, "%s\n", net.status().to_string().c_str()), 1;
+  if (mode != "none") {
+    auto made = checkpoint_activations(**net, mode);
+    if (!made.ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), 1;
+  }
+  std::vector<Parameter*> params;
+  (*net)->collect("", &params, nullptr);
+  auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());
+  if (!opt.ok()) return std::fprintf(stderr, "%s\n", opt.status().to_string().c_str()), 1;
+  PlanOptions po;
+  po.micro_batch = batch;
+  po.sample_shape = {3, size, size};
+  po.classes = 3;
+  po.prefetch = false;  // the steps below keep one batch, as train_step does
+  auto plan = plan_memory(**net, po);
+  if (!plan.ok()) return std::fprintf(stderr, "%s\n", plan.status().to_string().c_str()), 1;
+  const size_t state = plan->parameter_bytes + plan->gradient_bytes + plan->optimizer_bytes;
+  out->planned_mib = static_cast<double>(plan->peak_bytes) / (1 << 20);
+  po.prefetch = true;  // the trainer's step, for the budget
+  auto largest = largest_planned_micro_batch(**net, po, budget, 4096);
+  if (!largest.ok()) return std::fprintf(stderr, "%s\n", largest.status().to_string().c_str()), 1;
+  out->largest_batch = *largest;
+
+  Tensor x = *Tensor::empty({batch, 3, size, size}, DType::kF32, cpu_allocator());
+  Tensor y = *Tensor::empty({batch}, DType::kI32, cpu_allocator());
+  std::mt19937_64 rng(0);
+  std::normal_distribution<float> n01;
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = n01(rng);
+  for (int64_t i = 0; i < batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % 3);
+  const size_t before = cpu_allocator().current_bytes() - x.bytes() - y.bytes();
+  cpu_allocator().reset_peak();
+  std::vector<double> times;
+  for (int s = 0; s <= steps; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (*opt)->zero_grad();
+    auto logits = (*net)->forward(be, x, true);
+    if (!logits.ok()) return std::fprintf(stderr, "%s\n", logits.status().to_string().c_str()), 1;
+    Tensor probs = *Tensor::empty(logits->shape(), DType::kF32, cpu_allocator());
+    double loss = 0;
+    if (!be.softmax_cross_entropy_forward(*logits, y, Tensor(), 0, probs, &loss).ok()) return 1;
+    *logits = Tensor();
+    Tensor dlogits = *Tensor::empty(probs.shape(), DType::kF32, cpu_allocator());
+    if (!be.softmax_cross_entropy_backward(probs, y, Tensor(), 0, dlogits).ok()) return 1;
+    if (!(*net)->backward(be, dlogits).ok() || !(*opt)->step(be, 0.01).ok()) return 1;
+    if (s > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  out->images_per_s = static_cast<double>(batch) / times[times.size() / 2];
+  out->peak_mib = static_cast<double>(cpu_allocator().peak_bytes() - before + state) / (1 << 20);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t batch = 16, size = 224;
+  int steps = 3;
+  std::string models = "resnet18,resnet50", budget_text = "4G";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--batch")) batch = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--size")) size = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--models")) models = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--budget")) budget_text = argv[i + 1];
+  }
+  auto budget = parse_bytes(budget_text);
+  auto be = make_backend("cpu");
+  if (!budget.ok() || !be.ok()) return std::fprintf(stderr, "bad --budget or no cpu backend\n"), 2;
+  std::stringstream list(models);
+  std::string model;
+  while (std::getline(list, model, ',')) {
+    Figures plain, ckpt;
+    if (run(model, "none", batch, size, steps, *budget, **be, &plain) != 0) return 1;
+    if (run(model, "stage", batch, size, steps, *budget, **be, &ckpt) != 0) return 1;
+    for (auto [mode, f] : {std::pair<const char*, Figures*>{"none", &plain}, {"stage", &ckpt}})
+      std::printf("%-9s checkpoint=%-5s batch=%ld peak_mib=%.1f planned_mib=%.1f images_per_s=%.2f "
+                  "largest_batch_in_%s=%ld\n",
+                  model.c_str(), mode, static_cast<long>(batch), f->peak_mib, f->planned_mib, f->images_per_s,
+                  budget_text.c_str(), static_cast<long>(f->largest_batch));
+    std::printf("%-9s checkpointing: peak x%.2f, time per image +%.0f%%, largest batch in %s x%.2f (%ld -> %ld)\n",
+                model.c_str(), ckpt.peak_mib / plain.peak_mib, 100.0 * (plain.images_per_s / ckpt.images_per_s - 1),
+                budget_text.c_str(), static_cast<double>(ckpt.largest_batch) / static_cast<double>(plain.largest_batch),
+                static_cast<long>(plain.largest_batch), static_cast<long>(ckpt.largest_batch));
+    std::fflush(stdout);
+  }
+  return 0;
+}

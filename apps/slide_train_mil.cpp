@@ -105,6 +105,8 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
       ->check(CLI::PositiveNumber);
   app.add_option("--mil-attention", o->attention, "ABMIL: width of the gated attention")->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--mil-dropout", o->dropout, "ABMIL: dropout after the first layer in training (CLAM uses 0.25)")
+      ->capture_default_str()->check(CLI::Range(0.0, 0.99));
   app.add_option("--prefetch", o->prefetch, "MIL: bags read ahead of the one in compute when streaming")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--attention-dir", o->attention_dir,
@@ -154,6 +156,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   mc.hidden = o.hidden;
   mc.attention = o.attention;
   mc.classes = classes;
+  mc.dropout = o.dropout;
   auto model = Abmil::make(cpu_allocator(), DType::kF32, mc, o.seed);
   if (!model.ok()) return fail(model.status());
   std::vector<Parameter*> params;
@@ -207,7 +210,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
 
   const std::string ckpt_dir = o.out + "/checkpoints";
   if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
-  const nlohmann::json mil = {{"in_features", mc.in_features}, {"hidden", mc.hidden}, {"attention", mc.attention}};
+  const nlohmann::json mil = {{"in_features", mc.in_features}, {"hidden", mc.hidden}, {"attention", mc.attention}, {"dropout", mc.dropout}};
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", "abmil"},
                           {"mil", mil}, {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}};

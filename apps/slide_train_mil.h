@@ -27,12 +27,14 @@ struct MilOptions {
   // Registered by add_mil_options.
   std::vector<std::string> features;  // bag directories (slide-embed output)
   int64_t hidden = 512, attention = 256;
+  double dropout = 0;
   int prefetch = 2;
   std::string attention_dir;  // default <out>/attention
   bool no_attention = false;
 };
 
-// Adds --features, --mil-hidden, --mil-attention, --prefetch, --attention-dir, --no-attention.
+// Adds --features, --mil-hidden, --mil-attention, --mil-dropout, --prefetch, --attention-dir,
+// --no-attention.
 void add_mil_options(CLI::App& app, MilOptions* options);
 
 // Runs MIL training (and writes the attention outputs at the end). The options it shares with

@@ -42,7 +42,10 @@ Result<std::unique_ptr<Abmil>> Abmil::make(Allocator& alloc, DType dtype, const 
   if (config.in_features < 1 || config.hidden < 1 || config.attention < 1 || config.classes < 2)
     return invalid_argument("ABMIL: feature, hidden and attention sizes must be positive and classes at least 2");
   auto m = std::unique_ptr<Abmil>(new Abmil());
+  if (!(config.dropout >= 0 && config.dropout < 1))
+    return invalid_argument("ABMIL: dropout " + std::to_string(config.dropout) + " is not in [0, 1)");
   m->config_ = config;
+  m->dropout_ = Dropout(config.dropout);
   InitRng rng(seed);
   SLIDE_ASSIGN_OR_RETURN(m->fc_, Linear::make(alloc, dtype, config.in_features, config.hidden, rng));
   SLIDE_ASSIGN_OR_RETURN(m->attention_a_, Linear::make(alloc, dtype, config.hidden, config.attention, rng));
@@ -58,9 +61,10 @@ Result<Tensor> Abmil::forward(Backend& be, const Tensor& x, bool training) {
                             shape_string(x.shape()));
   const int64_t N = x.dim(0), L = config_.hidden, A = config_.attention;
   const DType dt = x.dtype();
-  SLIDE_ASSIGN_OR_RETURN(Tensor h, new_tensor(be, {N, L}, dt, "ABMIL hidden"));
-  SLIDE_RETURN_IF_ERROR(be.linear_forward(x, fc_->weight.value, fc_->bias.value, h));
-  SLIDE_RETURN_IF_ERROR(be.relu_forward(h, h));
+  SLIDE_ASSIGN_OR_RETURN(Tensor r, new_tensor(be, {N, L}, dt, "ABMIL hidden"));
+  SLIDE_RETURN_IF_ERROR(be.linear_forward(x, fc_->weight.value, fc_->bias.value, r));
+  SLIDE_RETURN_IF_ERROR(be.relu_forward(r, r));
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, dropout_.forward(be, r, training));
   SLIDE_ASSIGN_OR_RETURN(Tensor t, attention_a_->forward(be, h, training));
   SLIDE_RETURN_IF_ERROR(be.tanh_forward(t, t));
   SLIDE_ASSIGN_OR_RETURN(Tensor s, attention_b_->forward(be, h, training));
@@ -76,9 +80,9 @@ Result<Tensor> Abmil::forward(Backend& be, const Tensor& x, bool training) {
   SLIDE_ASSIGN_OR_RETURN(Tensor logits, classifier_->forward(be, z, training));
   a_ = a;
   if (training) {
-    x_ = x, h_ = h, t_ = t, s_ = s;
+    x_ = x, r_ = r, h_ = h, t_ = t, s_ = s;
   } else {
-    x_ = h_ = t_ = s_ = Tensor();
+    x_ = r_ = h_ = t_ = s_ = Tensor();
   }
   return logits;
 }
@@ -108,8 +112,9 @@ Result<Tensor> Abmil::backward(Backend& be, const Tensor& dlogits) {
   SLIDE_ASSIGN_OR_RETURN(Tensor dh_b, attention_b_->backward(be, dt_));
   SLIDE_RETURN_IF_ERROR(be.add(dh, dh_a, dh));
   SLIDE_RETURN_IF_ERROR(be.add(dh, dh_b, dh));
+  SLIDE_ASSIGN_OR_RETURN(Tensor dr, dropout_.backward(be, dh));
   SLIDE_ASSIGN_OR_RETURN(Tensor dpre, new_tensor(be, {N, L}, dt, "ABMIL fc gradient"));
-  SLIDE_RETURN_IF_ERROR(be.relu_backward(h_, dh, dpre));
+  SLIDE_RETURN_IF_ERROR(be.relu_backward(r_, dr, dpre));
   SLIDE_RETURN_IF_ERROR(be.linear_backward_weights(x_, dpre, fc_->weight.grad, fc_->bias.grad));
   if (!config_.input_gradient) return Tensor();
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), dt, "ABMIL input gradient"));
@@ -127,7 +132,8 @@ void Abmil::collect(const std::string& prefix, std::vector<Parameter*>* params, 
 }
 
 void Abmil::release() {
-  x_ = h_ = t_ = s_ = Tensor();
+  x_ = r_ = h_ = t_ = s_ = Tensor();
+  dropout_.release();
   for (Linear* l : {fc_.get(), attention_a_.get(), attention_b_.get(), attention_c_.get(), classifier_.get()})
     l->release();
 }
@@ -371,6 +377,7 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
     for (size_t i = start; i < end; ++i) {
       const BagRef& bag = data.bags()[order[i]];
       SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
+      model.set_rng_seed(epoch_seed * 1000003 + i);  // dropout: a function of the bag's place in the order
       SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, bag.label, true, options.label_smoothing));
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
       SLIDE_RETURN_IF_ERROR(

@@ -223,6 +223,7 @@ class TestResume(Base):
         bags = os.path.join(self.tmp, "bags_x8")
         make_bags(bags, copies=8)  # 240 bags: epochs long enough to interrupt one in the middle
         args = ["--features", bags, "--epochs", 3, "--schedule", "cosine", "--no-attention", "--cache", "none",
+                "--mil-dropout", "0.25",
                 *MIL_ARGS]
         full = os.path.join(self.tmp, "full")
         r = run_train("--out", full, *args)

@@ -305,3 +305,44 @@ TEST_CASE("ABMIL on cpu (f32) equals the reference (f64) forward and parameter g
   REQUIRE((*mf)->backward(cpu(), dy.f).ok());
   for (size_t i = 0; i < pd.size(); ++i) compare(pd[i]->name + " grad", Pair{pd[i]->grad, pf[i]->grad}, 1e-5);
 }
+
+TEST_CASE("ABMIL dropout: training masks are a function of the seed; inference is unaffected") {
+  AbmilConfig c;
+  c.in_features = 6, c.hidden = 32, c.attention = 4, c.classes = 2, c.dropout = 0.5;
+  auto model = Abmil::make(cpu_allocator(), DType::kF64, c, 5);
+  REQUIRE(model.ok());
+  Tensor x = random({9, 6}, 51);
+  auto logits = [&](bool training, uint64_t seed) {
+    (*model)->set_rng_seed(seed);
+    auto y = (*model)->forward(ref(), x, training);
+    REQUIRE(y.ok());
+    return std::vector<double>(y->data<double>(), y->data<double>() + 2);
+  };
+  CHECK(logits(true, 1) == logits(true, 1));
+  CHECK(logits(true, 1) != logits(true, 2));
+  CHECK(logits(false, 1) == logits(false, 2));
+  CHECK(logits(false, 1) != logits(true, 1));
+  // The gradient with a fixed mask against central differences (the same mask in every evaluation).
+  c.dropout = 0.5, c.input_gradient = true;
+  auto m2 = Abmil::make(cpu_allocator(), DType::kF64, c, 5);
+  REQUIRE(m2.ok());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*m2)->collect("", &params, &buffers);
+  for (auto* p : params) p->grad.fill_zero();
+  Tensor r = random({1, 2}, 52);
+  auto loss = [&] {
+    (*m2)->set_rng_seed(3);
+    auto y = (*m2)->forward(ref(), x, true);
+    REQUIRE(y.ok());
+    return dot(*y, r);
+  };
+  loss();
+  auto dx = (*m2)->backward(ref(), r);
+  REQUIRE(dx.ok());
+  check_gradient("ABMIL with dropout dx", x, *dx, loss);
+  for (auto* p : params) check_gradient(p->name + " (dropout)", p->value, p->grad, loss);
+  AbmilConfig bad = c;
+  bad.dropout = 1.0;
+  CHECK(Abmil::make(cpu_allocator(), DType::kF64, bad, 5).status().code() == StatusCode::kInvalidArgument);
+}

@@ -28,11 +28,12 @@ struct AbmilConfig {
   int64_t hidden = 512;      // L, the first fc's width (CLAM's "small" size: 1024 -> 512 -> 256)
   int64_t attention = 256;   // the gated attention's width
   int64_t classes = 2;
+  double dropout = 0;        // after the first fc's ReLU in training (CLAM's fc block; CLAM uses 0.25)
   bool input_gradient = false;  // backward also returns dL/dx (tests); off in training: it costs a GEMM
 };
 
 // Gated attention MIL (Ilse et al. 2018, eq. 9), forward for one bag x[N, D]:
-//   h   = ReLU(x W1^T + b1)                       [N, L]   attention_net.0
+//   h   = Dropout(ReLU(x W1^T + b1))              [N, L]   attention_net.0 (dropout: training only)
 //   t   = tanh(h Wa^T + ba)                       [N, A]   attention_net.3.attention_a.0
 //   s   = sigmoid(h Wb^T + bb)                    [N, A]   attention_net.3.attention_b.0
 //   e   = (t * s) wc^T + bc                       [N, 1]   attention_net.3.attention_c
@@ -41,8 +42,9 @@ struct AbmilConfig {
 //   y   = z Wc^T + bc                             [1, C]   classifiers
 // Parameter names are CLAM_SB's (its instance classifiers aside), so a checkpoint maps onto
 // CLAM's model.state_dict(); initialisation is PyTorch's Linear default from a seeded generator.
-// Saves for backward: x, h, t, s, a (and what its Linear layers save: their inputs). Backward
-// accumulates (+=) into every parameter gradient. Not thread-safe.
+// Saves for backward: x, ReLU(fc x), h, t, s, a (and what its Linear layers save: their inputs). Backward
+// accumulates (+=) into every parameter gradient. Dropout's mask comes from set_rng_seed() (the
+// training loop seeds it per bag from the epoch's order, so --resume stays exact). Not thread-safe.
 class Abmil final : public Layer {
  public:
   // Errors: kInvalidArgument (a non-positive size), the allocator's (kResourceExhausted).
@@ -56,6 +58,7 @@ class Abmil final : public Layer {
   Result<Tensor> backward(Backend& be, const Tensor& dlogits) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
+  void set_rng_seed(uint64_t seed) override { dropout_.set_rng_seed(seed); }
   // The attention weights a[1, N] of the last forward (undefined before one).
   const Tensor& attention() const { return a_; }
   const AbmilConfig& config() const { return config_; }
@@ -63,7 +66,8 @@ class Abmil final : public Layer {
  private:
   AbmilConfig config_;
   std::unique_ptr<Linear> fc_, attention_a_, attention_b_, attention_c_, classifier_;
-  Tensor x_, h_, t_, s_, a_;
+  Dropout dropout_{0};
+  Tensor x_, r_, h_, t_, s_, a_;  // r_: the ReLU's output (h_ is r_ after dropout)
 };
 
 // One bag of a BagDataset.

@@ -492,8 +492,9 @@ int main(int argc, char** argv) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
       if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
-      slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
-                            {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
+      if (writer)
+        slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
+                              {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
       return kExitInterrupted;
     }
     EpochStats v;

@@ -220,6 +220,23 @@ class TestFailure(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assert_close(params(ref, 4), params(out, 4), rtol=0, atol=0)
 
+    def test_ctrl_c_stops_every_rank_after_the_same_step_and_resume_is_exact(self):
+        ref = os.path.join(self.tmp, "ref_int")
+        self.assertEqual(self.train(2, ref, 4, 20).returncode, 0)
+        out = os.path.join(self.tmp, "interrupted")
+        p = self.start(2, out, 4, 20)
+        self.wait_for(os.path.join(out, "checkpoints", "epoch-3-step-0"))
+        time.sleep(0.05)  # into epoch 4
+        p.send_signal(signal.SIGINT)  # mpirun forwards it to every rank
+        _, err = p.communicate(timeout=60)
+        self.assertNotEqual(p.returncode, 0, "the interrupt should land mid-run")
+        self.assertIn("interrupted; checkpoint written", err)
+        self.assertEqual(err.count("interrupted; checkpoint written"), 1, err)  # rank 0 alone writes and logs
+        self.assertNotIn("epoch-20-step-0", os.listdir(os.path.join(out, "checkpoints")))
+        r = self.train(2, out, 4, 20, "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_close(params(ref, 20), params(out, 20), rtol=0, atol=0)
+
     def test_a_killed_rank_takes_the_job_down_and_a_resume_with_another_world_size_continues(self):
         # Reference: one rank with 2 micro-batches, the same math as 2 ranks (see TestEquivalence).
         ref = os.path.join(self.tmp, "ref_kill")

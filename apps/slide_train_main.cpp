@@ -206,6 +206,8 @@ int main(int argc, char** argv) {
   eval->add_option("--out", eval_out, "Output directory: predictions.csv, slides.csv, metrics.json")->required();
   std::string eval_labels;
   eval->add_option("--labels", eval_labels, "CSV with slide_id,label columns")->check(CLI::ExistingFile);
+  slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
+  slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -286,6 +288,8 @@ int main(int argc, char** argv) {
     std::error_code ec;
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
   }
+  if (eval->parsed() && !mil_eval.features.empty())
+    return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend);
   if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend);
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {

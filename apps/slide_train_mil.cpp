@@ -60,15 +60,14 @@ Result<Tensor> parse_class_weights(const std::string& text, const BagDataset& ds
 }
 
 // The final model over every bag: per-bag attention file and heatmap, and predictions.csv.
-Status write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds, const std::vector<bool>& is_val,
-                               const std::string& dir, int prefetch) {
+Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds,
+                                           const std::vector<std::string>& split, const std::string& dir, int prefetch) {
   SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
   std::vector<size_t> all(ds.bags().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
   std::vector<float> probs;
   std::vector<std::vector<float>> attention;
   SLIDE_ASSIGN_OR_RETURN(EpochStats st, evaluate_mil(be, model, ds, all, prefetch, &probs, &attention));
-  (void)st;
   const auto& classes = ds.class_names();
   const size_t k = classes.size();
   std::string csv = "slide_id,split,label,tiles";
@@ -86,12 +85,13 @@ Status write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds, 
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     SLIDE_RETURN_IF_ERROR(write_attention_heatmap(dir + "/" + png, attention[i], coords,
                                                   reader->info().attributes.tile_size_l0_px));
-    std::string line = bag.slide_id + "," + (is_val[i] ? "val" : "train") + "," +
+    std::string line = bag.slide_id + "," + split[i] + "," +
                        classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
     csv += line + "," + classes[pred] + "," + h5 + "," + png + "\n";
   }
-  return slide::core::write_file_atomic(dir + "/predictions.csv", csv);
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
+  return st;
 }
 
 }  // namespace
@@ -285,14 +285,61 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                                     {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc}});
   }
   if (!o.no_attention) {
-    std::vector<bool> is_val((*ds)->bags().size(), false);
-    for (size_t i : val) is_val[i] = true;
+    std::vector<std::string> split((*ds)->bags().size(), "train");
+    for (size_t i : val) split[i] = "val";
     const std::string dir = o.attention_dir.empty() ? o.out + "/attention" : o.attention_dir;
-    if (auto s = write_attention_outputs(**be, **model, **ds, is_val, dir, o.prefetch); !s.ok())
-      return fail(s.with_context("attention outputs"));
-    slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(is_val.size())}});
+    if (auto s = write_attention_outputs(**be, **model, **ds, split, dir, o.prefetch); !s.ok())
+      return fail(s.status().with_context("attention outputs"));
+    slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(split.size())}});
   }
   std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  return kExitOk;
+}
+
+void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* o) {
+  evaluate.add_option("--features", o->features,
+                      "Feature-bag directories: evaluate an attention-MIL checkpoint (slide-train --features) on them")
+      ->check(CLI::ExistingDirectory);
+  // --data (tile stores) is required only without --features.
+  if (CLI::Option* data = evaluate.get_option_no_throw("--data"); data != nullptr) data->required(false);
+}
+
+int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o, const std::string& labels_csv,
+                     const std::string& out, const std::string& backend) {
+  auto text = slide::core::read_file(checkpoint + "/state.json");
+  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
+  const nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
+  if (state.is_discarded() || state.value("model", "") != "abmil" || !state.contains("mil") || !state.contains("classes"))
+    return fail(slide::core::invalid_argument(checkpoint + "/state.json: not a slide-train --features (ABMIL) checkpoint"));
+  const auto classes = state["classes"].get<std::vector<std::string>>();
+  auto be = make_backend(backend);
+  if (!be.ok()) return fail(be.status());
+  auto ds = BagDataset::open(o.features, labels_csv, classes);
+  if (!ds.ok()) return fail(ds.status().with_context("--features"));
+  AbmilConfig mc;
+  mc.in_features = state["mil"]["in_features"].get<int64_t>();
+  mc.hidden = state["mil"]["hidden"].get<int64_t>();
+  mc.attention = state["mil"]["attention"].get<int64_t>();
+  mc.classes = static_cast<int64_t>(classes.size());
+  if ((*ds)->feature_dim() != mc.in_features)
+    return fail(slide::core::invalid_argument("the bags have " + std::to_string((*ds)->feature_dim()) +
+                                              " features per tile, the checkpoint's model takes " +
+                                              std::to_string(mc.in_features)));
+  auto model = Abmil::make(cpu_allocator(), DType::kF32, mc, 0);
+  if (!model.ok()) return fail(model.status());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
+  const std::vector<std::string> split((*ds)->bags().size(), "eval");
+  auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch);
+  if (!st.ok()) return fail(st.status());
+  const nlohmann::json metrics = {{"bags", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
+                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
+                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint}};
+  if (auto s = slide::core::write_file_atomic(out + "/metrics.json", metrics.dump(2) + "\n"); !s.ok()) return fail(s);
+  slide::core::log_info("evaluated", {{"bags", st->samples}, {"accuracy", st->accuracy},
+                                      {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});
   return kExitOk;
 }
 

@@ -45,4 +45,18 @@ void add_mil_options(CLI::App& app, MilOptions* options);
 // checkpoint is written first; --resume continues exactly).
 int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<bool>* cancel);
 
+// slide-train evaluate --features BAGS... --checkpoint CK --out DIR: an attention-MIL checkpoint
+// over bags (labels from the bags or --labels, matched to the checkpoint's classes by name).
+struct MilEvaluateOptions {
+  std::vector<std::string> features;
+  int prefetch = 2;
+};
+// Adds --features to the evaluate subcommand and makes its --data optional (one of the two).
+void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* options);
+// Writes OUT/predictions.csv (per bag: label, probabilities, prediction), OUT/<bag>.h5 (its
+// attention) and OUT/<bag>.png (heatmap), OUT/metrics.json (loss, accuracy, balanced accuracy,
+// ROC AUC, recall). Returns the exit code: 0 ok, 1 failed, 2 bad input.
+int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& options, const std::string& labels_csv,
+                     const std::string& out, const std::string& backend);
+
 }  // namespace slide::apps

@@ -141,7 +141,8 @@ void Abmil::release() {
 // --- BagDataset -----------------------------------------------------------------------------------
 
 Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::string>& dirs,
-                                                     const std::string& labels_csv) {
+                                                     const std::string& labels_csv,
+                                                     const std::vector<std::string>& class_names) {
   if (dirs.empty()) return invalid_argument("no bag directories given");
   std::map<std::string, SlideLabelRow> csv;
   if (!labels_csv.empty()) {
@@ -187,15 +188,23 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
                               found.front().path + " has " + std::to_string(ds->feature_dim_));
     names.insert(f.label);
   }
-  ds->class_names_.assign(names.begin(), names.end());
-  if (ds->class_names_.size() < 2)
-    return invalid_argument("the bags hold fewer than two classes (" + std::to_string(ds->class_names_.size()) + ")");
+  if (class_names.empty()) {
+    ds->class_names_.assign(names.begin(), names.end());
+    if (ds->class_names_.size() < 2)
+      return invalid_argument("the bags hold fewer than two classes (" + std::to_string(ds->class_names_.size()) + ")");
+  } else {
+    ds->class_names_ = class_names;
+    for (const Found& f : found)
+      if (std::find(class_names.begin(), class_names.end(), f.label) == class_names.end())
+        return invalid_argument("bag " + f.path + ": label '" + f.label + "' is not one of the model's " +
+                                std::to_string(class_names.size()) + " classes");
+  }
   std::map<std::string, uint32_t> patient_index;
   for (Found& f : found) {
     BagRef b;
     b.path = f.path;
     b.slide_id = f.slide_id;
-    b.label = static_cast<int32_t>(std::lower_bound(ds->class_names_.begin(), ds->class_names_.end(), f.label) -
+    b.label = static_cast<int32_t>(std::find(ds->class_names_.begin(), ds->class_names_.end(), f.label) -
                                    ds->class_names_.begin());
     b.tiles = f.tiles;
     auto it = csv.find(f.slide_id);

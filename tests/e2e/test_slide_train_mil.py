@@ -195,6 +195,29 @@ class TestLearns(Base):
                 self.assertLess(b_, 60)
         self.assertFalse([n for n in os.listdir(att) if n.endswith(".partial")])
 
+        # evaluate --features: the checkpoint on bags of one class only (matched by name).
+        one = os.path.join(self.tmp, "scc_only")
+        os.makedirs(one)
+        for n in os.listdir(self.bags_dir):
+            if n.startswith("lung_scc"):
+                shutil.copy(os.path.join(self.bags_dir, n), one)
+        ev = os.path.join(self.tmp, "eval")
+        r = run_train("evaluate", "--checkpoint", ck, "--features", one, "--out", ev)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "metrics.json")) as f:
+            m = json.load(f)
+        with open(os.path.join(ev, "predictions.csv")) as f:
+            ev_rows = [l.rstrip("\n").split(",") for l in f][1:]
+        self.assertEqual(m["bags"], 10)
+        self.assertEqual(m["classes"], CLASSES)
+        self.assertAlmostEqual(m["accuracy"], sum(r[7] == "lung_scc" for r in ev_rows) / 10.0, places=6)
+        self.assertGreaterEqual(m["accuracy"], 0.7)  # 7 of its 10 bags were training bags
+        self.assertTrue(all(r[1] == "eval" for r in ev_rows))
+        self.assertTrue(os.path.exists(os.path.join(ev, ev_rows[0][9])))
+        # Neither --data nor --features: a usage error.
+        r = run_train("evaluate", "--checkpoint", ck, "--out", ev)
+        self.assertEqual(r.returncode, 2)
+
 
 class TestStreamedEqualsRam(Base):
     def test_streamed_bags_give_the_weights_of_bags_in_ram(self):

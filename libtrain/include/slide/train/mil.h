@@ -83,15 +83,18 @@ struct BagRef {
 // present, else every `*.h5` of the directory (slide/cache/bag.h, list_bags). Labels are the bags'
 // own `label` attribute, or, with a labels CSV (a header naming `slide_id` and `label`,
 // optionally `patient`; the manifest dialect, slide/core/csv.h), its rows joined on slide id.
-// Classes are the distinct labels in sorted order.
+// Classes are the distinct labels in sorted order, or `class_names` when given (a checkpoint's:
+// labels are matched by name, and the bags may hold only some of the classes).
 class BagDataset {
  public:
   // Errors: kNotFound (a directory or the CSV missing), kDataLoss (a bag that does not open, named
   // by path), kInvalidArgument (no bags; bags of different feature dimensions, naming one of
   // each; a bag with no label and no CSV row, naming it; a CSV without slide_id/label columns or
-  // with a duplicate slide id, naming file and line; fewer than two classes).
+  // with a duplicate slide id, naming file and line; without `class_names`, fewer than two
+  // classes; with them, a label that is not one of them, naming the bag).
   [[nodiscard]] static Result<std::unique_ptr<BagDataset>> open(const std::vector<std::string>& dirs,
-                                                                const std::string& labels_csv = "");
+                                                                const std::string& labels_csv = "",
+                                                                const std::vector<std::string>& class_names = {});
 
   const std::vector<std::string>& class_names() const { return class_names_; }
   const std::vector<BagRef>& bags() const { return bags_; }

@@ -616,7 +616,7 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
 
 int EmbedSummary::failed() const {
   int n = 0;
-  for (const auto& s : slides) n += s.status.ok() ? 0 : 1;
+  for (const auto& s : slides) n += s.status.ok() || s.status.code() == slide::core::StatusCode::kCancelled ? 0 : 1;
   return n;
 }
 
@@ -625,24 +625,6 @@ namespace {
 struct SlideJob {
   size_t store = 0;
   slide::tile::SlideRecord record;
-};
-
-// One batch being decoded: normalised NCHW images and level-0 coordinates, filled by pool tasks.
-struct Batch {
-  int64_t n = 0;
-  std::vector<float> images;
-  std::vector<int64_t> coords;
-  std::vector<std::future<Status>> pending;
-  // Waits for every task; returns the first error.
-  Status wait() {
-    Status first;
-    for (auto& f : pending) {
-      Status s = f.get();
-      if (first.ok() && !s.ok()) first = s;
-    }
-    pending.clear();
-    return first;
-  }
 };
 
 // Decodes tile `index` of `store` into `dst` (3 x S x S, normalised) and its coordinates.
@@ -728,15 +710,13 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
   const int64_t D = extractor.feature_dim();
   std::vector<float> features;
 
-  for (const SlideJob& job : jobs) {
-    if (opt.cancel != nullptr && opt.cancel->load()) {
-      summary.interrupted = true;
-      break;
-    }
-    const auto ts = clock::now();
-    const slide::tile::StoreReader& store = *stores[job.store];
+  // Pass 1: complete bags (checked), zero-tile slides; the rest is embedded in pass 2.
+  std::vector<SlideOutcome> outcomes(jobs.size());
+  std::vector<size_t> todo;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const SlideJob& job = jobs[j];
     const slide::tile::SlideRecord& rec = job.record;
-    SlideOutcome o;
+    SlideOutcome& o = outcomes[j];
     o.store = opt.stores[job.store];
     o.slide_id = rec.slide_id;
     o.bag_path = opt.out_dir + "/" + slide::cache::bag_file_name(rec.slide_id);
@@ -761,20 +741,42 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
         }
       }
       if (!o.status.ok()) slide::core::log_error(o.status.message(), {{"slide", rec.slide_id}});
-      summary.slides.push_back(o);
-      continue;
-    }
-    if (rec.tile_count == 0) {
+    } else if (rec.tile_count == 0) {
       slide::core::log_warn("slide has no tiles: no bag written", {{"slide", rec.slide_id}, {"store", o.store}});
-      summary.slides.push_back(o);
-      continue;
+    } else {
+      todo.push_back(j);
     }
+  }
 
-    const int64_t S = store.meta().tile_size_px;
+  // Pass 2: the tiles of every slide to do, in order, in batches that may span slides (a store of
+  // small slides or of patches still runs full batches), decoded one batch ahead of the forward
+  // pass. Each slide's bag is created when its first tile is queued and committed after its last
+  // row; a tile that fails fails its slide alone (its bag is discarded, its other rows dropped).
+  struct Open {
+    std::unique_ptr<slide::cache::BagWriter> writer;
+    int64_t appended = 0;
+    bool failed = false;
+    clock::time_point start;
+  };
+  std::map<size_t, Open> open;  // by job index
+  auto fail_slide = [&](size_t j, const Status& s) {
+    Open& op = open[j];
+    if (op.failed) return;
+    op.failed = true;
+    if (op.writer) op.writer->discard();
+    op.writer.reset();
+    outcomes[j].status = s;
+    outcomes[j].tiles = 0;
+    slide::core::log_error(s.to_string(), {{"slide", outcomes[j].slide_id}, {"store", outcomes[j].store}});
+  };
+  auto start_slide = [&](size_t j) {
+    const SlideJob& job = jobs[j];
+    const slide::tile::SlideRecord& rec = job.record;
+    const int64_t S = stores[job.store]->meta().tile_size_px;
     slide::cache::BagAttributes attrs;
     attrs.slide_id = rec.slide_id;
     attrs.label = rec.label;
-    attrs.tile_size_px = S;
+    attrs.tile_size_px = static_cast<int32_t>(S);
     attrs.mpp_um = rec.tile_mpp_um;
     attrs.tile_size_l0_px = rec.source_mpp_um > 0 && rec.tile_mpp_um > 0
                                 ? static_cast<int32_t>(std::lround(S * rec.tile_mpp_um / rec.source_mpp_um))
@@ -783,69 +785,137 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
     attrs.layer = extractor.layer();
     attrs.weights_sha256 = model.weights_sha256;
     attrs.tool_version = opt.tool_version;
+    Open& op = open[j];
+    op.start = clock::now();
+    auto w = slide::cache::BagWriter::create(outcomes[j].bag_path, D, attrs, opt.bag);
+    if (!w.ok()) return fail_slide(j, w.status());
+    op.writer = std::move(*w);
+  };
 
-    auto run_slide = [&]() -> Status {
-      SLIDE_ASSIGN_OR_RETURN(auto writer, slide::cache::BagWriter::create(o.bag_path, D, attrs, opt.bag));
-      const int64_t count = static_cast<int64_t>(rec.tile_count);
-      const int64_t nb = (count + opt.batch - 1) / opt.batch;
-      Batch bufs[2];
-      // Both buffers' tasks must finish before the buffers go away, whatever happens.
-      struct Drain {
-        Batch* b;
-        ~Drain() {
-          b[0].wait().ignore();
-          b[1].wait().ignore();
+  struct Item {
+    size_t job;
+    int64_t tile;  // offset in the slide
+  };
+  struct Batch {
+    int64_t n = 0, S = 0;
+    std::vector<Item> items;
+    std::vector<float> images;
+    std::vector<int64_t> coords;
+    std::vector<std::future<Status>> pending;
+    std::vector<Status> statuses;
+    void wait() {
+      statuses.clear();
+      for (auto& f : pending) statuses.push_back(f.get());
+      pending.clear();
+    }
+  };
+  Batch bufs[2];
+  struct Drain {  // every decode task finishes before the buffers go away, whatever happens
+    Batch* b;
+    ~Drain() {
+      b[0].wait();
+      b[1].wait();
+    }
+  } drain{bufs};
+  size_t cur_slide = 0;  // cursor into todo
+  int64_t cur_tile = 0;
+  // Fills `b` with up to opt.batch tiles of one tile size from the cursor and queues their decode.
+  auto launch = [&](Batch& b) {
+    b.items.clear();
+    b.n = 0;
+    b.S = 0;
+    while (cur_slide < todo.size() && static_cast<int64_t>(b.items.size()) < opt.batch) {
+      const size_t j = todo[cur_slide];
+      const int64_t S = stores[jobs[j].store]->meta().tile_size_px;
+      if (b.S != 0 && S != b.S) break;  // one tile size per batch
+      if (cur_tile == 0) start_slide(j);
+      if (open[j].failed) {
+        ++cur_slide, cur_tile = 0;
+        continue;
+      }
+      b.S = S;
+      const int64_t take = std::min(opt.batch - static_cast<int64_t>(b.items.size()),
+                                    static_cast<int64_t>(jobs[j].record.tile_count) - cur_tile);
+      for (int64_t i = 0; i < take; ++i) b.items.push_back({j, cur_tile + i});
+      cur_tile += take;
+      if (cur_tile == static_cast<int64_t>(jobs[j].record.tile_count)) ++cur_slide, cur_tile = 0;
+    }
+    b.n = static_cast<int64_t>(b.items.size());
+    const int64_t S = b.S;
+    b.images.resize(static_cast<size_t>(b.n * 3 * S * S));
+    b.coords.resize(static_cast<size_t>(b.n * 2));
+    for (int64_t i = 0; i < b.n; ++i) {
+      const SlideJob& job = jobs[b.items[i].job];
+      const slide::tile::StoreReader* store = stores[job.store].get();
+      const std::string* dir = &opt.stores[job.store];
+      const uint64_t index = job.record.first_tile_index + static_cast<uint64_t>(b.items[i].tile);
+      float* dst = b.images.data() + i * 3 * S * S;
+      int64_t* xy = b.coords.data() + 2 * i;
+      b.pending.push_back(
+          pool.submit([store, dir, index, S, &lut, dst, xy] { return decode_into(*store, *dir, index, S, lut, dst, xy); }));
+    }
+  };
+
+  int which = 0;
+  launch(bufs[0]);
+  while (bufs[which].n > 0) {
+    Batch& b = bufs[which];
+    b.wait();
+    launch(bufs[1 - which]);  // decode the next batch while this one computes
+    for (int64_t i = 0; i < b.n; ++i) {
+      if (!b.statuses[i].ok()) fail_slide(b.items[i].job, b.statuses[i]);
+    }
+    features.resize(static_cast<size_t>(b.n * D));
+    Status st = extractor.extract(b.images.data(), b.n, b.S, b.S, features.data());
+    if (!st.ok()) {
+      for (const Item& it : b.items) fail_slide(it.job, st);
+    }
+    // Append each slide's run of rows; commit the slides whose last row this was.
+    for (int64_t i = 0; i < b.n;) {
+      const size_t j = b.items[i].job;
+      int64_t k = i;
+      while (k < b.n && b.items[k].job == j) ++k;
+      Open& op = open[j];
+      if (!op.failed) {
+        Status s = op.writer->append(k - i, std::span<const float>(features.data() + i * D, static_cast<size_t>((k - i) * D)),
+                                     std::span<const int64_t>(b.coords.data() + 2 * i, static_cast<size_t>((k - i) * 2)));
+        if (s.ok()) {
+          op.appended += k - i;
+          if (op.appended == static_cast<int64_t>(jobs[j].record.tile_count)) s = op.writer->commit();
         }
-      } drain{bufs};
-      auto launch = [&](int64_t bi) {
-        Batch& b = bufs[bi % 2];
-        const int64_t first = bi * opt.batch;
-        b.n = std::min(opt.batch, count - first);
-        b.images.resize(static_cast<size_t>(b.n * 3 * S * S));
-        b.coords.resize(static_cast<size_t>(b.n * 2));
-        for (int64_t i = 0; i < b.n; ++i) {
-          const uint64_t index = rec.first_tile_index + static_cast<uint64_t>(first + i);
-          float* dst = b.images.data() + i * 3 * S * S;
-          int64_t* xy = b.coords.data() + 2 * i;
-          const std::string* dir = &o.store;
-          b.pending.push_back(pool.submit([&store, dir, index, S, &lut, dst, xy] {
-            return decode_into(store, *dir, index, S, lut, dst, xy);
-          }));
-        }
-      };
-      launch(0);
-      for (int64_t bi = 0; bi < nb; ++bi) {
-        Batch& b = bufs[bi % 2];
-        SLIDE_RETURN_IF_ERROR(b.wait());
-        if (bi + 1 < nb) launch(bi + 1);  // decode the next batch while this one computes
-        features.resize(static_cast<size_t>(b.n * D));
-        SLIDE_RETURN_IF_ERROR(extractor.extract(b.images.data(), b.n, S, S, features.data()));
-        SLIDE_RETURN_IF_ERROR(writer->append(b.n, features, b.coords));
-        progress.add(b.n);
-        o.tiles += b.n;
-        if (opt.cancel != nullptr && opt.cancel->load()) {
-          return slide::core::cancelled("interrupted: bag " + writer->partial_path() + " discarded");
+        if (!s.ok()) {
+          fail_slide(j, s);
+        } else if (op.appended == static_cast<int64_t>(jobs[j].record.tile_count)) {
+          outcomes[j].tiles = op.appended;
+          outcomes[j].seconds = std::chrono::duration<double>(clock::now() - op.start).count();
+          summary.tiles_embedded += op.appended;
+          slide::core::log_debug("bag written",
+                                 {{"slide", outcomes[j].slide_id}, {"tiles", op.appended}, {"path", outcomes[j].bag_path}});
+          open.erase(j);
         }
       }
-      return writer->commit();
-    };
-    o.status = run_slide();
-    o.seconds = std::chrono::duration<double>(clock::now() - ts).count();
-    if (o.status.code() == slide::core::StatusCode::kCancelled) {
+      i = k;
+    }
+    progress.add(b.n);
+    if (opt.cancel != nullptr && opt.cancel->load()) {
       summary.interrupted = true;
-      o.tiles = 0;
-      summary.slides.push_back(o);
       break;
     }
-    if (o.status.ok()) {
-      summary.tiles_embedded += o.tiles;
-      slide::core::log_debug("bag written", {{"slide", rec.slide_id}, {"tiles", o.tiles}, {"path", o.bag_path}});
-    } else {
-      slide::core::log_error(o.status.to_string(), {{"slide", rec.slide_id}, {"store", o.store}});
-      progress.add(static_cast<int64_t>(rec.tile_count) - o.tiles);
-      o.tiles = 0;
+    which = 1 - which;
+  }
+  // Bags still open (interrupted, or failed) are discarded; an interrupted slide is not a failure.
+  for (auto& [j, op] : open) {
+    if (op.writer) op.writer->discard();
+    if (summary.interrupted && !op.failed) {
+      outcomes[j].status = slide::core::cancelled("interrupted: bag discarded");
+      outcomes[j].tiles = 0;
     }
-    summary.slides.push_back(o);
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    // Slides never reached after an interruption are left out of the summary.
+    const bool reached = outcomes[j].skipped || !outcomes[j].status.ok() || outcomes[j].tiles > 0 ||
+                         jobs[j].record.tile_count == 0;
+    if (reached) summary.slides.push_back(outcomes[j]);
   }
   progress.finish();
 

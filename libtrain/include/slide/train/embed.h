@@ -10,9 +10,11 @@
 // torchvision's ResNet-50 after `layer3` gives CLAM's 1024-d features (Lu et al., Nature BME 2021,
 // extract_features_fp.py: resnet50_baseline = conv1..layer3 + AdaptiveAvgPool2d(1)).
 //
-// embed_stores() streams the stores slide by slide: tiles are read and JPEG-decoded on a thread
-// pool one batch ahead of the forward pass, features appended to a BagWriter as they come, so
-// memory is independent of the number of tiles; a bag is renamed into place only when complete.
+// embed_stores() streams the stores' tiles in order, in batches that may span slides (so stores of
+// small slides or patches still run full batches): tiles are read and JPEG-decoded on a thread
+// pool one batch ahead of the forward pass, features appended to each slide's BagWriter as they
+// come, so memory is independent of the number of tiles; a bag is renamed into place only when
+// complete.
 #pragma once
 
 #include <atomic>
@@ -111,7 +113,7 @@ struct SlideOutcome {
   int64_t tiles = 0;
   double seconds = 0;
   bool skipped = false;  // a complete bag was already there
-  Status status;         // not OK: this slide failed (the others went on)
+  Status status;         // not OK: this slide failed (the others went on); kCancelled: interrupted
 };
 
 struct EmbedSummary {
@@ -119,7 +121,7 @@ struct EmbedSummary {
   int64_t tiles_embedded = 0;
   double seconds = 0;
   bool interrupted = false;
-  int failed() const;
+  int failed() const;  // slides whose status is an error other than kCancelled
 };
 
 // Embeds every complete slide of `options.stores` (in store order, then slide index), skipping

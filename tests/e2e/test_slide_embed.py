@@ -401,6 +401,37 @@ class TestBadInput(Base):
         self.assertIn("tile %d" % (rec["first_tile_index"] + 5), r.stderr)
         self.assertEqual(sorted(os.listdir(out)), ["CMU-1-Small-Region.h5", "bags.csv"])
 
+    def test_corrupt_tile_in_a_batch_spanning_slides(self):
+        """Patches are one-tile slides: one batch holds several slides; the corrupt one fails alone
+        and the others' rows are the same as in a clean run."""
+        store = self.tile("lc64", "--patches", LC, "--tile-size", "64")
+        ids = ["lung_aca/lungaca1", "lung_aca/lungaca10", "lung_aca/lungaca100", "lung_n/lungn1", "lung_n/lungn10"]
+        args = ["--weights", self.weights, "--model", "resnet18", "--layer", "layer1", "--slides", ",".join(ids)]
+        clean = os.path.join(self.tmp, "lc-clean")
+        r = self.embed(store, clean, *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        bad = os.path.join(self.tmp, "lc-bad-store")
+        shutil.copytree(store, bad)
+        env = lmdb.open(bad, max_dbs=4)
+        slides, tiles = env.open_db(b"slides"), env.open_db(b"tiles")
+        with env.begin(write=True) as txn:
+            rec = json.loads(txn.get(b"lung_aca/lungaca100", db=slides))
+            key = struct.pack(">Q", rec["first_tile_index"])
+            val = bytearray(txn.get(key, db=tiles))
+            hdr = struct.unpack_from("<H", val, 6)[0]
+            val[hdr + 2:hdr + 200] = b"\xff" * 198
+            txn.put(key, bytes(val), db=tiles)
+        env.close()
+        out = os.path.join(self.tmp, "lc-bad")
+        r = self.embed(bad, out, *args)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("lung_aca/lungaca100", r.stderr)
+        names = sorted(os.listdir(out))
+        self.assertEqual(names, sorted(["bags.csv"] + [i.replace("/", "_") + ".h5" for i in ids if i != "lung_aca/lungaca100"]))
+        for name in names[1:]:
+            with h5py.File(os.path.join(clean, name), "r") as a, h5py.File(os.path.join(out, name), "r") as b:
+                np.testing.assert_array_equal(a["features"][:], b["features"][:])
+
     def test_slides_file_restricts_the_run(self):
         ids = os.path.join(self.tmp, "one.txt")
         with open(ids, "w") as f:

@@ -90,7 +90,14 @@ Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind,
     return slide::core::unimplemented("--dist mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
 #endif
   }
-  return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi");
+  if (k == "nccl") {
+#ifdef SLIDE_WITH_NCCL
+    return dist::make_nccl_communicator(timeout_s);
+#else
+    return slide::core::unimplemented("--dist nccl: this build has no NCCL (CUDA, NCCL and MPI are needed)");
+#endif
+  }
+  return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi, nccl");
 }
 
 }  // namespace slide::train

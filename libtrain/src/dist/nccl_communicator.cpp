@@ -1,0 +1,321 @@
+// The NCCL communicator: GPU ranks, one device each (the node-local rank's), NCCL's unique id
+// broadcast over MPI (the "mpi" communicator is the bootstrap and keeps MPI's lifetime).
+//
+// Every collective is enqueued on this communicator's own CUDA stream, followed by an event;
+// wait() polls the event and ncclCommGetAsyncError against the deadline and, past it, aborts the
+// NCCL communicator (ncclCommAbort ends its kernels) so that nothing blocks. The NCCL communicator
+// is non-blocking (ncclConfig_t::blocking = 0): no NCCL call blocks the host, including connection
+// set-up. Buffers on the device (or managed) are used in place; host buffers go through pinned
+// and device staging from a pool, so the host code paths (broadcast_string, all_gather) work too.
+// Compiled only with CUDA and NCCL (libtrain/CMakeLists.txt); no GPU was available when it was
+// written: it is compile-checked, and tests/gpu/test_nccl.cpp runs it where there is a device.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "dist/communicators.h"
+
+namespace slide::train::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Result<ncclDataType_t> nccl_type(DType t, const std::string& what) {
+  switch (t) {
+    case DType::kF32: return ncclFloat32;
+    case DType::kF64: return ncclFloat64;
+    case DType::kI32: return ncclInt32;
+    case DType::kU8: return ncclUint8;
+  }
+  return slide::core::invalid_argument(what + ": dtype");
+}
+
+// A pinned host buffer and a device buffer of the same size, for collectives on host memory.
+struct Staging {
+  void* host = nullptr;
+  void* device = nullptr;
+  size_t bytes = 0;
+};
+
+class NcclCommunicator;
+
+class NcclWork final : public CollectiveWork {
+ public:
+  NcclWork(NcclCommunicator* comm, cudaEvent_t event, std::string what, Clock::time_point start, void* host_out,
+           size_t host_bytes, Staging* staging)
+      : comm_(comm), event_(event), what_(std::move(what)), start_(start), host_out_(host_out),
+        host_bytes_(host_bytes), staging_(staging) {}
+  ~NcclWork() override;
+  Status wait() override;
+
+ private:
+  NcclCommunicator* comm_;
+  cudaEvent_t event_;
+  std::string what_;
+  Clock::time_point start_;
+  void* host_out_;       // host buffer to copy the result to (staged collectives), else null
+  size_t host_bytes_;
+  Staging* staging_;     // returned to the pool when done, else null
+  bool done_ = false;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(double timeout_s, std::unique_ptr<Communicator> bootstrap)
+      : Communicator(timeout_s), bootstrap_(std::move(bootstrap)) {}
+
+  ~NcclCommunicator() override {
+    if (comm_ != nullptr) {
+      if (broken_) {
+        ncclCommAbort(comm_);
+      } else {
+        // Finalise (flushes, non-blocking: polled for at most the timeout), then free.
+        ncclResult_t st = ncclCommFinalize(comm_);
+        const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(timeout_s()));
+        while ((st == ncclSuccess || st == ncclInProgress) && ncclCommGetAsyncError(comm_, &st) == ncclSuccess &&
+               st == ncclInProgress && Clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (st == ncclSuccess)
+          ncclCommDestroy(comm_);
+        else
+          ncclCommAbort(comm_);
+      }
+    }
+    for (Staging& s : pool_) cudaFreeHost(s.host), cudaFree(s.device);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    // A broken NCCL communicator leaves the other ranks blocked: the job goes down.
+    if (broken_) bootstrap_->abort_job(1);
+  }
+
+  Status init(int device) {
+    if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
+    if (const cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
+      return cuda_error("cudaStreamCreate", e);
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof id);
+    if (rank() == 0)
+      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+        return slide::core::internal_error("ncclGetUniqueId: " + std::string(ncclGetErrorString(r)));
+    SLIDE_RETURN_IF_ERROR(bootstrap_->broadcast(&id, sizeof id, 0, "broadcast of the NCCL unique id"));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const auto start = Clock::now();
+    const ncclResult_t r = ncclCommInitRankConfig(&comm_, world_size(), id, rank(), &config);
+    if (r != ncclSuccess && r != ncclInProgress)
+      return slide::core::internal_error("ncclCommInitRankConfig: " + std::string(ncclGetErrorString(r)));
+    return settle(start, "NCCL communicator set-up");
+  }
+
+  std::string name() const override { return "nccl"; }
+  int rank() const override { return bootstrap_->rank(); }
+  int world_size() const override { return bootstrap_->world_size(); }
+  int local_rank() const override { return bootstrap_->local_rank(); }
+  Device device() const override { return Device::kCuda; }
+
+  Status all_reduce(void* data, int64_t count, DType dtype, ReduceOp op, const std::string& what) override {
+    SLIDE_ASSIGN_OR_RETURN(auto work, all_reduce_async(data, count, dtype, op, what));
+    return work->wait();
+  }
+
+  Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void* data, int64_t count, DType dtype, ReduceOp op,
+                                                           const std::string& what) override {
+    if (count < 0) return slide::core::invalid_argument(what + ": negative count");
+    if (dtype == DType::kU8 || (dtype == DType::kI32 && op == ReduceOp::kAverage))
+      return slide::core::invalid_argument(what + ": all-reduce of " + dtype_name(dtype));
+    SLIDE_ASSIGN_OR_RETURN(ncclDataType_t type, nccl_type(dtype, what));
+    const ncclRedOp_t nop = op == ReduceOp::kAverage ? ncclAvg : ncclSum;
+    const size_t bytes = static_cast<size_t>(count) * dtype_size(dtype);
+    return enqueue(data, bytes, bytes, what, [&](void* buf, size_t) {
+      return ncclAllReduce(buf, buf, static_cast<size_t>(count), type, nop, comm_, stream_);
+    });
+  }
+
+  Status broadcast(void* data, size_t bytes, int root, const std::string& what) override {
+    if (root < 0 || root >= world_size())
+      return slide::core::invalid_argument(what + ": broadcast from rank " + std::to_string(root) + " of " +
+                                           std::to_string(world_size()));
+    SLIDE_ASSIGN_OR_RETURN(auto work, enqueue(data, bytes, bytes, what, [&](void* buf, size_t) {
+      return ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_);
+    }));
+    return work->wait();
+  }
+
+  Status barrier(const std::string& what) override {
+    int32_t one = 1;
+    return all_reduce(&one, 1, DType::kI32, ReduceOp::kSum, what);
+  }
+
+  Status all_gather(double value, std::vector<double>* out, const std::string& what) override {
+    std::vector<double> all(static_cast<size_t>(world_size()), 0.0);
+    all[static_cast<size_t>(rank())] = value;
+    SLIDE_ASSIGN_OR_RETURN(auto work, enqueue(all.data(), all.size() * sizeof(double), all.size() * sizeof(double),
+                                              what, [&](void* buf, size_t) {
+      // In place: this rank's value sits at its own offset of the receive buffer.
+      return ncclAllGather(static_cast<double*>(buf) + rank(), buf, 1, ncclFloat64, comm_, stream_);
+    }));
+    SLIDE_RETURN_IF_ERROR(work->wait());
+    *out = std::move(all);
+    return slide::core::ok_status();
+  }
+
+  void abort_job(int exit_code) override {
+    if (comm_ != nullptr) ncclCommAbort(comm_), comm_ = nullptr;
+    bootstrap_->abort_job(exit_code);
+  }
+
+  // For NcclWork.
+  void mark_broken() {
+    if (!broken_ && comm_ != nullptr) ncclCommAbort(comm_), comm_ = nullptr;
+    broken_ = true;
+  }
+  void release(Staging* s) { free_.push_back(s); }
+  ncclComm_t nccl() const { return comm_; }
+  std::string deadline_message(const std::string& what) const {
+    return describe(what) + " did not complete within " + std::to_string(static_cast<int64_t>(timeout_s())) +
+           " s (--dist-timeout): another rank has stopped, died or fallen behind";
+  }
+  Status fail(const std::string& what, const std::string& why) {
+    mark_broken();
+    return slide::core::internal_error(describe(what) + ": " + why);
+  }
+
+ private:
+  static Status cuda_error(const char* call, cudaError_t e) {
+    return slide::core::internal_error(std::string(call) + ": " + cudaGetErrorString(e));
+  }
+
+  // Waits for a non-blocking NCCL call to leave ncclInProgress, within the deadline.
+  Status settle(Clock::time_point start, const std::string& what) {
+    const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s()));
+    for (;;) {
+      ncclResult_t st = ncclInProgress;
+      if (const ncclResult_t r = ncclCommGetAsyncError(comm_, &st); r != ncclSuccess)
+        return fail(what, ncclGetErrorString(r));
+      if (st == ncclSuccess) return slide::core::ok_status();
+      if (st != ncclInProgress) return fail(what, std::string(ncclGetErrorString(st)) + ": " + ncclGetLastError(comm_));
+      if (Clock::now() >= deadline) {
+        mark_broken();
+        return Status(slide::core::StatusCode::kDeadlineExceeded, deadline_message(what));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  Result<Staging*> acquire(size_t bytes, const std::string& what) {
+    for (size_t i = 0; i < free_.size(); ++i)
+      if (free_[i]->bytes >= bytes) {
+        Staging* s = free_[i];
+        free_.erase(free_.begin() + static_cast<long>(i));
+        return s;
+      }
+    Staging s;
+    s.bytes = std::max<size_t>(bytes, 1);
+    if (const cudaError_t e = cudaMallocHost(&s.host, s.bytes); e != cudaSuccess)
+      return fail(what, std::string("pinned staging: ") + cudaGetErrorString(e));
+    if (const cudaError_t e = cudaMalloc(&s.device, s.bytes); e != cudaSuccess) {
+      cudaFreeHost(s.host);
+      return fail(what, std::string("device staging: ") + cudaGetErrorString(e));
+    }
+    pool_.push_back(s);
+    return &pool_.back();
+  }
+
+  // Runs `call(device buffer, bytes)` on the stream: in place for device memory; for host memory
+  // through staging (host -> pinned -> device, the collective, device -> pinned; the copy back to
+  // the caller's buffer happens in wait()). Then records the completion event.
+  template <typename Call>
+  Result<std::unique_ptr<CollectiveWork>> enqueue(void* data, size_t in_bytes, size_t out_bytes,
+                                                  const std::string& what, Call call) {
+    if (broken_ || comm_ == nullptr)
+      return slide::core::failed_precondition(describe(what) + ": an earlier collective failed; the job must stop");
+    const auto start = Clock::now();
+    cudaPointerAttributes attr{};
+    const bool on_device = cudaPointerGetAttributes(&attr, data) == cudaSuccess &&
+                           (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
+    cudaGetLastError();  // clear a sticky "invalid value" from probing a plain host pointer
+    Staging* staging = nullptr;
+    void* buf = data;
+    if (!on_device) {
+      SLIDE_ASSIGN_OR_RETURN(staging, acquire(std::max(in_bytes, out_bytes), what));
+      std::memcpy(staging->host, data, in_bytes);
+      if (const cudaError_t e = cudaMemcpyAsync(staging->device, staging->host, in_bytes, cudaMemcpyHostToDevice, stream_);
+          e != cudaSuccess)
+        return fail(what, cudaGetErrorString(e));
+      buf = staging->device;
+    }
+    const ncclResult_t r = call(buf, in_bytes);
+    if (r != ncclSuccess && r != ncclInProgress) return fail(what, std::string(ncclGetErrorString(r)) + ": " + ncclGetLastError(comm_));
+    if (r == ncclInProgress) SLIDE_RETURN_IF_ERROR(settle(start, what));
+    if (staging != nullptr)
+      if (const cudaError_t e = cudaMemcpyAsync(staging->host, staging->device, out_bytes, cudaMemcpyDeviceToHost, stream_);
+          e != cudaSuccess)
+        return fail(what, cudaGetErrorString(e));
+    cudaEvent_t event = nullptr;
+    if (const cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming); e != cudaSuccess)
+      return fail(what, cudaGetErrorString(e));
+    if (const cudaError_t e = cudaEventRecord(event, stream_); e != cudaSuccess) {
+      cudaEventDestroy(event);
+      return fail(what, cudaGetErrorString(e));
+    }
+    return std::unique_ptr<CollectiveWork>(std::make_unique<NcclWork>(
+        this, event, what, start, staging != nullptr ? data : nullptr, out_bytes, staging));
+  }
+
+  std::unique_ptr<Communicator> bootstrap_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::deque<Staging> pool_;    // every staging made (a deque: works hold pointers into it)
+  std::vector<Staging*> free_;  // those not in use
+  bool broken_ = false;
+};
+
+NcclWork::~NcclWork() {
+  // Abandoned in flight: the buffers may still be written and the other ranks expect this one.
+  if (!done_) comm_->mark_broken();
+  else if (staging_ != nullptr) comm_->release(staging_);
+  cudaEventDestroy(event_);
+}
+
+Status NcclWork::wait() {
+  if (done_) return slide::core::ok_status();
+  const auto deadline = start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(comm_->timeout_s()));
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) return comm_->fail(what_, cudaGetErrorString(e));
+    ncclResult_t st = ncclSuccess;
+    if (comm_->nccl() == nullptr) return comm_->fail(what_, "the NCCL communicator was aborted");
+    if (ncclCommGetAsyncError(comm_->nccl(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress)
+      return comm_->fail(what_, std::string(ncclGetErrorString(st)) + ": " + ncclGetLastError(comm_->nccl()));
+    if (Clock::now() >= deadline) {
+      comm_->mark_broken();
+      return Status(slide::core::StatusCode::kDeadlineExceeded, comm_->deadline_message(what_));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  done_ = true;
+  if (host_out_ != nullptr) std::memcpy(host_out_, staging_->host, host_bytes_);
+  return slide::core::ok_status();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    return slide::core::failed_precondition("--dist nccl: no CUDA device on this node");
+  SLIDE_ASSIGN_OR_RETURN(auto bootstrap, make_mpi_communicator(timeout_s));
+  const int device = bootstrap->local_rank() % devices;
+  auto comm = std::make_unique<NcclCommunicator>(timeout_s, std::move(bootstrap));
+  SLIDE_RETURN_IF_ERROR(comm->init(device));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace slide::train::dist

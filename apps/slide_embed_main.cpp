@@ -118,8 +118,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "Stored feature type: float32 or float16")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "float16"}));
-  app.add_option("--compression", compression, "HDF5 compression of the bags: none, gzip (or lzf where the filter is "
-                                                "installed)")
+  app.add_option("--compression", compression, "HDF5 compression of the bags: none, gzip (deflate with shuffle) or lzf "
+                                                "(h5py's LZF filter: faster, a little larger)")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "gzip", "lzf"}));
   app.add_option("--chunk-rows", opt.bag.chunk_rows, "Rows per HDF5 chunk (the writer buffers one chunk)")

@@ -3,7 +3,7 @@
 patches), with Debian's python3-h5py to read the bags and python3-torch / python3-torchvision for
 the reference features (run by ctest, one class per test).
 
-Environment: SLIDE_TILE, SLIDE_EMBED (the binaries), SLIDE_SAMPLE_DIR (sample_data/),
+Environment: SLIDE_TILE, SLIDE_EMBED, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/),
 SLIDE_CONVERT (scripts/convert_torchvision_weights.py).
 """
 import csv
@@ -235,6 +235,29 @@ class TestLayout(Base):
             # lzf (h5py's own filter, read here by h5py natively) loses nothing.
             np.testing.assert_array_equal(f32["features"][:], lzf["features"][:])
             self.assertLess(os.path.getsize(lzf.filename), os.path.getsize(f32.filename))
+
+
+    def test_slide_train_checkpoint_as_model(self):
+        """A slide-train checkpoint directory names its model: the small CNN's pooled features."""
+        store = self.tile("lc48", "--patches", LC, "--tile-size", "48")
+        run_dir = os.path.join(self.tmp, "run48")
+        r = run([os.environ["SLIDE_TRAIN"], "--data", store, "--out", run_dir, "--epochs", "1", "--batch-size", "32",
+                 "--width", "8", "--threads", "2", "-q"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ckpts = os.path.join(run_dir, "checkpoints")
+        ckpt = os.path.join(ckpts, sorted(os.listdir(ckpts))[-1])
+        out = os.path.join(self.tmp, "bags-ckpt")
+        r = self.embed(store, out, "--weights", ckpt, "--slides", "lung_n/lungn1,lung_scc/lungscc1")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with h5py.File(os.path.join(out, "lung_n_lungn1.h5"), "r") as f:
+            self.assertEqual(f["features"].shape, (1, 32))  # 4 x width
+            self.assertEqual(f.attrs["model"], "small")
+            self.assertEqual(f.attrs["layer"], "avgpool")
+            self.assertEqual(f.attrs["label"], "lung_n")
+            self.assertEqual(f.attrs["weights_sha256"], sha256_of(os.path.join(ckpt, "model.safetensors")))
+        r = self.embed(store, os.path.join(self.tmp, "bags-x"), "--weights", ckpt, "--model", "resnet18")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("holds a small", r.stderr)
 
 
 class TestResume(Base):

@@ -12,11 +12,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <sstream>
 
 #include "slide/cache/bag.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+#include "slide/tile/slide.h"
+#include "slide/tile/store.h"
+#include "slide/tile/tissue.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/mil.h"
 #include "train_common.h"
@@ -59,9 +63,45 @@ Result<Tensor> parse_class_weights(const std::string& text, const BagDataset& ds
   return w;
 }
 
+// slide id -> slide file, from the slide records of tile stores (the stores the bags came from).
+Result<std::map<std::string, std::string>> slide_paths(const std::vector<std::string>& stores) {
+  std::map<std::string, std::string> out;
+  for (const std::string& dir : stores) {
+    SLIDE_ASSIGN_OR_RETURN(auto reader, slide::tile::StoreReader::open(dir));
+    for (const auto& rec : reader->slides()) out.emplace(rec.slide_id, rec.path);
+  }
+  return out;
+}
+
+// The heatmap of one bag: over its slide's thumbnail when the slide file is known and opens
+// (about 8 thumbnail px per tile, the longer side at most 4096 px), else over the tile grid.
+// `grid_fallbacks` counts the known slides that could not be drawn (e.g. patch images).
+Status write_heatmap(const std::string& png, const std::vector<float>& attention, const std::vector<int32_t>& coords,
+                     int64_t tile_l0_px, const std::string& slide_path, int64_t* grid_fallbacks) {
+  if (!slide_path.empty()) {
+    auto slide = slide::tile::open_slide(slide_path);
+    if (slide.ok()) {
+      const auto& l0 = (*slide)->properties().levels.at(0);
+      const double ds = std::max({1.0, static_cast<double>(tile_l0_px) / 8.0,
+                                  static_cast<double>(std::max(l0.width, l0.height)) / 4096.0});
+      double dx = 1, dy = 1;
+      auto thumb = slide::tile::make_thumbnail(**slide, ds, &dx, &dy);
+      if (thumb.ok()) return write_attention_overlay(png, attention, coords, tile_l0_px, *thumb, dx, dy);
+      slide::core::log_debug("heatmap over the tile grid", {{"why", thumb.status().to_string()}});
+    } else {
+      slide::core::log_debug("heatmap over the tile grid", {{"why", slide.status().to_string()}});
+    }
+    ++*grid_fallbacks;
+  }
+  return write_attention_heatmap(png, attention, coords, tile_l0_px);
+}
+
 // The final model over every bag: per-bag attention file and heatmap, and predictions.csv.
 Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds,
-                                           const std::vector<std::string>& split, const std::string& dir, int prefetch) {
+                                           const std::vector<std::string>& split, const std::string& dir, int prefetch,
+                                           const std::vector<std::string>& slide_stores) {
+  SLIDE_ASSIGN_OR_RETURN(const auto paths, slide_paths(slide_stores));
+  int64_t grid_fallbacks = 0;
   SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
   std::vector<size_t> all(ds.bags().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
@@ -83,14 +123,19 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, classes[static_cast<size_t>(bag.label)],
                                              classes[pred], std::vector<double>(p, p + k), attention[i], coords));
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
-    SLIDE_RETURN_IF_ERROR(write_attention_heatmap(dir + "/" + png, attention[i], coords,
-                                                  reader->info().attributes.tile_size_l0_px));
+    const auto path = paths.find(bag.slide_id);
+    SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes.tile_size_l0_px,
+                                        path == paths.end() ? "" : path->second, &grid_fallbacks));
     std::string line = bag.slide_id + "," + split[i] + "," +
                        classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
     csv += line + "," + classes[pred] + "," + h5 + "," + png + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
+  if (grid_fallbacks > 0)
+    slide::core::log_warn("some slides could not be opened for their thumbnail: heatmaps over the tile grid instead "
+                          "(their ids at debug level)",
+                          {{"slides", grid_fallbacks}});
   return st;
 }
 
@@ -112,6 +157,10 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
   app.add_option("--attention-dir", o->attention_dir,
                  "MIL: where the per-slide attention (.h5) and heatmaps (.png) go (default: OUT/attention)");
   app.add_flag("--no-attention", o->no_attention, "MIL: do not write attention files and heatmaps at the end");
+  app.add_option("--slide-stores", o->slide_stores,
+                 "MIL: the tile stores the bags were embedded from: heatmaps are drawn over each slide's thumbnail "
+                 "(else over the tile grid)")
+      ->check(CLI::ExistingDirectory);
 }
 
 int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>* cancel) {
@@ -288,7 +337,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     std::vector<std::string> split((*ds)->bags().size(), "train");
     for (size_t i : val) split[i] = "val";
     const std::string dir = o.attention_dir.empty() ? o.out + "/attention" : o.attention_dir;
-    if (auto s = write_attention_outputs(**be, **model, **ds, split, dir, o.prefetch); !s.ok())
+    if (auto s = write_attention_outputs(**be, **model, **ds, split, dir, o.prefetch, o.slide_stores); !s.ok())
       return fail(s.status().with_context("attention outputs"));
     slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(split.size())}});
   }
@@ -299,6 +348,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
 void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* o) {
   evaluate.add_option("--features", o->features,
                       "Feature-bag directories: evaluate an attention-MIL checkpoint (slide-train --features) on them")
+      ->check(CLI::ExistingDirectory);
+  evaluate.add_option("--slide-stores", o->slide_stores,
+                      "With --features: tile stores locating the slides, for heatmaps over their thumbnails")
       ->check(CLI::ExistingDirectory);
   // --data (tile stores) is required only without --features.
   if (CLI::Option* data = evaluate.get_option_no_throw("--data"); data != nullptr) data->required(false);
@@ -332,7 +384,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   (*model)->collect("", &params, &buffers);
   if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
   const std::vector<std::string> split((*ds)->bags().size(), "eval");
-  auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch);
+  auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch, o.slide_stores);
   if (!st.ok()) return fail(st.status());
   const nlohmann::json metrics = {{"bags", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
                                   {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},

@@ -31,10 +31,11 @@ struct MilOptions {
   int prefetch = 2;
   std::string attention_dir;  // default <out>/attention
   bool no_attention = false;
+  std::vector<std::string> slide_stores;  // tile stores whose slide records locate the slides (heatmaps)
 };
 
 // Adds --features, --mil-hidden, --mil-attention, --mil-dropout, --prefetch, --attention-dir,
-// --no-attention.
+// --no-attention, --slide-stores.
 void add_mil_options(CLI::App& app, MilOptions* options);
 
 // Runs MIL training (and writes the attention outputs at the end). The options it shares with
@@ -49,9 +50,11 @@ int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<
 // over bags (labels from the bags or --labels, matched to the checkpoint's classes by name).
 struct MilEvaluateOptions {
   std::vector<std::string> features;
+  std::vector<std::string> slide_stores;
   int prefetch = 2;
 };
-// Adds --features to the evaluate subcommand and makes its --data optional (one of the two).
+// Adds --features and --slide-stores to the evaluate subcommand and makes its --data optional
+// (one of the two).
 void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* options);
 // Writes OUT/predictions.csv (per bag: label, probabilities, prediction), OUT/<bag>.h5 (its
 // attention) and OUT/<bag>.png (heatmap), OUT/metrics.json (loss, accuracy, balanced accuracy,

@@ -521,6 +521,44 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
   return ok_status();
 }
 
+namespace {
+
+// Each tile's attention as its percentile rank within the bag (CLAM's heatmaps normalise
+// attention to percentiles), 0..1.
+std::vector<double> percentiles(const std::vector<float>& attention) {
+  const size_t n = attention.size();
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return attention[a] < attention[b]; });
+  std::vector<double> pct(n, 1.0);
+  for (size_t r = 0; r < n; ++r) pct[order[r]] = n > 1 ? static_cast<double>(r) / static_cast<double>(n - 1) : 1.0;
+  return pct;
+}
+
+// The jet colormap (matplotlib's, piecewise linear): 0 dark blue, 0.5 green-yellow, 1 dark red.
+void jet(double v, uint8_t rgb[3]) {
+  auto ch = [&](double c) {
+    return static_cast<uint8_t>(std::lround(255.0 * std::clamp(1.5 - std::abs(4.0 * v - c), 0.0, 1.0)));
+  };
+  rgb[0] = ch(3.0), rgb[1] = ch(2.0), rgb[2] = ch(1.0);
+}
+
+// The smallest positive step between the tiles' coordinates: the grid's stride in level-0 px.
+int64_t grid_step(const std::vector<int32_t>& coords) {
+  int64_t step = 0;
+  const size_t n = coords.size() / 2;
+  for (size_t axis = 0; axis < 2; ++axis) {
+    std::vector<int32_t> v;
+    for (size_t i = 0; i < n; ++i) v.push_back(coords[2 * i + axis]);
+    std::sort(v.begin(), v.end());
+    for (size_t i = 1; i < v.size(); ++i)
+      if (v[i] > v[i - 1] && (step == 0 || v[i] - v[i - 1] < step)) step = v[i] - v[i - 1];
+  }
+  return step == 0 ? 1 : step;
+}
+
+}  // namespace
+
 Status write_attention_heatmap(const std::string& path, const std::vector<float>& attention,
                                const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px) {
   const size_t n = attention.size();
@@ -532,31 +570,12 @@ Status write_attention_heatmap(const std::string& path, const std::vector<float>
     x0 = std::min<int64_t>(x0, coords[2 * i]), x1 = std::max<int64_t>(x1, coords[2 * i]);
     y0 = std::min<int64_t>(y0, coords[2 * i + 1]), y1 = std::max<int64_t>(y1, coords[2 * i + 1]);
   }
-  if (tile_l0_px <= 0) {  // the smallest positive step between coordinates: the grid's stride
-    tile_l0_px = 0;
-    for (int axis = 0; axis < 2; ++axis) {
-      std::vector<int32_t> v;
-      for (size_t i = 0; i < n; ++i) v.push_back(coords[2 * i + static_cast<size_t>(axis)]);
-      std::sort(v.begin(), v.end());
-      for (size_t i = 1; i < v.size(); ++i)
-        if (v[i] > v[i - 1] && (tile_l0_px == 0 || v[i] - v[i - 1] < tile_l0_px)) tile_l0_px = v[i] - v[i - 1];
-    }
-    if (tile_l0_px == 0) tile_l0_px = 1;
-  }
+  if (tile_l0_px <= 0) tile_l0_px = grid_step(coords);
   const int64_t cols = (x1 - x0) / tile_l0_px + 1, rows = (y1 - y0) / tile_l0_px + 1;
   if (cols * rows > int64_t{1} << 24)
     return invalid_argument(path + ": a tile grid of " + std::to_string(cols) + " x " + std::to_string(rows) +
                             " cells is too large for a heatmap");
-  // Percentile ranks (CLAM's heatmaps normalise attention to percentiles), then jet.
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return attention[a] < attention[b]; });
-  std::vector<double> pct(n, 1.0);
-  for (size_t r = 0; r < n; ++r) pct[order[r]] = n > 1 ? static_cast<double>(r) / static_cast<double>(n - 1) : 1.0;
-  auto jet = [](double v, uint8_t rgb[3]) {
-    auto ch = [&](double c) { return static_cast<uint8_t>(std::lround(255.0 * std::clamp(1.5 - std::abs(4.0 * v - c), 0.0, 1.0))); };
-    rgb[0] = ch(3.0), rgb[1] = ch(2.0), rgb[2] = ch(1.0);
-  };
+  const std::vector<double> pct = percentiles(attention);
   slide::tile::RgbImage img(cols * cell_px, rows * cell_px, 255);
   for (size_t i = 0; i < n; ++i) {
     const int64_t cx = (coords[2 * i] - x0) / tile_l0_px, cy = (coords[2 * i + 1] - y0) / tile_l0_px;
@@ -566,6 +585,35 @@ Status write_attention_heatmap(const std::string& path, const std::vector<float>
       for (int64_t x = cx * cell_px; x < (cx + 1) * cell_px; ++x) {
         uint8_t* p = img.row(y) + 3 * x;
         p[0] = rgb[0], p[1] = rgb[1], p[2] = rgb[2];
+      }
+  }
+  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
+  return slide::core::write_file_atomic(path, png);
+}
+
+Status write_attention_overlay(const std::string& path, const std::vector<float>& attention,
+                               const std::vector<int32_t>& coords, int64_t tile_l0_px,
+                               const slide::tile::RgbImage& thumbnail, double downsample_x, double downsample_y) {
+  const size_t n = attention.size();
+  if (n == 0 || coords.size() != 2 * n || thumbnail.width < 1 || thumbnail.height < 1 || !(downsample_x > 0) ||
+      !(downsample_y > 0))
+    return invalid_argument(path + ": " + std::to_string(n) + " attention weights for " +
+                            std::to_string(coords.size() / 2) + " tile coordinates over a " +
+                            std::to_string(thumbnail.width) + " x " + std::to_string(thumbnail.height) + " thumbnail");
+  if (tile_l0_px <= 0) tile_l0_px = grid_step(coords);
+  const std::vector<double> pct = percentiles(attention);
+  slide::tile::RgbImage img = thumbnail;
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t rgb[3];
+    jet(pct[i], rgb);
+    const auto px0 = static_cast<int64_t>(std::floor(coords[2 * i] / downsample_x));
+    const auto py0 = static_cast<int64_t>(std::floor(coords[2 * i + 1] / downsample_y));
+    const auto px1 = std::max(px0 + 1, static_cast<int64_t>(std::floor((coords[2 * i] + tile_l0_px) / downsample_x)));
+    const auto py1 = std::max(py0 + 1, static_cast<int64_t>(std::floor((coords[2 * i + 1] + tile_l0_px) / downsample_y)));
+    for (int64_t y = std::max<int64_t>(py0, 0); y < std::min(py1, img.height); ++y)
+      for (int64_t x = std::max<int64_t>(px0, 0); x < std::min(px1, img.width); ++x) {
+        uint8_t* p = img.row(y) + 3 * x;
+        for (int c = 0; c < 3; ++c) p[c] = static_cast<uint8_t>((p[c] + rgb[c] + 1) / 2);
       }
   }
   SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));

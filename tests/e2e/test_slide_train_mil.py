@@ -416,6 +416,22 @@ class TestPipeline(unittest.TestCase):
             self.assertEqual(im.size, (cols * 8, rows_ * 8))
             a = np.asarray(im.convert("RGB")).reshape(-1, 3)
             self.assertEqual((a != 255).any(axis=1).sum(), len(coords) * 64)  # one coloured cell per tile
+        # With the tile stores, the heatmap is drawn over the slide's thumbnail (evaluate, as training does).
+        ev = os.path.join(tmp, "eval")
+        r = run_train("evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-4-step-0"), "--features", bags,
+                      "--labels", labels, "--out", ev, "--slide-stores", cmu, lc)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("heatmaps over the tile grid instead", r.stderr)  # the patches are not slides
+        import openslide
+        with openslide.OpenSlide(os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")) as sl:
+            w0, h0 = sl.dimensions
+        with Image.open(os.path.join(ev, "CMU-1-Small-Region.png")) as im:
+            ds = w0 / im.size[0]
+            self.assertAlmostEqual(h0 / im.size[1], ds, delta=0.02 * ds)  # the whole slide, its aspect ratio
+            self.assertAlmostEqual(ds, step / 8, delta=0.1 * ds)          # about 8 px per tile
+            self.assertGreater(len(im.convert("RGB").getcolors(1 << 20)), 1000)  # the slide's pixels, tinted
+        with Image.open(os.path.join(ev, "lung_n_lungn1.png")) as im:
+            self.assertEqual(im.size, (8, 8))  # a patch: one grid cell
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "slide/tile/image.h"
 #include "slide/train/layers.h"
 #include "slide/train/optimizer.h"
 #include "slide/train/trainer.h"
@@ -178,5 +179,15 @@ struct MilTrainOptions {
 // Errors: kInvalidArgument (sizes disagree, an empty bag), the PNG encoder's and the file's.
 [[nodiscard]] Status write_attention_heatmap(const std::string& path, const std::vector<float>& attention,
                                              const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px = 8);
+
+// The same heatmap over a slide's thumbnail (`thumbnail`, whose pixel is downsample_x x
+// downsample_y level-0 px): each tile's level-0 rectangle (side `tile_l0_px`; 0: the grid step
+// as above) blended half and half with its colour; the rest of the slide as it is. Written
+// atomically. Errors: kInvalidArgument (sizes disagree, an empty bag or thumbnail), the PNG
+// encoder's and the file's.
+[[nodiscard]] Status write_attention_overlay(const std::string& path, const std::vector<float>& attention,
+                                             const std::vector<int32_t>& coords, int64_t tile_l0_px,
+                                             const slide::tile::RgbImage& thumbnail, double downsample_x,
+                                             double downsample_y);
 
 }  // namespace slide::train

@@ -125,12 +125,23 @@ Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode
   size_t made = 0;
   if (mode == "none") return made;
   if (mode == "stage") {
-    for (size_t i = 0; i < model.size(); ++i) {
-      if (dynamic_cast<Sequential*>(&model.at(i)) == nullptr) continue;
-      std::vector<std::unique_ptr<Layer>> one;
-      one.push_back(model.replace(i, nullptr));
-      model.replace(i, std::make_unique<CheckpointedSegment>(std::move(one), std::vector<std::string>{model.name_at(i)}));
+    bool stages = false;
+    for (size_t i = 0; i < model.size(); ++i) stages |= dynamic_cast<Sequential*>(&model.at(i)) != nullptr;
+    for (size_t i = 0; stages && i < model.size();) {
+      // A stage alone, or the run of plain layers up to the next stage (ResNet's stem: conv1, bn1,
+      // relu, maxpool, whose activations are the model's largest; its head: avgpool, fc).
+      size_t end = i + 1;
+      if (dynamic_cast<Sequential*>(&model.at(i)) == nullptr)
+        while (end < model.size() && dynamic_cast<Sequential*>(&model.at(end)) == nullptr) ++end;
+      std::vector<std::unique_ptr<Layer>> group;
+      std::vector<std::string> names;
+      for (size_t j = i; j < end; ++j) {
+        group.push_back(model.replace(j, std::make_unique<PassThrough>()));
+        names.push_back(model.name_at(j));
+      }
+      model.replace(i, std::make_unique<CheckpointedSegment>(std::move(group), std::move(names)));
       ++made;
+      i = end;
     }
   } else if (mode == "block") {
     made = wrap_blocks(model);

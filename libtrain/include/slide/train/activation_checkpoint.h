@@ -51,7 +51,8 @@ class CheckpointedSegment final : public Layer {
 };
 
 // Rewrites `model` in place so that its activations are checkpointed. `mode`:
-// - "stage": every child that is itself a Sequential (ResNet's layer1..layer4) is one segment;
+// - "stage": every child that is itself a Sequential (ResNet's layer1..layer4) is one segment,
+//   and so is each run of other children between them (ResNet's stem, conv1..maxpool; its head);
 // - "block": every ResidualBlock (at any depth) is one segment;
 // - "K" (an integer >= 1): the model's top-level children in consecutive groups of K.
 // - "none": nothing.

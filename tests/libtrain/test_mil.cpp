@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <filesystem>
+#include <algorithm>
 #include <functional>
+#include <numeric>
+#include <unistd.h>
 #include <random>
 #include <string>
 #include <vector>
@@ -345,4 +348,176 @@ TEST_CASE("ABMIL dropout: training masks are a function of the seed; inference i
   AbmilConfig bad = c;
   bad.dropout = 1.0;
   CHECK(Abmil::make(cpu_allocator(), DType::kF64, bad, 5).status().code() == StatusCode::kInvalidArgument);
+}
+
+namespace {
+
+// A bag written with the cache writer: n tiles of `dim` features (tile t's features are
+// label * 0.5 + t * 0.01 in every column), a coords grid of 4 columns.
+void write_test_bag(const std::string& dir, const std::string& id, const std::string& label, int64_t n, int64_t dim) {
+  slide::cache::BagAttributes attrs;
+  attrs.slide_id = id;
+  attrs.label = label;
+  attrs.tile_size_px = 224;
+  attrs.tile_size_l0_px = 448;
+  auto w = slide::cache::BagWriter::create(dir + "/" + slide::cache::bag_file_name(id), dim, attrs);
+  REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  std::vector<float> f(static_cast<size_t>(n * dim));
+  std::vector<int64_t> c(static_cast<size_t>(2 * n));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < dim; ++d) f[static_cast<size_t>(t * dim + d)] = (label == "b" ? 0.5f : 0.f) + 0.01f * t;
+    c[static_cast<size_t>(2 * t)] = (t % 4) * 448, c[static_cast<size_t>(2 * t + 1)] = (t / 4) * 448;
+  }
+  REQUIRE((*w)->append(n, f, c).ok());
+  REQUIRE((*w)->commit().ok());
+}
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    path = (fs::temp_directory_path() / ("mil_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++))).string();
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals streamed, clear errors") {
+  TempDir dir;
+  for (int i = 0; i < 6; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 3 + i, 5);
+  auto ds = BagDataset::open({dir.path});
+  REQUIRE_MESSAGE(ds.ok(), ds.status().to_string());
+  CHECK((*ds)->class_names() == std::vector<std::string>{"a", "b"});
+  CHECK((*ds)->bags().size() == 6);
+  CHECK((*ds)->feature_dim() == 5);
+  CHECK((*ds)->max_tiles() == 8);
+  CHECK((*ds)->feature_bytes() == size_t{(3 + 4 + 5 + 6 + 7 + 8) * 5 * 4});
+  auto streamed = (*ds)->load(5, cpu_allocator());
+  REQUIRE(streamed.ok());
+  CHECK(streamed->shape() == Shape{8, 5});
+  CHECK(streamed->data<float>()[5 * 7] == doctest::Approx(0.5f + 0.07f));
+  REQUIRE((*ds)->cache_in_ram(cpu_allocator()).ok());
+  auto cached = (*ds)->load(5, cpu_allocator());
+  REQUIRE(cached.ok());
+  CHECK(std::equal(cached->data<float>(), cached->data<float>() + 40, streamed->data<float>()));
+  auto coords = (*ds)->coords(5);
+  REQUIRE(coords.ok());
+  CHECK((*coords)[2 * 5] == 448);  // tile 5: column 1, row 1
+  CHECK((*coords)[2 * 5 + 1] == 448);
+
+  // A CSV with patients: s0+s1, s2+s3, s4+s5 are one patient each and never split.
+  const std::string csv = dir.path + "/labels.csv";
+  REQUIRE(slide::core::write_file_atomic(csv, "slide_id,label,patient\ns0,x,p0\ns1,y,p0\ns2,x,p1\ns3,y,p1\ns4,x,p2\ns5,y,p2\n").ok());
+  auto by_patient = BagDataset::open({dir.path}, csv);
+  REQUIRE(by_patient.ok());
+  CHECK((*by_patient)->class_names() == std::vector<std::string>{"x", "y"});
+  for (uint64_t seed = 0; seed < 5; ++seed) {
+    std::vector<size_t> train, val;
+    (*by_patient)->split(0.34, seed, &train, &val);
+    CHECK(val.size() == 2);
+    CHECK((*by_patient)->bags()[val[0]].group == (*by_patient)->bags()[val[1]].group);
+  }
+
+  // A slide the CSV lacks is named.
+  REQUIRE(slide::core::write_file_atomic(csv, "slide_id,label\ns0,x\ns1,y\n").ok());
+  auto missing = BagDataset::open({dir.path}, csv);
+  CHECK(missing.status().code() == StatusCode::kInvalidArgument);
+  CHECK(missing.status().message().find("no row for slide 's2'") != std::string::npos);
+  // A bag of another feature width is named.
+  TempDir mixed;
+  write_test_bag(mixed.path, "w5", "a", 3, 5);
+  write_test_bag(mixed.path, "w7", "b", 3, 7);
+  auto wrong_dim = BagDataset::open({mixed.path});
+  CHECK(wrong_dim.status().code() == StatusCode::kInvalidArgument);
+  CHECK(wrong_dim.status().message().find("w7.h5 has 7 features per tile") != std::string::npos);
+  // One class only: refused for training, fine against a model's class list.
+  TempDir one;
+  write_test_bag(one.path, "o1", "b", 2, 5);
+  CHECK(BagDataset::open({one.path}).status().message().find("fewer than two classes") != std::string::npos);
+  auto against = BagDataset::open({one.path}, "", {"a", "b"});
+  REQUIRE(against.ok());
+  CHECK((*against)->bags()[0].label == 1);
+  CHECK(BagDataset::open({one.path}, "", {"a", "c"}).status().message().find("not one of the model's") !=
+        std::string::npos);
+  CHECK(BagDataset::open({dir.path + "/nope"}).status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals RAM, attention outputs") {
+  TempDir dir;
+  for (int i = 0; i < 8; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 4 + i % 3, 6);
+  auto train = [&](bool ram, int prefetch, std::vector<float>* weights) {
+    auto ds = BagDataset::open({dir.path});
+    REQUIRE(ds.ok());
+    if (ram) REQUIRE((*ds)->cache_in_ram(cpu_allocator()).ok());
+    AbmilConfig c;
+    c.in_features = 6, c.hidden = 8, c.attention = 4, c.classes = 2;
+    auto model = Abmil::make(cpu_allocator(), DType::kF32, c, 1);
+    REQUIRE(model.ok());
+    std::vector<Parameter*> params;
+    std::vector<Buffer*> buffers;
+    (*model)->collect("", &params, &buffers);
+    OptimizerConfig oc;
+    oc.name = "adamw";
+    auto opt = Optimizer::make(oc, params, cpu_allocator());
+    REQUIRE(opt.ok());
+    Schedule sched;
+    sched.kind = "constant", sched.base_lr = 0.01;
+    std::vector<size_t> all(8);
+    std::iota(all.begin(), all.end(), size_t{0});
+    MilTrainOptions to;
+    to.batch_size = 3, to.prefetch = prefetch;
+    std::vector<double> losses;
+    for (int e = 0; e < 15; ++e) {
+      auto st = train_mil_epoch(cpu(), **model, **opt, sched, **ds, all, to, 100 + static_cast<uint64_t>(e));
+      REQUIRE_MESSAGE(st.ok(), st.status().to_string());
+      CHECK(st->steps == 3);  // 8 bags in steps of 3: the last partial step is used
+      CHECK(st->samples == 8);
+      losses.push_back(st->loss);
+    }
+    CHECK(losses.back() < 0.5 * losses.front());
+    for (auto* p : params) weights->insert(weights->end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
+    std::vector<float> probs;
+    std::vector<std::vector<float>> attention;
+    auto ev = evaluate_mil(cpu(), **model, **ds, all, prefetch, &probs, &attention);
+    REQUIRE(ev.ok());
+    CHECK(ev->accuracy == 1.0);
+    CHECK(ev->roc_auc == 1.0);
+    CHECK(attention.size() == 8);
+    CHECK(attention[2].size() == 4 + 2 % 3);
+  };
+  std::vector<float> a, b, c;
+  train(true, 0, &a);
+  train(false, 2, &b);
+  train(false, 0, &c);
+  CHECK(a == b);
+  CHECK(a == c);
+
+  // The attention file and heatmap.
+  std::vector<float> att = {0.1f, 0.2f, 0.3f, 0.4f, 0.0f};
+  std::vector<int32_t> xy = {0, 0, 448, 0, 896, 0, 1344, 0, 0, 448};
+  REQUIRE(write_attention_h5(dir.path + "/att.h5", "s", "a", "b", {0.25, 0.75}, att, xy).ok());
+  CHECK(fs::exists(dir.path + "/att.h5"));
+  CHECK(!fs::exists(dir.path + "/att.h5.partial"));
+  CHECK(write_attention_h5(dir.path + "/bad.h5", "s", "a", "b", {0.5, 0.5}, att, {0, 0}).code() ==
+        StatusCode::kInvalidArgument);
+  REQUIRE(write_attention_heatmap(dir.path + "/h.png", att, xy, 0).ok());
+  auto bytes = slide::core::read_file(dir.path + "/h.png");
+  REQUIRE(bytes.ok());
+  auto img = slide::tile::decode_png(std::vector<uint8_t>(bytes->begin(), bytes->end()));
+  REQUIRE(img.ok());
+  CHECK(img->width == 4 * 8);
+  CHECK(img->height == 2 * 8);
+  const uint8_t* hot = img->row(4) + 3 * (3 * 8 + 4);   // the most attended tile: dark red
+  const uint8_t* cold = img->row(12) + 3 * 4;           // the least: dark blue
+  const uint8_t* none = img->row(12) + 3 * (3 * 8 + 4);  // no tile there: white
+  CHECK(hot[0] > 100);
+  CHECK(hot[2] < 50);
+  CHECK(cold[2] > 100);
+  CHECK(cold[0] < 50);
+  CHECK((none[0] == 255 && none[1] == 255 && none[2] == 255));
 }

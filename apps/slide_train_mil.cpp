@@ -164,7 +164,9 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
 }
 
 int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>* cancel) {
-  for (const char* tile_only : {"--data", "--val-data", "--model", "--accumulate"}) {
+  for (const char* tile_only : {"--data", "--val-data", "--model", "--width", "--accumulate", "--no-augment", "--color-jitter",
+                                "--random-resized-crop", "--dist", "--sync-bn", "--checkpoint-activations", "--dry-run",
+                                "--global-batch"}) {
     const CLI::Option* opt = app.get_option_no_throw(tile_only);
     if (opt != nullptr && opt->count() > 0) {
       std::fprintf(stderr, "slide-train: %s does not apply to --features (attention MIL on bags)\n", tile_only);
@@ -182,6 +184,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   take("--weight-decay", &o.weight_decay), take("--warmup-epochs", &o.warmup_epochs);
   take("--label-smoothing", &o.label_smoothing), take("--val-fraction", &o.val_fraction), take("--seed", &o.seed);
   take("--nesterov", &o.nesterov), take("--resume", &o.resume);
+  if (const CLI::Option* mil_dropout = app.get_option_no_throw("--mil-dropout");
+      mil_dropout == nullptr || mil_dropout->count() == 0)
+    take("--dropout", &o.dropout);  // tile training's --dropout means the same here
   if (o.out.empty()) {
     std::fprintf(stderr, "slide-train: --out is required\n");
     return kExitUsage;

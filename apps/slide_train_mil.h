@@ -41,7 +41,8 @@ void add_mil_options(CLI::App& app, MilOptions* options);
 // Runs MIL training (and writes the attention outputs at the end). The options it shares with
 // tile training are read from `app` (slide-train's parsed command line) where given, else
 // MilOptions' defaults (CLAM's: AdamW, lr 2e-4, weight decay 1e-5, one bag per step); tile-only
-// options (--data, --val-data, --model, --accumulate) are a usage error. Returns the process exit
+// options (--data, --val-data, --model, --width, --accumulate, augmentation, --dist, ...) are a
+// usage error; --dropout is --mil-dropout's synonym. Returns the process exit
 // code: 0 ok, 1 failed, 2 usage or bad input (checked before any work), 130 interrupted (a
 // checkpoint is written first; --resume continues exactly).
 int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<bool>* cancel);

@@ -344,6 +344,8 @@ int main(int argc, char** argv) {
   if (!opt.ok()) return fail(opt.status());
   run.opt = std::move(*opt);
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
+  if (batch == 0 && comm->world_size() > 1)  // each rank would find its own size
+    return fail(slide::core::invalid_argument("--batch-size auto is for one rank: run it alone, then give the size"));
   auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
                                                  momentum, backend, static_cast<int64_t>(train.size()), &batch,
                                                  &accumulate);

@@ -493,6 +493,16 @@ Result<std::unique_ptr<FeatureExtractor>> FeatureExtractor::create(Sequential& m
   return std::unique_ptr<FeatureExtractor>(new FeatureExtractor(std::move(impl)));
 }
 
+Result<Tensor> FeatureExtractor::forward(const Tensor& images, Allocator& alloc) {
+  if (images.rank() != 4 || images.dim(1) != 3 || images.dtype() != DType::kF32 || images.device() != Device::kCpu)
+    return invalid_argument("fused forward: images of shape " + shape_string(images.shape()) +
+                            ", expected [N, 3, H, W] f32 in host memory");
+  SLIDE_ASSIGN_OR_RETURN(Tensor out, Tensor::empty({images.dim(0), impl_->feature_dim}, DType::kF32, alloc,
+                                                   impl_->layer == "fc" ? "logits" : "features"));
+  SLIDE_RETURN_IF_ERROR(extract(images.data<float>(), images.dim(0), images.dim(2), images.dim(3), out.data<float>()));
+  return out;
+}
+
 Status FeatureExtractor::extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) {
   if (n < 1 || h < 1 || w < 1) return invalid_argument("extract: empty batch");
   Impl& m = *impl_;

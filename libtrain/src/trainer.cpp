@@ -45,15 +45,21 @@ Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_
   return b;
 }
 
-Result<Scored> score(Backend& be, Layer& model, const Batch& batch, bool training, double label_smoothing,
-                     const Tensor& class_weights = Tensor()) {
+// The loss and probabilities of a batch's logits.
+Result<Scored> score_logits(Backend& be, const Tensor& logits, const Batch& batch, double label_smoothing,
+                            const Tensor& class_weights = Tensor()) {
   Scored out;
   out.labels = batch.labels;
-  SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, batch.images, training));
   SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
   SLIDE_RETURN_IF_ERROR(
       be.softmax_cross_entropy_forward(logits, out.labels, class_weights, label_smoothing, out.probs, &out.loss));
   return out;
+}
+
+Result<Scored> score(Backend& be, Layer& model, const Batch& batch, bool training, double label_smoothing,
+                     const Tensor& class_weights = Tensor()) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, batch.images, training));
+  return score_logits(be, logits, batch, label_smoothing, class_weights);
 }
 
 // Fills the means, accuracy, balanced accuracy (mean recall over the classes present) and time.
@@ -280,6 +286,13 @@ double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>
 
 Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, const std::vector<size_t>& positions,
                             int64_t batch_size, slide::core::ThreadPool* pool, std::vector<float>* probs_out) {
+  const LogitsFn engine = [&](const Tensor& images) { return model.forward(be, images, false); };
+  return evaluate(be, engine, data, positions, batch_size, pool, probs_out);
+}
+
+Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                            const std::vector<size_t>& positions, int64_t batch_size, slide::core::ThreadPool* pool,
+                            std::vector<float>* probs_out) {
   if (batch_size < 1) return slide::core::invalid_argument("batch size " + std::to_string(batch_size));
   const auto t0 = std::chrono::steady_clock::now();
   const size_t classes = data.class_names().size();
@@ -293,7 +306,15 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
     end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
     std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
     auto batch = load(be, data, idx, Augmentation{}, 0, pool);
-    auto scored = batch.ok() ? score(be, model, *batch, false, 0.0) : Result<Scored>(batch.status());
+    auto scored = [&]() -> Result<Scored> {
+      if (!batch.ok()) return batch.status();
+      SLIDE_ASSIGN_OR_RETURN(Tensor z, logits(batch->images));
+      if (z.rank() != 2 || z.dim(0) != batch->labels.dim(0) || z.dim(1) != static_cast<int64_t>(classes))
+        return slide::core::invalid_argument("evaluate: logits of shape " + shape_string(z.shape()) + " for " +
+                                             std::to_string(batch->labels.dim(0)) + " images and " +
+                                             std::to_string(classes) + " classes");
+      return score_logits(be, z, *batch, 0.0);
+    }();
     if (!scored.ok() && scored.status().code() == slide::core::StatusCode::kResourceExhausted && batch_size > 1) {
       // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
       batch_size = (batch_size + 1) / 2;

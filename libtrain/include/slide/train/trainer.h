@@ -80,6 +80,18 @@ struct TrainOptions {
                                           const std::vector<size_t>& positions, int64_t batch_size,
                                           slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
 
+// Logits of a batch for evaluate(): images [N,3,H,W] f32 (normalised, as TileDataset::load_batch
+// gives them) -> logits [N,classes] f32 on the backend's device.
+using LogitsFn = std::function<Result<Tensor>(const Tensor& images)>;
+
+// evaluate() with the logits from `logits` instead of the engine's forward (e.g. the fused
+// inference path of embed.h, FeatureExtractor::logits): the same loading, loss, metrics,
+// out-of-memory halving and `probs_out`. Errors: kInvalidArgument (batch_size < 1, logits that
+// are not [N,classes]), and those of the data, `logits` and the backend.
+[[nodiscard]] Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                                          const std::vector<size_t>& positions, int64_t batch_size,
+                                          slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
+
 // sklearn's class_weight="balanced" over the tiles at `positions`: n / (classes x n_c) for each
 // class c present, 0 for a class with no tiles. Errors: the allocator's.
 [[nodiscard]] Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions,

@@ -130,6 +130,20 @@ class TestTrain(Base):
         self.assertGreater(metrics["roc_auc"], 0.8)
         with open(os.path.join(ev, "slides.csv")) as f:
             self.assertEqual(len(f.read().splitlines()), 361)  # one patch per slide
+        # The fused inference path (batch norm folded, ReLU fused) is the default; the engine's
+        # forward (--no-fused) gives the same figures up to float rounding.
+        self.assertEqual(metrics["inference"], "fused")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-6-step-0"),
+                            "--data", self.store, "--out", ev + "-engine", "--no-fused"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev + "-engine", "metrics.json")) as f:
+            engine = json.load(f)
+        self.assertEqual(engine["inference"], "engine")
+        for key in ("loss", "accuracy", "balanced_accuracy", "roc_auc"):
+            self.assertAlmostEqual(metrics[key], engine[key], delta=1e-5, msg=key)
+        with open(os.path.join(ev + "-engine", "predictions.csv")) as f:
+            engine_probs = np.array([[float(v) for v in l.split(",")[4:7]] for l in f.read().splitlines()[1:]])
+        self.assertLess(np.abs(engine_probs - probs).max(), 1e-5)
 
 
 class TestCache(Base):

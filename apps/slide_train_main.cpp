@@ -24,6 +24,7 @@
 #include "slide/tile/image.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/data_parallel.h"
+#include "slide/train/embed.h"
 #include "slide/train/trainer.h"
 #include "train_common.h"
 #include "slide_train_mil.h"
@@ -90,8 +91,11 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
 }
 
 // slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
+// `fused` (on the cpu backend): logits through embed.h's FeatureExtractor cut at "fc" (batch norm
+// folded into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a
+// model it does not support, the engine's forward in inference mode.
 int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& labels_csv,
-                 const std::string& out, int64_t batch, int threads, const std::string& backend) {
+                 const std::string& out, int64_t batch, int threads, const std::string& backend, bool fused) {
   auto text = slide::core::read_file(checkpoint + "/state.json");
   if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
   nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
@@ -116,7 +120,20 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
   std::vector<float> probs;
-  auto st = evaluate(**be, **model, **ds, all, batch, &pool, &probs);
+  std::unique_ptr<FeatureExtractor> extractor;
+  if (fused && backend == "cpu") {
+    auto ex = FeatureExtractor::create(**model, "fc");
+    if (ex.ok()) extractor = std::move(*ex);
+    else if (ex.status().code() == slide::core::StatusCode::kUnimplemented)
+      slide::core::log_debug("fused inference does not support this model; using the engine's forward",
+                             {{"reason", ex.status().to_string()}});
+    else return fail(ex.status());
+  }
+  const LogitsFn logits = [&](const Tensor& images) -> Result<Tensor> {
+    if (extractor != nullptr) return extractor->forward(images, (*be)->allocator());
+    return (*model)->forward(**be, images, false);
+  };
+  auto st = evaluate(**be, logits, **ds, all, batch, &pool, &probs);
   if (!st.ok()) return fail(st.status());
   if (auto s = slide::core::make_dirs(out); !s.ok()) return fail(s);
 
@@ -160,7 +177,8 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   }
   const nlohmann::json metrics = {{"tiles", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
                                   {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
-                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint}};
+                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint},
+                                  {"inference", extractor != nullptr ? "fused" : "engine"}};
   for (auto [name, body] : {std::pair<std::string, std::string>{"/predictions.csv", tiles_csv},
                             {"/slides.csv", slides_csv}, {"/metrics.json", metrics.dump(2) + "\n"}})
     if (auto s = slide::core::write_file_atomic(out + name, body); !s.ok()) return fail(s);
@@ -206,6 +224,12 @@ int main(int argc, char** argv) {
   eval->add_option("--out", eval_out, "Output directory: predictions.csv, slides.csv, metrics.json")->required();
   std::string eval_labels;
   eval->add_option("--labels", eval_labels, "CSV with slide_id,label columns")->check(CLI::ExistingFile);
+  bool no_fused = false;
+  eval->add_flag("--no-fused", no_fused,
+                 "Logits through the training engine's forward instead of the fused inference path "
+                 "(batch norm folded, ReLU fused; the default on --backend cpu)");
+  slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
+  slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -286,7 +310,9 @@ int main(int argc, char** argv) {
     std::error_code ec;
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
   }
-  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend);
+  if (eval->parsed() && !mil_eval.features.empty())
+    return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend);
+  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, !no_fused);
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
@@ -340,6 +366,8 @@ int main(int argc, char** argv) {
   if (!opt.ok()) return fail(opt.status());
   run.opt = std::move(*opt);
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
+  if (batch == 0 && comm->world_size() > 1)  // each rank would find its own size
+    return fail(slide::core::invalid_argument("--batch-size auto is for one rank: run it alone, then give the size"));
   auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
                                                  momentum, backend, static_cast<int64_t>(train.size()), &batch,
                                                  &accumulate);
@@ -492,6 +520,9 @@ int main(int argc, char** argv) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
       if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
+      // Ranks leave together, after rank 0's checkpoint: a launcher that ends the job when the
+      // first rank exits must not cut the write short.
+      if (auto s = comm->barrier("barrier after the interrupt's checkpoint"); !s.ok()) return fail(s);
       if (writer)
         slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
                               {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});

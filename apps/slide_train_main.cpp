@@ -178,12 +178,15 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   const nlohmann::json metrics = {{"tiles", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
                                   {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
                                   {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint},
-                                  {"inference", extractor != nullptr ? "fused" : "engine"}};
+                                  {"inference", extractor != nullptr ? "fused" : "engine"},
+                                  {"seconds", st->seconds}, {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}};
   for (auto [name, body] : {std::pair<std::string, std::string>{"/predictions.csv", tiles_csv},
                             {"/slides.csv", slides_csv}, {"/metrics.json", metrics.dump(2) + "\n"}})
     if (auto s = slide::core::write_file_atomic(out + name, body); !s.ok()) return fail(s);
   slide::core::log_info("evaluated", {{"tiles", st->samples}, {"accuracy", st->accuracy},
-                                      {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});
+                                      {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
+                                      {"inference", extractor != nullptr ? "fused" : "engine"},
+                                      {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
   return kExitOk;
 }
 

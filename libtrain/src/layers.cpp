@@ -302,14 +302,19 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   identity_ = !training || p_ == 0;
   if (identity_) return x;
   SLIDE_ASSIGN_OR_RETURN(mask_, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout mask"));
-  // The mask is drawn on the host: a SplitMix-style mix of (seed, salt) seeds the generator.
-  std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
+  // The mask is drawn on the host, one generator per sample (row of dim 0) seeded by seed + row:
+  // the trainer's seed is the micro-batch's first position in the epoch's order, so a sample's
+  // mask depends on its position only, not on how the step is split into micro-batches or ranks.
   std::bernoulli_distribution keep(1.0 - p_);
   const double scale = 1.0 / (1.0 - p_);
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double m = keep(rng) ? scale : 0.0;
-    if (x.dtype() == DType::kF64) mask_.data<double>()[i] = m;
-    else mask_.data<float>()[i] = static_cast<float>(m);
+  const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::mt19937_64 rng((seed_ + static_cast<uint64_t>(r)) * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
+    for (int64_t i = r * per_row; i < (r + 1) * per_row; ++i) {
+      const double m = keep(rng) ? scale : 0.0;
+      if (x.dtype() == DType::kF64) mask_.data<double>()[i] = m;
+      else mask_.data<float>()[i] = static_cast<float>(m);
+    }
   }
   SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout output"));
   SLIDE_RETURN_IF_ERROR(be.mul(x, mask_, y));

@@ -150,7 +150,9 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   if (!plan.empty()) next = std::async(std::launch::async, fetch, plan[0]);
   // Out-of-memory recovery (oom_recovery.h): the micro-batches of the step that starts at
   // plan[step_first], and what the step changed, so that it can be rerun split finer.
-  StepRecovery recovery(model, options.oom_recovery);
+  // Not with --sync-bn: a rank that re-split its step would meet the others' synchronised batch
+  // norms a different number of times; out of memory there is an error, as without recovery.
+  StepRecovery recovery(model, options.oom_recovery && !options.sync_batch_norm);
   int64_t micro_count = options.accumulate;
   size_t step_first = 0;
   StepTally tally_at_step;
@@ -170,7 +172,9 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
     if (i + 1 < plan.size()) next = std::async(std::launch::async, fetch, plan[i + 1]);
     if (mb.a != mb.b) {  // else: no sample of this step on this rank
-      model.set_rng_seed(epoch_seed * 1000003 + mb.a);  // Dropout's masks: a function of the data order
+      // Dropout's masks: sample j of this micro-batch gets seed + j, a function of its position in
+      // the epoch's order only (the same masks however the step is split).
+      model.set_rng_seed(epoch_seed * 1000003 + mb.a);
       SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
       SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,

@@ -40,6 +40,14 @@ class CheckpointedSegment final : public Layer {
   // joined with its own name, as if it were still in the parent.
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
+  // Forwarded to the layers: the recompute in backward then draws the same Dropout masks and
+  // meets the other ranks' synchronised batch norms as the forward did.
+  void set_rng_seed(uint64_t seed) override {
+    for (auto& l : layers_) l->set_rng_seed(seed);
+  }
+  void set_batch_norm_sync(Communicator* comm) override {
+    for (auto& l : layers_) l->set_batch_norm_sync(comm);
+  }
   size_t layers() const { return layers_.size(); }
 
  private:

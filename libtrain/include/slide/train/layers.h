@@ -127,8 +127,10 @@ class MaxPool2d final : public Layer {
 };
 
 // Dropout(p) (Srivastava et al., 2014; PyTorch's nn.Dropout): in training each element is kept
-// with probability 1 - p and scaled by 1 / (1 - p), else zeroed; in inference y = x. The mask is
-// drawn from a generator seeded by set_rng_seed() and `salt` (one per Dropout in a model).
+// with probability 1 - p and scaled by 1 / (1 - p), else zeroed; in inference y = x. Row r of the
+// mask (sample r of dim 0) is drawn from a generator seeded by set_rng_seed()'s seed + r and
+// `salt` (one per Dropout in a model): with the trainer's seed (the micro-batch's first position
+// in the epoch's order) a sample's mask does not depend on the micro-batch or rank split.
 // Saves: the mask (training). Errors: the allocator's; kInvalidArgument for p outside [0, 1).
 class Dropout final : public Layer {
  public:

@@ -61,7 +61,7 @@ struct TrainOptions {
   // the allocator's cache trimmed), its micro-batches are halved (twice as many, up to one
   // sample each) and it is rerun, with a warning naming the new sizes; later steps keep the finer
   // split (EpochStats::accumulate). The update is the same up to float rounding (see above).
-  // false: the error is returned.
+  // false, or with sync_batch_norm (ranks must run the same micro-batches): the error is returned.
   bool oom_recovery = true;
 };
 

@@ -19,6 +19,8 @@
 #include "slide/core/log.h"
 #include "slide/train/embed.h"
 
+#include "interrupt.h"
+
 namespace {
 
 constexpr int kExitOk = 0;
@@ -27,24 +29,8 @@ constexpr int kExitUsage = 2;
 constexpr int kExitSomeFailed = 3;
 constexpr int kExitInterrupted = 130;
 
-std::atomic<bool> g_cancel{false};
-
-void on_signal(int) {
-  if (g_cancel.exchange(true)) {
-    // A second Ctrl-C: stop now. Only a .partial bag can be left, which never looks complete.
-    _exit(kExitInterrupted);
-  }
-  static const char kMsg[] = "\ninterrupt: discarding the current bag, writing bags.csv (Ctrl-C again to stop now)\n";
-  (void)!::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
-}
-
-void install_signal_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
+// A second Ctrl-C stops at once: only a .partial bag can be left, which never looks complete.
+std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();
 
 // Slide ids from a file: one per line, or a CSV whose header has a `slide_id` column (a slide-tile
 // manifest, a labels CSV). Blank and '#' lines are skipped.
@@ -139,7 +125,8 @@ int main(int argc, char** argv) {
     const int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
   }
-  install_signal_handlers();
+  slide::apps::install_interrupt_handlers(
+      "\ninterrupt: discarding the current bag, writing bags.csv (Ctrl-C again to stop now)\n");
   slide::core::set_log_json(log_json);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
   if (verbose) slide::core::set_log_level(slide::core::LogLevel::kDebug);

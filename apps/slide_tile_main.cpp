@@ -27,6 +27,8 @@
 #include "slide/tile/pipeline.h"
 #include "slide/tile/store.h"
 
+#include "interrupt.h"
+
 namespace {
 
 constexpr int kExitOk = 0;
@@ -35,24 +37,8 @@ constexpr int kExitUsage = 2;
 constexpr int kExitSomeFailed = 3;
 constexpr int kExitInterrupted = 130;
 
-std::atomic<bool> g_cancel{false};
-
-void on_signal(int) {
-  if (g_cancel.exchange(true)) {
-    // A second Ctrl-C: stop now. The store stays consistent (LMDB commits are atomic).
-    _exit(kExitInterrupted);
-  }
-  static const char kMsg[] = "\ninterrupt: finishing the current transaction (Ctrl-C again to stop now)\n";
-  (void)!::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
-}
-
-void install_signal_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
+// A second Ctrl-C stops at once: the store stays consistent (LMDB commits are atomic).
+std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();
 
 std::string join_argv(int argc, char** argv) {
   std::string s;
@@ -331,7 +317,7 @@ int main(int argc, char** argv) {
       return kExitUsage;
     }
   }
-  install_signal_handlers();
+  slide::apps::install_interrupt_handlers("\ninterrupt: finishing the current transaction (Ctrl-C again to stop now)\n");
   auto summary = slide::tile::run_tiling(*collected, out_store, opt);
   if (!summary.ok()) return fail(summary.status());
   std::string table = slide::tile::format_summary(*summary);

@@ -32,6 +32,8 @@
 #include "slide_train_memory.h"
 #include "slide_train_sweep.h"
 
+#include "interrupt.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -43,15 +45,9 @@ constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitInterrupted = 130;
 
-std::atomic<bool> g_cancel{false};
+std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();
 // The ranks (--dist); set once in main. With several, a failure on one rank takes the job down.
 Communicator* g_comm = nullptr;
-
-void on_signal(int) {
-  if (g_cancel.exchange(true)) _exit(kExitInterrupted);
-  static const char kMsg[] = "\ninterrupt: finishing the current step, then writing a checkpoint\n";
-  (void)!::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
-}
 
 int fail(const Status& s) {
   slide::core::log_error(g_comm != nullptr && g_comm->world_size() > 1
@@ -194,11 +190,7 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
 
 int main(int argc, char** argv) {
   // From the start: a Ctrl-C during set-up then stops at the first step, with a checkpoint.
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  slide::apps::install_interrupt_handlers("\ninterrupt: finishing the current step, then writing a checkpoint\n");
   CLI::App app{"slide-train: train a CNN tile classifier on slide-tile stores, on the CPU (oneDNN); resumable"};
   app.set_version_flag("--version", std::string("slide-train ") + SLIDE_VERSION);
   app.set_config("--config", "", "Read options from a TOML/INI file (keys are the long option names)");

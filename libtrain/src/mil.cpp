@@ -435,15 +435,9 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
 }
 
 Result<Tensor> balanced_bag_weights(const BagDataset& data, const std::vector<size_t>& positions, Allocator& alloc) {
-  const auto k = static_cast<int64_t>(data.class_names().size());
-  std::vector<int64_t> count(static_cast<size_t>(k), 0);
-  for (size_t p : positions) ++count[static_cast<size_t>(data.bags().at(p).label)];
-  SLIDE_ASSIGN_OR_RETURN(Tensor w, Tensor::zeros({k}, DType::kF32, alloc, "class weights"));
-  for (int64_t c = 0; c < k; ++c)
-    if (count[static_cast<size_t>(c)] > 0)
-      w.data<float>()[c] = static_cast<float>(static_cast<double>(positions.size()) /
-                                              (static_cast<double>(k) * static_cast<double>(count[static_cast<size_t>(c)])));
-  return w;
+  std::vector<int32_t> labels;
+  for (size_t p : positions) labels.push_back(data.bags().at(p).label);
+  return balanced_weights(labels, static_cast<int64_t>(data.class_names().size()), alloc);
 }
 
 // --- Attention outputs ----------------------------------------------------------------------------

@@ -247,16 +247,21 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   return st;
 }
 
-Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions, Allocator& alloc) {
-  const auto k = static_cast<int64_t>(data.class_names().size());
-  std::vector<int64_t> count(static_cast<size_t>(k), 0);
-  for (size_t p : positions) ++count[static_cast<size_t>(data.tiles().at(p).label)];
-  SLIDE_ASSIGN_OR_RETURN(Tensor w, Tensor::zeros({k}, DType::kF32, alloc, "class weights"));
-  for (int64_t c = 0; c < k; ++c)
+Result<Tensor> balanced_weights(const std::vector<int32_t>& labels, int64_t classes, Allocator& alloc) {
+  std::vector<int64_t> count(static_cast<size_t>(classes), 0);
+  for (int32_t y : labels) ++count.at(static_cast<size_t>(y));
+  SLIDE_ASSIGN_OR_RETURN(Tensor w, Tensor::zeros({classes}, DType::kF32, alloc, "class weights"));
+  for (int64_t c = 0; c < classes; ++c)
     if (count[static_cast<size_t>(c)] > 0)
-      w.data<float>()[c] = static_cast<float>(static_cast<double>(positions.size()) /
-                                              (static_cast<double>(k) * static_cast<double>(count[static_cast<size_t>(c)])));
+      w.data<float>()[c] = static_cast<float>(static_cast<double>(labels.size()) /
+                                              (static_cast<double>(classes) * static_cast<double>(count[static_cast<size_t>(c)])));
   return w;
+}
+
+Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions, Allocator& alloc) {
+  std::vector<int32_t> labels;
+  for (size_t p : positions) labels.push_back(data.tiles().at(p).label);
+  return balanced_weights(labels, static_cast<int64_t>(data.class_names().size()), alloc);
 }
 
 double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes) {

@@ -16,42 +16,12 @@ import time
 import unittest
 
 import numpy as np
+from safetensors_io import read_safetensors, write_safetensors
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
-
-
-def write_safetensors(path, tensors):
-    """The format's spec: u64 LE header length, JSON header (padded to 8 bytes), data."""
-    header, blobs, offset = {}, [], 0
-    for name, a in tensors.items():
-        a = np.ascontiguousarray(a)
-        dtype = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}[a.dtype]
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        blobs.append(a.tobytes())
-        offset += a.nbytes
-    h = json.dumps(header).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
-
-def read_safetensors(path):
-    """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
-    return out
 
 
 class Base(unittest.TestCase):

@@ -23,6 +23,7 @@ import time
 import unittest
 
 import numpy as np
+from safetensors_io import read_safetensors
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
@@ -31,22 +32,6 @@ MPIEXEC = os.environ.get("SLIDE_MPIEXEC", "mpirun")
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 # One oneDNN thread per rank: 2 ranks fill CI's 2 cores, 3 oversubscribe them.
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def read_safetensors(path):
-    """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
-    return out
 
 
 def subset(src, dst, per_class, skip=0):

@@ -22,25 +22,11 @@ import time
 import unittest
 
 import numpy as np
+from safetensors_io import read_safetensors
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
 LC = os.path.join(os.environ["SLIDE_SAMPLE_DIR"], "patches", "lc25000-lung-subset")
-
-
-def read_safetensors(path):
-    """{name: numpy array} from the format's spec: u64 LE header length, JSON header, data."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], np.float32).reshape(e["shape"])
-    return out
 
 
 def mib(text):

@@ -24,6 +24,7 @@ import unittest
 
 import h5py
 import numpy as np
+from safetensors_io import read_safetensors
 from PIL import Image
 
 TRAIN = os.environ["SLIDE_TRAIN"]
@@ -95,22 +96,6 @@ def make_bags(out, copies=1):
 
 def run_train(*args, **kw):
     return subprocess.run([TRAIN] + [str(a) for a in args], capture_output=True, text=True, **kw)
-
-
-def read_safetensors(path):
-    import struct
-    with open(path, "rb") as f:
-        blob = f.read()
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = {"F32": np.float32, "F64": np.float64, "I32": np.int32}[e["dtype"]]
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end], dtype).reshape(e["shape"])
-    return out
 
 
 MIL_ARGS = ["--mil-hidden", "64", "--mil-attention", "32", "--lr", "1e-3", "--val-fraction", "0.3", "--seed", "1"]

@@ -92,8 +92,12 @@ using LogitsFn = std::function<Result<Tensor>(const Tensor& images)>;
                                           const std::vector<size_t>& positions, int64_t batch_size,
                                           slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
 
-// sklearn's class_weight="balanced" over the tiles at `positions`: n / (classes x n_c) for each
-// class c present, 0 for a class with no tiles. Errors: the allocator's.
+// sklearn's class_weight="balanced" (sklearn.utils.class_weight.compute_class_weight): for labels
+// in [0, classes), n / (classes x n_c) for each class c present, 0 for a class with none; a
+// [classes] f32 tensor from `alloc`. Errors: the allocator's.
+[[nodiscard]] Result<Tensor> balanced_weights(const std::vector<int32_t>& labels, int64_t classes, Allocator& alloc);
+
+// balanced_weights over the labels of the tiles at `positions`.
 [[nodiscard]] Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector<size_t>& positions,
                                                     Allocator& alloc);
 

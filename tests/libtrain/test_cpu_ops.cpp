@@ -24,33 +24,10 @@ Backend& backend(const std::string& name) {
   return name == "cpu" ? *cpu : *ref;
 }
 
-// A pair of tensors with the same values: f64 for the reference, f32 for cpu.
-struct Pair {
-  Tensor d, f;
-};
-
+using testing::compare;
+using testing::Pair;
 Pair make(const Shape& s, uint64_t seed = 0, double lo = -1, double hi = 1, double fill = 0) {
-  Pair p{*Tensor::empty(s, DType::kF64, cpu_allocator()), *Tensor::empty(s, DType::kF32, cpu_allocator())};
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < p.d.numel(); ++i) {
-    const double v = seed ? static_cast<float>(u(g)) : fill;  // representable in f32: both see the same input
-    p.d.data<double>()[i] = v;
-    p.f.data<float>()[i] = static_cast<float>(v);
-  }
-  return p;
-}
-
-void compare(const std::string& what, const Pair& p, double tol) {
-  double scale = 1, worst = 0;
-  for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
-  for (int64_t i = 0; i < p.d.numel(); ++i) {
-    const float v = p.f.data<float>()[i];
-    REQUIRE_MESSAGE(std::isfinite(v), what, ": element ", i, " is not finite");
-    worst = std::max(worst, std::abs(double(v) - p.d.data<double>()[i]) / scale);
-  }
-  CAPTURE(what);
-  CHECK(worst < tol);
+  return testing::make_pair(s, seed, lo, hi, fill);
 }
 
 #define BOTH(call_d, call_f)                                         \

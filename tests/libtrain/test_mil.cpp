@@ -42,58 +42,11 @@ Tensor random(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
 
 double dot(const Tensor& a, const Tensor& b) { return testing::dot_f64(a, b); }
 
-// Largest error of `analytic` against the central difference of loss() over every element of
-// `input`, normalised by max(1, |numeric|, |analytic|).
-double gradient_error(Tensor& input, const Tensor& analytic, const std::function<double()>& loss, double h = 1e-6) {
-  REQUIRE(analytic.shape() == input.shape());
-  double worst = 0;
-  for (int64_t i = 0; i < input.numel(); ++i) {
-    double& v = input.data<double>()[i];
-    const double saved = v;
-    v = saved + h;
-    const double up = loss();
-    v = saved - h;
-    const double down = loss();
-    v = saved;
-    const double numeric = (up - down) / (2 * h);
-    const double a = analytic.data<double>()[i];
-    worst = std::max(worst, std::abs(numeric - a) / std::max({1.0, std::abs(numeric), std::abs(a)}));
-  }
-  return worst;
-}
-
-void check_gradient(const std::string& what, Tensor& input, const Tensor& analytic, const std::function<double()>& loss) {
-  const double err = gradient_error(input, analytic, loss);
-  CAPTURE(what);
-  CHECK(err < 1e-6);
-}
-
-// f64 reference and f32 cpu copies of the same values.
-struct Pair {
-  Tensor d, f;
-};
-Pair pair(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
-  Pair p{make(s), make(s, DType::kF32)};
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < p.d.numel(); ++i) {
-    const auto v = static_cast<float>(u(g));
-    p.d.data<double>()[i] = v;
-    p.f.data<float>()[i] = v;
-  }
-  return p;
-}
-void compare(const std::string& what, const Pair& p, double tol) {
-  double scale = 1, worst = 0;
-  for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
-  for (int64_t i = 0; i < p.d.numel(); ++i) {
-    const float v = p.f.data<float>()[i];
-    REQUIRE_MESSAGE(std::isfinite(v), what, ": element ", i, " is not finite");
-    worst = std::max(worst, std::abs(double(v) - p.d.data<double>()[i]) / scale);
-  }
-  CAPTURE(what);
-  CHECK(worst < tol);
-}
+using testing::check_gradient;
+using testing::compare;
+using testing::gradient_error;
+using testing::Pair;
+Pair pair(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) { return testing::make_pair(s, seed, lo, hi); }
 
 Backend& cpu() {
   static std::unique_ptr<Backend> b = testing::must_make("cpu");

@@ -38,29 +38,7 @@ Tensor to_f32(const Tensor& t) {
 
 double dot(const Tensor& a, const Tensor& b) { return testing::dot_f64(a, b); }
 
-// Compares `analytic` with the central difference of loss() over every element of `input`.
-void check_gradient(const std::string& what, Tensor& input, const Tensor& analytic, const std::function<double()>& loss,
-                    double h = 1e-6, double tol = 1e-6) {
-  REQUIRE(analytic.shape() == input.shape());
-  double worst = 0;
-  int64_t worst_i = -1;
-  for (int64_t i = 0; i < input.numel(); ++i) {
-    double& v = input.data<double>()[i];
-    const double saved = v;
-    v = saved + h;
-    const double up = loss();
-    v = saved - h;
-    const double down = loss();
-    v = saved;
-    const double numeric = (up - down) / (2 * h);
-    const double a = analytic.data<double>()[i];
-    const double err = std::abs(numeric - a) / std::max({1.0, std::abs(numeric), std::abs(a)});
-    if (err > worst) worst = err, worst_i = i;
-  }
-  CAPTURE(what);
-  CAPTURE(worst_i);
-  CHECK(worst < tol);
-}
+using testing::check_gradient;
 
 }  // namespace
 

@@ -3,8 +3,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
+#include <string>
 
 #include "slide/train/backend.h"
 
@@ -37,6 +41,74 @@ inline double dot_f64(const Tensor& a, const Tensor& b) {
   double s = 0;
   for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
   return s;
+}
+
+// The largest error of `analytic` against the central difference (step h) of loss() over every
+// element of the f64 `input`, normalised by max(1, |numeric|, |analytic|) (Caffe's gradient
+// checker's scaling); *worst_index gets the element.
+inline double gradient_error(Tensor& input, const Tensor& analytic, const std::function<double()>& loss,
+                             double h = 1e-6, int64_t* worst_index = nullptr) {
+  REQUIRE(analytic.shape() == input.shape());
+  double worst = 0;
+  for (int64_t i = 0; i < input.numel(); ++i) {
+    double& v = input.data<double>()[i];
+    const double saved = v;
+    v = saved + h;
+    const double up = loss();
+    v = saved - h;
+    const double down = loss();
+    v = saved;
+    const double numeric = (up - down) / (2 * h);
+    const double a = analytic.data<double>()[i];
+    const double err = std::abs(numeric - a) / std::max({1.0, std::abs(numeric), std::abs(a)});
+    if (err > worst) {
+      worst = err;
+      if (worst_index != nullptr) *worst_index = i;
+    }
+  }
+  return worst;
+}
+
+// Checks gradient_error(...) < tol.
+inline void check_gradient(const std::string& what, Tensor& input, const Tensor& analytic,
+                           const std::function<double()>& loss, double h = 1e-6, double tol = 1e-6) {
+  int64_t worst_i = -1;
+  const double worst = gradient_error(input, analytic, loss, h, &worst_i);
+  CAPTURE(what);
+  CAPTURE(worst_i);
+  CHECK(worst < tol);
+}
+
+// A pair of tensors with the same values: f64 for the reference backend, f32 for cpu. With a
+// seed, uniform in [lo, hi) and rounded to f32 first (both backends see the same input); with
+// seed 0, every element is `fill`.
+struct Pair {
+  Tensor d, f;
+};
+inline Pair make_pair(const Shape& s, uint64_t seed = 0, double lo = -1, double hi = 1, double fill = 0) {
+  Pair p{*Tensor::empty(s, DType::kF64, cpu_allocator()), *Tensor::empty(s, DType::kF32, cpu_allocator())};
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const double v = seed ? static_cast<float>(u(g)) : fill;
+    p.d.data<double>()[i] = v;
+    p.f.data<float>()[i] = static_cast<float>(v);
+  }
+  return p;
+}
+
+// ggml's test-backend-ops check: NaN/Inf in the f32 result first, then the largest error against
+// the f64 one normalised by max(1, the reference's magnitude), under `tol`.
+inline void compare(const std::string& what, const Pair& p, double tol) {
+  double scale = 1, worst = 0;
+  for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
+  for (int64_t i = 0; i < p.d.numel(); ++i) {
+    const float v = p.f.data<float>()[i];
+    REQUIRE_MESSAGE(std::isfinite(v), what, ": element ", i, " is not finite");
+    worst = std::max(worst, std::abs(double(v) - p.d.data<double>()[i]) / scale);
+  }
+  CAPTURE(what);
+  CHECK(worst < tol);
 }
 
 }  // namespace slide::train::testing

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "slide/train/embed.h"
+#include "../libtrain/test_fixtures.h"
 
 using namespace slide::train;
 
@@ -21,28 +22,7 @@ std::unique_ptr<Backend> backend(const char* name) {
   return std::move(*r);
 }
 
-// Batch norm's running statistics and affine parameters away from their initial 0/1 (and the
-// last bn of each block away from torchvision's zero-init-free default), so folding is exercised.
-void randomise_bn(Sequential& model, uint64_t seed) {
-  std::vector<Parameter*> params;
-  std::vector<Buffer*> buffers;
-  model.collect("", &params, &buffers);
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(0.f, 1.f);
-  auto fill = [&](Tensor& t, float lo, float hi) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = lo + (hi - lo) * u(g);
-  };
-  for (Buffer* b : buffers) {
-    if (b->name.find("running_mean") != std::string::npos) fill(b->value, -0.2f, 0.2f);
-    if (b->name.find("running_var") != std::string::npos) fill(b->value, 0.5f, 2.0f);
-  }
-  for (Parameter* p : params) {
-    if (p->name.find("bn") != std::string::npos || p->name.find("downsample.1") != std::string::npos) {
-      if (p->name.find("weight") != std::string::npos) fill(p->value, 0.5f, 1.5f);
-      else fill(p->value, -0.2f, 0.2f);
-    }
-  }
-}
+using testing::randomise_bn;
 
 std::vector<float> random_images(int64_t n, int64_t h, int64_t w, uint64_t seed) {
   std::vector<float> x(static_cast<size_t>(n * 3 * h * w));

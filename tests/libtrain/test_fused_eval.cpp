@@ -15,6 +15,7 @@
 #include "slide/tile/pipeline.h"
 #include "slide/train/embed.h"
 #include "slide/train/trainer.h"
+#include "test_fixtures.h"
 
 using namespace slide::train;
 
@@ -22,47 +23,11 @@ namespace {
 
 // The LC25000 subset (360 patches, 3 classes) as a 32 px store, made once per process.
 const TileDataset& lc25000() {
-  static std::unique_ptr<TileDataset> data = [] {
-    std::string dir = (std::filesystem::temp_directory_path() / "slide_fused_eval_XXXXXX").string();
-    REQUIRE(mkdtemp(dir.data()) != nullptr);
-    auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
-    REQUIRE_MESSAGE(inputs.ok(), inputs.status().to_string());
-    slide::tile::TileJobOptions topt;
-    topt.grid.tile_size_px = 32;
-    topt.progress = false;
-    auto summary = slide::tile::run_tiling(*inputs, dir + "/lc", topt);
-    REQUIRE_MESSAGE(summary.ok(), summary.status().to_string());
-    auto d = TileDataset::open({dir + "/lc"});
-    REQUIRE_MESSAGE(d.ok(), d.status().to_string());
-    return std::move(*d);
-  }();
+  static std::unique_ptr<TileDataset> data = testing::tile_lc25000(32, "fused_eval");
   return *data;
 }
 
-// Batch norms' running statistics and affine parameters drawn away from their initial values.
-void randomise_bn(Sequential& model, uint64_t seed) {
-  std::vector<Parameter*> params;
-  std::vector<Buffer*> buffers;
-  model.collect("", &params, &buffers);
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(0.f, 1.f);
-  auto fill = [&](Tensor& t, float lo, float hi) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = lo + (hi - lo) * u(g);
-  };
-  int running = 0;
-  for (Buffer* b : buffers) {
-    if (b->name.find("running_mean") != std::string::npos) fill(b->value, -0.2f, 0.2f), ++running;
-    if (b->name.find("running_var") != std::string::npos) fill(b->value, 0.5f, 2.0f);
-  }
-  REQUIRE(running > 0);
-  for (Parameter* p : params) {
-    const bool bn = p->name.find("bn") != std::string::npos || p->name.find("downsample.1") != std::string::npos ||
-                    (p->value.rank() == 1 && p->name.find("fc") == std::string::npos);
-    if (!bn) continue;
-    if (p->name.find("weight") != std::string::npos) fill(p->value, 0.5f, 1.5f);
-    else fill(p->value, -0.2f, 0.2f);
-  }
-}
+using testing::randomise_bn;
 
 // evaluate() through the engine and through the fused extractor agree on every figure.
 void check_same(Sequential& model, const std::vector<size_t>& positions, int64_t batch) {

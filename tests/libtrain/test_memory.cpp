@@ -14,6 +14,7 @@
 #include "slide/train/activation_checkpoint.h"
 #include "slide/train/planner.h"
 #include "slide/train/trainer.h"
+#include "test_fixtures.h"
 
 using namespace slide::train;
 
@@ -25,20 +26,7 @@ constexpr int64_t kTile = 64;
 
 // The LC25000 subset tiled once at 64 px (360 tiles, 3 classes), shared by the cases here.
 const TileDataset& lung() {
-  static std::unique_ptr<TileDataset> data = [] {
-    std::string dir = (std::filesystem::temp_directory_path() / "slide_memory_XXXXXX").string();
-    REQUIRE(mkdtemp(dir.data()) != nullptr);
-    auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
-    REQUIRE_MESSAGE(inputs.ok(), inputs.status().to_string());
-    slide::tile::TileJobOptions topt;
-    topt.grid.tile_size_px = kTile;
-    topt.progress = false;
-    auto summary = slide::tile::run_tiling(*inputs, dir + "/lc", topt);
-    REQUIRE_MESSAGE(summary.ok(), summary.status().to_string());
-    auto d = TileDataset::open({dir + "/lc"});
-    REQUIRE_MESSAGE(d.ok(), d.status().to_string());
-    return std::move(*d);
-  }();
+  static std::unique_ptr<TileDataset> data = testing::tile_lc25000(kTile, "memory");
   return *data;
 }
 

@@ -1,5 +1,7 @@
 #include "slide/train/activation_checkpoint.h"
 
+#include "running_stats_guard.h"
+
 #include <cstdlib>
 #include <utility>
 
@@ -17,9 +19,6 @@ class PassThrough final : public Layer {
   Result<Tensor> backward(Backend&, const Tensor& dy) override { return dy; }
 };
 
-std::string join(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
 
 // Wraps every ResidualBlock found under `seq` (at any depth) in a one-layer segment.
 size_t wrap_blocks(Sequential& seq) {
@@ -67,20 +66,18 @@ Result<Tensor> CheckpointedSegment::backward(Backend& be, const Tensor& dy) {
     return failed_precondition("checkpointed segment: backward without a training forward");
   // Recompute. Batch norm's running statistics are updated into copies that are then dropped, so
   // they advance once per training forward, as without checkpointing.
-  std::vector<Tensor> kept;
-  kept.reserve(buffers_.size());
-  for (Buffer* b : buffers_) {
-    kept.push_back(b->value);
-    SLIDE_ASSIGN_OR_RETURN(b->value, b->value.clone("running statistic (recompute)"));
-  }
+  // (Put back when the guard goes away, also when a copy fails for the memory budget.)
   Tensor h = x_;
   Status failed;
-  for (size_t i = 0; i < layers_.size() && failed.ok(); ++i) {
-    auto r = layers_[i]->forward(be, h, true);
-    if (!r.ok()) failed = r.status().with_context("layer " + names_[i] + " (recompute)");
-    else h = std::move(*r);
+  {
+    detail::RunningStatsGuard guard(buffers_);
+    failed = guard.swap_in_copies("running statistic (recompute)");
+    for (size_t i = 0; i < layers_.size() && failed.ok(); ++i) {
+      auto r = layers_[i]->forward(be, h, true);
+      if (!r.ok()) failed = r.status().with_context("layer " + names_[i] + " (recompute)");
+      else h = std::move(*r);
+    }
   }
-  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i]->value = kept[i];
   h = Tensor();
   if (!failed.ok()) {
     release();
@@ -103,13 +100,13 @@ Result<Tensor> CheckpointedSegment::backward(Backend& be, const Tensor& dy) {
 
 void CheckpointedSegment::collect(const std::string& prefix, std::vector<Parameter*>* params,
                                   std::vector<Buffer*>* buffers) {
-  // prefix = join(parent prefix, names_[0]): recover the parent's prefix.
+  // prefix = join_name(parent prefix, names_[0]): recover the parent's prefix.
   std::string parent;
   if (prefix.size() > names_[0].size()) parent = prefix.substr(0, prefix.size() - names_[0].size() - 1);
   buffers_.clear();
   for (size_t i = 0; i < layers_.size(); ++i) {
     std::vector<Buffer*> mine;
-    layers_[i]->collect(join(parent, names_[i]), params, &mine);
+    layers_[i]->collect(join_name(parent, names_[i]), params, &mine);
     buffers_.insert(buffers_.end(), mine.begin(), mine.end());
     if (buffers != nullptr) buffers->insert(buffers->end(), mine.begin(), mine.end());
   }

@@ -44,11 +44,11 @@ void push(const std::string& prefix, Parameter& p, std::vector<Parameter*>* para
   (void)prefix;
 }
 
-std::string join(const std::string& prefix, const std::string& name) {
+}  // namespace
+
+std::string join_name(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 Result<std::unique_ptr<Conv2d>> Conv2d::make(Allocator& alloc, DType dtype, int64_t in, int64_t out, int kernel,
@@ -89,10 +89,10 @@ Result<Tensor> Conv2d::backward(Backend& be, const Tensor& dy) {
 }
 
 void Conv2d::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>*) {
-  weight.name = join(prefix, "weight");
+  weight.name = join_name(prefix, "weight");
   push(prefix, weight, params);
   if (bias.value.defined()) {
-    bias.name = join(prefix, "bias");
+    bias.name = join_name(prefix, "bias");
     push(prefix, bias, params);
   }
 }
@@ -147,12 +147,12 @@ Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
 }
 
 void BatchNorm2d::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
-  weight.name = join(prefix, "weight");
-  bias.name = join(prefix, "bias");
+  weight.name = join_name(prefix, "weight");
+  bias.name = join_name(prefix, "bias");
   push(prefix, weight, params);
   push(prefix, bias, params);
-  running_mean.name = join(prefix, "running_mean");
-  running_var.name = join(prefix, "running_var");
+  running_mean.name = join_name(prefix, "running_mean");
+  running_var.name = join_name(prefix, "running_var");
   if (buffers != nullptr) {
     buffers->push_back(&running_mean);
     buffers->push_back(&running_var);
@@ -242,8 +242,8 @@ Result<Tensor> Linear::backward(Backend& be, const Tensor& dy) {
 }
 
 void Linear::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>*) {
-  weight.name = join(prefix, "weight");
-  bias.name = join(prefix, "bias");
+  weight.name = join_name(prefix, "weight");
+  bias.name = join_name(prefix, "bias");
   push(prefix, weight, params);
   push(prefix, bias, params);
 }
@@ -276,7 +276,7 @@ Result<Tensor> Sequential::backward(Backend& be, const Tensor& dy) {
 }
 
 void Sequential::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
-  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->collect(join(prefix, names_[i]), params, buffers);
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->collect(join_name(prefix, names_[i]), params, buffers);
 }
 
 std::unique_ptr<Layer> Sequential::replace(size_t i, std::unique_ptr<Layer> layer) {
@@ -380,7 +380,7 @@ Result<Tensor> ResidualBlock::backward(Backend& be, const Tensor& dy) {
 
 void ResidualBlock::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
   main_.collect(prefix, params, buffers);
-  if (down_) down_->collect(join(prefix, "downsample"), params, buffers);
+  if (down_) down_->collect(join_name(prefix, "downsample"), params, buffers);
 }
 
 void ResidualBlock::set_batch_norm_sync(Communicator* comm) {

@@ -1,5 +1,7 @@
 #include "slide/train/planner.h"
 
+#include "running_stats_guard.h"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -162,21 +164,6 @@ std::string shape_text(const Shape& s) {
   return out;
 }
 
-// Batch norm statistics are swapped for copies around a probe and put back after it.
-struct BufferGuard {
-  std::vector<Buffer*> buffers;
-  std::vector<Tensor> kept;
-  Status swap_in_copies() {
-    for (Buffer* b : buffers) {
-      kept.push_back(b->value);
-      SLIDE_ASSIGN_OR_RETURN(b->value, b->value.clone("running statistic (probe)"));
-    }
-    return ok_status();
-  }
-  ~BufferGuard() {
-    for (size_t i = 0; i < kept.size(); ++i) buffers[i]->value = kept[i];
-  }
-};
 
 }  // namespace
 
@@ -319,9 +306,11 @@ Result<int64_t> largest_planned_micro_batch(Sequential& model, PlanOptions optio
 
 Status probe_step(Backend& be, Sequential& model, const PlanOptions& o, int64_t n) {
   if (n < 1) return invalid_argument("probe step: micro-batch " + std::to_string(n));
+  // Batch norm statistics are swapped for copies around the probe and put back after it.
   std::vector<Parameter*> params;
-  BufferGuard guard;
-  model.collect("", &params, &guard.buffers);
+  std::vector<Buffer*> buffers;
+  model.collect("", &params, &buffers);
+  detail::RunningStatsGuard guard(buffers);
   struct Cleanup {
     Sequential& m;
     std::vector<Parameter*>& ps;
@@ -330,7 +319,7 @@ Status probe_step(Backend& be, Sequential& model, const PlanOptions& o, int64_t 
       for (auto* p : ps) p->grad.fill_zero();
     }
   } cleanup{model, params};
-  SLIDE_RETURN_IF_ERROR(guard.swap_in_copies());
+  SLIDE_RETURN_IF_ERROR(guard.swap_in_copies("running statistic (probe)"));
   Allocator& a = be.allocator();
   Shape in_shape{n};
   in_shape.insert(in_shape.end(), o.sample_shape.begin(), o.sample_shape.end());

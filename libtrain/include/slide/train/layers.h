@@ -56,6 +56,10 @@ class Layer {
   virtual void set_batch_norm_sync(Communicator* comm) { (void)comm; }
 };
 
+// A parameter's dotted name under `prefix` (torchvision's state_dict names: "layer1.0" + "conv1"
+// -> "layer1.0.conv1"); an empty prefix or name is transparent.
+std::string join_name(const std::string& prefix, const std::string& name);
+
 // Deterministic initialisation (torchvision's): a seeded generator per model.
 using InitRng = std::mt19937_64;
 

@@ -799,19 +799,6 @@ Result<std::vector<BagInfo>> list_bags(const std::string& dir, bool skip_bad, st
   return out;
 }
 
-namespace {
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n\r") == std::string::npos && (s.empty() || (s.front() != ' ' && s.back() != ' '))) return s;
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"') out += '"';
-    out += c;
-  }
-  return out + "\"";
-}
-
-}  // namespace
 
 Status write_manifest(const std::string& dir, const std::vector<BagInfo>& bags) {
   std::vector<const BagInfo*> sorted;
@@ -821,9 +808,10 @@ Status write_manifest(const std::string& dir, const std::vector<BagInfo>& bags) 
   std::ostringstream os;
   os << "slide_id,file,num_tiles,feature_dim,dtype,label\n";
   for (const BagInfo* b : sorted) {
-    os << csv_field(b->attributes.slide_id) << ',' << csv_field(std::filesystem::path(b->path).filename().string())
+    os << slide::core::csv_quote(b->attributes.slide_id) << ','
+       << slide::core::csv_quote(std::filesystem::path(b->path).filename().string())
        << ',' << b->num_tiles << ',' << b->feature_dim << ',' << feature_dtype_name(b->dtype) << ','
-       << csv_field(b->attributes.label) << '\n';
+       << slide::core::csv_quote(b->attributes.label) << '\n';
   }
   return slide::core::write_file_atomic(dir + "/" + kManifestName, os.str());
 }

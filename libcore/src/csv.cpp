@@ -39,4 +39,14 @@ bool csv_line_is_blank(const std::string& line) {
   return line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#';
 }
 
+std::string csv_quote(const std::string& field) {
+  if (field.find_first_of(",\"\n\r") == std::string::npos && (field.empty() || field.front() != '#')) return field;
+  std::string out = "\"";
+  for (char c : field) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
 }  // namespace slide::core

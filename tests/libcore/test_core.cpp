@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/core/status.h"
@@ -127,4 +128,14 @@ TEST_CASE("ThreadPool destructor drains the queue") {
 TEST_CASE("json_escape") {
   CHECK(json_escape("a\"b\\c\n") == "a\\\"b\\\\c\\n");
   CHECK(json_escape(std::string("\x01", 1)) == "\\u0001");
+}
+
+TEST_CASE("csv_quote: split_csv_line gives every field back, and no line reads as a comment") {
+  const std::vector<std::string> fields = {"#slide-7", "plain", "a,b", "say \"hi\"", "", "x#y", "#"};
+  std::string line;
+  for (size_t i = 0; i < fields.size(); ++i) line += (i ? "," : "") + slide::core::csv_quote(fields[i]);
+  CHECK_FALSE(slide::core::csv_line_is_blank(line));
+  CHECK(slide::core::split_csv_line(line) == fields);
+  CHECK(slide::core::csv_quote("plain") == "plain");
+  CHECK(slide::core::csv_quote("#a") == "\"#a\"");
 }

@@ -11,6 +11,12 @@ namespace slide::core {
 // The fields of one line, each trimmed of surrounding spaces and tabs.
 std::vector<std::string> split_csv_line(const std::string& line);
 
+// One field written so that split_csv_line gives it back unchanged: in double quotes (with ""
+// for a quote) when it holds a comma, quote, CR or LF, or starts with '#' (else
+// csv_line_is_blank would take a first field's line for a comment). The dialect trims spaces and
+// tabs around every field, quoted or not: a field with them comes back trimmed.
+std::string csv_quote(const std::string& field);
+
 // True for lines a reader skips: empty, whitespace only, or a '#' comment.
 bool csv_line_is_blank(const std::string& line);
 

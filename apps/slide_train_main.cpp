@@ -80,6 +80,7 @@ struct Run {
 // Checkpoint files, metrics and curves: apps/train_common.h (shared with slide_train_mil.cpp).
 using slide::apps::list_checkpoints;
 using slide::apps::named;
+using slide::apps::record_best_epoch;
 using slide::apps::write_metrics;
 
 Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& state, int keep) {
@@ -540,18 +541,7 @@ int main(int argc, char** argv) {
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
-    // best.safetensors: the epoch with the best --best-metric (the lowest loss, else the highest).
-    const double score = best_metric == "loss" ? -v.loss
-                         : best_metric == "accuracy" ? v.accuracy
-                         : best_metric == "roc_auc" ? v.roc_auc
-                                                    : v.balanced_accuracy;
-    const bool improved = !state.contains("best_score") || score > state["best_score"].get<double>();
-    state["best_val_balanced_accuracy"] =
-        std::max(state.value("best_val_balanced_accuracy", -1.0), v.balanced_accuracy);  // read by sweeps
-    if (improved) {
-      state["best_score"] = score;
-      state["best_metric"] = "val_" + best_metric;
-      state["best_epoch"] = epoch + 1;
+    if (record_best_epoch(&state, v, best_metric, epoch + 1)) {
       if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}})
                          : slide::core::ok_status();
           !s.ok())

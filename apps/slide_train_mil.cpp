@@ -177,6 +177,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     const CLI::Option* opt = app.get_option_no_throw(name);
     if (opt != nullptr && opt->count() > 0) *value = opt->as<std::decay_t<decltype(*value)>>();
   };
+  take("--best-metric", &o.best_metric);
   take("--labels", &o.labels_csv), take("--out", &o.out), take("--optimizer", &o.optimizer);
   take("--schedule", &o.schedule), take("--backend", &o.backend), take("--memory-budget", &o.budget);
   take("--cache", &o.cache), take("--class-weights", &o.class_weights), take("--epochs", &o.epochs);
@@ -327,9 +328,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
-    if (v.balanced_accuracy > state["best_val_balanced_accuracy"].get<double>()) {
-      state["best_val_balanced_accuracy"] = v.balanced_accuracy;
-      state["best_epoch"] = epoch + 1;
+    if (record_best_epoch(&state, v, o.best_metric, epoch + 1)) {
       if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}); !s.ok())
         return fail(s);
     }

@@ -19,6 +19,7 @@ struct MilOptions {
   // Shared with tile training (slide_train_main.cpp fills them from its own options).
   std::string labels_csv, out, optimizer = "adamw", schedule = "cosine", backend = "cpu", budget, cache = "auto",
                           class_weights = "none";
+  std::string best_metric = "balanced_accuracy";  // --best-metric: picks best.safetensors
   int epochs = 10, keep = 3;
   int64_t batch = 1;
   double lr = 2e-4, momentum = 0.9, weight_decay = 1e-5, warmup_epochs = 0, label_smoothing = 0, val_fraction = 0.2;

@@ -115,4 +115,18 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   return write_curves_png(out, history);
 }
 
+bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,
+                       long epoch) {
+  const double score = metric == "loss" ? -val.loss
+                       : metric == "accuracy" ? val.accuracy
+                       : metric == "roc_auc" ? val.roc_auc
+                                             : val.balanced_accuracy;
+  (*state)["best_val_balanced_accuracy"] = std::max(state->value("best_val_balanced_accuracy", -1.0), val.balanced_accuracy);
+  if (state->contains("best_score") && score <= (*state)["best_score"].get<double>()) return false;
+  (*state)["best_score"] = score;
+  (*state)["best_metric"] = "val_" + metric;
+  (*state)["best_epoch"] = epoch;
+  return true;
+}
+
 }  // namespace slide::apps

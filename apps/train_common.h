@@ -12,6 +12,7 @@
 #include "slide/core/status.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/optimizer.h"
+#include "slide/train/trainer.h"
 
 namespace slide::apps {
 
@@ -21,6 +22,14 @@ std::vector<slide::train::NamedTensor> named(const std::vector<slide::train::Par
 
 // The complete checkpoint directories ("epoch-E-step-S", no ".partial") in `dir`, oldest first.
 std::vector<std::filesystem::path> list_checkpoints(const std::string& dir);
+
+// best.safetensors' rule, for tile and bag training: epoch `epoch` (1-based) is the new best when
+// its validation `metric` (balanced_accuracy | accuracy | roc_auc | loss: the lowest loss, else
+// the highest value) beats every earlier epoch's. Records best_score, best_metric ("val_" +
+// metric) and best_epoch in `state` when it does, and best_val_balanced_accuracy (read by sweeps)
+// always. Returns whether this epoch is the new best.
+bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,
+                       long epoch);
 
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and

@@ -146,6 +146,16 @@ class TestLearns(Base):
         self.assertEqual(state["model"], "abmil")
         self.assertEqual(state["classes"], CLASSES)
         self.assertTrue(os.path.exists(os.path.join(out, "best.safetensors")))
+        self.assertEqual(state["best_metric"], "val_balanced_accuracy")
+        self.assertEqual(state["best_epoch"], max(h, key=lambda e: e["val_balanced_accuracy"])["epoch"])
+        # --best-metric applies to MIL as to tile training: here the epoch of the lowest validation loss.
+        out2 = os.path.join(self.tmp, "run_best_loss")
+        r2 = run_train("--features", self.bags_dir, "--out", out2, "--epochs", 4, "--best-metric", "loss", *MIL_ARGS)
+        self.assertEqual(r2.returncode, 0, r2.stderr)
+        with open(os.path.join(out2, "checkpoints", "epoch-4-step-0", "state.json")) as f:
+            state2 = json.load(f)
+        self.assertEqual(state2["best_metric"], "val_loss")
+        self.assertEqual(state2["best_epoch"], min(self.history(out2), key=lambda e: e["val_loss"])["epoch"])
         self.assertTrue(os.path.exists(os.path.join(out, "curves.png")))
         self.assertIn("bags cached in RAM", r.stderr)
 

@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", (!be.ok() ? be.status() : net.status()).to_string().c_str());
     return 1;
   }
+  (*net)->set_input_gradient(false);  // as the trainer does: the input is data
   std::vector<Parameter*> params;
   (*net)->collect("", &params, nullptr);
   auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());

@@ -83,6 +83,7 @@ Result<Tensor> Conv2d::forward(Backend& be, const Tensor& x, bool training) {
 Result<Tensor> Conv2d::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("Conv2d: backward without a training forward");
   SLIDE_RETURN_IF_ERROR(be.conv2d_backward_weights(x_, dy, p_, weight.grad, bias.grad));
+  if (!input_gradient_) return Tensor();
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "conv input gradient"));
   SLIDE_RETURN_IF_ERROR(be.conv2d_backward_data(dy, weight.value, p_, dx));
   return dx;

@@ -61,10 +61,14 @@ size_t blocked_weight_bytes(const Tensor& w) {
   return static_cast<size_t>(pad16(s[0]) * pad16(s[1]) * s[2] * s[3]) * dtype_size(w.dtype());
 }
 
+// Bytes of the blocked copy the cpu backend's max pooling makes of an NCHW tensor: nChw8c or
+// nChw16c, chosen so that the channels need no padding; none when C is not a multiple of 8.
+size_t pool_blocked_bytes(const Tensor& t) { return t.dim(1) % 8 == 0 ? t.bytes() : 0; }
+
 // A backend that computes nothing and, with `cpu_scratch`, holds the scratch the cpu backend
 // allocates from its allocator for the length of each op (onednn_backend.cpp: to_pd / out_mem
 // reorders, the dw/db scratch of the backward-weights ops, batch norm's variance and gradient
-// scratch, max pooling's recomputed output).
+// scratch, max pooling's blocked copies and workspace).
 class PlanBackend final : public Backend {
  public:
   PlanBackend(Allocator& alloc, bool cpu_scratch) : alloc_(alloc), cpu_(cpu_scratch) {}
@@ -100,9 +104,14 @@ class PlanBackend final : public Backend {
   Status relu_backward(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   Status add(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   Status mul(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
-  Status max_pool2d_forward(const Tensor&, Pool2dParams, Tensor&) override { return ok_status(); }
-  Status max_pool2d_backward(const Tensor&, const Tensor& dy, Pool2dParams, Tensor&) override {
-    return hold({dy.bytes()});
+  // Max pooling runs blocked (when C is a multiple of 8): x and y reordered in and out. Backward
+  // keeps the recomputed forward's workspace (u8 per output, the kernel being under 256 taps) and
+  // holds the blocked x and y, then (same bytes) the blocked dy and dx.
+  Status max_pool2d_forward(const Tensor& x, Pool2dParams, Tensor& y) override {
+    return hold({pool_blocked_bytes(x), pool_blocked_bytes(y)});
+  }
+  Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams, Tensor&) override {
+    return hold({static_cast<size_t>(dy.numel()), pool_blocked_bytes(x), pool_blocked_bytes(dy)});
   }
   Status global_avg_pool_forward(const Tensor&, Tensor&) override { return ok_status(); }
   Status global_avg_pool_backward(const Tensor&, Tensor&) override { return ok_status(); }
@@ -218,6 +227,7 @@ Result<MemoryPlan> plan_memory(Sequential& model, const PlanOptions& o) {
     Sequential& m;
     ~Released() { m.release(); }
   } released{model};
+  model.set_input_gradient(false);  // as train_epoch does: no gradient for the image batch
 
   // The trainer's batch (and, with prefetch, the next one being decoded meanwhile).
   Shape in_shape{o.micro_batch};

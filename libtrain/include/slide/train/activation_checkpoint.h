@@ -48,6 +48,9 @@ class CheckpointedSegment final : public Layer {
   void set_batch_norm_sync(Communicator* comm) override {
     for (auto& l : layers_) l->set_batch_norm_sync(comm);
   }
+  void set_input_gradient(bool needed) override {
+    if (!layers_.empty()) layers_.front()->set_input_gradient(needed);
+  }
   size_t layers() const { return layers_.size(); }
 
  private:

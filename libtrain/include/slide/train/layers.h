@@ -54,6 +54,12 @@ class Layer {
   // (--sync-bn; dist/sync_batch_norm.h), or over this rank's batch (nullptr, the default).
   // Containers pass it to their layers.
   virtual void set_batch_norm_sync(Communicator* comm) { (void)comm; }
+  // Whether backward must return dx (default: yes). The trainer clears it on the model, whose
+  // input is data, as autograd does for a tensor without requires_grad: the first convolution
+  // then skips its backward-data pass (ResNet-18, batch 32, 224 px: 85 ms of a 3.5 s step).
+  // A layer told so may return an undefined Tensor from backward. Containers pass it to their
+  // first layer only.
+  virtual void set_input_gradient(bool needed) { (void)needed; }
 };
 
 // A parameter's dotted name under `prefix` (torchvision's state_dict names: "layer1.0" + "conv1"
@@ -76,11 +82,13 @@ class Conv2d final : public Layer {
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override { x_ = Tensor(); }
   Conv2dParams params() const { return p_; }  // stride and padding (read by the inference path)
+  void set_input_gradient(bool needed) override { input_gradient_ = needed; }
   Parameter weight, bias;  // bias.value undefined when built without bias
 
  private:
   Conv2dParams p_;
   Tensor x_;
+  bool input_gradient_ = true;
 };
 
 // BatchNorm2d(C, eps = 1e-5, momentum = 0.1): gamma 1, beta 0, running mean 0, var 1.
@@ -188,6 +196,9 @@ class Sequential final : public Layer {
   void release() override;
   void set_rng_seed(uint64_t seed) override;
   void set_batch_norm_sync(Communicator* comm) override;
+  void set_input_gradient(bool needed) override {
+    if (!layers_.empty()) layers_.front()->set_input_gradient(needed);
+  }
   size_t size() const { return layers_.size(); }
   // The i-th layer (i < size()) and its name, for the memory planner and activation checkpointing.
   Layer& at(size_t i) { return *layers_.at(i); }

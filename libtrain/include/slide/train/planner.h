@@ -70,7 +70,8 @@ struct MemoryPlan {
 };
 
 // Plans one training step of `model` at options.micro_batch. The model's saved state is released
-// afterwards; its parameters and buffers are not written. Not thread-safe with a concurrent step
+// afterwards; its parameters and buffers are not written; its input gradient is cleared, as
+// train_epoch does (Layer::set_input_gradient). Not thread-safe with a concurrent step
 // on the same model. Errors: kInvalidArgument (micro_batch < 1, an empty sample shape, an unknown
 // optimizer), kFailedPrecondition when the plan's address space cannot be reserved, and the
 // layers' own shape errors.

@@ -66,7 +66,8 @@ struct TrainOptions {
 };
 
 // Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.
-// `schedule` gives the learning rate at the optimizer's step count. Errors: kInvalidArgument
+// `schedule` gives the learning rate at the optimizer's step count. Clears the model's input
+// gradient (Layer::set_input_gradient): its backward no longer returns dx. Errors: kInvalidArgument
 // (batch_size < 1, accumulate < 1 or > batch_size), and those of the data, layers and backend
 // (kResourceExhausted when the memory budget is exceeded: the step is not applied).
 [[nodiscard]] Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const Schedule& schedule,

@@ -125,13 +125,16 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
   const Shape c{weight.value.dim(0)};
   SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, x.dtype(), "batch mean"));
   SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, x.dtype(), "batch 1/std"));
-  if (sync_ != nullptr)
-    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, x, weight.value, bias.value, eps_, momentum_,
+  if (sync_ != nullptr) {  // host loops over NCHW: a blocked x is read through a plain copy
+    SLIDE_ASSIGN_OR_RETURN(const Tensor xp, be.to_plain(x));
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, xp, weight.value, bias.value, eps_, momentum_,
                                                         running_mean.value, running_var.value, y, mean_, invstd_,
                                                         &sync_count_));
-  else
-    SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
-                                                         running_mean.value, running_var.value, y, mean_, invstd_));
+    x_ = xp;
+    return y;
+  }
+  SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
+                                                       running_mean.value, running_var.value, y, mean_, invstd_));
   x_ = x;
   return y;
 }
@@ -139,11 +142,13 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
 Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("BatchNorm2d: backward without a training forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
-  if (sync_ != nullptr)
-    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, x_, dy, weight.value, mean_, invstd_, sync_count_, dx,
+  if (sync_ != nullptr) {
+    SLIDE_ASSIGN_OR_RETURN(const Tensor dyp, be.to_plain(dy));
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, x_, dyp, weight.value, mean_, invstd_, sync_count_, dx,
                                                          weight.grad, bias.grad));
-  else
-    SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+    return dx;
+  }
+  SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
   return dx;
 }
 

@@ -33,6 +33,9 @@ Status want_dtype(const char* op, Named ts, DTypes dtypes) {
       return invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(t->dtype()) + ", expected " +
                               dtype_name(dt));
     if (t->device() != Device::kCpu) return invalid_argument(std::string(op) + ": " + name + " is not on the CPU");
+    if (t->layout() != Layout::kPlain && !dtypes.blocked)
+      return invalid_argument(std::string(op) + ": " + name + " is in the " + layout_name(t->layout()) +
+                              " layout, which this backend does not read (Backend::to_plain)");
   }
   if ((dt == DType::kF32 && dtypes.f32) || (dt == DType::kF64 && dtypes.f64)) return ok_status();
   return slide::core::unimplemented(std::string(op) + ": dtype " + dtype_name(dt) + " is not implemented here");

@@ -13,10 +13,11 @@
 
 namespace slide::train::detail {
 
-// Which floating dtypes a backend implements.
+// Which floating dtypes a backend implements, and whether it reads blocked layouts (tensor.h).
 struct DTypes {
   bool f32 = true;
   bool f64 = false;
+  bool blocked = false;
 };
 
 struct ConvDims {

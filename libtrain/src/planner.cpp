@@ -61,14 +61,19 @@ size_t blocked_weight_bytes(const Tensor& w) {
   return static_cast<size_t>(pad16(s[0]) * pad16(s[1]) * s[2] * s[3]) * dtype_size(w.dtype());
 }
 
-// Bytes of the blocked copy the cpu backend's max pooling makes of an NCHW tensor: nChw8c or
-// nChw16c, chosen so that the channels need no padding; none when C is not a multiple of 8.
-size_t pool_blocked_bytes(const Tensor& t) { return t.dim(1) % 8 == 0 ? t.bytes() : 0; }
+// Bytes of the scratch copy the cpu backend makes of activation t around a convolution: none
+// when C is a multiple of 8 (the tensor is already in the blocked layout the convolution reads
+// and writes: onednn_backend.cpp) or under 8 (oneDNN reads a 3-channel image plain), else a
+// blocked copy.
+size_t conv_activation_scratch(const Tensor& t) {
+  const int64_t c = t.rank() == 4 ? t.dim(1) : 0;
+  return c % 8 == 0 || c < 8 ? 0 : blocked_bytes(t);
+}
 
 // A backend that computes nothing and, with `cpu_scratch`, holds the scratch the cpu backend
-// allocates from its allocator for the length of each op (onednn_backend.cpp: to_pd / out_mem
-// reorders, the dw/db scratch of the backward-weights ops, batch norm's variance and gradient
-// scratch, max pooling's blocked copies and workspace).
+// allocates from its allocator for the length of each op (onednn_backend.cpp: reorders of
+// weights and of activations not in a blocked layout, the dw/db scratch of the backward-weights
+// ops, batch norm's variance and gradient scratch, max pooling's recomputed output and workspace).
 class PlanBackend final : public Backend {
  public:
   PlanBackend(Allocator& alloc, bool cpu_scratch) : alloc_(alloc), cpu_(cpu_scratch) {}
@@ -77,14 +82,13 @@ class PlanBackend final : public Backend {
   Allocator& allocator() override { return alloc_; }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor&, Conv2dParams, Tensor& y) override {
-    // oneDNN reads a 3-channel image in its plain layout (the first convolution's special case).
-    return hold({x.dim(1) < 8 ? 0 : blocked_bytes(x), blocked_weight_bytes(w), blocked_bytes(y)});
+    return hold({conv_activation_scratch(x), blocked_weight_bytes(w), conv_activation_scratch(y)});
   }
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams, Tensor& dx) override {
-    return hold({blocked_bytes(dy), blocked_weight_bytes(w), blocked_bytes(dx)});
+    return hold({conv_activation_scratch(dy), blocked_weight_bytes(w), conv_activation_scratch(dx)});
   }
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams, Tensor& dw, Tensor& db) override {
-    return hold({dw.bytes(), db.bytes(), x.dim(1) < 8 ? 0 : blocked_bytes(x), blocked_bytes(dy),
+    return hold({dw.bytes(), db.bytes(), conv_activation_scratch(x), conv_activation_scratch(dy),
                  blocked_weight_bytes(dw)});
   }
   Status batch_norm_forward_training(const Tensor& x, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&,
@@ -104,14 +108,12 @@ class PlanBackend final : public Backend {
   Status relu_backward(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   Status add(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   Status mul(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
-  // Max pooling runs blocked (when C is a multiple of 8): x and y reordered in and out. Backward
-  // keeps the recomputed forward's workspace (u8 per output, the kernel being under 256 taps) and
-  // holds the blocked x and y, then (same bytes) the blocked dy and dx.
-  Status max_pool2d_forward(const Tensor& x, Pool2dParams, Tensor& y) override {
-    return hold({pool_blocked_bytes(x), pool_blocked_bytes(y)});
-  }
-  Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams, Tensor&) override {
-    return hold({static_cast<size_t>(dy.numel()), pool_blocked_bytes(x), pool_blocked_bytes(dy)});
+  // Max pooling runs in the layout its input already has (blocked when C is a multiple of 8,
+  // else plain): no reorders. Backward recomputes the forward into scratch (y) with its
+  // workspace (u8 per output, the kernel being under 256 taps).
+  Status max_pool2d_forward(const Tensor&, Pool2dParams, Tensor&) override { return ok_status(); }
+  Status max_pool2d_backward(const Tensor&, const Tensor& dy, Pool2dParams, Tensor&) override {
+    return hold({static_cast<size_t>(dy.numel()), dy.bytes()});
   }
   Status global_avg_pool_forward(const Tensor&, Tensor&) override { return ok_status(); }
   Status global_avg_pool_backward(const Tensor&, Tensor&) override { return ok_status(); }

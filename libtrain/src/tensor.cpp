@@ -25,6 +25,15 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kPlain: return "plain";
+    case Layout::kNChw8c: return "nChw8c";
+    case Layout::kNChw16c: return "nChw16c";
+  }
+  return "?";
+}
+
 std::string shape_string(const Shape& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
@@ -71,7 +80,18 @@ Result<Tensor> Tensor::clone(const std::string& what) const {
   Allocator* alloc = storage_->alloc != nullptr ? storage_->alloc : &cpu_allocator();
   SLIDE_ASSIGN_OR_RETURN(Tensor t, empty(shape_, dtype_, *alloc, what));
   if (bytes() > 0) std::memcpy(t.raw(), raw(), bytes());
+  t.layout_ = layout_;
   return t;
+}
+
+Status Tensor::set_layout(Layout layout) {
+  const int64_t block = layout == Layout::kNChw8c ? 8 : layout == Layout::kNChw16c ? 16 : 1;
+  if (block > 1 && (rank() != 4 || dim(1) % block != 0))
+    return slide::core::invalid_argument(std::string("layout ") + layout_name(layout) + " for a tensor of shape " +
+                                         shape_string(shape_) + ": needs [N, C, H, W] with C a multiple of " +
+                                         std::to_string(block));
+  layout_ = layout;
+  return slide::core::ok_status();
 }
 
 Result<Tensor> Tensor::reshape(const Shape& shape) const {
@@ -80,6 +100,9 @@ Result<Tensor> Tensor::reshape(const Shape& shape) const {
   if (n != numel_)
     return slide::core::invalid_argument("reshape " + shape_string(shape_) + " to " + shape_string(shape) +
                                          ": element counts differ");
+  if (layout_ != Layout::kPlain)
+    return slide::core::invalid_argument("reshape " + shape_string(shape_) + " to " + shape_string(shape) + ": the tensor is in the " +
+                                         layout_name(layout_) + " layout (Backend::to_plain first)");
   Tensor t = *this;
   t.shape_ = shape;
   return t;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "slide/train/backend.h"
+#include "slide/train/layers.h"
 #include "test_util.h"
 
 using slide::core::StatusCode;
@@ -153,4 +154,96 @@ TEST_CASE("cpu backend: f64 is unimplemented, bad shapes are invalid, scratch re
   Status s = cpu->conv2d_backward_weights(xx, dy, {1, 1}, dw, db);
   cpu_allocator().set_budget_bytes(Allocator::kUnlimited);
   CHECK(s.code() == StatusCode::kResourceExhausted);
+}
+
+// Channels that are a multiple of 8: the cpu backend writes its image outputs in oneDNN's blocked
+// layout (nChw8c, or nChw16c on AVX-512) and the next ops read them without reordering.
+TEST_CASE("cpu: blocked layouts between ops give the reference's values, forward and backward") {
+  Backend& cpu = backend("cpu");
+  auto plain_f = [&](const Pair& p) {
+    auto r = cpu.to_plain(p.f);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    return Pair{p.d, *r};
+  };
+  const Conv2dParams cp{1, 1};
+  Pair x = make({2, 16, 10, 9}, 21), w = make({16, 16, 3, 3}, 22), y = make({2, 16, 10, 9});
+  BOTH(conv2d_forward(x.d, w.d, Tensor(), cp, y.d), conv2d_forward(x.f, w.f, Tensor(), cp, y.f));
+  CHECK(y.f.layout() != Layout::kPlain);  // oneDNN's jit convolution picks a blocked layout
+  compare("blocked conv y", plain_f(y), 1e-5);
+
+  // Batch norm, ReLU and max pooling keep the layout; the add mixes a blocked and a plain input.
+  Pair g = make({16}, 23, 0.5, 1.5), bt = make({16}, 24), rm = make({16}, 0, 0, 0, 0), rv = make({16}, 0, 0, 0, 1);
+  Pair bn = make(y.d.shape()), sm = make({16}), si = make({16});
+  BOTH(batch_norm_forward_training(y.d, g.d, bt.d, 1e-5, 0.1, rm.d, rv.d, bn.d, sm.d, si.d),
+       batch_norm_forward_training(y.f, g.f, bt.f, 1e-5, 0.1, rm.f, rv.f, bn.f, sm.f, si.f));
+  CHECK(bn.f.layout() == y.f.layout());
+  compare("blocked bn y", plain_f(bn), 1e-5);
+  compare("blocked bn running_var", rv, 1e-5);
+  Pair r = make(y.d.shape());
+  BOTH(relu_forward(bn.d, r.d), relu_forward(bn.f, r.f));
+  CHECK(r.f.layout() == y.f.layout());
+  compare("blocked relu y", plain_f(r), 1e-5);
+  Pair s = make(y.d.shape());
+  BOTH(add(r.d, x.d, s.d), add(r.f, x.f, s.f));  // x is plain
+  CHECK(s.f.layout() == y.f.layout());
+  compare("blocked + plain add", plain_f(s), 1e-5);
+  BOTH(add(x.d, r.d, s.d), add(x.f, r.f, s.f));  // the output takes the first input's layout
+  CHECK(s.f.layout() == Layout::kPlain);
+  compare("plain + blocked add", s, 1e-5);
+  const Pool2dParams pp{3, 2, 1};
+  Pair py = make({2, 16, 5, 5});
+  BOTH(max_pool2d_forward(r.d, pp, py.d), max_pool2d_forward(r.f, pp, py.f));
+  CHECK(py.f.layout() != Layout::kPlain);
+  compare("blocked maxpool y", plain_f(py), 1e-6);
+  Pair gy = make({2, 16});
+  BOTH(global_avg_pool_forward(py.d, gy.d), global_avg_pool_forward(py.f, gy.f));
+  compare("gap of blocked", gy, 1e-6);
+
+  // Backward through the same ops, with the gradients arriving blocked and plain.
+  Pair gdy = make({2, 16}, 25), gdx = make(py.d.shape()), pdx = make(r.d.shape());
+  BOTH(global_avg_pool_backward(gdy.d, gdx.d), global_avg_pool_backward(gdy.f, gdx.f));
+  BOTH(max_pool2d_backward(r.d, gdx.d, pp, pdx.d), max_pool2d_backward(r.f, gdx.f, pp, pdx.f));
+  compare("blocked maxpool dx", plain_f(pdx), 1e-6);
+  Pair rdx = make(r.d.shape());
+  BOTH(relu_backward(r.d, pdx.d, rdx.d), relu_backward(r.f, pdx.f, rdx.f));
+  compare("blocked relu dx", plain_f(rdx), 1e-6);
+  Pair bdx = make(y.d.shape()), dg = make({16}, 0, 0, 0, 1.0), db = make({16}, 0, 0, 0, 1.0);
+  BOTH(batch_norm_backward(y.d, rdx.d, g.d, sm.d, si.d, bdx.d, dg.d, db.d),
+       batch_norm_backward(y.f, rdx.f, g.f, sm.f, si.f, bdx.f, dg.f, db.f));
+  CHECK(bdx.f.layout() == y.f.layout());
+  compare("blocked bn dx", plain_f(bdx), 1e-4);
+  compare("blocked bn dgamma", dg, 1e-5);
+  Pair cdx = make(x.d.shape()), dw = make(w.d.shape(), 0, 0, 0, 1.0), nb;
+  BOTH(conv2d_backward_data(bdx.d, w.d, cp, cdx.d), conv2d_backward_data(bdx.f, w.f, cp, cdx.f));
+  CHECK(cdx.f.layout() != Layout::kPlain);
+  compare("blocked conv dx", plain_f(cdx), 1e-5);
+  BOTH(conv2d_backward_weights(x.d, bdx.d, cp, dw.d, nb.d), conv2d_backward_weights(x.f, bdx.f, cp, dw.f, nb.f));
+  compare("conv dw from a blocked dy", dw, 1e-5);  // parameter gradients stay plain
+
+  // to_plain of a plain tensor is the tensor; the reference backend refuses blocked tensors;
+  // a blocked tensor cannot be reshaped, and a layout needs a shape that can carry it.
+  auto same = cpu.to_plain(x.f);
+  REQUIRE(same.ok());
+  CHECK(same->raw() == x.f.raw());
+  Pair rr = make(y.d.shape());
+  CHECK(backend("reference").relu_forward(y.f, rr.f).code() == StatusCode::kInvalidArgument);
+  CHECK(y.f.reshape({2, 16 * 90}).status().code() == StatusCode::kInvalidArgument);
+  Tensor odd = *Tensor::empty({2, 12, 4, 4}, DType::kF32, cpu_allocator());
+  CHECK(odd.set_layout(Layout::kNChw8c).code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("cpu: a ResNet's activations stay blocked from layer to layer") {
+  auto net = make_resnet(cpu_allocator(), DType::kF32, 18, 3, 1);
+  REQUIRE(net.ok());
+  Tensor x = *Tensor::zeros({2, 3, 64, 64}, DType::kF32, cpu_allocator());
+  Tensor h = x;
+  for (size_t i = 0; i < (*net)->size(); ++i) {
+    auto r = (*net)->at(i).forward(backend("cpu"), h, true);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    h = *r;
+    CAPTURE((*net)->name_at(i));
+    if (h.rank() == 4) CHECK(h.layout() != Layout::kPlain);  // conv1 to layer4
+  }
+  CHECK(h.layout() == Layout::kPlain);  // the logits
+  (*net)->release();
 }

@@ -100,6 +100,8 @@ inline Pair make_pair(const Shape& s, uint64_t seed = 0, double lo = -1, double 
 // ggml's test-backend-ops check: NaN/Inf in the f32 result first, then the largest error against
 // the f64 one normalised by max(1, the reference's magnitude), under `tol`.
 inline void compare(const std::string& what, const Pair& p, double tol) {
+  REQUIRE_MESSAGE(p.f.layout() == Layout::kPlain, what, ": the f32 result is in the ", layout_name(p.f.layout()),
+                  " layout (compare its Backend::to_plain)");
   double scale = 1, worst = 0;
   for (int64_t i = 0; i < p.d.numel(); ++i) scale = std::max(scale, std::abs(p.d.data<double>()[i]));
   for (int64_t i = 0; i < p.d.numel(); ++i) {

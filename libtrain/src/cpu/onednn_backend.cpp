@@ -1,10 +1,12 @@
 // backend.h's op list on oneDNN 2.x primitives, f32, CPU engine.
 //
-// Tensors cross this interface in plain layouts (nchw, oihw, nc, oi); each primitive is created
-// for those layouts, so oneDNN picks its best implementation for them and no reorder happens
-// inside an op. Keeping activations in oneDNN's blocked layouts between layers (reordering only
-// at the model's edges) is the next step and needs layer-level descriptors: see the note on
-// issue 3.
+// Layouts (tensor.h's Layout): convolutions are created with tag::any, so oneDNN picks its
+// blocked layouts; a convolution writes its output straight into the output tensor in the
+// layout it picked when that is nChw8c/nChw16c (C a multiple of the block) and labels the tensor
+// so. Batch norm, ReLU, the residual add and max pooling then run on that layout and pass it on,
+// so a ResNet's activations stay blocked from the first convolution to the global average
+// pooling, forward and backward, with reorders only at the edges (the image, the weights, the
+// last [N,C,7,7] activation). Inputs in any other layout are reordered into scratch.
 //
 // Primitive descriptors are cached by op and shapes (creating one costs more than running a
 // small one). Not thread-safe: one backend per training thread, like a stream.
@@ -40,7 +42,7 @@ using slide::core::ok_status;
 using tag = memory::format_tag;
 using dt = memory::data_type;
 
-constexpr detail::DTypes kF32Only{true, false};
+constexpr detail::DTypes kCpuTypes{true, false, true};  // f32; blocked layouts
 
 memory::dims dims_of(const Shape& s) { return memory::dims(s.begin(), s.end()); }
 
@@ -58,44 +60,60 @@ class OneDnnBackend final : public Backend {
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
 
+  // A blocked input is read as it is; outputs are written in the layout oneDNN picked for the
+  // primitive when a Tensor can carry it (see out_mem), so activations stay blocked between layers.
+  Status to_plain_impl(const Tensor& x, Tensor* out) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), alloc_, "plain copy"));
+    SLIDE_RETURN_IF_ERROR(run("to_plain", [&] {
+      memory src = mem(md_of(x), x), dst = mem(md_of(y), y);
+      dnnl::reorder(src, dst).execute(strm_, src, dst);
+    }));
+    *out = std::move(y);
+    return ok_status();
+  }
+  Result<Tensor> to_plain(const Tensor& x) override {
+    if (x.layout() == Layout::kPlain) return x;
+    if (x.dtype() != DType::kF32) return slide::core::unimplemented("to_plain: cpu has f32 only");
+    Tensor y;
+    SLIDE_RETURN_IF_ERROR(to_plain_impl(x, &y));
+    return y;
+  }
+
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kF32Only));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kCpuTypes));
     return run("conv2d_forward", [&] {
       auto& pd = conv_fwd_pd(d, p, b.defined());
-      auto [src, wei, bmd, dst] = conv_mds(d, b.defined());
-      const memory y_plain = mem(dst, y), y_pd = out_mem(pd.dst_desc(), y_plain);
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(src, x))},
-                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(wei, w))},
+      const memory y_pd = out_mem(pd.dst_desc(), y);
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
+                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(md_of(w), w))},
                                            {DNNL_ARG_DST, y_pd}};
       if (b.defined()) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
       dnnl::convolution_forward(pd).execute(strm_, args);
-      from_pd(y_pd, y_plain);
+      from_pd(y_pd, y);
     });
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kF32Only));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kCpuTypes));
     return run("conv2d_backward_data", [&] {
       auto& pd = cached<dnnl::convolution_backward_data::primitive_desc>(conv_key("conv_bwd_data", d, p, false), [&] {
-        auto [src, wei, bias, dst] = conv_mds(d, false, true);
+        auto [src, wei, bias, dst] = conv_mds(d, false);
         (void)bias;
         dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src, wei, dst, {p.stride, p.stride},
                                                    {p.pad, p.pad}, pad_r(d, p));
         return dnnl::convolution_backward_data::primitive_desc(desc, eng_, conv_fwd_pd(d, p, false));
       });
-      auto [src, wei, bias, dst] = conv_mds(d, false);
-      (void)bias;
-      const memory dx_plain = mem(src, dx), dx_pd = out_mem(pd.diff_src_desc(), dx_plain);
-      dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(dst, dy))},
-                                                          {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(wei, w))},
+      const memory dx_pd = out_mem(pd.diff_src_desc(), dx);
+      dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
+                                                          {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(md_of(w), w))},
                                                           {DNNL_ARG_DIFF_SRC, dx_pd}});
-      from_pd(dx_pd, dx_plain);
+      from_pd(dx_pd, dx);
     });
   }
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kF32Only));
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kCpuTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor dw_new, Tensor::empty(dw.shape(), DType::kF32, alloc_, "conv dw scratch"));
     Tensor db_new;
     if (db.defined()) {
@@ -104,37 +122,37 @@ class OneDnnBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(run("conv2d_backward_weights", [&] {
       const bool bias = db.defined();
       auto& pd = cached<dnnl::convolution_backward_weights::primitive_desc>(conv_key("conv_bwd_w", d, p, bias), [&] {
-        auto [src, wei, bmd, dst] = conv_mds(d, bias, true);
+        auto [src, wei, bmd, dst] = conv_mds(d, bias);
         auto desc = bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, bmd,
                                                                     dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
                          : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, dst,
                                                                     {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
         return dnnl::convolution_backward_weights::primitive_desc(desc, eng_, conv_fwd_pd(d, p, bias));
       });
-      auto [src, wei, bmd, dst] = conv_mds(d, bias);
-      (void)bmd;
-      const memory dw_plain = mem(wei, dw_new), dw_pd = out_mem(pd.diff_weights_desc(), dw_plain);
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(src, x))},
-                                           {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(dst, dy))},
+      const memory dw_pd = out_mem(pd.diff_weights_desc(), dw_new, false);
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
+                                           {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
                                            {DNNL_ARG_DIFF_WEIGHTS, dw_pd}};
       if (bias) args.emplace(DNNL_ARG_DIFF_BIAS, mem(pd.diff_bias_desc(), db_new));
       dnnl::convolution_backward_weights(pd).execute(strm_, args);
-      from_pd(dw_pd, dw_plain);
+      from_pd(dw_pd, dw_new);
     }));
     accumulate(dw, dw_new);
     if (db.defined()) accumulate(db, db_new);
     return ok_status();
   }
 
+  // Batch norm runs in x's layout (its jit kernels read nChw8c/nChw16c natively); y and dx get it.
   Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                      double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
                                      Tensor& save_mean, Tensor& save_invstd) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
-                                                                save_invstd, kF32Only));
+                                                                save_invstd, kCpuTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor var, Tensor::empty({d.C}, DType::kF32, alloc_, "batch norm variance"));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(x.layout()));
     SLIDE_RETURN_IF_ERROR(run("batch_norm_forward_training", [&] {
-      auto& pd = bn_fwd_pd(x.shape(), eps, true);
+      auto& pd = bn_fwd_pd(x, eps, true);
       dnnl::batch_normalization_forward(pd).execute(
           strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)},
                   {DNNL_ARG_SCALE, mem(chan_md(d.C), gamma)}, {DNNL_ARG_SHIFT, mem(chan_md(d.C), beta)},
@@ -155,9 +173,10 @@ class OneDnnBackend final : public Backend {
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
-                                                                                         running_var, y, kF32Only));
+                                                                                         running_var, y, kCpuTypes));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(x.layout()));
     return run("batch_norm_forward_inference", [&] {
-      auto& pd = bn_fwd_pd(x.shape(), eps, false);
+      auto& pd = bn_fwd_pd(x, eps, false);
       dnnl::batch_normalization_forward(pd).execute(
           strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)},
                   {DNNL_ARG_SCALE, mem(chan_md(d.C), gamma)}, {DNNL_ARG_SHIFT, mem(chan_md(d.C), beta)},
@@ -170,7 +189,7 @@ class OneDnnBackend final : public Backend {
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
-                                                                kF32Only));
+                                                                kCpuTypes));
     // oneDNN wants the variance; the op list carries invstd (what cuDNN saves): var = invstd^-2 - eps.
     SLIDE_ASSIGN_OR_RETURN(Tensor var, Tensor::empty({d.C}, DType::kF32, alloc_, "batch norm variance"));
     SLIDE_ASSIGN_OR_RETURN(Tensor dg_new, Tensor::empty({d.C}, DType::kF32, alloc_, "batch norm dgamma scratch"));
@@ -180,17 +199,19 @@ class OneDnnBackend final : public Backend {
       const double is = save_invstd.data<float>()[c];
       var.data<float>()[c] = static_cast<float>(1.0 / (is * is) - kEps);
     }
+    SLIDE_RETURN_IF_ERROR(dx.set_layout(x.layout()));
     SLIDE_RETURN_IF_ERROR(run("batch_norm_backward", [&] {
-      auto& fwd = bn_fwd_pd(x.shape(), kEps, true);
-      auto& pd = cached<dnnl::batch_normalization_backward::primitive_desc>(key_of("bn_bwd", {d.N, d.C, x.dim(2), x.dim(3)}), [&] {
-        const auto md = plain(x.shape(), tag::nchw);
-        dnnl::batch_normalization_backward::desc desc(dnnl::prop_kind::backward, md, md, static_cast<float>(kEps),
-                                                      dnnl::normalization_flags::use_scale |
-                                                          dnnl::normalization_flags::use_shift);
-        return dnnl::batch_normalization_backward::primitive_desc(desc, eng_, fwd);
-      });
+      auto& fwd = bn_fwd_pd(x, kEps, true);
+      auto& pd = cached<dnnl::batch_normalization_backward::primitive_desc>(
+          key_of("bn_bwd", {d.N, d.C, x.dim(2), x.dim(3), static_cast<int64_t>(x.layout())}), [&] {
+            const auto md = md_of(x);
+            dnnl::batch_normalization_backward::desc desc(dnnl::prop_kind::backward, md, md, static_cast<float>(kEps),
+                                                          dnnl::normalization_flags::use_scale |
+                                                              dnnl::normalization_flags::use_shift);
+            return dnnl::batch_normalization_backward::primitive_desc(desc, eng_, fwd);
+          });
       dnnl::batch_normalization_backward(pd).execute(
-          strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
+          strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
                   {DNNL_ARG_MEAN, mem(pd.mean_desc(), save_mean)}, {DNNL_ARG_VARIANCE, mem(pd.variance_desc(), var)},
                   {DNNL_ARG_SCALE, mem(chan_md(d.C), gamma)},
                   // oneDNN 2.6 refuses to run (invalid arguments) without a SHIFT on backward, although
@@ -203,71 +224,32 @@ class OneDnnBackend final : public Backend {
     return ok_status();
   }
 
+  // Element-wise ops see their tensors as flat arrays: the output takes the first input's layout,
+  // and a second input in another layout is reordered into it first.
   Status relu_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, kF32Only));
-    return run("relu_forward", [&] {
-      auto& pd = cached<dnnl::eltwise_forward::primitive_desc>(key_of("relu_fwd", {x.numel()}), [&] {
-        dnnl::eltwise_forward::desc desc(dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, flat(x), 0.f);
-        return dnnl::eltwise_forward::primitive_desc(desc, eng_);
-      });
-      dnnl::eltwise_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
-    });
+    return eltwise_forward("relu_forward", dnnl::algorithm::eltwise_relu_use_dst_for_bwd, x, y);
   }
-
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, kF32Only));
-    return run("relu_backward", [&] {
-      auto& fwd = cached<dnnl::eltwise_forward::primitive_desc>(key_of("relu_fwd_dst", {y.numel()}), [&] {
-        dnnl::eltwise_forward::desc desc(dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu_use_dst_for_bwd,
-                                         flat(y), 0.f);
-        return dnnl::eltwise_forward::primitive_desc(desc, eng_);
-      });
-      auto& pd = cached<dnnl::eltwise_backward::primitive_desc>(key_of("relu_bwd", {y.numel()}), [&] {
-        dnnl::eltwise_backward::desc desc(dnnl::algorithm::eltwise_relu_use_dst_for_bwd, flat(y), flat(y), 0.f);
-        return dnnl::eltwise_backward::primitive_desc(desc, eng_, fwd);
-      });
-      dnnl::eltwise_backward(pd).execute(strm_, {{DNNL_ARG_DST, mem(flat(y), y)},
-                                                 {DNNL_ARG_DIFF_DST, mem(flat(dy), dy)},
-                                                 {DNNL_ARG_DIFF_SRC, mem(flat(dx), dx)}});
-    });
+    return eltwise_backward("relu_backward", dnnl::algorithm::eltwise_relu_use_dst_for_bwd, y, dy, dx);
   }
-
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("add", a, b, &y, kF32Only));
-    return run("add", [&] {
-      auto& pd = cached<dnnl::binary::primitive_desc>(key_of("add", {a.numel()}), [&] {
-        dnnl::binary::desc desc(dnnl::algorithm::binary_add, flat(a), flat(b), flat(y));
-        return dnnl::binary::primitive_desc(desc, eng_);
-      });
-      dnnl::binary(pd).execute(strm_, {{DNNL_ARG_SRC_0, mem(flat(a), a)}, {DNNL_ARG_SRC_1, mem(flat(b), b)},
-                                       {DNNL_ARG_DST, mem(flat(y), y)}});
-    });
+    return binary("add", dnnl::algorithm::binary_add, a, b, y);
   }
-
   Status mul(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, kF32Only));
-    return run("mul", [&] {
-      auto& pd = cached<dnnl::binary::primitive_desc>(key_of("mul", {a.numel()}), [&] {
-        dnnl::binary::desc desc(dnnl::algorithm::binary_mul, flat(a), flat(b), flat(y));
-        return dnnl::binary::primitive_desc(desc, eng_);
-      });
-      dnnl::binary(pd).execute(strm_, {{DNNL_ARG_SRC_0, mem(flat(a), a)}, {DNNL_ARG_SRC_1, mem(flat(b), b)},
-                                       {DNNL_ARG_DST, mem(flat(y), y)}});
-    });
+    return binary("mul", dnnl::algorithm::binary_mul, a, b, y);
   }
 
-  // Max pooling runs in the blocked layout (blocked_tag): oneDNN 2.6 has only a scalar reference
+  // Max pooling runs in a blocked layout (blocked_tag): oneDNN 2.6 has only a scalar reference
   // kernel for nchw pooling, which took 0.24 s of a 3.5 s ResNet-18 training step (batch 32, 224 px,
-  // 2 threads), against about 0.02 s for the two reorders and the jit kernel.
+  // 2 threads) against about 0.02 s for the jit kernel.
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kF32Only));
+                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kCpuTypes));
     return run("max_pool2d_forward", [&] {
       auto& pd = pool_fwd_pd(d, p, dnnl::prop_kind::forward_inference);
-      const memory y_plain = mem(plain(y.shape(), tag::nchw), y), y_pd = out_mem(pd.dst_desc(), y_plain);
-      dnnl::pooling_forward(pd).execute(
-          strm_, {{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain(x.shape(), tag::nchw), x))}, {DNNL_ARG_DST, y_pd}});
-      from_pd(y_pd, y_plain);
+      const memory y_pd = out_mem(pd.dst_desc(), y);
+      dnnl::pooling_forward(pd).execute(strm_, {{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))}, {DNNL_ARG_DST, y_pd}});
+      from_pd(y_pd, y);
     });
   }
 
@@ -275,7 +257,7 @@ class OneDnnBackend final : public Backend {
   // to get it: correct, and cheap next to the convolutions in the blocked layout.
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kF32Only));
+                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kCpuTypes));
     return run("max_pool2d_backward", [&] {
       auto& fwd = pool_fwd_pd(d, p, dnnl::prop_kind::forward_training);
       auto& pd = cached<dnnl::pooling_backward::primitive_desc>(pool_key("pool_bwd", d, p), [&] {
@@ -286,33 +268,35 @@ class OneDnnBackend final : public Backend {
       });
       const memory ws = scratch(fwd.workspace_desc());
       const size_t forward_scratch = scratch_.size();
-      dnnl::pooling_forward(fwd).execute(strm_, {{DNNL_ARG_SRC, to_pd(fwd.src_desc(), mem(plain(x.shape(), tag::nchw), x))},
+      dnnl::pooling_forward(fwd).execute(strm_, {{DNNL_ARG_SRC, to_pd(fwd.src_desc(), mem(md_of(x), x))},
                                                  {DNNL_ARG_DST, scratch(fwd.dst_desc())},
                                                  {DNNL_ARG_WORKSPACE, ws}});
       strm_.wait();
-      scratch_.resize(forward_scratch);  // the blocked x and y go back before dy and dx take theirs
-      const memory dx_plain = mem(plain(dx.shape(), tag::nchw), dx), dx_pd = out_mem(pd.diff_src_desc(), dx_plain);
-      dnnl::pooling_backward(pd).execute(
-          strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(plain(dy.shape(), tag::nchw), dy))},
-                  {DNNL_ARG_DIFF_SRC, dx_pd},
-                  {DNNL_ARG_WORKSPACE, ws}});
-      from_pd(dx_pd, dx_plain);
+      scratch_.resize(forward_scratch);  // the recomputed y (and a reordered x) go back before dy and dx
+      const memory dx_pd = out_mem(pd.diff_src_desc(), dx);
+      dnnl::pooling_backward(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
+                                                 {DNNL_ARG_DIFF_SRC, dx_pd},
+                                                 {DNNL_ARG_WORKSPACE, ws}});
+      from_pd(dx_pd, dx);
     });
   }
 
+  // Global average pooling runs plain: oneDNN 2.6 has only its reference kernel for blocked
+  // global pooling (38 ms a ResNet-18 step, against 1 ms for nchw's and the [N,C,7,7] reorder).
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kF32Only));
+                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kCpuTypes));
     return run("global_avg_pool_forward", [&] {
       auto& pd = gap_fwd_pd(x.shape());
-      dnnl::pooling_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
+      dnnl::pooling_forward(pd).execute(strm_, {{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
                                                 {DNNL_ARG_DST, mem(plain({d.N, d.C, 1, 1}, tag::nchw), y)}});
     });
   }
 
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kF32Only));
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kCpuTypes));
+    SLIDE_RETURN_IF_ERROR(dx.set_layout(Layout::kPlain));
     return run("global_avg_pool_backward", [&] {
       auto& fwd = gap_fwd_pd(dx.shape());
       auto& pd = cached<dnnl::pooling_backward::primitive_desc>(key_of("gap_bwd", {d.N, d.C, dx.dim(2), dx.dim(3)}), [&] {
@@ -327,7 +311,7 @@ class OneDnnBackend final : public Backend {
   }
 
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kF32Only));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kCpuTypes));
     return run("linear_forward", [&] {
       auto& pd = ip_fwd_pd(d, b.defined());
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
@@ -340,7 +324,7 @@ class OneDnnBackend final : public Backend {
 
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kF32Only));
+                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kCpuTypes));
     return run("linear_backward_data", [&] {
       auto& pd = cached<dnnl::inner_product_backward_data::primitive_desc>(key_of("ip_bwd_data", {d.N, d.I, d.O}), [&] {
         dnnl::inner_product_backward_data::desc desc(plain({d.N, d.I}, tag::nc), plain({d.O, d.I}, tag::oi),
@@ -355,7 +339,7 @@ class OneDnnBackend final : public Backend {
 
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kF32Only));
+                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kCpuTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor dw_new, Tensor::empty(dw.shape(), DType::kF32, alloc_, "linear dw scratch"));
     Tensor db_new;
     if (db.defined()) {
@@ -385,7 +369,7 @@ class OneDnnBackend final : public Backend {
                                        double label_smoothing, Tensor& probs, double* loss) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_cross_entropy("softmax_cross_entropy_forward", logits, labels, class_weights,
-                                                          label_smoothing, probs, kF32Only));
+                                                          label_smoothing, probs, kCpuTypes));
     // log-probabilities into probs, then exp in place after the loss has read them.
     SLIDE_RETURN_IF_ERROR(run("softmax_cross_entropy_forward", [&] {
       auto& pd = cached<dnnl::logsoftmax_forward::primitive_desc>(key_of("logsoftmax", {d.N, d.I}), [&] {
@@ -405,7 +389,7 @@ class OneDnnBackend final : public Backend {
   Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels, const Tensor& class_weights,
                                         double label_smoothing, Tensor& dlogits) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_cross_entropy("softmax_cross_entropy_backward", probs, labels,
-                                                         class_weights, label_smoothing, dlogits, kF32Only)
+                                                         class_weights, label_smoothing, dlogits, kCpuTypes)
                               .status());
     return loops_->softmax_cross_entropy_backward(probs, labels, class_weights, label_smoothing, dlogits);
   }
@@ -439,7 +423,7 @@ class OneDnnBackend final : public Backend {
   }
 
   Status softmax_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kF32Only));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kCpuTypes));
     return run("softmax_forward", [&] {
       auto& pd = softmax_fwd_pd(d.N, d.I);
       dnnl::softmax_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
@@ -447,7 +431,7 @@ class OneDnnBackend final : public Backend {
   }
 
   Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kF32Only));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kCpuTypes));
     return run("softmax_backward", [&] {
       auto& pd = cached<dnnl::softmax_backward::primitive_desc>(key_of("softmax_bwd", {d.N, d.I}), [&] {
         dnnl::softmax_backward::desc desc(plain({d.N, d.I}, tag::nc), plain({d.N, d.I}, tag::nc), 1);
@@ -462,7 +446,7 @@ class OneDnnBackend final : public Backend {
   // A transposed operand is the same storage described with the swapped (ba) layout: no copy.
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d,
-                           detail::validate_matmul(a, transpose_a, b, transpose_b, y, kF32Only));
+                           detail::validate_matmul(a, transpose_a, b, transpose_b, y, kCpuTypes));
     return run("matmul", [&] {
       const auto a_md = plain({d.M, d.K}, transpose_a ? tag::ba : tag::ab);
       const auto b_md = plain({d.K, d.N}, transpose_b ? tag::ba : tag::ab);
@@ -477,22 +461,38 @@ class OneDnnBackend final : public Backend {
 
  private:
   Status eltwise_forward(const char* op, dnnl::algorithm alg, const Tensor& x, Tensor& y) {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kF32Only));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kCpuTypes));
     return run(op, [&] {
       auto& pd = eltwise_fwd_pd(alg, x.numel());
-      dnnl::eltwise_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
+      const memory src = mem(pd.src_desc(), x);
+      (void)y.set_layout(x.layout());  // same shape as x: cannot fail
+      dnnl::eltwise_forward(pd).execute(strm_, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
     });
   }
   Status eltwise_backward(const char* op, dnnl::algorithm alg, const Tensor& y, const Tensor& dy, Tensor& dx) {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, kF32Only));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, kCpuTypes));
     return run(op, [&] {
       auto& pd = cached<dnnl::eltwise_backward::primitive_desc>(key_of(op, {y.numel()}), [&] {
         dnnl::eltwise_backward::desc desc(alg, flat(y), flat(y), 0.f);
         return dnnl::eltwise_backward::primitive_desc(desc, eng_, eltwise_fwd_pd(alg, y.numel()));
       });
+      const memory g = flat_in(dy, y.layout());
+      (void)dx.set_layout(y.layout());
       dnnl::eltwise_backward(pd).execute(strm_, {{DNNL_ARG_DST, mem(flat(y), y)},
-                                                 {DNNL_ARG_DIFF_DST, mem(flat(dy), dy)},
+                                                 {DNNL_ARG_DIFF_DST, g},
                                                  {DNNL_ARG_DIFF_SRC, mem(flat(dx), dx)}});
+    });
+  }
+  Status binary(const char* op, dnnl::algorithm alg, const Tensor& a, const Tensor& b, Tensor& y) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, a, b, &y, kCpuTypes));
+    return run(op, [&] {
+      auto& pd = cached<dnnl::binary::primitive_desc>(key_of(op, {a.numel()}), [&] {
+        dnnl::binary::desc desc(alg, flat(a), flat(b), flat(y));
+        return dnnl::binary::primitive_desc(desc, eng_);
+      });
+      const memory bm = flat_in(b, a.layout());
+      (void)y.set_layout(a.layout());
+      dnnl::binary(pd).execute(strm_, {{DNNL_ARG_SRC_0, mem(flat(a), a)}, {DNNL_ARG_SRC_1, bm}, {DNNL_ARG_DST, mem(flat(y), y)}});
     });
   }
   dnnl::eltwise_forward::primitive_desc& eltwise_fwd_pd(dnnl::algorithm alg, int64_t n) {
@@ -543,8 +543,22 @@ class OneDnnBackend final : public Backend {
   memory::desc plain(const Shape& s, tag t) const { return memory::desc(dims_of(s), dt::f32, t); }
   memory::desc flat(const Tensor& t) const { return memory::desc({t.numel()}, dt::f32, tag::a); }
   memory::desc chan_md(int64_t c) const { return memory::desc({c}, dt::f32, tag::a); }
+  // The descriptor of an f32 tensor of shape s in layout l (plain: row-major over its rank).
+  memory::desc md_in(const Shape& s, Layout l) const {
+    if (l == Layout::kNChw8c) return plain(s, tag::nChw8c);
+    if (l == Layout::kNChw16c) return plain(s, tag::nChw16c);
+    static const tag row_major[] = {tag::undef, tag::a, tag::ab, tag::abc, tag::abcd, tag::abcde};
+    return plain(s, s.size() < 6 ? row_major[s.size()] : tag::undef);
+  }
+  memory::desc md_of(const Tensor& t) const { return md_in(t.shape(), t.layout()); }
   // A oneDNN view of a tensor's storage (no copy).
   memory mem(const memory::desc& md, const Tensor& t) const { return memory(md, eng_, t.raw()); }
+  // t's elements in layout l, seen flat (for element-wise ops): t itself, or a reordered copy.
+  memory flat_in(const Tensor& t, Layout l) {
+    if (t.layout() == l) return mem(flat(t), t);
+    const memory m = to_pd(md_in(t.shape(), l), mem(md_of(t), t));
+    return memory(flat(t), eng_, m.get_data_handle());
+  }
 
   // Right padding that makes oneDNN's output extent equal to PyTorch's floor-mode one.
   static memory::dims pad_r(const detail::ConvDims& d, Conv2dParams p) {
@@ -563,12 +577,11 @@ class OneDnnBackend final : public Backend {
   struct ConvMds {
     memory::desc src, wei, bias, dst;
   };
-  // The plain layouts of a convolution's tensors or, with `any`, oneDNN's free choice: its blocked
-  // layouts (nChw16c, ...), whose direct AVX-512 kernels beat im2col + gemm on nchw by more than
-  // the reorders at the op's edges cost (ResNet-18 training: see the note on issue 3).
-  ConvMds conv_mds(const detail::ConvDims& d, bool bias, bool any = false) const {
-    return {plain({d.N, d.C, d.H, d.W}, any ? tag::any : tag::nchw), plain({d.K, d.C, d.R, d.S}, any ? tag::any : tag::oihw),
-            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, any ? tag::any : tag::nchw)};
+  // A convolution's descriptors with oneDNN's free choice of layouts (tag::any): its blocked
+  // layouts (nChw8c/nChw16c, OIhw8i8o, ...), whose direct jit kernels beat im2col + gemm on nchw.
+  ConvMds conv_mds(const detail::ConvDims& d, bool bias) const {
+    return {plain({d.N, d.C, d.H, d.W}, tag::any), plain({d.K, d.C, d.R, d.S}, tag::any),
+            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, tag::any)};
   }
 
   // Scratch for a reordered copy, from the (caching, budgeted) allocator; lives until run() ends.
@@ -578,25 +591,34 @@ class OneDnnBackend final : public Backend {
     scratch_.push_back(*t);
     return memory(md, eng_, t->raw());
   }
-  // `plain_mem` in the layout a primitive wants: itself, or a reordered copy.
-  memory to_pd(const memory::desc& want, memory plain_mem) {
-    if (want == plain_mem.get_desc()) return plain_mem;
+  // `have` in the layout a primitive wants: itself, or a reordered copy.
+  memory to_pd(const memory::desc& want, memory have) {
+    if (want == have.get_desc()) return have;
     memory m = scratch(want);
-    dnnl::reorder(plain_mem, m).execute(strm_, plain_mem, m);
+    dnnl::reorder(have, m).execute(strm_, have, m);
     return m;
   }
-  // Where a primitive writes an output: the plain tensor itself, or scratch to reorder back.
-  memory out_mem(const memory::desc& want, const memory& plain_mem) {
-    return want == plain_mem.get_desc() ? plain_mem : scratch(want);
+  // Where a primitive writes output t, `want` being the layout it writes: t's own storage when t
+  // can carry that layout (plain, or an image layout of tensor.h's Layout when `relabel`; t's
+  // layout is set to it), else scratch, which from_pd then reorders into t (plain). Parameter
+  // gradients pass relabel = false: they stay plain.
+  memory out_mem(const memory::desc& want, Tensor& t, bool relabel = true) {
+    for (Layout l : {Layout::kPlain, Layout::kNChw8c, Layout::kNChw16c}) {
+      if (l != Layout::kPlain && (!relabel || t.rank() != 4)) break;
+      if (want == md_in(t.shape(), l) && t.set_layout(l).ok()) return mem(want, t);
+    }
+    (void)t.set_layout(Layout::kPlain);
+    return scratch(want);
   }
-  void from_pd(memory got, memory plain_mem) {
-    if (got.get_desc() == plain_mem.get_desc()) return;
-    dnnl::reorder(got, plain_mem).execute(strm_, got, plain_mem);
+  void from_pd(memory got, Tensor& t) {
+    if (got.get_data_handle() == t.raw()) return;
+    memory dst = mem(md_of(t), t);
+    dnnl::reorder(got, dst).execute(strm_, got, dst);
   }
 
   dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias) {
     return cached<dnnl::convolution_forward::primitive_desc>(conv_key("conv_fwd", d, p, bias), [&] {
-      auto [src, wei, bmd, dst] = conv_mds(d, bias, true);
+      auto [src, wei, bmd, dst] = conv_mds(d, bias);
       auto desc = bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, bmd, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
@@ -607,13 +629,16 @@ class OneDnnBackend final : public Backend {
     });
   }
 
-  dnnl::batch_normalization_forward::primitive_desc& bn_fwd_pd(const Shape& s, double eps, bool training) {
+  dnnl::batch_normalization_forward::primitive_desc& bn_fwd_pd(const Tensor& x, double eps, bool training) {
+    const Shape& s = x.shape();
     return cached<dnnl::batch_normalization_forward::primitive_desc>(
-        key_of(training ? "bn_fwd_train" : "bn_fwd_inf", {s[0], s[1], s[2], s[3], static_cast<int64_t>(eps * 1e12)}), [&] {
+        key_of(training ? "bn_fwd_train" : "bn_fwd_inf",
+               {s[0], s[1], s[2], s[3], static_cast<int64_t>(eps * 1e12), static_cast<int64_t>(x.layout())}),
+        [&] {
           auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
           if (!training) flags = flags | dnnl::normalization_flags::use_global_stats;
           dnnl::batch_normalization_forward::desc desc(
-              training ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference, plain(s, tag::nchw),
+              training ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference, md_of(x),
               static_cast<float>(eps), flags);
           return dnnl::batch_normalization_forward::primitive_desc(desc, eng_);
         });
@@ -631,14 +656,18 @@ class OneDnnBackend final : public Backend {
   }
 
   // The channel-blocked layout of oneDNN's jit kernels for `channels`: nChw16c on AVX-512 CPUs,
-  // nChw8c on AVX2 ones, nchw when channels is not a multiple of the block.
-  static tag blocked_tag(int64_t channels) {
+  // nChw8c on AVX2 ones, plain when channels is not a multiple of the block.
+  static Layout blocked_layout(int64_t channels) {
     // dnnl_cpu_isa_t values are feature bit masks: an ISA includes avx512_core iff it has all its bits.
     static const bool avx512 = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core) ==
                                dnnl_cpu_isa_avx512_core;
-    if (avx512 && channels % 16 == 0) return tag::nChw16c;
-    if (channels % 8 == 0) return tag::nChw8c;
-    return tag::nchw;
+    if (avx512 && channels % 16 == 0) return Layout::kNChw16c;
+    if (channels % 8 == 0) return Layout::kNChw8c;
+    return Layout::kPlain;
+  }
+  static tag blocked_tag(int64_t channels) {
+    const Layout l = blocked_layout(channels);
+    return l == Layout::kNChw16c ? tag::nChw16c : l == Layout::kNChw8c ? tag::nChw8c : tag::nchw;
   }
 
   dnnl::pooling_forward::primitive_desc& gap_fwd_pd(const Shape& s) {

@@ -3,7 +3,11 @@
 // and `cuda` (cuDNN) mirror it op for op. Only backend.cpp knows which backends were built.
 //
 // Conventions, for every op:
-// - Tensors are plain row-major on the backend's device; images are NCHW. All floating tensors
+// - Tensors are row-major on the backend's device; images are NCHW. Image tensors may come in a
+//   channel-blocked Layout (tensor.h) on a backend that produces them (cpu): such a backend reads
+//   any mix of layouts and chooses its outputs' (written to Tensor::layout()); the others take
+//   plain tensors only (kInvalidArgument). Parameters and their gradients are always plain.
+//   All floating tensors
 //   of one call share a dtype (f32; f64 on the reference backend for gradient checks). Labels are
 //   i32.
 // - Outputs are allocated by the caller with the documented shape; an op writes them whole.
@@ -43,6 +47,16 @@ class Backend {
   virtual std::string name() const = 0;
   virtual Device device() const = 0;
   virtual Allocator& allocator() = 0;
+
+  // --- Layout ------------------------------------------------------------------------------------
+  // x in the plain layout: x itself when it is plain, else a reordered copy (same shape and
+  // dtype) from this backend's allocator. For host code that reads elements (synchronised batch
+  // norm, tests). Errors: the allocator's; kUnimplemented on a backend without blocked layouts.
+  [[nodiscard]] virtual Result<Tensor> to_plain(const Tensor& x) {
+    if (x.layout() == Layout::kPlain) return x;
+    return slide::core::unimplemented(std::string("to_plain: ") + name() + " has no " + layout_name(x.layout()) +
+                                      " layout");
+  }
 
   // --- Convolution (cross-correlation, as PyTorch) ---------------------------------------------
   // y[N,K,P,Q] = sum_{c,r,s} x[N,C,H,W] (padded) * w[K,C,R,S] + b[K]; b may be undefined.

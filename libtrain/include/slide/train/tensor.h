@@ -2,9 +2,12 @@
 //
 // Dense and contiguous, row-major over its shape (images NCHW: N samples, C channels, H rows,
 // W columns; each op documents its shapes). Copies share storage (a shared_ptr); clone() copies
-// the bytes. Storage returns to its allocator when the last tensor using it goes away. Backends
-// that keep tensors in other layouts (oneDNN's blocked formats) do so behind their own handles;
-// a Tensor is always the plain layout.
+// the bytes. Storage returns to its allocator when the last tensor using it goes away.
+//
+// Layout: an image tensor may instead be in one of oneDNN's channel-blocked layouts (Layout
+// below), which only the cpu backend produces, so that training's activations stay blocked from
+// layer to layer; Backend::to_plain gives the row-major view back. Anything that reads a tensor's
+// elements on the host reads a plain one.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +27,14 @@ namespace slide::train {
 enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2, kU8 = 3 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
+
+// How the elements lie in storage. kPlain: row-major over the shape (NCHW for images), what every
+// op accepts and the reference backend produces. kNChw8c / kNChw16c: oneDNN's channel-blocked
+// image layouts, [N][C/b][H][W][b] with b = 8 or 16, on which its convolution, batch norm and
+// pooling kernels run without reorders; used only for [N,C,H,W] with C a multiple of b, so the
+// bytes are the plain ones' in another order (no padding).
+enum class Layout : uint8_t { kPlain = 0, kNChw8c = 1, kNChw16c = 2 };
+const char* layout_name(Layout l);
 
 using Shape = std::vector<int64_t>;
 std::string shape_string(const Shape& s);  // "[2, 3, 8, 8]"
@@ -49,14 +60,20 @@ class Tensor {
   size_t bytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
+  Layout layout() const { return layout_; }
+  // Relabels this tensor object's element order (not copies made before): for backends, which
+  // set it on the outputs they write. Errors: kInvalidArgument for a blocked layout on a tensor
+  // that is not [N,C,H,W] with C a multiple of the block.
+  [[nodiscard]] Status set_layout(Layout layout);
 
   template <typename T>
   T* data() const { return static_cast<T*>(storage_ ? storage_->ptr : nullptr); }
   void* raw() const { return storage_ ? storage_->ptr : nullptr; }
 
-  // A deep copy from the same allocator. Errors: those of empty().
+  // A deep copy (same layout) from the same allocator. Errors: those of empty().
   [[nodiscard]] Result<Tensor> clone(const std::string& what = "tensor copy") const;
-  // The same storage seen with another shape of the same element count. Errors: kInvalidArgument.
+  // The same storage seen with another shape of the same element count. Errors: kInvalidArgument,
+  // also for a tensor in a blocked layout.
   [[nodiscard]] Result<Tensor> reshape(const Shape& shape) const;
   // Sets every element to zero (host tensors only).
   void fill_zero();
@@ -73,6 +90,7 @@ class Tensor {
   int64_t numel_ = 0;
   DType dtype_ = DType::kF32;
   Device device_ = Device::kCpu;
+  Layout layout_ = Layout::kPlain;
 };
 
 }  // namespace slide::train

@@ -445,19 +445,7 @@ int main(int argc, char** argv) {
     nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
     if (saved.is_discarded() || saved.value("model", "") != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
-    if (saved.contains("config")) {
-      std::string diffs;
-      for (const auto& [key, value] : state["config"].items())
-        if (!saved["config"].contains(key) || saved["config"][key] != value)
-          diffs += " --" + key + " " + (saved["config"].contains(key) ? saved["config"][key].dump() : "(unset)") +
-                   " -> " + value.dump() + ";";
-      if (!diffs.empty())
-        return fail(slide::core::invalid_argument("--resume: " + latest + " was made with other options:" + diffs +
-                                                  " rerun with the original options, or use a new --out"));
-    }
-    if (saved.value("epochs", epochs) != epochs)
-      slide::core::log_warn("--resume with another --epochs: the schedule's length changes",
-                            {{"was", saved.value("epochs", epochs)}, {"now", epochs}});
+    if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers)); !s.ok()) return fail(s);
     std::vector<NamedTensor> opt_state;
     for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});

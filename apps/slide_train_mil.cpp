@@ -268,7 +268,15 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   const nlohmann::json mil = {{"in_features", mc.in_features}, {"hidden", mc.hidden}, {"attention", mc.attention}, {"dropout", mc.dropout}};
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", "abmil"},
                           {"mil", mil}, {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
-                          {"best_val_balanced_accuracy", -1.0}};
+                          {"best_val_balanced_accuracy", -1.0}, {"epochs", o.epochs}};
+  // What changes the math of a run (the model's sizes are "mil"): --resume refuses other values.
+  const nlohmann::json config = {{"optimizer", o.optimizer}, {"lr", o.lr}, {"momentum", o.momentum},
+                                 {"nesterov", o.nesterov}, {"weight_decay", o.weight_decay}, {"schedule", o.schedule},
+                                 {"warmup_epochs", o.warmup_epochs}, {"label_smoothing", o.label_smoothing},
+                                 {"batch_size", o.batch}, {"seed", o.seed}, {"class_weights", o.class_weights},
+                                 {"val_fraction", o.val_fraction}, {"labels", o.labels_csv},
+                                 {"best_metric", o.best_metric}};
+  state["config"] = config;
   if (o.resume) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
@@ -279,12 +287,15 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (saved.is_discarded() || saved.value("model", "") != "abmil" || saved["classes"] != state["classes"] ||
         saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
+    if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
     std::vector<NamedTensor> opt_state;
     for (auto* b : (*opt)->state()) opt_state.push_back({b->name, &b->value});
     if (!opt_state.empty())
       if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
     state = saved;
+    state["epochs"] = o.epochs;
+    state["config"] = config;
     (*opt)->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }

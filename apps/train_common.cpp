@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "slide/core/file.h"
+#include "slide/core/log.h"
 #include "slide/tile/image.h"
 
 namespace slide::apps {
@@ -113,6 +114,24 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.csv", csv));
   return write_curves_png(out, history);
+}
+
+slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,
+                                        const nlohmann::json& config, long epochs) {
+  if (saved.contains("config")) {
+    const nlohmann::json& was = saved["config"];
+    std::string diffs;
+    for (const auto& [key, value] : config.items())
+      if (!was.contains(key) || was[key] != value)
+        diffs += " --" + key + " " + (was.contains(key) ? was[key].dump() : "(unset)") + " -> " + value.dump() + ";";
+    if (!diffs.empty())
+      return slide::core::invalid_argument("--resume: " + checkpoint + " was made with other options:" + diffs +
+                                           " rerun with the original options, or use a new --out");
+  }
+  if (saved.value("epochs", epochs) != epochs)
+    slide::core::log_warn("--resume with another --epochs: the schedule's length changes",
+                          {{"was", saved.value("epochs", epochs)}, {"now", epochs}});
+  return slide::core::ok_status();
 }
 
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,

@@ -31,6 +31,13 @@ std::vector<std::filesystem::path> list_checkpoints(const std::string& dir);
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,
                        long epoch);
 
+// --resume's check of the options that change the math of a run: `config` (this run's) against
+// the "config" record of `saved` (the checkpoint's state.json). Errors: kInvalidArgument naming
+// `checkpoint` and every difference ("--lr 0.1 -> 0.2;"). A checkpoint without the record (made
+// before it existed) passes. Another `epochs` than saved["epochs"] is allowed, with a warning.
+[[nodiscard]] slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,
+                                                      const nlohmann::json& config, long epochs);
+
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and
 // state.json, in a .partial directory renamed into place; keeps the newest `keep`. Errors: those

@@ -268,6 +268,16 @@ class TestResume(Base):
         oa = read_safetensors(os.path.join(full, "checkpoints", "epoch-3-step-0", "optimizer.safetensors"))
         ob = read_safetensors(os.path.join(cut, "checkpoints", "epoch-3-step-0", "optimizer.safetensors"))
         self.assertTrue(all(np.array_equal(oa[k], ob[k]) for k in oa))
+        # A resume with options that change the math is refused before any work, naming them;
+        # the checkpoints are left as they were.
+        before = sorted(os.listdir(os.path.join(cut, "checkpoints")))
+        changed = [a if a != "1e-3" else "2e-3" for a in args] + ["--label-smoothing", "0.1"]
+        r = run_train("--out", cut, "--resume", *changed)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made with other options:", r.stderr)
+        self.assertIn("--lr 0.001 -> 0.002;", r.stderr)
+        self.assertIn("--label_smoothing 0.0 -> 0.1;", r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
 
 
 class TestMemoryFlat(Base):

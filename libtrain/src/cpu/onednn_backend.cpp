@@ -62,20 +62,14 @@ class OneDnnBackend final : public Backend {
 
   // A blocked input is read as it is; outputs are written in the layout oneDNN picked for the
   // primitive when a Tensor can carry it (see out_mem), so activations stay blocked between layers.
-  Status to_plain_impl(const Tensor& x, Tensor* out) {
+  Result<Tensor> to_plain(const Tensor& x) override {
+    if (x.layout() == Layout::kPlain) return x;
+    if (x.dtype() != DType::kF32) return slide::core::unimplemented("to_plain: cpu has f32 only");
     SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), alloc_, "plain copy"));
     SLIDE_RETURN_IF_ERROR(run("to_plain", [&] {
       memory src = mem(md_of(x), x), dst = mem(md_of(y), y);
       dnnl::reorder(src, dst).execute(strm_, src, dst);
     }));
-    *out = std::move(y);
-    return ok_status();
-  }
-  Result<Tensor> to_plain(const Tensor& x) override {
-    if (x.layout() == Layout::kPlain) return x;
-    if (x.dtype() != DType::kF32) return slide::core::unimplemented("to_plain: cpu has f32 only");
-    Tensor y;
-    SLIDE_RETURN_IF_ERROR(to_plain_impl(x, &y));
     return y;
   }
 

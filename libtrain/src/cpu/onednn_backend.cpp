@@ -60,8 +60,7 @@ class OneDnnBackend final : public Backend {
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
 
-  // A blocked input is read as it is; outputs are written in the layout oneDNN picked for the
-  // primitive when a Tensor can carry it (see out_mem), so activations stay blocked between layers.
+  // A reordered plain copy of a blocked x (from the budgeted allocator), or x itself.
   Result<Tensor> to_plain(const Tensor& x) override {
     if (x.layout() == Layout::kPlain) return x;
     if (x.dtype() != DType::kF32) return slide::core::unimplemented("to_plain: cpu has f32 only");
@@ -233,7 +232,7 @@ class OneDnnBackend final : public Backend {
     return binary("mul", dnnl::algorithm::binary_mul, a, b, y);
   }
 
-  // Max pooling runs in a blocked layout (blocked_tag): oneDNN 2.6 has only a scalar reference
+  // Max pooling runs in a blocked layout (blocked_layout): oneDNN 2.6 has only a scalar reference
   // kernel for nchw pooling, which took 0.24 s of a 3.5 s ResNet-18 training step (batch 32, 224 px,
   // 2 threads) against about 0.02 s for the jit kernel.
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
@@ -255,8 +254,8 @@ class OneDnnBackend final : public Backend {
     return run("max_pool2d_backward", [&] {
       auto& fwd = pool_fwd_pd(d, p, dnnl::prop_kind::forward_training);
       auto& pd = cached<dnnl::pooling_backward::primitive_desc>(pool_key("pool_bwd", d, p), [&] {
-        const tag t = blocked_tag(d.C);
-        dnnl::pooling_backward::desc desc(dnnl::algorithm::pooling_max, plain(x.shape(), t), plain({d.N, d.C, d.P, d.Q}, t),
+        const Layout l = blocked_layout(d.C);
+        dnnl::pooling_backward::desc desc(dnnl::algorithm::pooling_max, md_in(x.shape(), l), md_in({d.N, d.C, d.P, d.Q}, l),
                                           {p.stride, p.stride}, {p.kernel, p.kernel}, {p.pad, p.pad}, pool_pad_r(d, p));
         return dnnl::pooling_backward::primitive_desc(desc, eng_, fwd);
       });
@@ -597,8 +596,9 @@ class OneDnnBackend final : public Backend {
   // layout is set to it), else scratch, which from_pd then reorders into t (plain). Parameter
   // gradients pass relabel = false: they stay plain.
   memory out_mem(const memory::desc& want, Tensor& t, bool relabel = true) {
+    const bool image = relabel && t.rank() == 4;  // only [N,C,H,W] may take a blocked layout
     for (Layout l : {Layout::kPlain, Layout::kNChw8c, Layout::kNChw16c}) {
-      if (l != Layout::kPlain && (!relabel || t.rank() != 4)) break;
+      if (l != Layout::kPlain && !image) break;
       if (want == md_in(t.shape(), l) && t.set_layout(l).ok()) return mem(want, t);
     }
     (void)t.set_layout(Layout::kPlain);
@@ -641,9 +641,9 @@ class OneDnnBackend final : public Backend {
   dnnl::pooling_forward::primitive_desc& pool_fwd_pd(const detail::PoolDims& d, Pool2dParams p, dnnl::prop_kind kind) {
     const bool training = kind == dnnl::prop_kind::forward_training;
     return cached<dnnl::pooling_forward::primitive_desc>(pool_key(training ? "pool_fwd_train" : "pool_fwd_inf", d, p), [&] {
-      const tag t = blocked_tag(d.C);
-      dnnl::pooling_forward::desc desc(kind, dnnl::algorithm::pooling_max, plain({d.N, d.C, d.H, d.W}, t),
-                                       plain({d.N, d.C, d.P, d.Q}, t), {p.stride, p.stride}, {p.kernel, p.kernel},
+      const Layout l = blocked_layout(d.C);
+      dnnl::pooling_forward::desc desc(kind, dnnl::algorithm::pooling_max, md_in({d.N, d.C, d.H, d.W}, l),
+                                       md_in({d.N, d.C, d.P, d.Q}, l), {p.stride, p.stride}, {p.kernel, p.kernel},
                                        {p.pad, p.pad}, pool_pad_r(d, p));
       return dnnl::pooling_forward::primitive_desc(desc, eng_);
     });
@@ -658,10 +658,6 @@ class OneDnnBackend final : public Backend {
     if (avx512 && channels % 16 == 0) return Layout::kNChw16c;
     if (channels % 8 == 0) return Layout::kNChw8c;
     return Layout::kPlain;
-  }
-  static tag blocked_tag(int64_t channels) {
-    const Layout l = blocked_layout(channels);
-    return l == Layout::kNChw16c ? tag::nChw16c : l == Layout::kNChw8c ? tag::nChw8c : tag::nchw;
   }
 
   dnnl::pooling_forward::primitive_desc& gap_fwd_pd(const Shape& s) {

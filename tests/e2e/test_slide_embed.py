@@ -260,9 +260,8 @@ class TestLayout(Base):
         self.assertIn("holds a small", r.stderr)
 
 
-class TestResume(Base):
-    """Kill slide-embed (SIGKILL) mid-run and rerun: complete bags are skipped, the bags equal an
-    uninterrupted run's, no .partial is left. Ctrl-C (SIGINT) exits 130 leaving no .partial."""
+class TwoSlides(Base):
+    """A store of two real slides (CMU-1 and TCGA) at 64 px tiles, and random ResNet-18 weights."""
 
     @classmethod
     def setUpClass(cls):
@@ -271,6 +270,11 @@ class TestResume(Base):
                              os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
                              "--tile-size", "64")
         _, cls.weights = cls.random_weights("resnet18")
+
+
+class TestResume(TwoSlides):
+    """Kill slide-embed (SIGKILL) mid-run and rerun: complete bags are skipped, the bags equal an
+    uninterrupted run's, no .partial is left. Ctrl-C (SIGINT) exits 130 leaving no .partial."""
 
     def args(self, out):
         return [EMBED, self.store, "-o", out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer2",
@@ -362,16 +366,8 @@ class TestMemory(Base):
         self.assertLess(peaks[1] - peaks[0], 24.0, "peak RSS grew with the number of tiles: %s" % peaks)
 
 
-class TestBadInput(Base):
+class TestBadInput(TwoSlides):
     """Usage errors before any work (exit 2), and a corrupt tile failing its slide alone (exit 3)."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.store = cls.tile("multi", os.path.join(SLIDES, "CMU-1-Small-Region.svs"),
-                             os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs"), "--mpp", "1", "--source-mpp", "0.5",
-                             "--tile-size", "64")
-        _, cls.weights = cls.random_weights("resnet18")
 
     def test_usage_errors(self):
         out = os.path.join(self.tmp, "u")

@@ -1,12 +1,22 @@
 #include "slide/core/csv.h"
 
+#include <string_view>
+
 namespace slide::core {
+namespace {
+
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
+// Where a line's text starts: after a UTF-8 byte-order mark, if it has one.
+size_t text_start(const std::string& line) { return std::string_view(line).starts_with(kUtf8Bom) ? kUtf8Bom.size() : 0; }
+
+}  // namespace
 
 std::vector<std::string> split_csv_line(const std::string& line) {
   std::vector<std::string> out;
   std::string cur;
   bool quoted = false;
-  for (size_t i = 0; i < line.size(); ++i) {
+  for (size_t i = text_start(line); i < line.size(); ++i) {
     char c = line[i];
     if (quoted) {
       if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
@@ -36,7 +46,8 @@ std::vector<std::string> split_csv_line(const std::string& line) {
 }
 
 bool csv_line_is_blank(const std::string& line) {
-  return line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#';
+  size_t start = text_start(line);
+  return line.find_first_not_of(" \t\r", start) == std::string::npos || line[start] == '#';
 }
 
 std::string csv_quote(const std::string& field) {

@@ -7,7 +7,12 @@
 #include <string>
 #include <vector>
 
+#include <signal.h>
+#include <sys/wait.h>
+
 #include "slide/core/csv.h"
+#include "slide/core/dir_lock.h"
+#include "slide/core/file_name.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/core/status.h"
@@ -138,4 +143,100 @@ TEST_CASE("csv_quote: split_csv_line gives every field back, and no line reads a
   CHECK(slide::core::split_csv_line(line) == fields);
   CHECK(slide::core::csv_quote("plain") == "plain");
   CHECK(slide::core::csv_quote("#a") == "\"#a\"");
+}
+
+TEST_CASE("DirLock: one writer per directory; released on destruction and on process exit") {
+  std::string dir = temp_dir("dirlock") + "/store";
+  auto first = DirLock::acquire(dir, "store");
+  REQUIRE(first.ok());
+  CHECK(std::filesystem::exists(dir + "/writer.lock"));
+  // A second acquirer in another process fails at once, naming the directory and our pid.
+  // (flock locks belong to open file descriptions, so a child process sees the conflict.)
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    auto second = DirLock::acquire(dir, "store");
+    std::string msg = second.ok() ? "ACQUIRED" : second.status().to_string();
+    ssize_t w = ::write(pipefd[1], msg.data(), msg.size());
+    (void)w;
+    ::_exit(second.ok() ? 0 : 1);
+  }
+  ::close(pipefd[1]);
+  std::string msg;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(n));
+  ::close(pipefd[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK(msg.find("store " + dir + " is being written by another process (pid " + std::to_string(::getpid())) !=
+        std::string::npos);
+  CHECK(msg.find("UNAVAILABLE") != std::string::npos);
+  first->reset();  // released: the next acquirer gets it
+  auto again = DirLock::acquire(dir, "store");
+  CHECK(again.ok());
+  again->reset();
+  // A holder killed by SIGKILL leaves no stale lock.
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  pid = ::fork();
+  if (pid == 0) {
+    auto held = DirLock::acquire(dir, "store");
+    if (!held.ok()) ::_exit(2);
+    ssize_t w = ::write(ready[1], "x", 1);
+    (void)w;
+    ::pause();
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char byte = 0;
+  REQUIRE(::read(ready[0], &byte, 1) == 1);  // the child holds the lock now
+  ::close(ready[0]);
+  CHECK_FALSE(DirLock::acquire(dir, "store").ok());
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  CHECK(DirLock::acquire(dir, "store").ok());
+}
+
+TEST_CASE("slide_file_stem: ordinary ids unchanged; separators, dots, control bytes replaced; long ids shortened; unique") {
+  CHECK(slide_file_stem("TCGA-A1-0001.svs") == "TCGA-A1-0001.svs");
+  CHECK(slide_file_stem("tumor 01 (ü)") == "tumor 01 (ü)");
+  auto safe = [](const std::string& s) {
+    return s.find('/') == std::string::npos && s.find('\\') == std::string::npos && !s.empty() && s[0] != '.' &&
+           s.find('\0') == std::string::npos && s.size() <= kMaxSlideStemBytes;
+  };
+  for (std::string id : {std::string("../../x"), std::string(".."), std::string("."), std::string(""),
+                         std::string(".hidden"), std::string("a/b"), std::string("a\\b"), std::string("a\nb"),
+                         std::string("a\0b", 3), std::string("/etc/passwd"), std::string(300, 'x'),
+                         std::string(300, '/')}) {
+    std::string stem = slide_file_stem(id);
+    CHECK_MESSAGE(safe(stem), stem);
+    CHECK(stem != id);
+    CHECK(stem.find('~') != std::string::npos);  // the hash suffix marks a changed name
+  }
+  CHECK(slide_file_stem("../../x").rfind("_._.._x~", 0) == 0);
+  CHECK(slide_file_stem(std::string(300, 'x')).size() == kMaxSlideStemBytes);
+  // Distinct ids, distinct names: "a/b" vs "a_b", two long ids sharing a 250-byte prefix.
+  CHECK(slide_file_stem("a/b") != slide_file_stem("a_b"));
+  CHECK(slide_file_stem("a_b") == "a_b");
+  std::string prefix(250, 'p');
+  CHECK(slide_file_stem(prefix + "1") != slide_file_stem(prefix + "2"));
+  // Shortening never splits a UTF-8 character: 'é' is two bytes.
+  std::string accents;
+  for (int i = 0; i < 150; ++i) accents += "\xc3\xa9";
+  std::string stem = slide_file_stem(accents);
+  CHECK(stem.size() <= kMaxSlideStemBytes);
+  size_t body = stem.find('~');
+  REQUIRE(body != std::string::npos);
+  CHECK(body % 2 == 0);
+  // Deterministic: the same id, the same name, in any process.
+  CHECK(slide_file_stem("a/b") == slide_file_stem("a/b"));
+}
+
+TEST_CASE("CSV: a UTF-8 byte-order mark (Excel's CSV UTF-8) before the header is skipped") {
+  CHECK(split_csv_line("\xEF\xBB\xBFslide_id,path,label") == std::vector<std::string>{"slide_id", "path", "label"});
+  CHECK(csv_line_is_blank("\xEF\xBB\xBF# comment"));
+  CHECK(csv_line_is_blank("\xEF\xBB\xBF"));
+  CHECK_FALSE(csv_line_is_blank("\xEF\xBB\xBFslide_id,path"));
 }

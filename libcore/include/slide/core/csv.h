@@ -1,6 +1,7 @@
 // The CSV dialect of our input files (slide manifests, slide labels): comma-separated, fields
 // optionally in double quotes with "" for a quote inside them (RFC 4180), CR before LF ignored,
-// no line breaks inside fields.
+// no line breaks inside fields. A UTF-8 byte-order mark at the start of a line (Excel's "CSV UTF-8"
+// writes one before the header) is skipped by both functions below, so every reader accepts it.
 #pragma once
 
 #include <string>

@@ -1,0 +1,32 @@
+// One rule for file names made from slide ids (bags, QC pictures, exports, heatmaps, attention
+// files, predictions). Slide ids come from file names and from manifests users write, so they may
+// hold anything: path separators, "..", control bytes, thousands of characters.
+//
+// slide_file_stem(id) returns a name component (no directory, no extension) that
+//   - never leaves the directory it is joined to: '/', '\\', NUL and control bytes (< 0x20,
+//     0x7f) become '_', and a leading '.' becomes '_' (so "", ".", ".." and hidden names are
+//     impossible);
+//   - keeps every other byte, UTF-8 included, so ordinary ids ("TCGA-A1-0001.svs" -> itself)
+//     stay readable and unchanged;
+//   - is unique: whenever the name differs from the id (a byte replaced, or shortened), it ends
+//     in "~" and 12 hex digits of the 64-bit FNV-1a hash of the full id, so "a/b" and "a_b" (or
+//     two long ids sharing a prefix) never collide;
+//   - is at most kMaxSlideStemBytes bytes: longer ids are cut at a UTF-8 character boundary
+//     before the hash suffix. 255 bytes is the name limit of ext4, XFS, btrfs and tmpfs; the
+//     stem leaves 55 bytes for what tools append (suffixes such as "_t123_x4096_y8192", an
+//     extension, and write_file_atomic's ".tmp.<pid>").
+// The full id is always kept inside the file as well (the bag's slide_id attribute, a CSV
+// column), so nothing is lost by shortening.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace slide::core {
+
+inline constexpr size_t kMaxSlideStemBytes = 200;
+
+[[nodiscard]] std::string slide_file_stem(std::string_view slide_id);
+
+}  // namespace slide::core

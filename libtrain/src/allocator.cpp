@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 namespace slide::train {
@@ -26,6 +27,16 @@ Status Allocator::reserve(size_t bytes, const std::string& what) {
 }
 
 void Allocator::release(size_t bytes) { current_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+Status Allocator::zero_bytes(void* ptr, size_t bytes) {
+  if (bytes > 0) std::memset(ptr, 0, bytes);
+  return slide::core::ok_status();
+}
+
+Status Allocator::copy_bytes(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return slide::core::ok_status();
+}
 
 CpuAllocator::~CpuAllocator() { trim_cache(); }
 

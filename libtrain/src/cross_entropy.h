@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/formulas.h"
+
 namespace slide::train::detail {
 
 // logp[N, C]: log-probabilities in, probabilities out (exp in place). labels[N] in [0, C);
@@ -18,7 +20,7 @@ double nll_to_probs(T* logp, const int32_t* labels, const T* weights, int64_t n_
     double nll = 0;
     for (int64_t c = 0; c < classes; ++c) {
       T& v = logp[n * classes + c];
-      const double target = (c == labels[n] ? 1.0 - smoothing : 0.0) + smoothing / double(classes);
+      const double target = formulas::cross_entropy_target(c, labels[n], smoothing, classes);
       nll -= target * double(v);
       v = static_cast<T>(std::exp(double(v)));
     }

@@ -24,7 +24,7 @@ Status want_rank(const char* op, const char* name, const Tensor& t, size_t rank)
   return ok_status();
 }
 
-// Every defined tensor has the first one's dtype, which the backend implements, on the CPU.
+// Every defined tensor has the first one's dtype, which the backend implements, on its device.
 Status want_dtype(const char* op, Named ts, DTypes dtypes) {
   const DType dt = ts.begin()->second->dtype();
   for (auto [name, t] : ts) {
@@ -32,7 +32,9 @@ Status want_dtype(const char* op, Named ts, DTypes dtypes) {
     if (t->dtype() != dt)
       return invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(t->dtype()) + ", expected " +
                               dtype_name(dt));
-    if (t->device() != Device::kCpu) return invalid_argument(std::string(op) + ": " + name + " is not on the CPU");
+    if (t->device() != dtypes.device)
+      return invalid_argument(std::string(op) + ": " + name + " is on " + device_name(t->device()) + ", this backend's " +
+                              "tensors are on " + device_name(dtypes.device));
     if (t->layout() != Layout::kPlain && !dtypes.blocked)
       return invalid_argument(std::string(op) + ": " + name + " is in the " + layout_name(t->layout()) +
                               " layout, which this backend does not read (Backend::to_plain)");
@@ -214,6 +216,12 @@ Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, 
   SLIDE_RETURN_IF_ERROR(want_shape(op, "output", out, logits.shape()));
   SLIDE_RETURN_IF_ERROR(
       want_dtype(op, {{"logits", &logits}, {"class_weights", &class_weights}, {"output", &out}}, dtypes));
+  if (labels.device() != dtypes.device)
+    return invalid_argument(std::string(op) + ": labels are on " + device_name(labels.device()) + ", expected " +
+                            device_name(dtypes.device));
+  // Host labels are range-checked here; a device backend checks them in its kernel (one flag read
+  // back per call) and returns the same error.
+  if (labels.device() != Device::kCpu) return d;
   const int32_t* yp = labels.data<int32_t>();
   for (int64_t n = 0; n < d.N; ++n)
     if (yp[n] < 0 || yp[n] >= d.I)

@@ -13,11 +13,14 @@
 
 namespace slide::train::detail {
 
-// Which floating dtypes a backend implements, and whether it reads blocked layouts (tensor.h).
+// Which floating dtypes a backend implements, whether it reads blocked layouts (tensor.h), and
+// on which device its tensors are.
+// `device` is where the backend's tensors live: every tensor of a call must be there.
 struct DTypes {
   bool f32 = true;
   bool f64 = false;
   bool blocked = false;
+  Device device = Device::kCpu;
 };
 
 struct ConvDims {

@@ -1,5 +1,6 @@
 #include "slide/train/tensor.h"
 
+#include <cassert>
 #include <cstring>
 #include <limits>
 
@@ -71,7 +72,7 @@ Result<Tensor> Tensor::empty(const Shape& shape, DType dtype, Allocator& alloc, 
 
 Result<Tensor> Tensor::zeros(const Shape& shape, DType dtype, Allocator& alloc, const std::string& what) {
   SLIDE_ASSIGN_OR_RETURN(Tensor t, empty(shape, dtype, alloc, what));
-  t.fill_zero();
+  SLIDE_RETURN_IF_ERROR(alloc.zero_bytes(t.raw(), t.bytes()));
   return t;
 }
 
@@ -79,7 +80,7 @@ Result<Tensor> Tensor::clone(const std::string& what) const {
   if (!storage_) return Tensor();
   Allocator* alloc = storage_->alloc != nullptr ? storage_->alloc : &cpu_allocator();
   SLIDE_ASSIGN_OR_RETURN(Tensor t, empty(shape_, dtype_, *alloc, what));
-  if (bytes() > 0) std::memcpy(t.raw(), raw(), bytes());
+  SLIDE_RETURN_IF_ERROR(alloc->copy_bytes(t.raw(), raw(), bytes()));
   t.layout_ = layout_;
   return t;
 }
@@ -109,6 +110,7 @@ Result<Tensor> Tensor::reshape(const Shape& shape) const {
 }
 
 void Tensor::fill_zero() {
+  assert(device_ == Device::kCpu && "Tensor::fill_zero is for host tensors (device tensors: Tensor::zeros)");
   if (bytes() > 0) std::memset(raw(), 0, bytes());
 }
 

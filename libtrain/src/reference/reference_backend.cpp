@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cross_entropy.h"
+#include "kernels/formulas.h"
 #include "op_checks.h"
 
 namespace slide::train {
@@ -155,16 +156,16 @@ class ReferenceBackend final : public Backend {
             sq += d * d;
           }
         const double var = sq / double(M);
-        const double invstd = 1.0 / std::sqrt(var + eps);
+        const double invstd = formulas::bn_invstd(var, eps);
         for (int64_t n = 0; n < N; ++n)
           for (int64_t i = 0; i < HW; ++i) {
             const int64_t j = (n * C + c) * HW + i;
-            yp[j] = static_cast<T>(double(gp[c]) * (double(xp[j]) - mean) * invstd + double(bp[c]));
+            yp[j] = formulas::bn_apply(xp[j], double(gp[c]), double(bp[c]), mean, invstd);
           }
         sm[c] = static_cast<T>(mean);
         si[c] = static_cast<T>(invstd);
-        rm[c] = static_cast<T>((1 - momentum) * double(rm[c]) + momentum * mean);
-        rv[c] = static_cast<T>((1 - momentum) * double(rv[c]) + momentum * sq / double(M - 1));
+        rm[c] = formulas::bn_running(rm[c], momentum, mean);
+        rv[c] = formulas::bn_running(rv[c], momentum, sq / double(M - 1));
       }
       return ok_status();
     });
@@ -181,11 +182,11 @@ class ReferenceBackend final : public Backend {
       const T *rm = running_mean.data<T>(), *rv = running_var.data<T>();
       T* yp = y.data<T>();
       for (int64_t c = 0; c < C; ++c) {
-        const double invstd = 1.0 / std::sqrt(double(rv[c]) + eps);
+        const double invstd = formulas::bn_invstd(double(rv[c]), eps);
         for (int64_t n = 0; n < N; ++n)
           for (int64_t i = 0; i < HW; ++i) {
             const int64_t j = (n * C + c) * HW + i;
-            yp[j] = static_cast<T>(double(gp[c]) * (double(xp[j]) - double(rm[c])) * invstd + double(bp[c]));
+            yp[j] = formulas::bn_apply(xp[j], double(gp[c]), double(bp[c]), double(rm[c]), invstd);
           }
       }
       return ok_status();
@@ -209,7 +210,7 @@ class ReferenceBackend final : public Backend {
         for (int64_t n = 0; n < N; ++n)
           for (int64_t i = 0; i < HW; ++i) {
             const int64_t j = (n * C + c) * HW + i;
-            const double xhat = (double(xp[j]) - double(sm[c])) * double(si[c]);
+            const double xhat = formulas::bn_xhat(xp[j], double(sm[c]), double(si[c]));
             sum_dy += dyp[j];
             sum_dy_xhat += double(dyp[j]) * xhat;
           }
@@ -217,8 +218,8 @@ class ReferenceBackend final : public Backend {
         for (int64_t n = 0; n < N; ++n)
           for (int64_t i = 0; i < HW; ++i) {
             const int64_t j = (n * C + c) * HW + i;
-            const double xhat = (double(xp[j]) - double(sm[c])) * double(si[c]);
-            dxp[j] = static_cast<T>(k * (double(M) * double(dyp[j]) - sum_dy - xhat * sum_dy_xhat));
+            const double xhat = formulas::bn_xhat(xp[j], double(sm[c]), double(si[c]));
+            dxp[j] = formulas::bn_input_grad(dyp[j], xhat, k, double(M), sum_dy, sum_dy_xhat);
           }
         dgp[c] += static_cast<T>(sum_dy_xhat);
         dbp[c] += static_cast<T>(sum_dy);
@@ -232,7 +233,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.data<T>();
       T* yp = y.data<T>();
-      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = xp[i] > T(0) ? xp[i] : T(0);
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::relu(xp[i]);
       return ok_status();
     });
   }
@@ -242,7 +243,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(y.dtype(), [&]<typename T>() {
       const T *yp = y.data<T>(), *dyp = dy.data<T>();
       T* dxp = dx.data<T>();
-      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = yp[i] > T(0) ? dyp[i] : T(0);
+      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::relu_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
@@ -398,10 +399,9 @@ class ReferenceBackend final : public Backend {
       for (int64_t n = 0; n < N; ++n) weight_sum += wp ? double(wp[yp[n]]) : 1.0;
       for (int64_t n = 0; n < N; ++n) {
         const double scale = weight_sum > 0 ? (wp ? double(wp[yp[n]]) : 1.0) / weight_sum : 0.0;
-        for (int64_t c = 0; c < C; ++c) {
-          const double target = (c == yp[n] ? 1.0 - label_smoothing : 0.0) + label_smoothing / double(C);
-          dp[n * C + c] = static_cast<T>(scale * (double(pp[n * C + c]) - target));
-        }
+        for (int64_t c = 0; c < C; ++c)
+          dp[n * C + c] = formulas::cross_entropy_grad(pp[n * C + c],
+                                                       formulas::cross_entropy_target(c, yp[n], label_smoothing, C), scale);
       }
       return ok_status();
     });
@@ -415,15 +415,9 @@ class ReferenceBackend final : public Backend {
       T* p = param.data<T>();
       const T* g = grad.data<T>();
       T* buf = momentum > 0 ? momentum_buf.data<T>() : nullptr;
-      for (int64_t i = 0; i < param.numel(); ++i) {
-        double d = double(g[i]) + weight_decay * double(p[i]);
-        if (buf != nullptr) {
-          const double b = first_step ? d : momentum * double(buf[i]) + (1 - dampening) * d;
-          buf[i] = static_cast<T>(b);
-          d = nesterov ? d + momentum * b : b;
-        }
-        p[i] = static_cast<T>(double(p[i]) - lr * d);
-      }
+      for (int64_t i = 0; i < param.numel(); ++i)
+        formulas::sgd_step(p[i], g[i], buf != nullptr ? buf + i : nullptr, lr, momentum, dampening, weight_decay,
+                           nesterov, first_step);
       return ok_status();
     });
   }
@@ -433,19 +427,12 @@ class ReferenceBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, grad, &m, kDTypes));
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, v, nullptr, kDTypes));
     if (step < 1) return slide::core::invalid_argument("adamw_update: step " + std::to_string(step) + " < 1");
-    const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
+    const formulas::AdamCorrections c = formulas::adam_corrections(beta1, beta2, step);
     return dispatch(param.dtype(), [&]<typename T>() {
       T *p = param.data<T>(), *mp = m.data<T>(), *vp = v.data<T>();
       const T* g = grad.data<T>();
-      for (int64_t i = 0; i < param.numel(); ++i) {
-        const double gi = g[i];
-        const double mi = beta1 * double(mp[i]) + (1 - beta1) * gi;
-        const double vi = beta2 * double(vp[i]) + (1 - beta2) * gi * gi;
-        mp[i] = static_cast<T>(mi);
-        vp[i] = static_cast<T>(vi);
-        const double decayed = double(p[i]) * (1 - lr * weight_decay);
-        p[i] = static_cast<T>(decayed - lr * (mi / c1) / (std::sqrt(vi / c2) + eps));
-      }
+      for (int64_t i = 0; i < param.numel(); ++i)
+        formulas::adamw_step(p[i], g[i], mp[i], vp[i], lr, beta1, beta2, eps, weight_decay, c);
       return ok_status();
     });
   }
@@ -466,7 +453,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(y.dtype(), [&]<typename T>() {
       const T *yp = y.data<T>(), *dyp = dy.data<T>();
       T* dxp = dx.data<T>();
-      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = dyp[i] * (T(1) - yp[i] * yp[i]);
+      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::tanh_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
@@ -476,7 +463,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.data<T>();
       T* yp = y.data<T>();
-      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = T(1) / (T(1) + std::exp(-xp[i]));
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::sigmoid(xp[i]);
       return ok_status();
     });
   }
@@ -486,7 +473,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(y.dtype(), [&]<typename T>() {
       const T *yp = y.data<T>(), *dyp = dy.data<T>();
       T* dxp = dx.data<T>();
-      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = dyp[i] * yp[i] * (T(1) - yp[i]);
+      for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::sigmoid_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
@@ -554,17 +541,7 @@ class ReferenceBackend final : public Backend {
       for (int64_t nc = 0; nc < N * C; ++nc)
         for (int64_t oh = 0; oh < P; ++oh)
           for (int64_t ow = 0; ow < Q; ++ow) {
-            int64_t best = -1;
-            for (int64_t r = 0; r < p.kernel; ++r) {
-              const int64_t ih = oh * p.stride - p.pad + r;
-              if (ih < 0 || ih >= H) continue;
-              for (int64_t s = 0; s < p.kernel; ++s) {
-                const int64_t iw = ow * p.stride - p.pad + s;
-                if (iw < 0 || iw >= W) continue;
-                const int64_t j = (nc * H + ih) * W + iw;
-                if (best < 0 || xp[j] > xp[best]) best = j;  // first maximum wins ties
-              }
-            }
+            const int64_t best = formulas::max_pool_argmax(xp, nc, oh, ow, H, W, p.kernel, p.stride, p.pad);
             const int64_t o = (nc * P + oh) * Q + ow;
             if (y) y->data<T>()[o] = best >= 0 ? xp[best] : T(0);
             if (dx && best >= 0) dx->data<T>()[best] += dy->data<T>()[o];

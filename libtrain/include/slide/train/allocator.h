@@ -38,6 +38,11 @@ class Allocator {
   [[nodiscard]] virtual Result<void*> allocate(size_t bytes, const std::string& what) = 0;
   // Returns memory from allocate(); `bytes` must be the size it was allocated with.
   virtual void deallocate(void* ptr, size_t bytes) = 0;
+  // Zeroes `bytes` at `ptr`, and copies `bytes` between two blocks of this allocator's device
+  // (Tensor::zeros and Tensor::clone call them). The defaults are the host's memset and memcpy; a
+  // device allocator runs them on its device, in its stream order. Errors: the device's.
+  [[nodiscard]] virtual Status zero_bytes(void* ptr, size_t bytes);
+  [[nodiscard]] virtual Status copy_bytes(void* dst, const void* src, size_t bytes);
 
   size_t current_bytes() const { return current_.load(std::memory_order_relaxed); }
   size_t peak_bytes() const { return peak_.load(std::memory_order_relaxed); }

@@ -48,6 +48,17 @@ class Backend {
   virtual Device device() const = 0;
   virtual Allocator& allocator() = 0;
 
+  // --- Host <-> device ----------------------------------------------------------------------------
+  // upload copies `host` (a plain tensor in host memory) into `dst` (a plain tensor of this
+  // backend's device, same shape and dtype); download copies `src` (this backend's) into `host`.
+  // On return `host` may be reused (upload) or read (download): a device backend waits for its
+  // copy. The one door between host code and a device tensor: code outside the backends reads a
+  // tensor's elements only after download (docs/design.md, section 5). Host backends copy bytes.
+  // Errors: kInvalidArgument (shapes or dtypes differ, a tensor on the wrong device or in a blocked
+  // layout), the device's.
+  [[nodiscard]] virtual Status upload(const Tensor& host, Tensor& dst);
+  [[nodiscard]] virtual Status download(const Tensor& src, Tensor& host);
+
   // --- Layout ------------------------------------------------------------------------------------
   // x in the plain layout: x itself when it is plain, else a reordered copy (same shape and
   // dtype) from this backend's allocator. For host code that reads elements (synchronised batch

@@ -1,0 +1,65 @@
+// Host-side logic of the cuda backend's convolutions, in plain C++ (no CUDA types) so that it is
+// unit-tested on the CPU: the algorithm-cache key, and the order in which cuDNN's candidate
+// algorithms are tried.
+//
+// cuDNN's heuristics (cudnnGetConvolution*Algorithm_v7) return candidates sorted by expected
+// speed, each with a status, a workspace size and whether it is deterministic. We try, in that
+// order, only candidates that cuDNN can run and that are deterministic (so that two runs, and N
+// ranks against one, give the same bits: the project's invariant); the first whose workspace the
+// budgeted allocator grants is used and cached for the shape. A workspace refused by the budget
+// moves on to the next (usually smaller) candidate instead of failing the step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace slide::train::cuda {
+
+enum class ConvDirection : uint8_t { kForward = 0, kBackwardData = 1, kBackwardFilter = 2 };
+
+struct ConvKey {
+  ConvDirection direction = ConvDirection::kForward;
+  int64_t N = 0, C = 0, H = 0, W = 0, K = 0, R = 0, S = 0;
+  int stride = 1, pad = 0;
+  bool operator==(const ConvKey&) const = default;
+};
+
+struct ConvKeyHash {
+  size_t operator()(const ConvKey& k) const {
+    size_t h = static_cast<size_t>(k.direction);
+    for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}})
+      h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
+
+// One of cuDNN's answers (cudnnConvolution*AlgoPerf_t), reduced to what the choice needs.
+struct AlgoCandidate {
+  int algo = 0;
+  bool runnable = false;       // status == CUDNN_STATUS_SUCCESS
+  bool deterministic = false;  // determinism == CUDNN_DETERMINISTIC
+  size_t workspace_bytes = 0;
+};
+
+// The candidates to try, in order: runnable and deterministic ones in cuDNN's order; then, only
+// when `allow_nondeterministic`, runnable non-deterministic ones. Duplicates (the same algorithm
+// listed twice) are kept once.
+inline std::vector<AlgoCandidate> order_candidates(const std::vector<AlgoCandidate>& candidates,
+                                                   bool allow_nondeterministic) {
+  std::vector<AlgoCandidate> out;
+  auto add = [&](const AlgoCandidate& c) {
+    for (const auto& o : out)
+      if (o.algo == c.algo) return;
+    out.push_back(c);
+  };
+  for (const auto& c : candidates)
+    if (c.runnable && c.deterministic) add(c);
+  if (allow_nondeterministic)
+    for (const auto& c : candidates)
+      if (c.runnable && !c.deterministic) add(c);
+  return out;
+}
+
+}  // namespace slide::train::cuda

@@ -1,0 +1,607 @@
+// The cuda backend (cuda_backend.h): argument checks (op_checks.h, with the device set to cuda),
+// then cuDNN, cuBLAS or our kernels on the device's stream. Mirrors reference_backend.cpp op for op.
+#include "cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "conv_plan.h"
+#include "cuda_check.h"
+#include "kernels.h"
+#include "kernels/formulas.h"
+#include "op_checks.h"
+
+namespace slide::train::cuda {
+namespace {
+
+using slide::core::ok_status;
+using slide::core::StatusCode;
+
+constexpr detail::DTypes kDTypes{true, false, false, Device::kCuda};
+
+// --- Device state (one per device, for the process's life) ---------------------------------------
+
+class CudaDeviceMemory final : public RawDeviceMemory {
+ public:
+  CudaDeviceMemory(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  Device device() const override { return Device::kCuda; }
+  Result<void*> malloc(size_t bytes) override {
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // cudaMalloc's error is not sticky; clear it for the next check
+      return cuda_status(e, "cudaMalloc", SLIDE_CUDA_WHERE);
+    }
+    return p;
+  }
+  void free(void* p) override {
+    // cudaFree waits for the device's queued work; its error (only at teardown) has no caller.
+    (void)cudaSetDevice(device_);
+    (void)cudaFree(p);
+  }
+  Status zero(void* p, size_t bytes) override {
+    if (bytes == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    return ok_status();
+  }
+  Status copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return ok_status();
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+struct DeviceState {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudnnHandle_t cudnn = nullptr;
+  cublasHandle_t cublas = nullptr;
+  std::unique_ptr<CachingDeviceAllocator> alloc;
+  std::mutex mu;  // guards algos
+  std::unordered_map<ConvKey, int, ConvKeyHash> algos;  // the algorithm that ran for each shape
+};
+
+Status init_device(int device, DeviceState* st) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return slide::core::unavailable("cuda: no usable CUDA driver or device (cudaGetDeviceCount: " +
+                                    std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e) + ")");
+  }
+  if (device < 0 || device >= count)
+    return slide::core::unavailable("cuda: no device " + std::to_string(device) + " (this machine has " +
+                                    std::to_string(count) + ")");
+  st->device = device;
+  SLIDE_CUDA_CHECK(cudaSetDevice(device));
+  SLIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+  SLIDE_CUDNN_CHECK(cudnnCreate(&st->cudnn));
+  SLIDE_CUDNN_CHECK(cudnnSetStream(st->cudnn, st->stream));
+  SLIDE_CUBLAS_CHECK(cublasCreate(&st->cublas));
+  SLIDE_CUBLAS_CHECK(cublasSetStream(st->cublas, st->stream));
+  SLIDE_CUBLAS_CHECK(cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH));
+  st->alloc = std::make_unique<CachingDeviceAllocator>(std::make_unique<CudaDeviceMemory>(device, st->stream));
+  return ok_status();
+}
+
+// The device's state, created on first use; never destroyed (the driver frees it at exit).
+Result<DeviceState*> device_state(int device) {
+  static std::mutex mu;
+  static std::map<int, DeviceState*> states;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = states.find(device);
+  if (it != states.end()) return it->second;
+  auto* st = new DeviceState;
+  if (Status s = init_device(device, st); !s.ok()) {
+    delete st;  // partially created handles leak on this error path only (no device to free them on)
+    return s;
+  }
+  states[device] = st;
+  return st;
+}
+
+// --- cuDNN descriptors (RAII) ----------------------------------------------------------------------
+
+struct TensorDesc {
+  cudnnTensorDescriptor_t d = nullptr;
+  ~TensorDesc() {
+    if (d) (void)cudnnDestroyTensorDescriptor(d);
+  }
+  Status set(int64_t n, int64_t c, int64_t h, int64_t w) {
+    SLIDE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
+    SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, static_cast<int>(n),
+                                                 static_cast<int>(c), static_cast<int>(h), static_cast<int>(w)));
+    return ok_status();
+  }
+};
+
+struct FilterDesc {
+  cudnnFilterDescriptor_t d = nullptr;
+  ~FilterDesc() {
+    if (d) (void)cudnnDestroyFilterDescriptor(d);
+  }
+  Status set(int64_t k, int64_t c, int64_t r, int64_t s) {
+    SLIDE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d));
+    SLIDE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, static_cast<int>(k),
+                                                 static_cast<int>(c), static_cast<int>(r), static_cast<int>(s)));
+    return ok_status();
+  }
+};
+
+struct ConvDesc {
+  cudnnConvolutionDescriptor_t d = nullptr;
+  ~ConvDesc() {
+    if (d) (void)cudnnDestroyConvolutionDescriptor(d);
+  }
+  Status set(Conv2dParams p) {
+    SLIDE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
+    SLIDE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, p.pad, p.pad, p.stride, p.stride, 1, 1,
+                                                      CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, CUDNN_FMA_MATH));
+    return ok_status();
+  }
+};
+
+// The descriptors of one convolution, checked against the op list's geometry.
+struct ConvDescs {
+  TensorDesc x, y;
+  FilterDesc w;
+  ConvDesc conv;
+  Status set(const detail::ConvDims& d, Conv2dParams p) {
+    SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W));
+    SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S));
+    SLIDE_RETURN_IF_ERROR(conv.set(p));
+    SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q));
+    int n = 0, c = 0, h = 0, wd = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(conv.d, x.d, w.d, &n, &c, &h, &wd));
+    if (n != d.N || c != d.K || h != d.P || wd != d.Q)
+      return slide::core::internal_error("cuda conv2d: cuDNN's output " + std::to_string(n) + "x" + std::to_string(c) +
+                                         "x" + std::to_string(h) + "x" + std::to_string(wd) +
+                                         " differs from the op list's " + std::to_string(d.N) + "x" + std::to_string(d.K) +
+                                         "x" + std::to_string(d.P) + "x" + std::to_string(d.Q));
+    return ok_status();
+  }
+};
+
+template <typename Perf>
+std::vector<AlgoCandidate> candidates_of(const Perf* perf, int n) {
+  std::vector<AlgoCandidate> out;
+  for (int i = 0; i < n; ++i)
+    out.push_back({static_cast<int>(perf[i].algo), perf[i].status == CUDNN_STATUS_SUCCESS,
+                   perf[i].determinism == CUDNN_DETERMINISTIC, perf[i].memory});
+  return out;
+}
+
+float* f32(const Tensor& t) { return t.data<float>(); }
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(DeviceState* st) : st_(st) {}
+
+  std::string name() const override { return "cuda"; }
+  Device device() const override { return Device::kCuda; }
+  Allocator& allocator() override { return *st_->alloc; }
+
+  // --- Host <-> device ---
+  Status upload(const Tensor& host, Tensor& dst) override {
+    SLIDE_RETURN_IF_ERROR(check_transfer("upload", host, dst));
+    if (host.bytes() == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host.raw(), host.bytes(), cudaMemcpyHostToDevice, st_->stream));
+    // From pageable memory the call returns once the source is staged; pinned sources are not
+    // used here, so `host` may be reused at once. Synchronise anyway to surface errors here.
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    return ok_status();
+  }
+  Status download(const Tensor& src, Tensor& host) override {
+    SLIDE_RETURN_IF_ERROR(check_transfer("download", host, src));
+    if (src.bytes() == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(host.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToHost, st_->stream));
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    return ok_status();
+  }
+
+  // --- Convolution ---
+  Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
+    if (d.N * d.K * d.P * d.Q == 0) return ok_status();
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
+    const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
+      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+      int n = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                               CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+      return candidates_of(perf, n);
+    };
+    auto workspace = [&](int algo) -> Result<size_t> {
+      size_t bytes = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
+      return bytes;
+    };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;
+      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, f32(x), ds.w.d, f32(w), ds.conv.d,
+                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
+                                                ds.y.d, f32(y)));
+      return ok_status();
+    };
+    SLIDE_RETURN_IF_ERROR(run_conv(key, candidates, workspace, run));
+    if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.K, d.P * d.Q, st_->stream));
+    return ok_status();
+  }
+
+  Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
+    if (d.N * d.C * d.H * d.W == 0) return ok_status();
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
+    const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+      int n = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d,
+                                                                    CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
+      return candidates_of(perf, n);
+    };
+    auto workspace = [&](int algo) -> Result<size_t> {
+      size_t bytes = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+          st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &bytes));
+      return bytes;
+    };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // dx is overwritten
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardData(st_->cudnn, &one, ds.w.d, f32(w), ds.y.d, f32(dy), ds.conv.d,
+                                                     static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, ws_bytes,
+                                                     &zero, ds.x.d, f32(dx)));
+      return ok_status();
+    };
+    return run_conv(key, candidates, workspace, run);
+  }
+
+  Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
+    if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
+    const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+      int n = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+          st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
+      return candidates_of(perf, n);
+    };
+    auto workspace = [&](int algo) -> Result<size_t> {
+      size_t bytes = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+          st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes));
+      return bytes;
+    };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1;  // dw += (the op list's accumulate rule): beta = 1
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st_->cudnn, &one, ds.x.d, f32(x), ds.y.d, f32(dy), ds.conv.d,
+                                                       static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), ws,
+                                                       ws_bytes, &one, ds.w.d, f32(dw)));
+      return ok_status();
+    };
+    SLIDE_RETURN_IF_ERROR(run_conv(key, candidates, workspace, run));
+    if (db.defined()) SLIDE_CUDA_CHECK(launch_bias_grad(f32(dy), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
+    return ok_status();
+  }
+
+  // --- Batch norm ---
+  Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                                     double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
+                                     Tensor& save_mean, Tensor& save_invstd) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
+                                                                save_invstd, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_forward_training(f32(x), f32(gamma), f32(beta), eps, momentum, f32(running_mean),
+                                                f32(running_var), f32(y), f32(save_mean), f32(save_invstd), d.N, d.C,
+                                                d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                      const Tensor& running_mean, const Tensor& running_var, double eps,
+                                      Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
+                                                                                         running_var, y, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_forward_inference(f32(x), f32(gamma), f32(beta), f32(running_mean), f32(running_var),
+                                                 eps, f32(y), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                             const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
+                                                                kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_backward(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd), f32(dx),
+                                        f32(dgamma), f32(dbeta), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+
+  // --- Element-wise ---
+  Status relu_forward(const Tensor& x, Tensor& y) override { return unary("relu_forward", Unary::kRelu, x, y); }
+  Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    return unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx);
+  }
+  Status add(const Tensor& a, const Tensor& b, Tensor& y) override { return binary("add", Binary::kAdd, a, b, y); }
+  Status mul(const Tensor& a, const Tensor& b, Tensor& y) override { return binary("mul", Binary::kMul, a, b, y); }
+  Status tanh_forward(const Tensor& x, Tensor& y) override { return unary("tanh_forward", Unary::kTanh, x, y); }
+  Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    return unary_grad("tanh_backward", UnaryGrad::kTanh, y, dy, dx);
+  }
+  Status sigmoid_forward(const Tensor& x, Tensor& y) override {
+    return unary("sigmoid_forward", Unary::kSigmoid, x, y);
+  }
+  Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    return unary_grad("sigmoid_backward", UnaryGrad::kSigmoid, y, dy, dx);
+  }
+
+  // --- Pooling ---
+  Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
+                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kDTypes));
+    SLIDE_CUDA_CHECK(launch_max_pool_forward(f32(x), f32(y), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel, p.stride, p.pad,
+                                             st_->stream));
+    return ok_status();
+  }
+  Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
+                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kDTypes));
+    SLIDE_CUDA_CHECK(launch_max_pool_backward(f32(x), f32(dy), f32(dx), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel,
+                                              p.stride, p.pad, st_->stream));
+    return ok_status();
+  }
+  Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kDTypes));
+    SLIDE_CUDA_CHECK(launch_global_avg_pool_forward(f32(x), f32(y), d.N * d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kDTypes));
+    SLIDE_CUDA_CHECK(launch_global_avg_pool_backward(f32(dy), f32(dx), d.N * d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+
+  // --- Fully connected (cuBLAS is column-major: a row-major [r, c] matrix is its [c, r] transpose) ---
+  Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kDTypes));
+    // y^T [O, N] = w [O, I] x^T [I, N]: A = w seen as [I, O] transposed, B = x seen as [I, N].
+    SLIDE_RETURN_IF_ERROR(gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.O, d.N, d.I, f32(w), d.I, f32(x), d.I, 0.0f, f32(y), d.O));
+    if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.O, 1, st_->stream));
+    return ok_status();
+  }
+  Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kDTypes));
+    // dx^T [I, N] = w^T [I, O] dy^T [O, N].
+    return gemm(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, f32(w), d.I, f32(dy), d.O, 0.0f, f32(dx), d.I);
+  }
+  Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kDTypes));
+    // dw^T [I, O] += x^T [I, N] dy [N, O]: B = dy seen as [O, N], transposed.
+    SLIDE_RETURN_IF_ERROR(gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, f32(x), d.I, f32(dy), d.O, 1.0f, f32(dw), d.I));
+    if (db.defined()) SLIDE_CUDA_CHECK(launch_bias_grad(f32(dy), f32(db), d.N, d.O, 1, st_->stream));
+    return ok_status();
+  }
+  Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, kDTypes));
+    // y^T [N, M] = op(b)^T op(a)^T. Row-major b is [K, N] (or [N, K] when transposed): seen
+    // column-major it is op(b)^T as stored (no transpose) or needs one.
+    return gemm(transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, d.N, d.M, d.K,
+                f32(b), transpose_b ? d.K : d.N, f32(a), transpose_a ? d.M : d.K, 0.0f, f32(y), d.N);
+  }
+
+  // --- Softmax ---
+  Status softmax_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kDTypes));
+    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(x), f32(y), d.N, d.I, st_->stream));
+    return ok_status();
+  }
+  Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kDTypes));
+    SLIDE_CUDA_CHECK(launch_softmax_backward(f32(y), f32(dy), f32(dx), d.N, d.I, st_->stream));
+    return ok_status();
+  }
+
+  // --- Loss ---
+  Status softmax_cross_entropy_forward(const Tensor& logits, const Tensor& labels, const Tensor& class_weights,
+                                       double label_smoothing, Tensor& probs, double* loss) override {
+    const char* op = "softmax_cross_entropy_forward";
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_cross_entropy(op, logits, labels, class_weights,
+                                                                                      label_smoothing, probs, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(Tensor sums, Tensor::empty({2 + 2 * d.N}, DType::kF64, *st_->alloc, "cross-entropy sums"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor bad, Tensor::empty({1}, DType::kI32, *st_->alloc, "label check"));
+    SLIDE_CUDA_CHECK(cudaMemsetAsync(bad.raw(), 0x7f, sizeof(int), st_->stream));
+    SLIDE_CUDA_CHECK(launch_cross_entropy_forward(f32(logits), labels.data<int32_t>(),
+                                                  class_weights.defined() ? f32(class_weights) : nullptr,
+                                                  label_smoothing, f32(probs), sums.data<double>(), bad.data<int>(),
+                                                  d.N, d.I, st_->stream));
+    double host_sums[2] = {0, 0};
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(host_sums, sums.raw(), sizeof host_sums, cudaMemcpyDeviceToHost, st_->stream));
+    SLIDE_RETURN_IF_ERROR(check_labels(op, labels, bad, d.I));
+    *loss = host_sums[1] > 0 ? host_sums[0] / host_sums[1] : 0.0;
+    return ok_status();
+  }
+  Status softmax_cross_entropy_backward(const Tensor& probs, const Tensor& labels, const Tensor& class_weights,
+                                        double label_smoothing, Tensor& dlogits) override {
+    const char* op = "softmax_cross_entropy_backward";
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_cross_entropy(op, probs, labels, class_weights,
+                                                                                      label_smoothing, dlogits, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(Tensor wsum, Tensor::empty({1}, DType::kF64, *st_->alloc, "cross-entropy weight sum"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor bad, Tensor::empty({1}, DType::kI32, *st_->alloc, "label check"));
+    SLIDE_CUDA_CHECK(cudaMemsetAsync(bad.raw(), 0x7f, sizeof(int), st_->stream));
+    SLIDE_CUDA_CHECK(launch_cross_entropy_backward(f32(probs), labels.data<int32_t>(),
+                                                   class_weights.defined() ? f32(class_weights) : nullptr,
+                                                   label_smoothing, f32(dlogits), wsum.data<double>(), bad.data<int>(),
+                                                   d.N, d.I, st_->stream));
+    return check_labels(op, labels, bad, d.I);
+  }
+
+  // --- Optimizers ---
+  Status sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, double lr, double momentum,
+                    double dampening, double weight_decay, bool nesterov, bool first_step) override {
+    SLIDE_RETURN_IF_ERROR(
+        detail::validate_same_shape("sgd_update", param, grad, momentum > 0 ? &momentum_buf : nullptr, kDTypes));
+    SLIDE_CUDA_CHECK(launch_sgd_update(f32(param), f32(grad), momentum > 0 ? f32(momentum_buf) : nullptr,
+                                       param.numel(), lr, momentum, dampening, weight_decay, nesterov, first_step,
+                                       st_->stream));
+    return ok_status();
+  }
+  Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, int64_t step) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, grad, &m, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, v, nullptr, kDTypes));
+    if (step < 1) return slide::core::invalid_argument("adamw_update: step " + std::to_string(step) + " < 1");
+    const formulas::AdamCorrections c = formulas::adam_corrections(beta1, beta2, step);
+    SLIDE_CUDA_CHECK(launch_adamw_update(f32(param), f32(grad), f32(m), f32(v), param.numel(), lr, beta1, beta2, eps,
+                                         weight_decay, c.c1, c.c2, st_->stream));
+    return ok_status();
+  }
+
+ private:
+  Status check_transfer(const char* op, const Tensor& host, const Tensor& dev) const {
+    if (!host.defined() || !dev.defined() || host.shape() != dev.shape() || host.dtype() != dev.dtype())
+      return slide::core::invalid_argument(std::string(op) + ": host " + shape_string(host.shape()) + " and device " +
+                                           shape_string(dev.shape()) + " tensors differ in shape or dtype");
+    if (host.device() != Device::kCpu || dev.device() != Device::kCuda)
+      return slide::core::invalid_argument(std::string(op) + ": expected a cpu tensor and a cuda tensor, got " +
+                                           device_name(host.device()) + " and " + device_name(dev.device()));
+    if (host.layout() != Layout::kPlain)
+      return slide::core::invalid_argument(std::string(op) + ": the host tensor is in the " +
+                                           layout_name(host.layout()) + " layout (Backend::to_plain first)");
+    return ok_status();
+  }
+
+  Status unary(const char* op, Unary f, const Tensor& x, Tensor& y) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kDTypes));
+    SLIDE_CUDA_CHECK(launch_unary(f, f32(x), f32(y), x.numel(), st_->stream));
+    return ok_status();
+  }
+  Status unary_grad(const char* op, UnaryGrad f, const Tensor& y, const Tensor& dy, Tensor& dx) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, kDTypes));
+    SLIDE_CUDA_CHECK(launch_unary_grad(f, f32(y), f32(dy), f32(dx), y.numel(), st_->stream));
+    return ok_status();
+  }
+  Status binary(const char* op, Binary b, const Tensor& x, const Tensor& z, Tensor& y) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, z, &y, kDTypes));
+    SLIDE_CUDA_CHECK(launch_binary(b, f32(x), f32(z), f32(y), x.numel(), st_->stream));
+    return ok_status();
+  }
+
+  // C [m, n] (column-major, ldc) = alpha op(A) op(B) + beta C, alpha = 1.
+  Status gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+    if (m == 0 || n == 0) return ok_status();
+    constexpr int64_t kMax = 2147483647;
+    if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax)
+      return slide::core::unimplemented("cuda gemm: an extent over 2^31 - 1");
+    if (k == 0) {
+      // cuBLAS leaves C untouched for k == 0 only when beta == 1; the op list overwrites with 0.
+      if (beta == 0.0f) SLIDE_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<size_t>(m * n) * sizeof(float), st_->stream));
+      return ok_status();
+    }
+    const float alpha = 1.0f;
+    SLIDE_CUBLAS_CHECK(cublasSgemm(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                   &alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), &beta, C,
+                                   static_cast<int>(ldc)));
+    return ok_status();
+  }
+
+  // Waits for the stream and turns the kernel's label flag into the op list's error.
+  Status check_labels(const char* op, const Tensor& labels, const Tensor& bad, int64_t classes) {
+    int first_bad = kNoBadLabel;
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(&first_bad, bad.raw(), sizeof(int), cudaMemcpyDeviceToHost, st_->stream));
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    if (first_bad == kNoBadLabel) return ok_status();
+    int32_t label = 0;
+    SLIDE_CUDA_CHECK(cudaMemcpy(&label, labels.data<int32_t>() + first_bad, sizeof label, cudaMemcpyDeviceToHost));
+    return slide::core::invalid_argument(std::string(op) + ": label " + std::to_string(label) + " of sample " +
+                                         std::to_string(first_bad) + " is outside [0, " + std::to_string(classes) + ")");
+  }
+
+  // Runs a convolution with the cached algorithm for `key`, or chooses one: cuDNN's candidates in
+  // conv_plan.h's order, the first whose workspace the budget grants.
+  template <typename Candidates, typename Workspace, typename Run>
+  Status run_conv(const ConvKey& key, Candidates candidates, Workspace workspace, Run run) {
+    int cached = -1;
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      auto it = st_->algos.find(key);
+      if (it != st_->algos.end()) cached = it->second;
+    }
+    std::vector<AlgoCandidate> order;
+    if (cached >= 0) {
+      order.push_back({cached, true, true, 0});
+    } else {
+      SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
+      order = order_candidates(all, /*allow_nondeterministic=*/false);
+      if (order.empty())
+        return slide::core::unimplemented("cuda conv2d: cuDNN offers no deterministic algorithm for this shape");
+    }
+    Status last = ok_status();
+    for (const AlgoCandidate& c : order) {
+      SLIDE_ASSIGN_OR_RETURN(size_t bytes, workspace(c.algo));
+      Tensor ws;
+      if (bytes > 0) {
+        auto t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, *st_->alloc, "cuDNN workspace");
+        if (!t.ok()) {
+          if (t.status().code() != StatusCode::kResourceExhausted) return t.status();
+          last = t.status();
+          continue;  // the next candidate may need less
+        }
+        ws = std::move(*t);
+      }
+      SLIDE_RETURN_IF_ERROR(run(c.algo, ws.raw(), bytes));
+      if (cached < 0) {
+        std::lock_guard<std::mutex> lock(st_->mu);
+        st_->algos[key] = c.algo;
+      }
+      return ok_status();
+    }
+    if (cached >= 0) {  // the cached algorithm's workspace no longer fits: choose again
+      {
+        std::lock_guard<std::mutex> lock(st_->mu);
+        st_->algos.erase(key);
+      }
+      return run_conv(key, candidates, workspace, run);
+    }
+    return last;
+  }
+
+  DeviceState* st_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
+  SLIDE_ASSIGN_OR_RETURN(DeviceState * st, device_state(device));
+  return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(st));
+}
+
+Result<CachingDeviceAllocator*> device_allocator(int device) {
+  SLIDE_ASSIGN_OR_RETURN(DeviceState * st, device_state(device));
+  return st->alloc.get();
+}
+
+}  // namespace slide::train::cuda

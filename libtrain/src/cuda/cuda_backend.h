@@ -1,0 +1,40 @@
+// The `cuda` backend: backend.h's op list on an NVIDIA GPU, f32. Convolutions on cuDNN's legacy
+// (fixed-function) API, linear layers and matmul on cuBLAS, everything else on our own kernels
+// (kernels.cu), whose per-element arithmetic is the reference backend's (kernels/formulas.h).
+//
+// Why cuDNN's legacy convolution calls rather than its graph API: each maps one to one onto an op
+// of the list (forward, backward data, backward filter), they take the workspace we allocate from
+// the budgeted allocator, and their heuristics report determinism per algorithm (our bit-for-bit
+// invariants need deterministic ones). cuDNN 9 still ships and supports them (libcudnn_cnn); the
+// graph API, through the cudnn-frontend C++ library (not packaged with the toolkit), is the way to
+// the fused conv-bias-add-ReLU inference path (issue 11, step 0) and will replace these calls as
+// fusion lands. Batch norm uses our kernels so that its statistics (biased variance to normalise,
+// unbiased for the running average, saved inverse std) match the op list's definition exactly.
+//
+// Precision: FP32 throughout. Convolutions are asked for FMA math (CUDNN_FMA_MATH: no TF32 tensor
+// cores) and cuBLAS runs in its default math mode, which does not use TF32 for SGEMM unless asked
+// (or unless NVIDIA_TF32_OVERRIDE=1 is set in the environment); TF32/BF16/FP16 come with
+// --precision.
+//
+// Device state: one stream, one cuDNN handle, one cuBLAS handle and one caching allocator per
+// device, created on first use and kept for the life of the process (tensors may outlive any one
+// Backend object). Every kernel and library call is queued on that stream, so device memory can be
+// reused in stream order (caching_allocator.h). Calls that return a number to the host (the loss,
+// a label check, download) synchronise the stream.
+#pragma once
+
+#include <memory>
+
+#include "slide/train/backend.h"
+#include "slide/train/caching_allocator.h"
+
+namespace slide::train::cuda {
+
+// A backend on GPU `device`. Errors: kUnavailable when there is no driver, no device, or no
+// device `device` (the message says which, with CUDA's error text).
+[[nodiscard]] Result<std::unique_ptr<Backend>> make_cuda_backend(int device);
+
+// The device's caching allocator (created on first use). Errors: those of make_cuda_backend.
+[[nodiscard]] Result<CachingDeviceAllocator*> device_allocator(int device);
+
+}  // namespace slide::train::cuda

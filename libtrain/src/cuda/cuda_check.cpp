@@ -1,0 +1,64 @@
+#include "cuda_check.h"
+
+#include <string>
+
+namespace slide::train::cuda {
+namespace {
+
+Status make(slide::core::StatusCode code, const char* library, const char* call, const char* where, const char* name,
+            const char* text) {
+  return Status(code, std::string(library) + ": " + call + " failed at " + where + ": " + name + (text ? ": " : "") +
+                          (text ? text : ""));
+}
+
+}  // namespace
+
+Status cuda_status(cudaError_t error, const char* call, const char* where) {
+  using slide::core::StatusCode;
+  if (error == cudaSuccess) return slide::core::ok_status();
+  StatusCode code = StatusCode::kInternal;
+  switch (error) {
+    case cudaErrorMemoryAllocation: code = StatusCode::kResourceExhausted; break;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorInvalidDevice: code = StatusCode::kUnavailable; break;
+    case cudaErrorInvalidValue: code = StatusCode::kInvalidArgument; break;
+    default: break;
+  }
+  return make(code, "CUDA", call, where, cudaGetErrorName(error), cudaGetErrorString(error));
+}
+
+Status cudnn_status(cudnnStatus_t error, const char* call, const char* where) {
+  using slide::core::StatusCode;
+  if (error == CUDNN_STATUS_SUCCESS) return slide::core::ok_status();
+  // cuDNN 9 groups its codes by thousands: 1xxx not initialised, 2xxx bad parameter, 3xxx not
+  // supported, 4xxx internal error, 5xxx execution failed (cudnn_graph.h).
+  const int value = static_cast<int>(error);
+  StatusCode code = StatusCode::kInternal;
+  if (error == CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED ||
+      error == CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED)
+    code = StatusCode::kResourceExhausted;
+  else if (value / 1000 == 2)
+    code = StatusCode::kInvalidArgument;
+  else if (value / 1000 == 3)
+    code = StatusCode::kUnimplemented;
+  return make(code, "cuDNN", call, where, cudnnGetErrorString(error), nullptr);
+}
+
+Status cublas_status(cublasStatus_t error, const char* call, const char* where) {
+  using slide::core::StatusCode;
+  if (error == CUBLAS_STATUS_SUCCESS) return slide::core::ok_status();
+  StatusCode code = StatusCode::kInternal;
+  switch (error) {
+    case CUBLAS_STATUS_ALLOC_FAILED: code = StatusCode::kResourceExhausted; break;
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+    case CUBLAS_STATUS_ARCH_MISMATCH: code = StatusCode::kUnimplemented; break;
+    case CUBLAS_STATUS_INVALID_VALUE: code = StatusCode::kInvalidArgument; break;
+    case CUBLAS_STATUS_NOT_INITIALIZED: code = StatusCode::kUnavailable; break;
+    default: break;
+  }
+  return make(code, "cuBLAS", call, where, cublasGetStatusString(error), nullptr);
+}
+
+}  // namespace slide::train::cuda

@@ -1,0 +1,423 @@
+// The cuda backend's own kernels; see kernels.h. Per-element arithmetic comes from
+// kernels/formulas.h (shared with the reference backend), launch geometry from kernels/launch.h.
+#include "kernels.h"
+
+#include <cstdint>
+
+#include "kernels/formulas.h"
+#include "kernels/launch.h"
+
+namespace slide::train::cuda {
+namespace {
+
+namespace fm = slide::train::formulas;
+
+constexpr int kBlock = 256;  // threads per block everywhere here (a power of two: block_sum)
+
+#define SLIDE_GRID_STRIDE(i, n)                                                                 \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n);        \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// The sum (or maximum) of every thread's `v` in the block (blockDim.x == kBlock); every thread
+// gets it. A fixed tree: the same inputs give the same result on every run.
+__device__ double block_sum(double v, double* shared) {
+  const int t = threadIdx.x;
+  shared[t] = v;
+  __syncthreads();
+  for (int s = kBlock / 2; s > 0; s >>= 1) {
+    if (t < s) shared[t] += shared[t + s];
+    __syncthreads();
+  }
+  const double total = shared[0];
+  __syncthreads();  // the caller may reuse `shared` at once
+  return total;
+}
+
+__device__ double block_max(double v, double* shared) {
+  const int t = threadIdx.x;
+  shared[t] = v;
+  __syncthreads();
+  for (int s = kBlock / 2; s > 0; s >>= 1) {
+    if (t < s) shared[t] = fmax(shared[t], shared[t + s]);
+    __syncthreads();
+  }
+  const double m = shared[0];
+  __syncthreads();
+  return m;
+}
+
+template <typename Kernel, typename... Args>
+cudaError_t launch_grid_stride(int64_t n, cudaStream_t stream, Kernel kernel, Args... args) {
+  const kernels::Launch1d g = kernels::launch_1d(n, kBlock);
+  if (g.blocks == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(g.blocks), g.threads, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+// One block per channel / row: at most 2^31 - 1 blocks (CUDA's grid x limit).
+template <typename Kernel, typename... Args>
+cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel, Args... args) {
+  if (blocks <= 0) return cudaSuccess;
+  if (blocks > 2147483647) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+// --- Element-wise ---
+__global__ void unary_kernel(Unary f, const float* x, float* y, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    const float v = x[i];
+    y[i] = f == Unary::kRelu ? fm::relu(v) : f == Unary::kTanh ? tanhf(v) : fm::sigmoid(v);
+  }
+}
+
+__global__ void unary_grad_kernel(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    dx[i] = f == UnaryGrad::kRelu   ? fm::relu_grad(y[i], dy[i])
+            : f == UnaryGrad::kTanh ? fm::tanh_grad(y[i], dy[i])
+                                    : fm::sigmoid_grad(y[i], dy[i]);
+  }
+}
+
+__global__ void binary_kernel(Binary op, const float* a, const float* b, float* y, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { y[i] = op == Binary::kAdd ? a[i] + b[i] : a[i] * b[i]; }
+}
+
+__global__ void bias_add_kernel(float* y, const float* b, int64_t K, int64_t inner, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { y[i] += b[(i / inner) % K]; }
+}
+
+// One block per k.
+__global__ void bias_grad_kernel(const float* dy, float* db, int64_t N, int64_t K, int64_t inner) {
+  __shared__ double shared[kBlock];
+  const int64_t k = blockIdx.x;
+  double local = 0;
+  for (int64_t j = threadIdx.x; j < N * inner; j += blockDim.x) {
+    const int64_t n = j / inner, i = j % inner;
+    local += dy[(n * K + k) * inner + i];
+  }
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) db[k] += static_cast<float>(total);
+}
+
+// --- Batch norm: one block per channel ---
+__global__ void bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps,
+                                           double momentum, float* running_mean, float* running_var, float* y,
+                                           float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBlock];
+  const int64_t c = blockIdx.x, M = N * HW;
+  double local = 0;
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) local += x[((j / HW) * C + c) * HW + j % HW];
+  const double mean = block_sum(local, shared) / double(M);
+  local = 0;
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const double d = x[((j / HW) * C + c) * HW + j % HW] - mean;
+    local += d * d;
+  }
+  const double sq = block_sum(local, shared);
+  const double invstd = fm::bn_invstd(sq / double(M), eps);
+  const double g = gamma[c], b = beta[c];
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
+    y[idx] = fm::bn_apply(x[idx], g, b, mean, invstd);
+  }
+  if (threadIdx.x == 0) {
+    save_mean[c] = static_cast<float>(mean);
+    save_invstd[c] = static_cast<float>(invstd);
+    running_mean[c] = fm::bn_running(running_mean[c], momentum, mean);
+    running_var[c] = fm::bn_running(running_var[c], momentum, sq / double(M - 1));
+  }
+}
+
+__global__ void bn_forward_inference_kernel(const float* x, const float* gamma, const float* beta,
+                                            const float* running_mean, const float* running_var, double eps, float* y,
+                                            int64_t C, int64_t HW, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    const int64_t c = (i / HW) % C;
+    y[i] = fm::bn_apply(x[i], double(gamma[c]), double(beta[c]), double(running_mean[c]),
+                        fm::bn_invstd(double(running_var[c]), eps));
+  }
+}
+
+__global__ void bn_backward_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                   const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N,
+                                   int64_t C, int64_t HW) {
+  __shared__ double shared[kBlock];
+  const int64_t c = blockIdx.x, M = N * HW;
+  const double mean = save_mean[c], invstd = save_invstd[c];
+  double local_dy = 0, local_dy_xhat = 0;
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
+    local_dy += dy[idx];
+    local_dy_xhat += double(dy[idx]) * fm::bn_xhat(x[idx], mean, invstd);
+  }
+  const double sum_dy = block_sum(local_dy, shared);
+  const double sum_dy_xhat = block_sum(local_dy_xhat, shared);
+  const double k = double(gamma[c]) * invstd / double(M);
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
+    dx[idx] = fm::bn_input_grad(dy[idx], fm::bn_xhat(x[idx], mean, invstd), k, double(M), sum_dy, sum_dy_xhat);
+  }
+  if (threadIdx.x == 0) {
+    dgamma[c] += static_cast<float>(sum_dy_xhat);
+    dbeta[c] += static_cast<float>(sum_dy);
+  }
+}
+
+// --- Pooling ---
+__global__ void max_pool_forward_kernel(const float* x, float* y, int64_t H, int64_t W, int64_t P, int64_t Q,
+                                        int kernel, int stride, int pad, int64_t n) {
+  SLIDE_GRID_STRIDE(o, n) {
+    const int64_t nc = o / (P * Q), oh = (o / Q) % P, ow = o % Q;
+    const int64_t best = fm::max_pool_argmax(x, nc, oh, ow, H, W, kernel, stride, pad);
+    y[o] = best >= 0 ? x[best] : 0.0f;
+  }
+}
+
+__global__ void max_pool_backward_kernel(const float* x, const float* dy, float* dx, int64_t H, int64_t W, int64_t P,
+                                         int64_t Q, int kernel, int stride, int pad, int64_t n) {
+  SLIDE_GRID_STRIDE(j, n) {
+    const int64_t nc = j / (H * W), ih = (j / W) % H, iw = j % W;
+    // Windows containing (ih, iw): oh * stride - pad <= ih < oh * stride - pad + kernel.
+    const int64_t oh_hi = min(P - 1, (ih + pad) / stride), ow_hi = min(Q - 1, (iw + pad) / stride);
+    const int64_t oh_lo = max(int64_t{0}, oh_hi - (kernel - 1) / stride - 1);
+    const int64_t ow_lo = max(int64_t{0}, ow_hi - (kernel - 1) / stride - 1);
+    float acc = 0.0f;
+    for (int64_t oh = oh_lo; oh <= oh_hi; ++oh) {
+      if (ih < oh * stride - pad || ih >= oh * stride - pad + kernel) continue;
+      for (int64_t ow = ow_lo; ow <= ow_hi; ++ow) {
+        if (iw < ow * stride - pad || iw >= ow * stride - pad + kernel) continue;
+        if (fm::max_pool_argmax(x, nc, oh, ow, H, W, kernel, stride, pad) == j) acc += dy[(nc * P + oh) * Q + ow];
+      }
+    }
+    dx[j] = acc;
+  }
+}
+
+__global__ void gap_forward_kernel(const float* x, float* y, int64_t HW, int64_t n) {
+  SLIDE_GRID_STRIDE(j, n) {
+    double s = 0;
+    for (int64_t i = 0; i < HW; ++i) s += x[j * HW + i];
+    y[j] = static_cast<float>(s / double(HW));
+  }
+}
+
+__global__ void gap_backward_kernel(const float* dy, float* dx, int64_t HW, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { dx[i] = static_cast<float>(double(dy[i / HW]) / double(HW)); }
+}
+
+// --- Row softmax: one block per row ---
+__global__ void softmax_forward_kernel(const float* x, float* y, int64_t C) {
+  __shared__ double shared[kBlock];
+  const float* xr = x + blockIdx.x * C;
+  float* yr = y + blockIdx.x * C;
+  double m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) m = fmax(m, double(xr[c]));
+  m = block_max(m, shared);
+  double local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += exp(double(xr[c]) - m);
+  const double se = block_sum(local, shared);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) yr[c] = static_cast<float>(exp(double(xr[c]) - m) / se);
+}
+
+__global__ void softmax_backward_kernel(const float* y, const float* dy, float* dx, int64_t C) {
+  __shared__ double shared[kBlock];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
+  double local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += double(dy[base + c]) * double(y[base + c]);
+  const double dot = block_sum(local, shared);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    dx[base + c] = static_cast<float>(double(y[base + c]) * (double(dy[base + c]) - dot));
+}
+
+// --- Cross-entropy ---
+// One block per sample: log-softmax (max subtracted), the smoothed nll from the f32 log-
+// probabilities (as detail::nll_to_probs does on the CPU), then the probabilities.
+__global__ void cross_entropy_rows_kernel(const float* logits, const int32_t* labels, const float* weights,
+                                          double smoothing, float* probs, double* row_nll, double* row_w,
+                                          int* bad_label, int64_t C) {
+  __shared__ double shared[kBlock];
+  const int64_t n = blockIdx.x;
+  const float* z = logits + n * C;
+  float* p = probs + n * C;
+  const int32_t label = labels[n];
+  const bool valid = label >= 0 && label < C;
+  double m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) m = fmax(m, double(z[c]));
+  m = block_max(m, shared);
+  double local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += exp(double(z[c]) - m);
+  const double lse = m + log(block_sum(local, shared));
+  local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float logp = static_cast<float>(double(z[c]) - lse);
+    local -= fm::cross_entropy_target(c, label, smoothing, C) * double(logp);
+    p[c] = static_cast<float>(exp(double(logp)));
+  }
+  const double nll = block_sum(local, shared);
+  if (threadIdx.x == 0) {
+    const double wn = !valid ? 0.0 : weights != nullptr ? double(weights[label]) : 1.0;
+    row_nll[n] = wn * nll;
+    row_w[n] = wn;
+    if (!valid) atomicMin(bad_label, static_cast<int>(n));
+  }
+}
+
+// One block: sums[0] = sum of row_nll, sums[1] = sum of row_w, in a fixed order.
+__global__ void sum_rows_kernel(const double* row_nll, const double* row_w, double* sums, int64_t N) {
+  __shared__ double shared[kBlock];
+  double a = 0, b = 0;
+  for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+    a += row_nll[n];
+    b += row_w[n];
+  }
+  a = block_sum(a, shared);
+  b = block_sum(b, shared);
+  if (threadIdx.x == 0) {
+    sums[0] = a;
+    sums[1] = b;
+  }
+}
+
+// One block: *weight_sum = sum_n w[y_n]; out-of-range labels flagged.
+__global__ void label_weight_sum_kernel(const int32_t* labels, const float* weights, double* weight_sum,
+                                        int* bad_label, int64_t N, int64_t C) {
+  __shared__ double shared[kBlock];
+  double local = 0;
+  for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+    const int32_t label = labels[n];
+    if (label < 0 || label >= C) {
+      atomicMin(bad_label, static_cast<int>(n));
+      continue;
+    }
+    local += weights != nullptr ? double(weights[label]) : 1.0;
+  }
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) *weight_sum = total;
+}
+
+__global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* labels, const float* weights,
+                                          double smoothing, const double* weight_sum, float* dlogits, int64_t C,
+                                          int64_t n_elems) {
+  SLIDE_GRID_STRIDE(i, n_elems) {
+    const int64_t n = i / C, c = i % C;
+    const int32_t label = labels[n];
+    if (label < 0 || label >= C) {
+      dlogits[i] = 0.0f;
+      continue;
+    }
+    const double ws = *weight_sum;
+    const double scale = ws > 0 ? (weights != nullptr ? double(weights[label]) : 1.0) / ws : 0.0;
+    dlogits[i] = fm::cross_entropy_grad(probs[i], fm::cross_entropy_target(c, label, smoothing, C), scale);
+  }
+}
+
+// --- Optimizers ---
+__global__ void sgd_kernel(float* param, const float* grad, float* buf, int64_t n, double lr, double momentum,
+                           double dampening, double weight_decay, bool nesterov, bool first_step) {
+  SLIDE_GRID_STRIDE(i, n) {
+    fm::sgd_step(param[i], grad[i], buf != nullptr ? buf + i : nullptr, lr, momentum, dampening, weight_decay,
+                 nesterov, first_step);
+  }
+}
+
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1,
+                             double beta2, double eps, double weight_decay, double c1, double c2) {
+  SLIDE_GRID_STRIDE(i, n) {
+    fm::adamw_step(param[i], grad[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay, fm::AdamCorrections{c1, c2});
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream) {
+  return launch_grid_stride(n, stream, unary_kernel, f, x, y, n);
+}
+cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n,
+                              cudaStream_t stream) {
+  return launch_grid_stride(n, stream, unary_grad_kernel, f, y, dy, dx, n);
+}
+cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
+  return launch_grid_stride(n, stream, binary_kernel, op, a, b, y, n);
+}
+cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
+  return launch_grid_stride(N * K * inner, stream, bias_add_kernel, y, b, K, inner, N * K * inner);
+}
+cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
+  return launch_per_block(K, stream, bias_grad_kernel, dy, db, N, K, inner);
+}
+cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
+                                       double momentum, float* running_mean, float* running_var, float* y,
+                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
+                                       cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_forward_training_kernel, x, gamma, beta, eps, momentum, running_mean,
+                          running_var, y, save_mean, save_invstd, N, C, HW);
+}
+cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
+                                        const float* running_mean, const float* running_var, double eps, float* y,
+                                        int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_grid_stride(N * C * HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean,
+                            running_var, eps, y, C, HW, N * C * HW);
+}
+cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+                               int64_t HW, cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_backward_kernel, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta, N,
+                          C, HW);
+}
+cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
+                                    int kernel, int stride, int pad, cudaStream_t stream) {
+  return launch_grid_stride(NC * P * Q, stream, max_pool_forward_kernel, x, y, H, W, P, Q, kernel, stride, pad,
+                            NC * P * Q);
+}
+cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
+                                     int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
+  return launch_grid_stride(NC * H * W, stream, max_pool_backward_kernel, x, dy, dx, H, W, P, Q, kernel, stride, pad,
+                            NC * H * W);
+}
+cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream) {
+  return launch_grid_stride(NC, stream, gap_forward_kernel, x, y, HW, NC);
+}
+cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream) {
+  return launch_grid_stride(NC * HW, stream, gap_backward_kernel, dy, dx, HW, NC * HW);
+}
+cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream) {
+  return launch_per_block(R, stream, softmax_forward_kernel, x, y, C);
+}
+cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
+                                    cudaStream_t stream) {
+  return launch_per_block(R, stream, softmax_backward_kernel, y, dy, dx, C);
+}
+cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* labels, const float* weights,
+                                         double smoothing, float* probs, double* sums, int* bad_label, int64_t N,
+                                         int64_t C, cudaStream_t stream) {
+  // sums holds 2 + 2N doubles: the two totals, then the per-row weighted nll and weights.
+  double* row_nll = sums + 2;
+  double* row_w = sums + 2 + N;
+  cudaError_t e = launch_per_block(N, stream, cross_entropy_rows_kernel, logits, labels, weights, smoothing, probs,
+                                   row_nll, row_w, bad_label, C);
+  if (e != cudaSuccess) return e;
+  return launch_per_block(1, stream, sum_rows_kernel, row_nll, row_w, sums, N);
+}
+cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* labels, const float* weights,
+                                          double smoothing, float* dlogits, double* weight_sum, int* bad_label,
+                                          int64_t N, int64_t C, cudaStream_t stream) {
+  cudaError_t e = launch_per_block(1, stream, label_weight_sum_kernel, labels, weights, weight_sum, bad_label, N, C);
+  if (e != cudaSuccess) return e;
+  return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sum,
+                            dlogits, C, N * C);
+}
+cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+                              double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,
+                              cudaStream_t stream) {
+  return launch_grid_stride(n, stream, sgd_kernel, param, grad, momentum_buf, n, lr, momentum, dampening,
+                            weight_decay, nesterov, first_step);
+}
+cudaError_t launch_adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                                double beta1, double beta2, double eps, double weight_decay, double c1, double c2,
+                                cudaStream_t stream) {
+  return launch_grid_stride(n, stream, adamw_kernel, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, c1,
+                            c2);
+}
+
+}  // namespace slide::train::cuda

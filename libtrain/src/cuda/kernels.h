@@ -1,0 +1,83 @@
+// The cuda backend's own kernels (cuDNN and cuBLAS do convolution and matrix products). Each
+// launcher queues its kernel on `stream` and returns cudaGetLastError(): launch errors at once,
+// errors while running at the next synchronising call. The per-element arithmetic is
+// kernels/formulas.h's, the same functions the reference backend runs on the CPU.
+//
+// Shapes are the op list's (backend.h); all tensors are f32, row-major, on the device. Per-channel
+// reductions accumulate in double, in one block per channel (or row), so their results differ from
+// the CPU's only by the order of the additions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace slide::train::cuda {
+
+enum class Unary { kRelu, kTanh, kSigmoid };
+enum class UnaryGrad { kRelu, kTanh, kSigmoid };
+enum class Binary { kAdd, kMul };
+
+// y = f(x) over n elements (y may be x).
+cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream);
+// dx = f'(y) dy over n elements, from the forward's output y.
+cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
+// y = a op b over n elements (y may be a or b).
+cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+
+// y[n, k, i] += b[k] for y [N, K, inner] (the bias of a convolution, inner = P Q, or of a linear
+// layer, inner = 1).
+cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream);
+// db[k] += sum over n, i of dy[n, k, i] (the bias gradient, same layouts).
+cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream);
+
+// Batch norm over x [N, C, HW] (backend.h). Training writes y, save_mean, save_invstd and updates
+// the running statistics; backward overwrites dx and accumulates dgamma, dbeta.
+cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
+                                       double momentum, float* running_mean, float* running_var, float* y,
+                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
+                                       cudaStream_t stream);
+cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
+                                        const float* running_mean, const float* running_var, double eps, float* y,
+                                        int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+                               int64_t HW, cudaStream_t stream);
+
+// Max pooling of x [NC, H, W] to y [NC, P, Q]; backward gathers, for each input position, dy of the
+// windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
+cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
+                                    int kernel, int stride, int pad, cudaStream_t stream);
+cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
+                                     int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream);
+// y[nc] = mean of x[nc, :HW]; dx[nc, i] = dy[nc] / HW.
+cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream);
+cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream);
+
+// Row softmax of x [R, C] and its backward.
+cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream);
+cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
+                                    cudaStream_t stream);
+
+// Softmax cross-entropy (backend.h). `sums` is device scratch of 2 + 2N doubles (forward: the two
+// totals {sum_n w[y_n] nll_n, sum_n w[y_n]} land in sums[0..1]; the rest is per-row scratch);
+// backward's `weight_sum` is one double. `bad_label` is one int that the caller sets to
+// kNoBadLabel before the call: a sample whose label is outside [0, C) lowers it to that sample's
+// index (the first such sample's, with atomicMin). weights may be null (all 1).
+inline constexpr int kNoBadLabel = 0x7f7f7f7f;  // cudaMemsetAsync(bad_label, 0x7f, sizeof(int))
+cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* labels, const float* weights,
+                                         double smoothing, float* probs, double* sums, int* bad_label, int64_t N,
+                                         int64_t C, cudaStream_t stream);
+cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* labels, const float* weights,
+                                          double smoothing, float* dlogits, double* weight_sum, int* bad_label,
+                                          int64_t N, int64_t C, cudaStream_t stream);
+
+// Optimizer updates over n parameters (momentum_buf null without momentum).
+cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+                              double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,
+                              cudaStream_t stream);
+cudaError_t launch_adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                                double beta1, double beta2, double eps, double weight_decay, double c1, double c2,
+                                cudaStream_t stream);
+
+}  // namespace slide::train::cuda

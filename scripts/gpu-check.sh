@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# For whoever has an NVIDIA GPU: builds with CUDA required, then runs every gpu-labelled test (the
+# device probe and the cuda backend's op-by-op parity suite against the reference backend) and
+# prints each result. Usage: scripts/gpu-check.sh [extra cmake args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || {
+  echo "gpu-check: nvidia-smi found no GPU (or no driver); the gpu tests would only skip" >&2
+  exit 1
+}
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDE_WARNINGS_AS_ERRORS=ON -DSLIDE_WITH_CUDA=ON "$@"
+cmake --build build -j"$(nproc)"
+ctest --test-dir build -L gpu --output-on-failure
+ctest --test-dir build -R cuda_check --output-on-failure

@@ -1,0 +1,320 @@
+// gpu-labelled: the cuda backend against the reference backend, op by op (the same harness as
+// test_cpu_ops.cpp: reference in f64, cuda in f32 on device copies of the same values; NaN/Inf
+// first, then the largest error normalised by the reference's magnitude). Odd shapes: batch 1 and
+// 3, channels 3 and 13, 1x1 / 3x3 / 7x7 kernels, stride 2, padding. Parameter gradients start at 1
+// so that the accumulate (+=) rule is checked. Exits 77 (ctest's skip code) without a device.
+//
+// Tolerances: 1e-5 for our own kernels (f32 storage, double accumulation: the CPU's arithmetic
+// apart from summation order and FMA contraction); 1e-4 for cuDNN convolutions and cuBLAS GEMMs
+// (their algorithms, e.g. Winograd or FFT, reorder and transform the sums).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "../libtrain/test_util.h"
+#include "device_probe.h"
+#include "slide/train/backend.h"
+
+using namespace slide::train;
+using slide::core::StatusCode;
+using testing::compare;
+using testing::Pair;
+
+namespace {
+
+Backend& gpu() {
+  static std::unique_ptr<Backend> b = testing::must_make("cuda");
+  return *b;
+}
+Backend& ref() { return testing::reference(); }
+
+Pair make(const Shape& s, uint64_t seed = 0, double lo = -1, double hi = 1, double fill = 0) {
+  return testing::make_pair(s, seed, lo, hi, fill);
+}
+
+// A device copy of p.f.
+Tensor up(const Tensor& host) {
+  auto t = Tensor::empty(host.shape(), host.dtype(), gpu().allocator(), "device copy");
+  REQUIRE_MESSAGE(t.ok(), t.status().to_string());
+  Status s = gpu().upload(host, *t);
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+  return *t;
+}
+void down(const Tensor& dev, Tensor& host) {
+  Status s = gpu().download(dev, host);
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+}
+#define OK(expr)                                  \
+  do {                                            \
+    Status s_ = (expr);                           \
+    REQUIRE_MESSAGE(s_.ok(), s_.to_string());     \
+  } while (0)
+
+Tensor labels_host(std::initializer_list<int32_t> v) {
+  auto t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kI32, cpu_allocator(), "labels");
+  REQUIRE(t.ok());
+  int i = 0;
+  for (int32_t x : v) t->data<int32_t>()[i++] = x;
+  return *t;
+}
+
+}  // namespace
+
+TEST_CASE("cuda vs reference: conv2d forward, backward data, backward weights (+=)") {
+  struct Case {
+    int64_t N, C, H, W, K, R;
+    Conv2dParams p;
+  };
+  for (Case c : {Case{1, 3, 13, 11, 5, 7, {2, 3}}, Case{3, 13, 9, 9, 7, 3, {1, 1}}, Case{3, 13, 8, 10, 4, 1, {2, 0}},
+                 Case{1, 3, 6, 6, 2, 3, {2, 0}}}) {
+    CAPTURE(c.N);
+    CAPTURE(c.C);
+    CAPTURE(c.R);
+    CAPTURE(c.p.stride);
+    const int64_t P = conv_out_extent(c.H, c.R, c.p.stride, c.p.pad), Q = conv_out_extent(c.W, c.R, c.p.stride, c.p.pad);
+    Pair x = make({c.N, c.C, c.H, c.W}, 1), w = make({c.K, c.C, c.R, c.R}, 2), b = make({c.K}, 3),
+         y = make({c.N, c.K, P, Q});
+    Tensor X = up(x.f), Wt = up(w.f), B = up(b.f), Y = up(y.f);
+    OK(ref().conv2d_forward(x.d, w.d, b.d, c.p, y.d));
+    OK(gpu().conv2d_forward(X, Wt, B, c.p, Y));
+    down(Y, y.f);
+    compare("conv y", y, 1e-4);
+    Pair dy = make({c.N, c.K, P, Q}, 4), dx = make(x.d.shape()), dw = make(w.d.shape(), 0, 0, 0, 1.0),
+         db = make({c.K}, 0, 0, 0, 1.0);
+    Tensor DY = up(dy.f), DX = up(dx.f), DW = up(dw.f), DB = up(db.f);
+    OK(ref().conv2d_backward_data(dy.d, w.d, c.p, dx.d));
+    OK(gpu().conv2d_backward_data(DY, Wt, c.p, DX));
+    down(DX, dx.f);
+    compare("conv dx", dx, 1e-4);
+    OK(ref().conv2d_backward_weights(x.d, dy.d, c.p, dw.d, db.d));
+    OK(gpu().conv2d_backward_weights(X, DY, c.p, DW, DB));
+    down(DW, dw.f);
+    down(DB, db.f);
+    compare("conv dw (+=)", dw, 1e-4);
+    compare("conv db (+=)", db, 1e-5);
+  }
+}
+
+TEST_CASE("cuda vs reference: batch norm training, inference, backward") {
+  for (Shape s : {Shape{3, 13, 5, 7}, Shape{1, 3, 4, 4}}) {
+    const int64_t C = s[1];
+    Pair x = make(s, 11, -2, 3), g = make({C}, 12, 0.5, 1.5), bt = make({C}, 13), rm = make({C}, 14),
+         rv = make({C}, 15, 0.5, 2), y = make(s), sm = make({C}), si = make({C});
+    Tensor X = up(x.f), G = up(g.f), BT = up(bt.f), RM = up(rm.f), RV = up(rv.f), Y = up(y.f), SM = up(sm.f),
+           SI = up(si.f);
+    OK(ref().batch_norm_forward_training(x.d, g.d, bt.d, 1e-5, 0.1, rm.d, rv.d, y.d, sm.d, si.d));
+    OK(gpu().batch_norm_forward_training(X, G, BT, 1e-5, 0.1, RM, RV, Y, SM, SI));
+    for (auto [d, p] : {std::pair{&Y, &y}, {&RM, &rm}, {&RV, &rv}, {&SM, &sm}, {&SI, &si}}) down(*d, p->f);
+    compare("bn y", y, 1e-5);
+    compare("bn running mean", rm, 1e-5);
+    compare("bn running var", rv, 1e-5);
+    compare("bn save mean", sm, 1e-5);
+    compare("bn save invstd", si, 1e-5);
+    Pair yi = make(s);
+    Tensor YI = up(yi.f);
+    OK(ref().batch_norm_forward_inference(x.d, g.d, bt.d, rm.d, rv.d, 1e-5, yi.d));
+    OK(gpu().batch_norm_forward_inference(X, G, BT, RM, RV, 1e-5, YI));
+    down(YI, yi.f);
+    compare("bn inference y", yi, 1e-5);
+    Pair dy = make(s, 16), dx = make(s), dg = make({C}, 0, 0, 0, 1.0), db = make({C}, 0, 0, 0, 1.0);
+    Tensor DY = up(dy.f), DX = up(dx.f), DG = up(dg.f), DB = up(db.f);
+    OK(ref().batch_norm_backward(x.d, dy.d, g.d, sm.d, si.d, dx.d, dg.d, db.d));
+    OK(gpu().batch_norm_backward(X, DY, G, SM, SI, DX, DG, DB));
+    down(DX, dx.f);
+    down(DG, dg.f);
+    down(DB, db.f);
+    compare("bn dx", dx, 1e-5);
+    compare("bn dgamma (+=)", dg, 1e-5);
+    compare("bn dbeta (+=)", db, 1e-5);
+  }
+}
+
+TEST_CASE("cuda vs reference: element-wise ops, forward and backward") {
+  const Shape s{3, 13, 5};
+  Pair x = make(s, 21, -3, 3), z = make(s, 22), y = make(s), dy = make(s, 23), dx = make(s);
+  Tensor X = up(x.f), Z = up(z.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+  struct Unary {
+    const char* name;
+    Status (Backend::*fwd)(const Tensor&, Tensor&);
+    Status (Backend::*bwd)(const Tensor&, const Tensor&, Tensor&);
+  };
+  for (Unary u : {Unary{"relu", &Backend::relu_forward, &Backend::relu_backward},
+                  Unary{"tanh", &Backend::tanh_forward, &Backend::tanh_backward},
+                  Unary{"sigmoid", &Backend::sigmoid_forward, &Backend::sigmoid_backward}}) {
+    CAPTURE(u.name);
+    OK((ref().*u.fwd)(x.d, y.d));
+    OK((gpu().*u.fwd)(X, Y));
+    down(Y, y.f);
+    compare(std::string(u.name) + " y", y, 1e-5);
+    OK((ref().*u.bwd)(y.d, dy.d, dx.d));
+    OK((gpu().*u.bwd)(Y, DY, DX));
+    down(DX, dx.f);
+    compare(std::string(u.name) + " dx", dx, 1e-5);
+  }
+  OK(ref().add(x.d, z.d, y.d));
+  OK(gpu().add(X, Z, Y));
+  down(Y, y.f);
+  compare("add", y, 1e-6);
+  OK(ref().mul(x.d, z.d, y.d));
+  OK(gpu().mul(X, Z, Y));
+  down(Y, y.f);
+  compare("mul", y, 1e-6);
+}
+
+TEST_CASE("cuda vs reference: max pooling (first maximum wins ties), global average pooling") {
+  for (Pool2dParams p : {Pool2dParams{3, 2, 1}, Pool2dParams{2, 2, 0}, Pool2dParams{3, 1, 1}}) {
+    CAPTURE(p.kernel);
+    CAPTURE(p.stride);
+    const int64_t H = 9, W = 7, P = conv_out_extent(H, p.kernel, p.stride, p.pad),
+                  Q = conv_out_extent(W, p.kernel, p.stride, p.pad);
+    Pair x = make({3, 13, H, W}, 31), y = make({3, 13, P, Q}), dy = make({3, 13, P, Q}, 32), dx = make({3, 13, H, W});
+    // Ties: a quarter of the values repeated, so the tie rule matters.
+    for (int64_t i = 0; i < x.d.numel(); i += 4) x.f.data<float>()[i] = static_cast<float>(x.d.data<double>()[i] = 0.5);
+    Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+    OK(ref().max_pool2d_forward(x.d, p, y.d));
+    OK(gpu().max_pool2d_forward(X, p, Y));
+    down(Y, y.f);
+    compare("max pool y", y, 1e-6);
+    OK(ref().max_pool2d_backward(x.d, dy.d, p, dx.d));
+    OK(gpu().max_pool2d_backward(X, DY, p, DX));
+    down(DX, dx.f);
+    compare("max pool dx", dx, 1e-6);
+  }
+  Pair x = make({3, 13, 5, 7}, 33), y = make({3, 13}), dy = make({3, 13}, 34), dx = make({3, 13, 5, 7});
+  Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+  OK(ref().global_avg_pool_forward(x.d, y.d));
+  OK(gpu().global_avg_pool_forward(X, Y));
+  down(Y, y.f);
+  compare("gap y", y, 1e-6);
+  OK(ref().global_avg_pool_backward(dy.d, dx.d));
+  OK(gpu().global_avg_pool_backward(DY, DX));
+  down(DX, dx.f);
+  compare("gap dx", dx, 1e-6);
+}
+
+TEST_CASE("cuda vs reference: linear forward, backward data, backward weights (+=); matmul with transposes") {
+  for (int64_t N : {1, 7}) {
+    const int64_t I = 13, O = 5;
+    Pair x = make({N, I}, 41), w = make({O, I}, 42), b = make({O}, 43), y = make({N, O});
+    Tensor X = up(x.f), Wt = up(w.f), B = up(b.f), Y = up(y.f);
+    OK(ref().linear_forward(x.d, w.d, b.d, y.d));
+    OK(gpu().linear_forward(X, Wt, B, Y));
+    down(Y, y.f);
+    compare("linear y", y, 1e-4);
+    Pair dy = make({N, O}, 44), dx = make({N, I}), dw = make({O, I}, 0, 0, 0, 1.0), db = make({O}, 0, 0, 0, 1.0);
+    Tensor DY = up(dy.f), DX = up(dx.f), DW = up(dw.f), DB = up(db.f);
+    OK(ref().linear_backward_data(dy.d, w.d, dx.d));
+    OK(gpu().linear_backward_data(DY, Wt, DX));
+    down(DX, dx.f);
+    compare("linear dx", dx, 1e-4);
+    OK(ref().linear_backward_weights(x.d, dy.d, dw.d, db.d));
+    OK(gpu().linear_backward_weights(X, DY, DW, DB));
+    down(DW, dw.f);
+    down(DB, db.f);
+    compare("linear dw (+=)", dw, 1e-4);
+    compare("linear db (+=)", db, 1e-5);
+  }
+  const int64_t M = 3, K = 13, N = 5;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      CAPTURE(ta);
+      CAPTURE(tb);
+      Pair a = make(ta ? Shape{K, M} : Shape{M, K}, 51), b = make(tb ? Shape{N, K} : Shape{K, N}, 52), y = make({M, N});
+      Tensor A = up(a.f), B = up(b.f), Y = up(y.f);
+      OK(ref().matmul(a.d, ta, b.d, tb, y.d));
+      OK(gpu().matmul(A, ta, B, tb, Y));
+      down(Y, y.f);
+      compare("matmul", y, 1e-4);
+    }
+}
+
+TEST_CASE("cuda vs reference: row softmax; softmax cross-entropy with weights and smoothing; bad labels") {
+  Pair x = make({3, 13}, 61, -4, 4), y = make({3, 13}), dy = make({3, 13}, 62), dx = make({3, 13});
+  Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+  OK(ref().softmax_forward(x.d, y.d));
+  OK(gpu().softmax_forward(X, Y));
+  down(Y, y.f);
+  compare("softmax y", y, 1e-6);
+  OK(ref().softmax_backward(y.d, dy.d, dx.d));
+  OK(gpu().softmax_backward(Y, DY, DX));
+  down(DX, dx.f);
+  compare("softmax dx", dx, 1e-6);
+
+  const Tensor labels = labels_host({2, 0, 4, 4, 1, 3, 0});
+  Tensor L = up(labels);
+  Pair z = make({7, 5}, 63, -3, 3), w = make({5}, 64, 0.5, 2), probs = make({7, 5}), dz = make({7, 5});
+  Tensor Z = up(z.f), Wt = up(w.f), PR = up(probs.f), DZ = up(dz.f);
+  for (double smoothing : {0.0, 0.1})
+    for (bool weighted : {false, true}) {
+      CAPTURE(smoothing);
+      CAPTURE(weighted);
+      double loss_d = 0, loss_f = 0;
+      OK(ref().softmax_cross_entropy_forward(z.d, labels, weighted ? w.d : Tensor(), smoothing, probs.d, &loss_d));
+      OK(gpu().softmax_cross_entropy_forward(Z, L, weighted ? Wt : Tensor(), smoothing, PR, &loss_f));
+      down(PR, probs.f);
+      compare("cross-entropy probs", probs, 1e-6);
+      CHECK(loss_f == doctest::Approx(loss_d).epsilon(1e-6));
+      OK(ref().softmax_cross_entropy_backward(probs.d, labels, weighted ? w.d : Tensor(), smoothing, dz.d));
+      OK(gpu().softmax_cross_entropy_backward(PR, L, weighted ? Wt : Tensor(), smoothing, DZ));
+      down(DZ, dz.f);
+      compare("cross-entropy dlogits", dz, 1e-6);
+    }
+  Tensor bad = up(labels_host({2, 0, 9, 4, 1, -1, 0}));
+  double loss = 0;
+  Status s = gpu().softmax_cross_entropy_forward(Z, bad, Tensor(), 0.0, PR, &loss);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("label 9 of sample 2 is outside [0, 5)") != std::string::npos);
+  s = gpu().softmax_cross_entropy_backward(PR, bad, Tensor(), 0.0, DZ);
+  CHECK(s.message().find("label 9 of sample 2 is outside [0, 5)") != std::string::npos);
+}
+
+TEST_CASE("cuda vs reference: SGD (momentum, Nesterov, weight decay) and AdamW, three steps") {
+  const Shape s{13, 7};
+  Pair p = make(s, 71), g = make(s, 72), buf = make(s), m = make(s), v = make(s);
+  Tensor P = up(p.f), G = up(g.f), BUF = up(buf.f);
+  for (int step = 0; step < 3; ++step) {
+    OK(ref().sgd_update(p.d, g.d, buf.d, 0.1, 0.9, 0.0, 1e-4, true, step == 0));
+    OK(gpu().sgd_update(P, G, BUF, 0.1, 0.9, 0.0, 1e-4, true, step == 0));
+  }
+  down(P, p.f);
+  down(BUF, buf.f);
+  compare("sgd param", p, 1e-6);
+  compare("sgd momentum", buf, 1e-6);
+  Pair q = make(s, 73);
+  Tensor Q = up(q.f), M = up(m.f), V = up(v.f);
+  for (int64_t step = 1; step <= 3; ++step) {
+    OK(ref().adamw_update(q.d, g.d, m.d, v.d, 1e-3, 0.9, 0.999, 1e-8, 0.05, step));
+    OK(gpu().adamw_update(Q, G, M, V, 1e-3, 0.9, 0.999, 1e-8, 0.05, step));
+  }
+  down(Q, q.f);
+  compare("adamw param", q, 1e-6);
+}
+
+TEST_CASE("cuda: tensors on the host are refused; budgets and zeros work on the device") {
+  Pair x = make({4}, 81), y = make({4});
+  Status s = gpu().relu_forward(x.f, y.f);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("is on cpu") != std::string::npos);
+  Allocator& a = gpu().allocator();
+  const size_t saved = a.budget_bytes();
+  a.set_budget_bytes(a.current_bytes() + 1024);
+  auto big = Tensor::empty({1 << 20}, DType::kF32, a, "too big");
+  CHECK(big.status().code() == StatusCode::kResourceExhausted);
+  a.set_budget_bytes(saved);
+  auto z = Tensor::zeros({1000}, DType::kF32, a, "zeros");
+  REQUIRE(z.ok());
+  Pair h = make({1000}, 0, 0, 0, 5.0);
+  down(*z, h.f);
+  CHECK(h.f.data<float>()[999] == 0.0f);
+}
+
+int main(int argc, char** argv) {
+  if (slide::train::cuda::device_count() == 0) {
+    std::printf("no CUDA device: skipping the cuda backend's parity tests\n");
+    return 77;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}

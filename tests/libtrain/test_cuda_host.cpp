@@ -1,0 +1,136 @@
+// The cuda backend's host-side logic, tested on the CPU (no GPU needed): launch geometry, the
+// convolution-algorithm order, the device checks every backend shares, and the host <-> device
+// door (Backend::upload / download) on host backends.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "../../libtrain/src/cuda/conv_plan.h"
+#include "../../libtrain/src/kernels/launch.h"
+#include "slide/train/backend.h"
+#include "slide/train/caching_allocator.h"
+
+using namespace slide::train;
+using slide::core::StatusCode;
+
+TEST_CASE("launch_1d: ceil(n / threads) blocks, bounded; nothing for n == 0") {
+  CHECK(kernels::launch_1d(0).blocks == 0);
+  CHECK(kernels::launch_1d(-5).blocks == 0);
+  CHECK(kernels::launch_1d(1).blocks == 1);
+  CHECK(kernels::launch_1d(1).threads == 256);
+  CHECK(kernels::launch_1d(256).blocks == 1);
+  CHECK(kernels::launch_1d(257).blocks == 2);
+  // A ResNet-50 activation of batch 256 (256 x 256 x 56 x 56 = 205,520,896 elements): capped, and
+  // the grid-stride loop covers the rest (blocks x threads x rounds >= n).
+  const int64_t n = 256LL * 256 * 56 * 56;
+  const auto g = kernels::launch_1d(n);
+  CHECK(g.blocks == 65535 * 8);
+  CHECK(g.blocks * g.threads * ((n + g.blocks * g.threads - 1) / (g.blocks * g.threads)) >= n);
+}
+
+TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's order, without repeats") {
+  using cuda::AlgoCandidate;
+  const std::vector<AlgoCandidate> from_cudnn = {
+      {7, true, false, 100},  // fastest, but non-deterministic
+      {1, true, true, 4096},
+      {5, false, true, 0},    // not runnable for this shape
+      {1, true, true, 4096},  // listed twice
+      {0, true, true, 0},
+  };
+  auto strict = cuda::order_candidates(from_cudnn, false);
+  REQUIRE(strict.size() == 2);
+  CHECK(strict[0].algo == 1);
+  CHECK(strict[1].algo == 0);
+  auto any = cuda::order_candidates(from_cudnn, true);
+  REQUIRE(any.size() == 3);
+  CHECK(any[2].algo == 7);
+  CHECK(cuda::order_candidates({{3, false, true, 0}}, true).empty());
+}
+
+TEST_CASE("ConvKey: every field tells shapes apart") {
+  using cuda::ConvKey;
+  const ConvKey base{cuda::ConvDirection::kForward, 8, 3, 224, 224, 64, 7, 7, 2, 3};
+  std::unordered_set<ConvKey, cuda::ConvKeyHash> keys{base};
+  auto differs = [&](ConvKey k) {
+    CHECK_FALSE(k == base);
+    keys.insert(k);
+  };
+  ConvKey k = base;
+  k.direction = cuda::ConvDirection::kBackwardFilter;
+  differs(k);
+  k = base, k.N = 7, differs(k);
+  k = base, k.C = 4, differs(k);
+  k = base, k.H = 225, differs(k);
+  k = base, k.W = 225, differs(k);
+  k = base, k.K = 65, differs(k);
+  k = base, k.R = 3, differs(k);
+  k = base, k.S = 3, differs(k);
+  k = base, k.stride = 1, differs(k);
+  k = base, k.pad = 1, differs(k);
+  CHECK(keys.size() == 11);
+  CHECK(keys.count(base) == 1);
+}
+
+namespace {
+
+// Host memory that calls itself a GPU: lets the CPU suite make "cuda" tensors.
+class PretendDevice final : public RawDeviceMemory {
+ public:
+  Device device() const override { return Device::kCuda; }
+  Result<void*> malloc(size_t bytes) override { return std::malloc(bytes); }
+  void free(void* p) override { std::free(p); }
+  Status zero(void* p, size_t bytes) override {
+    std::memset(p, 0, bytes);
+    return slide::core::ok_status();
+  }
+  Status copy(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return slide::core::ok_status();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Every backend refuses tensors on another device, naming it; zeros and clone go through the allocator") {
+  CachingDeviceAllocator pretend(std::make_unique<PretendDevice>());
+  auto be = make_backend("reference");
+  REQUIRE(be.ok());
+  auto x = Tensor::zeros({2, 3}, DType::kF32, pretend, "x");
+  REQUIRE(x.ok());
+  CHECK(x->device() == Device::kCuda);
+  CHECK(x->data<float>()[5] == 0.0f);  // zeroed by the allocator's zero_bytes
+  auto y = Tensor::zeros({2, 3}, DType::kF32, cpu_allocator(), "y");
+  REQUIRE(y.ok());
+  Status s = (*be)->relu_forward(*x, *y);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("relu_forward: first operand is on cuda, this backend's tensors are on cpu") != std::string::npos);
+  x->data<float>()[4] = 7.0f;
+  auto c = x->clone();
+  REQUIRE(c.ok());
+  CHECK(c->device() == Device::kCuda);
+  CHECK(c->data<float>()[4] == 7.0f);
+}
+
+TEST_CASE("Backend::upload / download: host backends copy bytes and refuse mismatches") {
+  auto be = make_backend("cpu");
+  REQUIRE(be.ok());
+  auto host = Tensor::empty({4}, DType::kF32, cpu_allocator(), "host");
+  auto dev = Tensor::zeros({4}, DType::kF32, (*be)->allocator(), "dev");
+  REQUIRE(host.ok());
+  REQUIRE(dev.ok());
+  for (int i = 0; i < 4; ++i) host->data<float>()[i] = static_cast<float>(i) + 0.5f;
+  REQUIRE((*be)->upload(*host, *dev).ok());
+  CHECK(dev->data<float>()[3] == 3.5f);
+  auto back = Tensor::zeros({4}, DType::kF32, cpu_allocator(), "back");
+  REQUIRE(back.ok());
+  REQUIRE((*be)->download(*dev, *back).ok());
+  CHECK(back->data<float>()[2] == 2.5f);
+  auto wrong = Tensor::zeros({5}, DType::kF32, cpu_allocator(), "wrong");
+  REQUIRE(wrong.ok());
+  Status s = (*be)->upload(*wrong, *dev);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("upload") != std::string::npos);
+}

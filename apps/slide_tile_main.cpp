@@ -3,6 +3,7 @@
 //   slide-tile SLIDE|DIR... [--manifest CSV] [--patches DIR] -o STORE [options]
 //   slide-tile info STORE [--json]
 //   slide-tile export STORE -o DIR [--slide ID]... [--index LIST] [--limit N]
+//     (files DIR/<slide_file_stem(slide id)>_t<index>_x<x0>_y<y0>.jpg|.png)
 //
 // Exit codes: 0 ok, 1 failed, 2 usage, 3 finished with some slides failed, 130 interrupted.
 #include <CLI/CLI.hpp>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "slide/core/file.h"
+#include "slide/core/file_name.h"
 #include "slide/core/log.h"
 #include "slide/tile/image.h"
 #include "slide/tile/pipeline.h"
@@ -76,6 +78,10 @@ int run_info(const std::string& store_dir, bool json) {
     j["jpeg_quality"] = meta.jpeg_quality;
     j["min_tissue"] = meta.min_tissue;
     j["shard"] = meta.shard;
+    j["max_tiles_per_slide"] = meta.max_tiles_per_slide;
+    j["seed"] = meta.seed;
+    j["thumbnail_mpp_um"] = meta.thumbnail_mpp_um;
+    j["passthrough"] = meta.passthrough;
     j["command_line"] = meta.command_line;
     j["label_names"] = meta.label_names;
     j["tile_count"] = (*reader)->tile_count();
@@ -89,6 +95,11 @@ int run_info(const std::string& store_dir, bool json) {
   std::printf("tiles        %d px, stride %d px, %.4g um/px, min tissue %.3g, shard %s\n", meta.tile_size_px,
               meta.stride_px, meta.target_mpp_um, meta.min_tissue, meta.shard.c_str());
   std::printf("made by      %s\n", meta.command_line.c_str());
+  const std::string sampling = meta.max_tiles_per_slide > 0
+                                   ? "at most " + std::to_string(meta.max_tiles_per_slide) + " tiles per slide"
+                                   : std::string("all tiles");
+  std::printf("sampling     %s, seed %llu; thumbnail %.4g um/px; pass-through %s\n", sampling.c_str(),
+              static_cast<unsigned long long>(meta.seed), meta.thumbnail_mpp_um, meta.passthrough ? "on" : "off");
   std::printf("slides       %zu complete, %llu tiles\n", slides.size(),
               static_cast<unsigned long long>((*reader)->tile_count()));
   std::printf("labels      ");
@@ -165,8 +176,9 @@ int run_export(const std::string& store_dir, const std::string& out_dir, const s
     std::vector<uint8_t> payload;
     auto s = (*reader)->read_tile(idx, &h, &payload);
     if (!s.ok()) return fail(s);  // names the store and the tile
-    std::string sid = h.slide_index < slides.size() ? slides[h.slide_index].slide_id : "slide" + std::to_string(h.slide_index);
-    std::replace(sid.begin(), sid.end(), '/', '_');
+    // Slide ids come from manifests: slide_file_stem keeps the file inside out_dir and unique.
+    std::string sid = h.slide_index < slides.size() ? slide::core::slide_file_stem(slides[h.slide_index].slide_id)
+                                                    : "slide" + std::to_string(h.slide_index);
     std::string base = out_dir + "/" + sid + "_t" + std::to_string(idx) + "_x" + std::to_string(h.x_l0) + "_y" +
                        std::to_string(h.y_l0);
     if (h.encoding == slide::tile::TileEncoding::kJpeg) {
@@ -184,9 +196,7 @@ int run_export(const std::string& store_dir, const std::string& out_dir, const s
   return kExitOk;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   // Each write transaction allocates and frees its tiles' payloads and LMDB's dirty pages (tens
   // of MB); glibc's defaults hand that memory back to the kernel after every commit and fault it
   // in again, page by page, for the next one. Keep it in the heap instead: peak RSS is unchanged
@@ -325,4 +335,20 @@ int main(int argc, char** argv) {
   if (summary->cancelled) return kExitInterrupted;
   if (summary->count(slide::tile::SlideOutcomeKind::kFailed) > 0) return kExitSomeFailed;
   return kExitOk;
+}
+
+}  // namespace
+
+// The last line of defence only: every error is meant to come back as a Status. An exception that
+// escapes anyway (a library's, or a bug) ends the run with one line and exit 1, not an abort;
+// the store stays consistent, as after a crash (LMDB commits are atomic).
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "slide-tile: internal error: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "slide-tile: internal error: an unknown exception\n");
+  }
+  return kExitFailed;
 }

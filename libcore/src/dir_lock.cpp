@@ -37,7 +37,7 @@ std::string own_comm() {
 Result<std::unique_ptr<DirLock>> DirLock::acquire(const std::string& dir, const std::string& what) {
   if (auto s = make_dirs(dir); !s.ok()) return s;
   std::string path = dir + "/" + kFileName;
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0664);
   if (fd < 0) return errno_status(errno, "create lock file " + path);
   int rc;
   do rc = ::flock(fd, LOCK_EX | LOCK_NB);

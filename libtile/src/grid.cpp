@@ -15,6 +15,10 @@ namespace {
 // Resolutions within 2% are treated as equal: scanners report 0.2527 or 0.499 µm/px for nominal
 // 0.25 / 0.5, and pyramids have downsamples such as 4.0005; resampling by 1.002 would only blur.
 constexpr double kSnapTolerance = 0.02;
+// The most grid positions one slide may have: each kept one costs a TileSpec (48 bytes), and a
+// forged header (10^7 x 10^7 px) or --stride 1 would otherwise ask for tens of gigabytes. 2^26 is
+// ~100x a whole 40x section tiled at 224 px.
+constexpr int64_t kMaxCandidateTiles = int64_t{1} << 26;
 
 std::string format_um(double v) {
   char buf[32];
@@ -75,7 +79,10 @@ Result<TilePlan> plan_tiles(const SlideProperties& slide, double mpp_um, const T
                                  floor_tolerant(static_cast<double>(lv.height) / r));
   plan.cols = out_w >= tile ? (out_w - tile) / stride + 1 : 0;
   plan.rows = out_h >= tile ? (out_h - tile) / stride + 1 : 0;
-  plan.candidates = plan.cols * plan.rows;
+  if (__builtin_mul_overflow(plan.cols, plan.rows, &plan.candidates) || plan.candidates > kMaxCandidateTiles)
+    return core::resource_exhausted("the tile grid is " + std::to_string(plan.cols) + " x " +
+                                    std::to_string(plan.rows) + " positions, more than the " + std::to_string(kMaxCandidateTiles) +
+                                    " one slide may have (a larger --stride or a coarser --mpp has fewer)");
 
   const double footprint_l0 = tile * r * d;
   for (int64_t row = 0; row < plan.rows; ++row) {

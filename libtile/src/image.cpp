@@ -109,6 +109,36 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> jpeg) {
   return img;
 }
 
+Status validate_jpeg(std::span<const uint8_t> jpeg, int64_t expect_width, int64_t expect_height) {
+  tjhandle tj = thread_decompressor();
+  if (tj == nullptr) return core::internal_error(std::string("tjInitDecompress: ") + tjGetErrorStr2(nullptr));
+  if (jpeg.empty()) return core::data_loss("JPEG check: empty stream");
+  int width = 0, height = 0, subsamp = 0, colorspace = 0;
+  if (tjDecompressHeader3(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), &width, &height, &subsamp,
+                          &colorspace) != 0) {
+    Status s = core::data_loss(std::string("JPEG check: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
+  if (width != expect_width || height != expect_height)
+    return core::data_loss("JPEG check: the stream is " + std::to_string(width) + "x" + std::to_string(height) +
+                           " px, expected " + std::to_string(expect_width) + "x" + std::to_string(expect_height));
+  // Decoding at 1/8 scale still entropy-decodes every coefficient of every block (Huffman codes
+  // must be parsed to find the next block), so corrupt or truncated entropy-coded data is found,
+  // while the IDCT and colour conversion shrink to the DC terms. TJFLAG_STOPONWARNING: libjpeg
+  // reports "Corrupt JPEG data: ..." and "Premature end of JPEG file" as warnings.
+  const int sw = (width + 7) / 8, sh = (height + 7) / 8;
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(static_cast<size_t>(3) * static_cast<size_t>(sw) * static_cast<size_t>(sh));
+  if (tjDecompress2(tj, jpeg.data(), static_cast<unsigned long>(jpeg.size()), scratch.data(), sw, 0, sh, TJPF_RGB,
+                    TJFLAG_STOPONWARNING) != 0) {
+    Status s = core::data_loss(std::string("JPEG check: ") + tjGetErrorStr2(tj));
+    thread_decompressor(true);
+    return s;
+  }
+  return core::ok_status();
+}
+
 // -----------------------------------------------------------------------------------------------
 // PNG. libpng reports errors by longjmp from its error callback. Each setjmp lives in a function
 // whose frame holds no C++ object with a destructor (jumping over one is undefined behaviour);

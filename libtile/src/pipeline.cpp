@@ -9,10 +9,13 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <new>
 #include <sstream>
+#include <stdexcept>
 
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
+#include "slide/core/file_name.h"
 #include "slide/core/log.h"
 #include "slide/core/progress.h"
 #include "slide/core/thread_pool.h"
@@ -87,6 +90,27 @@ std::string fmt_double(double v, int digits = 4) {
   return buf;
 }
 
+// The entries of directory `dir`, sorted by path, through the non-throwing std::filesystem calls
+// (a symlink loop or an unreadable entry must not throw). Errors: listing the directory fails
+// (errno's code, naming the directory).
+Status list_dir(const std::string& dir, std::vector<fs::directory_entry>* out) {
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) out->push_back(*it);
+  if (ec) return slide::core::errno_status(ec.value(), "list directory " + dir);
+  std::sort(out->begin(), out->end(),
+            [](const fs::directory_entry& a, const fs::directory_entry& b) { return a.path() < b.path(); });
+  return slide::core::ok_status();
+}
+
+// What an entry is, following symlinks; file_type::unknown when that cannot be told (a symlink
+// loop: ELOOP, a dangling link, no permission).
+fs::file_type entry_type(const fs::directory_entry& e) {
+  std::error_code ec;
+  fs::file_status st = e.status(ec);
+  return ec ? fs::file_type::unknown : st.type();
+}
+
 }  // namespace
 
 Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& paths,
@@ -96,16 +120,24 @@ Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& p
   for (const auto& p : paths) {
     std::error_code ec;
     auto st = fs::status(p, ec);
-    if (ec || !fs::exists(st)) return slide::core::not_found("input " + p + ": no such file or directory");
+    if (st.type() == fs::file_type::not_found)
+      return slide::core::not_found("input " + p + ": no such file or directory");
     if (fs::is_directory(st)) {
-      std::vector<fs::path> files;
-      for (const auto& e : fs::directory_iterator(p, ec))
-        if (e.is_regular_file() && is_slide_extension(e.path().extension().string())) files.push_back(e.path());
-      if (ec) return slide::core::errno_status(ec.value(), "list directory " + p);
-      std::sort(files.begin(), files.end());
-      if (files.empty()) log_warn("no slide files in directory", {{"dir", p}});
-      for (const auto& f : files) out.push_back({f.stem().string(), f.string(), "", false});
+      std::vector<fs::directory_entry> entries;
+      SLIDE_RETURN_IF_ERROR(list_dir(p, &entries));
+      size_t found = 0;
+      for (const auto& e : entries) {
+        if (!is_slide_extension(e.path().extension().string())) continue;
+        // Anything named like a slide that is not a directory is an input: a regular file is
+        // tiled, and a FIFO, a socket, a symlink loop or a dangling link fails as that one slide,
+        // named in the summary, rather than being skipped unseen.
+        if (entry_type(e) == fs::file_type::directory) continue;
+        out.push_back({e.path().stem().string(), e.path().string(), "", false});
+        ++found;
+      }
+      if (found == 0) log_warn("no slide files in directory", {{"dir", p}});
     } else {
+      // A file, or something status() cannot follow (a symlink loop): a slide that fails alone.
       out.push_back({fs::path(p).stem().string(), p, "", false});
     }
   }
@@ -113,19 +145,20 @@ Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& p
   for (const auto& d : patch_dirs) {
     std::error_code ec;
     if (!fs::is_directory(d, ec)) return slide::core::not_found("patch folder " + d + ": not a directory");
-    std::vector<fs::path> classes;
-    for (const auto& e : fs::directory_iterator(d, ec))
-      if (e.is_directory()) classes.push_back(e.path());
-    std::sort(classes.begin(), classes.end());
+    std::vector<fs::directory_entry> classes;
+    SLIDE_RETURN_IF_ERROR(list_dir(d, &classes));
+    std::erase_if(classes, [](const fs::directory_entry& e) { return entry_type(e) != fs::file_type::directory; });
     if (classes.empty())
       return slide::core::invalid_argument("patch folder " + d + ": no class sub-folders (expected DIR/<class>/*.jpg)");
     for (const auto& c : classes) {
-      std::vector<fs::path> files;
-      for (const auto& e : fs::directory_iterator(c, ec))
-        if (e.is_regular_file() && is_patch_extension(e.path().extension().string())) files.push_back(e.path());
-      std::sort(files.begin(), files.end());
-      std::string cls = c.filename().string();
-      for (const auto& f : files) out.push_back({cls + "/" + f.stem().string(), f.string(), cls, true});
+      std::vector<fs::directory_entry> files;
+      SLIDE_RETURN_IF_ERROR(list_dir(c.path().string(), &files));
+      std::string cls = c.path().filename().string();
+      for (const auto& f : files) {
+        if (!is_patch_extension(f.path().extension().string())) continue;
+        if (entry_type(f) == fs::file_type::directory) continue;  // as for slides: others fail alone
+        out.push_back({cls + "/" + f.path().stem().string(), f.path().string(), cls, true});
+      }
     }
   }
   if (out.empty()) return slide::core::invalid_argument("no input slides: give slide files, directories, --manifest or --patches");
@@ -255,11 +288,11 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   }
   rec->source_mpp_um = mpp;
 
-  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, tissue_options_, &pool_), in.path + ": tissue mask");
+  SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, tissue_options_, &pool_), "tissue mask");
   rec->tissue_fraction = tissue.tissue_fraction();
   out->tissue_fraction = rec->tissue_fraction;
 
-  SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, opt_.grid), in.path);
+  SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, opt_.grid), "tile plan");
   rec->level = plan.level;
   rec->downsample = plan.level_downsample;
   rec->tile_mpp_um = plan.tile_mpp_um;
@@ -270,9 +303,8 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     auto png = render_qc_png(tissue, plan);
     Status qs = png.ok() ? slide::core::make_dirs(opt_.qc_dir) : png.status();
     if (qs.ok()) {
-      std::string name = in.slide_id;
-      std::replace(name.begin(), name.end(), '/', '_');
-      qs = slide::core::write_file_atomic(opt_.qc_dir + "/" + name + ".png", *png);
+      // Slide ids come from manifests: slide_file_stem keeps the name inside qc_dir and unique.
+      qs = slide::core::write_file_atomic(opt_.qc_dir + "/" + slide::core::slide_file_stem(in.slide_id) + ".png", *png);
     }
     // A QC picture that cannot be written is worth a warning, not the slide.
     if (!qs.ok()) log_warn("QC picture not written", {{"slide", in.slide_id}, {"error", qs.to_string()}});
@@ -294,11 +326,14 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   const SlideReader& rd = *reader;
   const TileEncoding encoding = opt_.encoding;
   const int quality = opt_.jpeg_quality;
-  auto make_payload = [&rd, &plan, T, encoding, quality, passthrough](const TileSpec& t) -> Result<std::vector<uint8_t>> {
+  auto make_payload_or_throw = [&rd, &plan, T, encoding, quality,
+                                passthrough](const TileSpec& t) -> Result<std::vector<uint8_t>> {
     if (passthrough) {
       auto raw = rd.read_raw_jpeg_tile(plan.level, t.col, t.row);
-      if (!raw.ok()) return raw.status().with_context("source tile (col=" + std::to_string(t.col) +
-                                                      ", row=" + std::to_string(t.row) + ")");
+      // A copied tile is never decoded here otherwise: check it decodes cleanly, or a source
+      // tile with corrupt entropy-coded data would land in the store as it is.
+      Status s = raw.ok() ? validate_jpeg(*raw, T, T) : raw.status();
+      if (!s.ok()) return s.with_context("tile (x0=" + std::to_string(t.x_l0) + ", y0=" + std::to_string(t.y_l0) + ")");
       return raw;
     }
     std::vector<uint8_t> rgb(static_cast<size_t>(3) * T * T);
@@ -308,11 +343,29 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     if (encoding == TileEncoding::kRawRgb) return rgb;
     return encode_jpeg(rgb.data(), T, T, quality);
   };
+  // Tasks must not end in an exception: the window's other futures would be left behind.
+  auto make_payload = [&make_payload_or_throw](const TileSpec& t) -> Result<std::vector<uint8_t>> {
+    try {
+      return make_payload_or_throw(t);
+    } catch (const std::bad_alloc&) {
+      return slide::core::resource_exhausted("tile (x0=" + std::to_string(t.x_l0) + ", y0=" + std::to_string(t.y_l0) +
+                                             "): out of memory");
+    }
+  };
 
   slide::core::Progress progress("tiles of " + in.slide_id, static_cast<int64_t>(plan.tiles.size()), "tiles/s",
                                  opt_.progress);
   const size_t window = std::max<size_t>(16, 16 * pool_.size());
   std::deque<std::future<Result<std::vector<uint8_t>>>> inflight;
+  // Should anything on this thread throw (std::bad_alloc), wait for the window's tasks before
+  // this frame, which they reference, goes away.
+  struct WaitInflight {
+    std::deque<std::future<Result<std::vector<uint8_t>>>>& futures;
+    ~WaitInflight() {
+      for (auto& f : futures)
+        if (f.valid()) f.wait();
+    }
+  } wait_inflight{inflight};
   size_t next_submit = 0, next_write = 0;
   Status failure;
   while (next_write < plan.tiles.size()) {
@@ -344,7 +397,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     progress.add(1);
     ++out->tiles;
   }
-  if (!failure.ok()) return failure.with_context(in.path);
+  if (!failure.ok()) return failure;  // run_slide names the slide
   if (cancelled()) return slide::core::cancelled(in.path + ": interrupted");
   return slide::core::ok_status();
 }
@@ -359,14 +412,32 @@ SlideOutcome TilingRun::run_slide(const SlideInput& in, Status* fatal) {
   rec.path = in.path;
   rec.label = in.label;
   rec.label_index = writer_.label_index(in.label);
+  // A FIFO named like a slide would block the first open() forever: refuse anything that is not
+  // a regular file before any reader sees it (patches included).
+  Status s = check_regular_file(in.path);
   auto st = slide::core::stat_file(in.path);
   if (st.ok()) {
     rec.source_size_bytes = st->size_bytes;
     rec.source_mtime_ns = st->mtime_ns;
+  } else if (s.ok()) {
+    s = st.status();
   }
   bool store_error = false;
-  Status s = st.ok() ? (in.is_patch ? tile_patch(in, &out, &rec, &store_error) : tile_wsi(in, &out, &rec, &store_error))
-                     : st.status();
+  if (s.ok()) {
+    try {
+      s = in.is_patch ? tile_patch(in, &out, &rec, &store_error) : tile_wsi(in, &out, &rec, &store_error);
+    } catch (const std::bad_alloc&) {
+      // Buffers sized from a header are checked against limits where they are made; this is the
+      // net for the rest. Pool tasks return Status, and tile_wsi waits for its window of tasks
+      // before an exception leaves it, so nothing still runs on the abandoned frames.
+      s = slide::core::resource_exhausted("out of memory");
+    } catch (const std::length_error&) {
+      s = slide::core::resource_exhausted("out of memory (a buffer larger than the address space)");
+    }
+    // The slide's file is named once: readers name it in their own errors; anything else
+    // (encoding, the tile plan, out of memory) gets it here.
+    if (!s.ok() && !store_error && s.message().find(in.path) == std::string::npos) s = s.with_context(in.path);
+  }
   if (s.ok()) {
     rec.tile_count = out.tiles;
     s = writer_.finish_slide(rec);
@@ -385,6 +456,7 @@ SlideOutcome TilingRun::run_slide(const SlideInput& in, Status* fatal) {
   }
   out.kind = SlideOutcomeKind::kFailed;
   out.error = s;
+  out.tiles = 0;  // a failed slide keeps none: its tiles are deleted (or, interrupted, on the next run)
   if (s.code() == slide::core::StatusCode::kCancelled) {
     // Ctrl-C: commit what is buffered (the current transaction) and stop; the partial slide has
     // no record, so a rerun removes its tiles and redoes it.
@@ -420,6 +492,11 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
   meta.jpeg_quality = options.jpeg_quality;
   meta.min_tissue = options.grid.min_tissue;
   meta.shard = std::to_string(options.shard_index) + "/" + std::to_string(options.shard_count);
+  meta.max_tiles_per_slide = options.grid.max_tiles;
+  meta.seed = options.grid.seed;
+  meta.thumbnail_mpp_um =
+      options.tissue.thumbnail_mpp_um > 0 ? options.tissue.thumbnail_mpp_um : auto_thumbnail_mpp(options.grid);
+  meta.passthrough = options.passthrough;
   meta.command_line = options.command_line;
   StoreWriterOptions wopt;
   wopt.tiles_per_txn = options.tiles_per_txn;

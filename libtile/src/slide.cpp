@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 
 #include "openslide_reader.h"
 #include "tiff_reader.h"
@@ -29,13 +30,31 @@ Result<std::vector<uint8_t>> SlideReader::read_raw_jpeg_tile(int level, int64_t 
   return core::unimplemented("level " + std::to_string(level) + " has no pass-through JPEG tiles");
 }
 
+Status check_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ELOOP)
+      return core::invalid_argument(path + ": " + std::strerror(err) + " (a symlink loop), not a slide");
+    return core::errno_status(err, path);
+  }
+  if (S_ISREG(st.st_mode)) return core::ok_status();
+  const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "something other than a regular file";
+  return core::invalid_argument(path + ": is " + std::string(kind) + ", not a slide (slides must be regular files)");
+}
+
 Result<std::unique_ptr<SlideReader>> open_slide(const std::string& path) {
   // Check the file ourselves first: OpenSlide reports a missing or unreadable file as "not a
   // slide", which would hide the real cause.
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return core::errno_status(errno, path);
-  if (S_ISDIR(st.st_mode)) return core::invalid_argument(path + ": is a directory, not a slide");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  SLIDE_RETURN_IF_ERROR(check_regular_file(path));
+  // O_NONBLOCK: should the file have become a FIFO since the check, open() must not wait for a
+  // writer (it has no effect on regular files).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return core::errno_status(errno, path);
   ::close(fd);
 

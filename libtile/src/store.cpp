@@ -29,8 +29,11 @@
 #include <shared_mutex>
 #include <utility>
 
+#include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+// auto_thumbnail_mpp: what a store without a thumbnail_mpp_um key was made with.
+#include "slide/tile/pipeline.h"
 
 namespace slide::tile {
 
@@ -109,6 +112,19 @@ Status decode_tile_record(std::span<const uint8_t> record, TileHeader* header, s
   if (payload_bytes != record.size() - kTileHeaderBytes)
     return data_loss("tile record says its payload is " + std::to_string(payload_bytes) + " bytes but holds " +
                      std::to_string(record.size() - kTileHeaderBytes));
+  // The header's size fields size the consumer's buffers (export, training): check them against
+  // the payload before anyone allocates from them.
+  const uint32_t width = get_le<uint32_t>(p + 32), height = get_le<uint32_t>(p + 36);
+  const uint8_t channels = p[40];
+  if (channels != 3) return data_loss("tile record has " + std::to_string(channels) + " channels (expected 3)");
+  if (width < 1 || height < 1 || width > kMaxTileSidePx || height > kMaxTileSidePx)
+    return data_loss("tile record says the tile is " + std::to_string(width) + "x" + std::to_string(height) +
+                     " px (each side must be 1.." + std::to_string(kMaxTileSidePx) + ")");
+  if (encoding == static_cast<uint8_t>(TileEncoding::kRawRgb) &&
+      uint64_t{width} * height * channels != payload_bytes)
+    return data_loss("raw tile record says " + std::to_string(width) + "x" + std::to_string(height) + "x" +
+                     std::to_string(channels) + " = " + std::to_string(uint64_t{width} * height * channels) +
+                     " bytes but its payload is " + std::to_string(payload_bytes) + " bytes");
   TileHeader h;
   h.slide_index = get_le<uint32_t>(p + 8);
   h.label = get_le<int32_t>(p + 12);
@@ -320,7 +336,8 @@ std::string format_double(double v) {
   return std::string(buf, res.ptr);
 }
 
-bool parse_int(const std::string& s, int* out) {
+template <typename Int>
+bool parse_int(const std::string& s, Int* out) {
   auto res = std::from_chars(s.data(), s.data() + s.size(), *out);
   return res.ec == std::errc() && res.ptr == s.data() + s.size();
 }
@@ -351,6 +368,10 @@ std::vector<std::pair<std::string, std::string>> meta_entries(const StoreMeta& m
       {"jpeg_quality", std::to_string(meta.jpeg_quality)},
       {"min_tissue", format_double(meta.min_tissue)},
       {"shard", meta.shard},
+      {"max_tiles_per_slide", std::to_string(meta.max_tiles_per_slide)},
+      {"seed", std::to_string(meta.seed)},
+      {"thumbnail_mpp_um", format_double(meta.thumbnail_mpp_um)},
+      {"passthrough", meta.passthrough ? "true" : "false"},
       {"command_line", meta.command_line},
       {"label_names", labels_json(meta.label_names)},
   };
@@ -362,6 +383,33 @@ Result<std::optional<std::string>> get_string(MDB_txn* txn, MDB_dbi dbi, const s
   if (rc == MDB_NOTFOUND) return std::optional<std::string>();
   if (rc != 0) return lmdb_status(rc, "read meta " + key);
   return std::optional<std::string>(std::string(static_cast<const char*>(v.mv_data), v.mv_size));
+}
+
+// Checks, right after mdb_env_open and before any data page is touched, that data.mdb holds every
+// page its newest meta page references. LMDB maps the file and reads pages through the map, so a
+// page past the end of a truncated file (a copy cut short, a full disk under cp) is a SIGBUS in
+// the first transaction, not an error. mdb_env_open reads the two meta pages with pread and
+// mdb_env_info/mdb_env_stat only read the meta pages, so this touches nothing beyond them.
+// Errors: kDataLoss naming the file and both sizes.
+Status check_data_file_size(MDB_env* env, const std::string& dir) {
+  MDB_envinfo info;
+  MDB_stat st;
+  int rc = mdb_env_info(env, &info);
+  if (rc == 0) rc = mdb_env_stat(env, &st);
+  if (rc != 0) return lmdb_status(rc, "read environment info");
+  mdb_filehandle_t fd;
+  rc = mdb_env_get_fd(env, &fd);
+  if (rc != 0) return lmdb_status(rc, "get data file descriptor");
+  struct stat fst;
+  if (::fstat(fd, &fst) != 0) return slide::core::errno_status(errno, "stat " + dir + "/data.mdb");
+  // Pages 0..me_last_pgno are in use (0 and 1 are the meta pages).
+  const uint64_t need = (static_cast<uint64_t>(info.me_last_pgno) + 1) * st.ms_psize;
+  if (static_cast<uint64_t>(fst.st_size) < need)
+    return slide::core::data_loss(dir + "/data.mdb is truncated: it has " + std::to_string(fst.st_size) +
+                                  " bytes, but its last committed transaction uses pages up to " +
+                                  std::to_string(info.me_last_pgno) + " (" + std::to_string(need) +
+                                  " bytes); restore the store from a complete copy or tile again");
+  return slide::core::ok_status();
 }
 
 // Reads and validates the meta database. A newer format is FailedPrecondition (checked first:
@@ -403,7 +451,33 @@ Result<StoreMeta> read_meta(MDB_txn* txn, MDB_dbi dbi) {
     return bad("encoding", enc);
   }
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> shard, get_string(txn, dbi, "shard"));
-  m.shard = shard.value_or("");
+  m.shard = shard.value_or("0/1");
+  // Keys added by issue 20: a store written before them was made with the defaults of that time,
+  // which are what a missing key means.
+  auto optional_key = [&](const char* key, auto* out, auto parse) -> Status {
+    SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> v, get_string(txn, dbi, key));
+    if (v && !parse(*v, out)) return bad(key, *v);
+    return slide::core::ok_status();
+  };
+  auto parse_i64 = [](const std::string& v, int64_t* out) { return parse_int(v, out) && *out >= 0; };
+  auto parse_u64 = [](const std::string& v, uint64_t* out) { return parse_int(v, out); };
+  auto parse_mpp = [](const std::string& v, double* out) { return parse_double(v, out) && *out >= 0; };
+  auto parse_bool = [](const std::string& v, bool* out) {
+    if (v != "true" && v != "false") return false;
+    *out = v == "true";
+    return true;
+  };
+  m.max_tiles_per_slide = 0;
+  m.seed = 0;
+  m.passthrough = true;
+  GridOptions grid;
+  grid.tile_size_px = m.tile_size_px;
+  grid.target_mpp_um = m.target_mpp_um;
+  m.thumbnail_mpp_um = auto_thumbnail_mpp(grid);
+  SLIDE_RETURN_IF_ERROR(optional_key("max_tiles_per_slide", &m.max_tiles_per_slide, parse_i64));
+  SLIDE_RETURN_IF_ERROR(optional_key("seed", &m.seed, parse_u64));
+  SLIDE_RETURN_IF_ERROR(optional_key("thumbnail_mpp_um", &m.thumbnail_mpp_um, parse_mpp));
+  SLIDE_RETURN_IF_ERROR(optional_key("passthrough", &m.passthrough, parse_bool));
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> cmd, get_string(txn, dbi, "command_line"));
   m.command_line = cmd.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> labels, get_string(txn, dbi, "label_names"));
@@ -469,6 +543,9 @@ struct StoreWriter::Impl {
 
   std::string dir;
   StoreWriterOptions options;
+  // The single-writer lock on the directory; declared before env so that it is released only
+  // after the environment is closed.
+  std::unique_ptr<slide::core::DirLock> lock;
   EnvPtr env;
   MDB_dbi meta_dbi = 0, slides_dbi = 0, tiles_dbi = 0;
   StoreMeta meta;
@@ -624,6 +701,8 @@ Status check_requested_meta(const StoreMeta& m) {
   if (m.jpeg_quality < 1 || m.jpeg_quality > 100) return slide::core::invalid_argument("jpeg_quality must be in 1..100");
   if (!std::isfinite(m.target_mpp_um) || m.target_mpp_um < 0 || !std::isfinite(m.min_tissue))
     return slide::core::invalid_argument("target_mpp_um and min_tissue must be finite, target_mpp_um >= 0");
+  if (m.max_tiles_per_slide < 0 || !std::isfinite(m.thumbnail_mpp_um) || m.thumbnail_mpp_um < 0)
+    return slide::core::invalid_argument("max_tiles_per_slide and thumbnail_mpp_um must be finite and >= 0");
   return slide::core::ok_status();
 }
 
@@ -645,6 +724,18 @@ std::string meta_differences(const StoreMeta& stored, const StoreMeta& asked) {
     add("jpeg_quality", std::to_string(stored.jpeg_quality), std::to_string(asked.jpeg_quality));
   if (!same_double(stored.min_tissue, asked.min_tissue))
     add("min_tissue", format_double(stored.min_tissue), format_double(asked.min_tissue));
+  if (stored.shard != asked.shard) add("shard", stored.shard, asked.shard);
+  if (stored.max_tiles_per_slide != asked.max_tiles_per_slide)
+    add("max_tiles_per_slide", std::to_string(stored.max_tiles_per_slide), std::to_string(asked.max_tiles_per_slide));
+  // The seed only picks the sample of --max-tiles-per-slide; without one it decides nothing.
+  if (stored.seed != asked.seed && (stored.max_tiles_per_slide > 0 || asked.max_tiles_per_slide > 0))
+    add("seed", std::to_string(stored.seed), std::to_string(asked.seed));
+  if (!same_double(stored.thumbnail_mpp_um, asked.thumbnail_mpp_um))
+    add("thumbnail_mpp_um", format_double(stored.thumbnail_mpp_um), format_double(asked.thumbnail_mpp_um));
+  // Pass-through only ever applies to JPEG stores.
+  if (stored.passthrough != asked.passthrough && stored.encoding == TileEncoding::kJpeg &&
+      asked.encoding == TileEncoding::kJpeg)
+    add("passthrough", stored.passthrough ? "true" : "false", asked.passthrough ? "true" : "false");
   return out;
 }
 
@@ -664,7 +755,9 @@ Result<std::unique_ptr<StoreWriter>> StoreWriter::open(const std::string& dir, c
   impl->options = options;
   if (impl->options.tiles_per_txn == 0) impl->options.tiles_per_txn = 1;
   const std::string where = impl->where();
-  SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
+  // One writer per store, for the whole life of this writer: a second one appending at the same
+  // tile indices would lose tiles (MDB_APPEND past keys it never saw). acquire() creates `dir`.
+  SLIDE_ASSIGN_OR_RETURN(impl->lock, slide::core::DirLock::acquire(dir, "store"));
 
   MDB_env* raw_env = nullptr;
   int rc = mdb_env_create(&raw_env);
@@ -676,6 +769,7 @@ Result<std::unique_ptr<StoreWriter>> StoreWriter::open(const std::string& dir, c
   // Default flags: every commit is synced, so a committed slide survives a crash.
   rc = mdb_env_open(raw_env, dir.c_str(), 0, 0664);
   if (rc != 0) return lmdb_status(rc, "open environment").with_context(where);
+  SLIDE_RETURN_IF_ERROR(check_data_file_size(raw_env, dir));
 
   // Look at what is there in a read transaction: opening a store that needs no repair writes
   // nothing. The read transaction is committed, not aborted, so the database handles stay open.
@@ -877,6 +971,7 @@ Status StoreWriter::close() {
   if (!impl_->env) return slide::core::ok_status();
   SLIDE_RETURN_IF_ERROR(impl_->commit());
   impl_->env.reset();
+  impl_->lock.reset();  // after the environment is closed: the next writer may start now
   return slide::core::ok_status();
 }
 
@@ -944,6 +1039,7 @@ Result<std::unique_ptr<StoreReader>> StoreReader::open(const std::string& dir) {
     rc = try_open(MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK);
   }
   if (rc != 0) return lmdb_status(rc, "open environment").with_context(where);
+  SLIDE_RETURN_IF_ERROR(check_data_file_size(impl->env.get(), dir));
 
   Impl& r = *impl;
   {

@@ -8,6 +8,9 @@
 #include <cmath>
 #include <functional>
 #include <future>
+#include <new>
+#include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "resample.h"
@@ -28,6 +31,32 @@ constexpr int kMinSaturationThreshold = 15;
 constexpr int64_t kBandBudgetBytes = int64_t{16} << 20;
 // At most this many thumbnail rows per band: keeps bands short even for small levels.
 constexpr int64_t kMaxBandRows = 64;
+// The largest buffer make_thumbnail allocates from sizes a slide's header declares (the thumbnail,
+// one band of level pixels): a forged or corrupt header (10^7 x 10^7 px with one level) must fail
+// its slide, not ask for tens of gigabytes. Real slides need a few to a few hundred MB here.
+constexpr uint64_t kMaxThumbnailBufferBytes = uint64_t{1} << 30;
+
+// 3 * w * h bytes, or nullopt when it overflows or exceeds kMaxThumbnailBufferBytes.
+std::optional<uint64_t> checked_rgb_bytes(int64_t w, int64_t h) {
+  uint64_t px = 0, bytes = 0;
+  if (w < 0 || h < 0 || __builtin_mul_overflow(static_cast<uint64_t>(w), static_cast<uint64_t>(h), &px) ||
+      __builtin_mul_overflow(px, uint64_t{3}, &bytes) || bytes > kMaxThumbnailBufferBytes)
+    return std::nullopt;
+  return bytes;
+}
+
+// Runs f() (returning Status), turning an allocation failure into kResourceExhausted: a task on
+// the pool must never end in an exception, which would leave its siblings' futures behind.
+template <typename F>
+Status no_throw_alloc(F&& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return core::resource_exhausted("out of memory");
+  } catch (const std::length_error&) {
+    return core::resource_exhausted("out of memory (a buffer larger than the address space)");
+  }
+}
 
 // OpenCV's 8-bit RGB2HSV saturation (imgproc/src/color_hsv.simd.hpp, RGB2HSV_b): a fixed-point
 // 255 * (max - min) / max with a 12-bit reciprocal table, reproduced here bit for bit.
@@ -97,8 +126,9 @@ Status run_parallel(core::ThreadPool* pool, int64_t n, const std::function<Statu
     return core::ok_status();
   }
   std::vector<std::future<Status>> done;
-  for (int64_t i = 1; i < n; ++i) done.push_back(pool->submit([&body, i] { return body(i); }));
-  Status first = body(0);
+  for (int64_t i = 1; i < n; ++i)
+    done.push_back(pool->submit([&body, i] { return no_throw_alloc([&] { return body(i); }); }));
+  Status first = no_throw_alloc([&] { return body(0); });
   for (auto& f : done) {
     Status s = f.get();
     if (first.ok() && !s.ok()) first = s;
@@ -293,6 +323,16 @@ Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, dou
   // where the level's size is rounded (W_k = ceil(W0 / d) on most scanners).
   const double sx = static_cast<double>(lv.width) / static_cast<double>(tw);
   const double sy = static_cast<double>(lv.height) / static_cast<double>(th);
+  const auto too_large = [&](const std::string& what, int64_t w, int64_t h) {
+    return core::resource_exhausted(props.path + ": " + what + " of " + std::to_string(w) + "x" + std::to_string(h) +
+                                    " px is larger than the " + std::to_string(kMaxThumbnailBufferBytes >> 20) +
+                                    " MiB limit (is the slide's header sane?)");
+  };
+  if (!checked_rgb_bytes(tw, th)) return too_large("a thumbnail", tw, th);
+  // One band holds at least the level rows under one thumbnail row: ceil(sy) + 1 of them.
+  if (!checked_rgb_bytes(lv.width, static_cast<int64_t>(std::min(std::ceil(sy) + 1, 1e15))))
+    return too_large("a thumbnail band (level " + std::to_string(level) + ")", lv.width,
+                     static_cast<int64_t>(std::min(std::ceil(sy) + 1, 1e15)));
   RgbImage thumb(tw, th, 255);
   const int64_t band_rows = std::clamp<int64_t>(
       kBandBudgetBytes / std::max<int64_t>(1, static_cast<int64_t>(3.0 * static_cast<double>(lv.width) * std::ceil(sy + 1))),
@@ -310,11 +350,14 @@ Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, dou
       const int64_t ly0 = taps.front().index, ly1 = taps.back().index + 1;
       band.width = lv.width;
       band.height = ly1 - ly0;
-      band.pixels.resize(static_cast<size_t>(3 * band.width * band.height));
-      SLIDE_RETURN_IF_ERROR_CTX(
-          slide.read_level_region(level, 0, ly0, band.width, band.height, band.pixels.data()),
-          props.path + ": thumbnail band (level " + std::to_string(level) + ", rows " + std::to_string(ly0) + ".." +
-              std::to_string(ly1) + ")");
+      const std::string where = "thumbnail band (level " + std::to_string(level) + ", rows " + std::to_string(ly0) +
+                                ".." + std::to_string(ly1) + ")";
+      const auto bytes = checked_rgb_bytes(band.width, band.height);
+      if (!bytes) return too_large(where, band.width, band.height);
+      band.pixels.resize(static_cast<size_t>(*bytes));
+      // The reader's errors name the slide already: add only which band it was.
+      SLIDE_RETURN_IF_ERROR_CTX(slide.read_level_region(level, 0, ly0, band.width, band.height, band.pixels.data()),
+                                where);
       detail::resample_area_xy(band, ly0, 0, 0, sx, sy, lv.height, &thumb, j0, j1);
     }
     return core::ok_status();

@@ -103,6 +103,112 @@ def area_resample(src, x0, y0, scale, size):
     return np.einsum("ij,jkc,lk->ilc", wy, src.astype(np.float64), wx, optimize=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 20: inputs built by the tests themselves (tiny, deterministic).
+
+def forged_huge_tiff(path, w=10_000_000, h=10_000_000):
+    """A 100-byte TIFF whose header declares w x h RGB px, uncompressed, in one 3-byte strip."""
+    pixel_off, ifd_off = 8, 16
+    entries = [(256, 4, 1, w), (257, 4, 1, h), (258, 3, 3, None), (259, 3, 1, 1), (262, 3, 1, 2),
+               (273, 4, 1, pixel_off), (277, 3, 1, 3), (278, 4, 1, h), (279, 4, 1, 3)]
+    bps_off = ifd_off + 2 + 12 * len(entries) + 4
+    out = bytearray(b"II*\x00" + struct.pack("<I", ifd_off) + b"\xff\x00\x00" + b"\x00" * 5)
+    out += struct.pack("<H", len(entries))
+    for tag, typ, count, value in entries:
+        if tag == 258:
+            out += struct.pack("<HHII", tag, typ, count, bps_off)
+        elif typ == 3 and count == 1:
+            out += struct.pack("<HHIHH", tag, typ, count, value, 0)
+        else:
+            out += struct.pack("<HHII", tag, typ, count, value)
+    out += struct.pack("<I", 0) + struct.pack("<HHH", 8, 8, 8)
+    with open(path, "wb") as f:
+        f.write(bytes(out))
+
+
+def jpeg_pyramid(path, size=1024, tile=256, levels=3, corrupt=None):
+    """A generic tiled JPEG TIFF pyramid (OpenSlide's generic-tiff: level 0 then reduced levels),
+    each tile a complete JPEG stream from PIL. corrupt=(col, row): 64 bytes in the middle of that
+    level-0 tile's entropy-coded data are zeroed; the coarser levels (which the tissue thumbnail
+    reads) stay intact."""
+    rng = np.random.default_rng(1)
+    base = np.full((size, size, 3), 255, np.uint8)
+    yy, xx = np.mgrid[0:size, 0:size]
+    blob = (xx - size / 2) ** 2 + (yy - size / 2) ** 2 < (size * 0.4) ** 2
+    noise = rng.integers(0, 60, (size, size, 1))
+    base[blob] = (np.array([200, 110, 170]) + noise[blob] - 30).clip(0, 255).astype(np.uint8)
+    img = Image.fromarray(base)
+    out = bytearray(b"II*\x00\x00\x00\x00\x00")
+    next_ptr = 4
+    for lv in range(levels):
+        s = size >> lv
+        im = img.resize((s, s), Image.BOX) if lv else img
+        n = (s + tile - 1) // tile
+        offsets, counts = [], []
+        for r in range(n):
+            for c in range(n):
+                t = Image.new("RGB", (tile, tile), "white")
+                t.paste(im.crop((c * tile, r * tile, min(s, (c + 1) * tile), min(s, (r + 1) * tile))))
+                b = io.BytesIO()
+                t.save(b, "JPEG", quality=90, subsampling=2)
+                data = bytearray(b.getvalue())
+                if lv == 0 and corrupt == (c, r):
+                    sos = data.index(b"\xff\xda")
+                    mid = sos + (len(data) - sos) // 2
+                    data[mid:mid + 64] = b"\x00" * 64
+                offsets.append(len(out))
+                counts.append(len(data))
+                out += data + b"\x00" * (len(data) % 2)
+
+        def array(fmt, values):
+            off = len(out)
+            out.extend(struct.pack("<%d%s" % (len(values), fmt), *values))
+            return off
+        off_value = array("I", offsets) if len(offsets) > 1 else offsets[0]
+        cnt_value = array("I", counts) if len(counts) > 1 else counts[0]
+        bps = array("H", [8, 8, 8])
+        entries = [(254, 4, 1, 1 if lv else 0), (256, 4, 1, s), (257, 4, 1, s), (258, 3, 3, bps), (259, 3, 1, 7),
+                   (262, 3, 1, 6), (277, 3, 1, 3), (284, 3, 1, 1), (322, 4, 1, tile), (323, 4, 1, tile),
+                   (324, 4, len(offsets), off_value), (325, 4, len(counts), cnt_value), (530, 3, 2, 2 | (2 << 16))]
+        ifd = len(out)
+        struct.pack_into("<I", out, next_ptr, ifd)
+        out += struct.pack("<H", len(entries))
+        for tag, typ, count, value in entries:
+            if typ == 3 and count == 1:
+                out += struct.pack("<HHIHH", tag, typ, count, value, 0)
+            else:
+                out += struct.pack("<HHII", tag, typ, count, value)
+        next_ptr = len(out)
+        out += struct.pack("<I", 0)
+    with open(path, "wb") as f:
+        f.write(bytes(out))
+
+
+def slide_file_stem(slide_id):
+    """libcore's slide_file_stem (file_name.h), for the expected file names."""
+    raw = slide_id.encode("utf-8")
+    out = bytearray(b"".join(b"_" if (c in b"/\\" or c < 0x20 or c == 0x7f) else bytes([c]) for c in raw))
+    if not out:
+        out = bytearray(b"_")
+    if out[:1] == b".":
+        out[0:1] = b"_"
+    if bytes(out) == raw and len(out) <= 200:
+        return out.decode("utf-8")
+    if len(out) > 200 - 13:
+        cut = 200 - 13
+        while cut > 0 and (out[cut] & 0xC0) == 0x80:
+            cut -= 1
+        del out[cut:]
+    h = 0xcbf29ce484222325
+    for c in raw:
+        h = ((h ^ c) * 0x100000001b3) & 0xffffffffffffffff
+    return out.decode("utf-8") + "~%012x" % (h & 0xffffffffffff)
+
+
+def failed_lines(stderr):
+    return [line for line in stderr.splitlines() if "FAILED" in line or "slide failed" in line]
+
+
 class Base(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slide_e2e_")
@@ -359,6 +465,19 @@ class TestManifestShards(Base):
         self.assertEqual([s["slide_id"] for s in info(s1)["slides"]], ["tcga"])
         self.assertEqual(info(s0)["tile_count"] + info(s1)["tile_count"], j["tile_count"])
 
+    def test_manifest_with_utf8_bom(self):  # issue 20, item 14: as Excel saves "CSV UTF-8"
+        csv = self.path("m.csv")
+        with open(csv, "w", encoding="utf-8-sig") as f:
+            f.write("slide_id,path,label\r\ncmu,%s,tumor\r\n" % CMU)
+        with open(csv, "rb") as f:
+            self.assertEqual(f.read(3), b"\xef\xbb\xbf")
+        store = self.path("s")
+        r = run(["--manifest", csv, "--mpp", "2.0", "-o", store, "-q"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = info(store)
+        self.assertEqual([s["slide_id"] for s in j["slides"]], ["cmu"])
+        self.assertEqual(j["label_names"], ["tumor"])
+
     def test_bad_manifest(self):
         csv = self.path("m.csv")
         with open(csv, "w") as f:
@@ -481,6 +600,290 @@ class TestSlides(Base):
                     self.assertEqual(rec["level"], level)
                     self.assertEqual(rec["tile_count"], count)
                     self.assertEqual(len(tiles_of(store)), count)
+
+
+# A small, quick store for the tests below: CMU at 2 um/px, every tile kept (a few dozen tiles).
+SMALL = [CMU, "--mpp", "2.0", "--min-tissue", "0", "-q"]
+
+
+class TestWriterLock(Base):
+    """Issue 20, item 1: one writer per store; a second fails at once and changes nothing."""
+
+    def test_second_writer_fails_naming_the_holder(self):
+        import fcntl
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["-o", store]).returncode, 0)
+        before = dump(store)
+        lock_path = os.path.join(store, "writer.lock")
+        self.assertTrue(os.path.exists(lock_path))
+        with open(lock_path, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running slide-tile holds
+            f.truncate(0)
+            f.write("%d python3\n" % os.getpid())
+            f.flush()
+            t0 = time.monotonic()
+            r = run(SMALL + ["-o", store], timeout=60)
+            self.assertLess(time.monotonic() - t0, 10, "the second writer must fail at once, not wait")
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertRegex(r.stderr, r"UNAVAILABLE: store %s is being written by another process \(pid %d" %
+                             (re.escape(store), os.getpid()))
+            self.assertNotIn("MDB_KEYEXIST", r.stderr)
+            # Readers take no lock.
+            self.assertEqual(info(store)["tile_count"], len(before[b"tiles"]))
+            fcntl.flock(f, fcntl.LOCK_UN)
+        self.assertIsNone(store_diff(dump(store), before))
+        # Released: the next writer runs (and finds the slide complete).
+        r = run(SMALL + ["-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1 already complete", r.stderr)
+        self.assertIsNone(store_diff(dump(store), before))
+
+    def test_two_concurrent_runs_lose_nothing(self):
+        # Two real slide-tile processes on one store: exactly one writes; the other exits 1.
+        store = self.path("s")
+        args = [CMU, "--mpp", "0.5", "--min-tissue", "0", "--encoding", "raw", "--threads", "1", "-q", "-o", store]
+        p1 = subprocess.Popen([TILE] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(store, "data.mdb")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        r2 = run(args, timeout=60)
+        _, err1 = p1.communicate(timeout=60)
+        codes = sorted([p1.returncode, r2.returncode])
+        if codes == [0, 0]:
+            self.skipTest("the first run finished before the second started (machine too fast to overlap)")
+        self.assertEqual(codes, [0, 1], err1 + r2.stderr)
+        loser = r2.stderr if r2.returncode == 1 else err1
+        self.assertIn("is being written by another process (pid ", loser)
+        j = info(store)
+        self.assertEqual(len(j["slides"]), 1)
+        self.assertEqual(j["tile_count"], j["slides"][0]["tile_count"])
+
+
+class TestHostile(Base):
+    """Issue 20: hostile inputs fail their slide alone, with a message naming the file once."""
+
+    def test_symlink_loop_in_slide_directory(self):  # item 11
+        d = self.path("slides")
+        os.mkdir(d)
+        os.symlink(CMU, os.path.join(d, "cmu.svs"))
+        os.symlink("loop.svs", os.path.join(d, "loop.svs"))
+        os.symlink("other", os.path.join(d, "other"))  # not named like a slide: ignored
+        store = self.path("s")
+        r = run([d, "--mpp", "2.0", "-o", store], timeout=60)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertNotIn("filesystem_error", r.stderr)
+        self.assertRegex(r.stderr, r"loop\s+FAILED\s.*INVALID_ARGUMENT: %s: Too many levels of symbolic links" %
+                         re.escape(os.path.join(d, "loop.svs")))
+        self.assertEqual([s["slide_id"] for s in info(store)["slides"]], ["cmu"])
+        # The loop given directly is the same per-slide failure.
+        r = run([os.path.join(d, "loop.svs"), "--mpp", "2.0", "-o", store], timeout=60)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("symbolic links", r.stderr)
+        self.assertEqual([s["slide_id"] for s in info(store)["slides"]], ["cmu"])
+
+    def test_fifo_named_like_a_slide_is_refused(self):  # item 12
+        d = self.path("slides")
+        os.mkdir(d)
+        fifo = os.path.join(d, "fifo.svs")
+        os.mkfifo(fifo)
+        store = self.path("s")
+        for inputs in ([fifo, CMU], [d, CMU]):
+            # A timeout, not a hang, if the FIFO is opened (nobody ever writes to it).
+            r = run(inputs + ["--mpp", "2.0", "-o", store], timeout=60)
+            self.assertEqual(r.returncode, 3, r.stderr)
+            self.assertRegex(r.stderr, r"fifo\s+FAILED\s.*INVALID_ARGUMENT: %s: is a FIFO, not a slide" %
+                             re.escape(fifo))
+            self.assertNotIn("Interrupted system call", r.stderr)
+        self.assertEqual([s["slide_id"] for s in info(store)["slides"]], ["CMU-1-Small-Region"])
+
+    def test_huge_declared_size_fails_that_slide_alone(self):  # item 8
+        forged = self.path("huge.tif")
+        forged_huge_tiff(forged)
+        self.assertLess(os.path.getsize(forged), 200)
+        store = self.path("s")
+        r = run([forged, CMU, "--mpp", "2.0", "--min-tissue", "0", "--source-mpp", "0.5", "-o", store], timeout=120)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertNotIn("bad_alloc", r.stderr)
+        self.assertRegex(r.stderr, r"huge\s+FAILED\s.*RESOURCE_EXHAUSTED: .*%s: a thumbnail band .*10000000x\d+ px "
+                         r"is larger than the 1024 MiB limit" % re.escape(forged))
+        self.assertIn("1 tiled", r.stderr)
+        j = info(store)
+        self.assertEqual([s["slide_id"] for s in j["slides"]], ["CMU-1-Small-Region"])
+        self.assertEqual(j["tile_count"], j["slides"][0]["tile_count"])
+
+    def test_bad_slide_path_named_once(self):  # item 15
+        bad = self.path("a.svs")
+        shutil.copy(os.path.join(BAD, "unreadable.svs"), bad)
+        r = run([bad, "--mpp", "1.0", "-o", self.path("s")])
+        self.assertEqual(r.returncode, 3, r.stderr)
+        lines = failed_lines(r.stderr)
+        self.assertEqual(len(lines), 2, r.stderr)  # the log record and the summary row
+        for line in lines:
+            self.assertEqual(line.count(bad), 1, line)
+            self.assertRegex(line, r"DATA_LOSS: tissue mask: thumbnail band \(level 0, rows \d+\.\.\d+\): %s: "
+                             r"Bogus marker length" % re.escape(bad))
+
+    def test_corrupt_source_jpeg_tile_is_not_passed_through(self):  # item 3
+        good, corrupt = self.path("good.tif"), self.path("corrupt.tif")
+        jpeg_pyramid(good)
+        jpeg_pyramid(corrupt, corrupt=(2, 1))
+        store = self.path("s")
+        args = ["--mpp", "0.5", "--source-mpp", "0.5", "--min-tissue", "0", "-o", store]
+        # The intact pyramid passes through: the test's slide exercises the pass-through path.
+        r = run([good] + args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = info(store)
+        self.assertTrue(j["slides"][0]["passthrough"])
+        self.assertEqual(j["tile_count"], 16)
+        before = dump(store)
+        r = run([good, corrupt] + args)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertRegex(r.stderr, r"corrupt\s+FAILED\s+0 tiles.*DATA_LOSS: %s: tile \(x0=512, y0=256\): JPEG check: "
+                         r"Corrupt JPEG data" % re.escape(corrupt))
+        for line in failed_lines(r.stderr):
+            self.assertEqual(line.count(corrupt), 1, line)
+        # Nothing of the corrupt slide reached the store (its first tiles were deleted).
+        self.assertIsNone(store_diff(dump(store), before))
+
+
+class TestCorruptStore(Base):
+    """Issue 20: a damaged store is an error naming it, never a crash."""
+
+    def test_truncated_data_mdb(self):  # item 6
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["-o", store]).returncode, 0)
+        cut = self.path("cut")
+        shutil.copytree(store, cut)
+        data = os.path.join(cut, "data.mdb")
+        os.truncate(data, os.path.getsize(data) // 2)
+        with open(data, "rb") as f:
+            cut_bytes = f.read()
+        r = run(["info", cut])
+        self.assertEqual(r.returncode, 1, r.stderr)  # not -SIGBUS
+        self.assertIn("DATA_LOSS: %s is truncated" % data, r.stderr)
+        r = run(["export", cut, "-o", self.path("out")])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("DATA_LOSS: %s is truncated" % data, r.stderr)
+        r = run(SMALL + ["-o", cut])  # the writer checks too, and writes nothing
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("DATA_LOSS: %s is truncated" % data, r.stderr)
+        with open(data, "rb") as f:
+            self.assertEqual(f.read(), cut_bytes)
+
+    def test_export_of_a_forged_raw_tile_header(self):  # item 9
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["--encoding", "raw", "-o", store]).returncode, 0)
+        env = lmdb.open(store, max_dbs=4)
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"tiles", txn=txn, create=False)
+            key = struct.pack(">Q", 1)
+            rec = bytearray(txn.get(key, db=db))
+            struct.pack_into("<II", rec, 32, 100000, 100000)
+            txn.put(key, bytes(rec), db=db)
+        env.close()
+        before = dump(store)
+        out = self.path("out")
+        r = run(["export", store, "-o", out, "--index", "1"], timeout=60)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertNotIn("bad_alloc", r.stderr)
+        self.assertRegex(r.stderr, r"DATA_LOSS: store %s: tile 1: tile record says the tile is 100000x100000 px" %
+                         re.escape(store))
+        self.assertEqual(os.listdir(out) if os.path.isdir(out) else [], [])
+        self.assertIsNone(store_diff(dump(store), before))
+        # The intact tile next to it still exports.
+        r = run(["export", store, "-o", out, "--index", "0"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+
+class TestSettings(Base):
+    """Issue 20, item 5: every option that decides the tiles is recorded and compared on reopen."""
+
+    def test_changed_options_are_refused(self):
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["-o", store]).returncode, 0)
+        before = dump(store)
+        meta = {k.decode(): v.decode() for k, v in before[b"meta"].items()}
+        self.assertEqual(meta["max_tiles_per_slide"], "0")
+        self.assertEqual(meta["passthrough"], "true")
+        self.assertEqual(meta["shard"], "0/1")
+        cases = [(["--max-tiles-per-slide", "3"], "max_tiles_per_slide=0, this run asks 3"),
+                 (["--thumbnail-mpp", "4"], "thumbnail_mpp_um=%s, this run asks 4" % meta["thumbnail_mpp_um"]),
+                 (["--no-passthrough"], "passthrough=true, this run asks false"),
+                 (["--shard", "0/2"], "shard=0/1, this run asks 0/2")]
+        for extra, want in cases:
+            with self.subTest(extra=extra):
+                r = run(SMALL + extra + ["-o", store])
+                self.assertEqual(r.returncode, 1, r.stderr)
+                self.assertIn("FAILED_PRECONDITION: store %s was made with " % store, r.stderr)
+                self.assertIn(want, r.stderr)
+        # All at once: each difference named.
+        r = run(SMALL + ["--max-tiles-per-slide", "3", "--seed", "7", "--no-passthrough", "-o", store])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        for want in ("max_tiles_per_slide=0", "seed=0, this run asks 7", "passthrough=true"):
+            self.assertIn(want, r.stderr)
+        # The seed alone decides nothing without sampling, nor does --source-mpp for a slide that
+        # has its own mpp (it is per slide, kept in each slide record): accepted.
+        r = run(SMALL + ["--seed", "7", "--source-mpp", "0.3", "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIsNone(store_diff(dump(store), before))
+
+    def test_sampled_store_compares_the_seed(self):
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["--max-tiles-per-slide", "3", "--seed", "1", "-o", store]).returncode, 0)
+        self.assertEqual(info(store)["tile_count"], 3)
+        r = run(SMALL + ["--max-tiles-per-slide", "3", "--seed", "2", "-o", store])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("seed=1, this run asks 2", r.stderr)
+
+    def test_store_without_the_new_keys_means_old_defaults(self):
+        store = self.path("s")
+        self.assertEqual(run(SMALL + ["-o", store]).returncode, 0)
+        env = lmdb.open(store, max_dbs=4)
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"meta", txn=txn, create=False)
+            for k in (b"max_tiles_per_slide", b"seed", b"thumbnail_mpp_um", b"passthrough"):
+                self.assertTrue(txn.delete(k, db=db))
+        env.close()
+        before = dump(store)
+        r = run(SMALL + ["-o", store])  # the defaults: accepted, nothing written
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1 already complete", r.stderr)
+        self.assertIsNone(store_diff(dump(store), before))
+        r = run(SMALL + ["--max-tiles-per-slide", "3", "-o", store])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("max_tiles_per_slide=0, this run asks 3", r.stderr)
+
+
+class TestFileNames(Base):
+    """Issue 22 part 3: QC pictures and exports are named by slide_file_stem and stay in their folders."""
+
+    def test_hostile_slide_ids(self):
+        work = self.path("work")
+        os.makedirs(os.path.join(work, "a", "b"))
+        csv = os.path.join(work, "a", "b", "m.csv")
+        long_id = "L" * 300
+        with open(csv, "w") as f:
+            f.write("slide_id,path\n../../x,%s\n%s,%s\n" % (CMU, long_id, CMU))
+        store, qc, out = (os.path.join(work, "a", "b", n) for n in ("store", "qc", "out"))
+        r = run(["--manifest", csv, "--mpp", "2.0", "--min-tissue", "0", "-o", store, "--qc-dir", qc, "-q"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(s["slide_id"] for s in info(store)["slides"]), sorted(["../../x", long_id]))
+        r = run(["export", store, "-o", out, "--slide", "../../x", "--slide", long_id, "--limit", "1"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        stem_x, stem_long = slide_file_stem("../../x"), slide_file_stem(long_id)
+        self.assertTrue(stem_x.startswith("_._.._x~"), stem_x)
+        self.assertLessEqual(len(stem_long), 200)
+        self.assertEqual(sorted(os.listdir(qc)), sorted([stem_x + ".png", stem_long + ".png"]))
+        exported = sorted(os.listdir(out))
+        self.assertEqual(len(exported), 2)
+        self.assertTrue(any(n.startswith(stem_x + "_t") for n in exported), exported)
+        self.assertTrue(any(n.startswith(stem_long + "_t") for n in exported), exported)
+        # Nothing anywhere else: every file of the temp tree is the manifest or inside store/qc/out.
+        allowed = (store + os.sep, qc + os.sep, out + os.sep)
+        for root, _, files in os.walk(self.tmp):
+            for name in files:
+                p = os.path.join(root, name)
+                self.assertTrue(p == csv or p.startswith(allowed), "written outside its folder: " + p)
 
 
 if __name__ == "__main__":

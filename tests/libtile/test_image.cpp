@@ -121,6 +121,32 @@ TEST_CASE("test_image: JPEG errors") {
   CHECK(slide::tile::encode_jpeg(img.pixels.data(), 0, 64, 90).status().code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("test_image: validate_jpeg finds corrupt entropy-coded data and size mismatches") {
+  RgbImage img(64, 64);
+  for (size_t i = 0; i < img.pixels.size(); ++i) img.pixels[i] = static_cast<uint8_t>((i * 7) % 251);
+  auto enc = slide::tile::encode_jpeg(img.pixels.data(), 64, 64, 90);
+  REQUIRE(enc.ok());
+  CHECK(slide::tile::validate_jpeg(*enc, 64, 64).ok());
+  auto wrong_size = slide::tile::validate_jpeg(*enc, 64, 32);
+  CHECK(wrong_size.code() == StatusCode::kDataLoss);
+  CHECK_MESSAGE(wrong_size.message().find("64x64 px, expected 64x32") != std::string::npos, wrong_size.message());
+  // Zeroed bytes in the middle of the scan: libjpeg only warns ("Corrupt JPEG data: ...").
+  size_t sos = 0;
+  for (size_t i = 0; i + 1 < enc->size(); ++i)
+    if ((*enc)[i] == 0xFF && (*enc)[i + 1] == 0xDA) sos = i;
+  REQUIRE(sos > 0);
+  std::vector<uint8_t> corrupt = *enc;
+  const size_t mid = sos + (corrupt.size() - sos) / 2;
+  std::fill(corrupt.begin() + static_cast<long>(mid), corrupt.begin() + static_cast<long>(mid + 64), 0);
+  auto c = slide::tile::validate_jpeg(corrupt, 64, 64);
+  CHECK(c.code() == StatusCode::kDataLoss);
+  CHECK_MESSAGE(c.message().find("JPEG check: Corrupt JPEG data") != std::string::npos, c.message());
+  std::vector<uint8_t> cut(enc->begin(), enc->begin() + static_cast<long>(enc->size() / 2));
+  CHECK(slide::tile::validate_jpeg(cut, 64, 64).code() == StatusCode::kDataLoss);
+  CHECK(slide::tile::validate_jpeg(std::span<const uint8_t>(), 64, 64).code() == StatusCode::kDataLoss);
+  CHECK(slide::tile::validate_jpeg(*enc, 64, 64).ok());  // the handle survives the failures
+}
+
 TEST_CASE("test_image: PNG round trip is exact; corrupt PNG is data loss") {
   RgbImage img(37, 23);
   for (size_t i = 0; i < img.pixels.size(); ++i) img.pixels[i] = static_cast<uint8_t>((i * 131 + i / 7) % 256);

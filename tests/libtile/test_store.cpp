@@ -164,7 +164,9 @@ TEST_CASE("test_store: tile record round trip and byte layout") {
   h.height = 224;
   h.channels = 3;
   h.encoding = TileEncoding::kRawRgb;
-  const std::vector<uint8_t> payload = {9, 8, 7, 6, 5};
+  // A raw payload is exactly width * height * 3 bytes (decode_tile_record checks it).
+  std::vector<uint8_t> payload(256 * 224 * 3, 0);
+  for (uint8_t i = 0; i < 5; ++i) payload[i] = static_cast<uint8_t>(9 - i);
   std::vector<uint8_t> rec = {0xAA};  // encode appends
   encode_tile_record(h, payload, &rec);
   REQUIRE(rec.size() == 1 + kTileHeaderBytes + payload.size());
@@ -187,7 +189,9 @@ TEST_CASE("test_store: tile record round trip and byte layout") {
   CHECK(p[41] == 0);  // raw
   CHECK(p[42] == 0);
   CHECK(p[43] == 0);
-  CHECK(p[44] == 5);  // payload bytes
+  CHECK(p[44] == 0x00);  // payload bytes 172032 = 0x2A000, LE
+  CHECK(p[45] == 0xA0);
+  CHECK(p[46] == 0x02);
   CHECK(p[48] == 9);  // payload at 48
   CHECK(p[52] == 5);
 
@@ -202,7 +206,7 @@ TEST_CASE("test_store: tile record round trip and byte layout") {
   CHECK(back.height == 224);
   CHECK(back.channels == 3);
   CHECK(back.encoding == TileEncoding::kRawRgb);
-  CHECK(back.payload_bytes == 5);
+  CHECK(back.payload_bytes == payload.size());
   CHECK(std::vector<uint8_t>(body.begin(), body.end()) == payload);
 
   // A hand-built header decodes to the documented fields.
@@ -265,6 +269,26 @@ TEST_CASE("test_store: corrupt tile records are DataLoss") {
   auto longer = good;
   longer.push_back(0);
   expect(longer, "payload");
+  // Size fields are checked before anyone allocates from them (issue 20, item 9).
+  auto huge = good;
+  huge[32] = 0xA0;  // width 100000 = 0x186A0
+  huge[33] = 0x86;
+  huge[34] = 0x01;
+  expect(huge, "100000x64 px");
+  auto zero = good;
+  zero[36] = 0;  // height 0
+  expect(zero, "64x0 px");
+  auto channels = good;
+  channels[40] = 4;
+  expect(channels, "4 channels");
+  TileHeader raw = tile_at(0, 0);
+  raw.width = raw.height = 4;
+  raw.encoding = TileEncoding::kRawRgb;
+  std::vector<uint8_t> raw_ok, raw_bad;
+  encode_tile_record(raw, make_payload(2, 4 * 4 * 3), &raw_ok);
+  CHECK(decode_tile_record(raw_ok, &h, &body).ok());
+  encode_tile_record(raw, make_payload(2, 4 * 4 * 3 - 1), &raw_bad);
+  expect(raw_bad, "4x4x3 = 48 bytes but its payload is 47 bytes");
 }
 
 TEST_CASE("test_store: slide record JSON round trip and errors") {
@@ -423,7 +447,6 @@ TEST_CASE("test_store: a killed run's partial slide is removed and redone identi
   {
     StoreMeta resumed = test_meta();
     resumed.command_line = "slide-tile --resume";  // the stored command line is kept
-    resumed.shard = "0/1";
     resumed.label_names = {};
     auto w = StoreWriter::open(killed, resumed, opt);
     REQUIRE_MESSAGE(w.ok(), w.status().to_string());
@@ -540,6 +563,86 @@ TEST_CASE("test_store: reopening with different settings is FailedPrecondition")
   CHECK(w.status().message().find("format version 2") != std::string::npos);
   auto r = StoreReader::open(dir);
   CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("test_store: one writer at a time; readers need no lock") {
+  TempDir tmp;
+  const std::string dir = tmp.str();
+  auto w = StoreWriter::open(dir, test_meta());
+  REQUIRE(w.ok());
+  add_slide(**w, "a", 3, 1);
+  REQUIRE((*w)->flush().ok());
+  auto second = StoreWriter::open(dir, test_meta());
+  REQUIRE_FALSE(second.ok());
+  CHECK(second.status().code() == StatusCode::kUnavailable);
+  const std::string msg = second.status().message();
+  CHECK_MESSAGE(msg.find("store " + dir + " is being written by another process (pid " +
+                         std::to_string(getpid())) != std::string::npos, msg);
+  auto r = StoreReader::open(dir);  // beside the writer and its writer.lock
+  REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+  CHECK((*r)->tile_count() == 3);
+  REQUIRE((*w)->close().ok());  // releases the lock
+  auto third = StoreWriter::open(dir, test_meta());
+  CHECK_MESSAGE(third.ok(), third.status().to_string());
+}
+
+TEST_CASE("test_store: every tile-deciding setting round-trips and is compared") {
+  TempDir tmp;
+  const std::string dir = tmp.str();
+  StoreMeta m = test_meta();
+  m.max_tiles_per_slide = 100;
+  m.seed = 18446744073709551615ull;
+  m.thumbnail_mpp_um = 4.5;
+  m.passthrough = false;
+  {
+    auto w = StoreWriter::open(dir, m);
+    REQUIRE(w.ok());
+    REQUIRE((*w)->close().ok());
+  }
+  {
+    auto r = StoreReader::open(dir);
+    REQUIRE(r.ok());
+    const StoreMeta& back = (*r)->meta();
+    CHECK(back.max_tiles_per_slide == 100);
+    CHECK(back.seed == 18446744073709551615ull);
+    CHECK(back.thumbnail_mpp_um == 4.5);
+    CHECK_FALSE(back.passthrough);
+  }
+  StoreMeta other = m;
+  other.max_tiles_per_slide = 0;
+  other.seed = 1;
+  other.thumbnail_mpp_um = 8;
+  other.passthrough = true;
+  other.shard = "0/1";
+  auto w = StoreWriter::open(dir, other);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.status().code() == StatusCode::kFailedPrecondition);
+  const std::string& msg = w.status().message();
+  for (const char* want : {"max_tiles_per_slide=100, this run asks 0", "seed=18446744073709551615, this run asks 1",
+                           "thumbnail_mpp_um=4.5, this run asks 8", "passthrough=false, this run asks true",
+                           "shard=1/3, this run asks 0/1"})
+    CHECK_MESSAGE(msg.find(want) != std::string::npos, msg);
+}
+
+TEST_CASE("test_store: a truncated data.mdb is DataLoss at open, not SIGBUS later") {
+  TempDir tmp;
+  const std::string dir = tmp.str("s");
+  {
+    auto w = StoreWriter::open(dir, test_meta());
+    REQUIRE(w.ok());
+    for (int i = 0; i < 8; ++i) add_slide(**w, "s" + std::to_string(i), 20, static_cast<uint64_t>(i));
+    REQUIRE((*w)->close().ok());
+  }
+  const std::string data = dir + "/data.mdb";
+  fs::resize_file(data, fs::file_size(data) / 2);
+  auto r = StoreReader::open(dir);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == StatusCode::kDataLoss);
+  CHECK_MESSAGE(r.status().message().find(data + " is truncated") != std::string::npos, r.status().message());
+  auto w = StoreWriter::open(dir, test_meta());
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.status().code() == StatusCode::kDataLoss);
+  CHECK_MESSAGE(w.status().message().find(data + " is truncated") != std::string::npos, w.status().message());
 }
 
 TEST_CASE("test_store: the map grows from 64 KiB on MDB_MAP_FULL") {

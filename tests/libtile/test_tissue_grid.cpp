@@ -252,6 +252,17 @@ TEST_CASE("test_tissue_grid: detect_tissue on the fake slide finds the disk") {
   CHECK(f->tissue_fraction() == doctest::Approx(0.245).epsilon(0.02));
 }
 
+TEST_CASE("test_tissue_grid: plan_tiles refuses a grid too large to hold") {
+  SlideProperties p = fake_props();
+  p.levels.resize(1);
+  p.levels[0].width = p.levels[0].height = 10000000;  // a forged header: 10^7 x 10^7 px
+  auto plan = slide::tile::plan_tiles(p, 0.25, nullptr, grid(0.25, 256));
+  REQUIRE_FALSE(plan.ok());
+  CHECK(plan.status().code() == slide::core::StatusCode::kResourceExhausted);
+  CHECK_MESSAGE(plan.status().message().find("the tile grid is 39062 x 39062 positions") != std::string::npos,
+                plan.status().message());
+}
+
 TEST_CASE("test_tissue_grid: plan_tiles geometry") {
   const SlideProperties p = fake_props();
   {  // 0.25 -> 0.5: s = 2, level 1 read as is, output 500 x 400, 5 x 4 tiles

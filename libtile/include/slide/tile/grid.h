@@ -60,7 +60,8 @@ struct TilePlan {
 // tile has tissue fraction 1). Errors: kInvalidArgument when the options are out of range (tile
 // size < 8 or > 8192, stride < 1, mpp <= 0, min_tissue outside [0, 1]) or when the target is
 // finer than level 0 by more than 2% (upsampling is refused: "target 0.25 µm/px is finer than
-// level 0 (0.499 µm/px)").
+// level 0 (0.499 µm/px)"); kResourceExhausted when the grid has more than 2^26 positions
+// (cols x rows; a forged slide size or a tiny stride), before anything is allocated for them.
 [[nodiscard]] Result<TilePlan> plan_tiles(const SlideProperties& slide, double mpp_um, const TissueMask* tissue,
                                           const GridOptions& options);
 

@@ -34,6 +34,14 @@ struct RgbImage {
 // Decodes a JPEG stream to RGB. Errors: kDataLoss with libjpeg-turbo's message (corrupt data).
 [[nodiscard]] Result<RgbImage> decode_jpeg(std::span<const uint8_t> jpeg);
 
+// Checks that a JPEG stream decodes cleanly, without keeping the pixels: its header says
+// expect_width x expect_height px, and its entropy-coded data decodes with no error and no
+// warning (libjpeg's "Corrupt JPEG data: ..." and "Premature end of JPEG file" are warnings that
+// would otherwise yield a grey-padded or garbled image with success). Decodes at 1/8 scale into a
+// per-thread scratch buffer: every coefficient is still entropy-decoded, the IDCT is DC-only.
+// Thread-safe. Errors: kDataLoss "JPEG check: <libjpeg-turbo's message>" or the size mismatch.
+[[nodiscard]] Status validate_jpeg(std::span<const uint8_t> jpeg, int64_t expect_width, int64_t expect_height);
+
 // Encodes RGB as an 8-bit PNG. Errors: kInternal.
 [[nodiscard]] Result<std::vector<uint8_t>> encode_png(const RgbImage& image);
 

@@ -10,7 +10,10 @@
 // Failure isolation: any error of one slide (corrupt, unreadable, missing mpp, zero tiles is not
 // an error but is reported) aborts that slide's tiles, is recorded in the summary, and the run
 // goes on. Errors of the store itself (disk full, unwritable) end the run: what was committed
-// stays readable.
+// stays readable. A tile that cannot be read is such an error, pass-through included: every
+// copied source JPEG tile is first checked to decode cleanly (validate_jpeg: its size, and no
+// libjpeg warning such as "Corrupt JPEG data"), and a corrupt one fails its slide, naming the
+// tile's level-0 (x0, y0), exactly as a tile whose pixels cannot be decoded does.
 #pragma once
 
 #include <atomic>
@@ -34,14 +37,17 @@ struct SlideInput {
 
 // Expands inputs into slides, in a deterministic order:
 // - a file: one slide, id = file name without its extension;
-// - a directory: every file in it (not recursive) whose extension is a slide format
-//   (.svs .tif .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif .czi is not OpenSlide 3.4),
-//   sorted by name;
+// - a directory: every entry in it (not recursive) that is not a directory and whose extension
+//   is a slide format (.svs .tif .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif; .czi is not
+//   OpenSlide 3.4), sorted by name; entries that are not regular files (FIFOs, sockets, symlink
+//   loops, dangling links) are listed too, so that they fail as slides, named in the summary;
 // - manifests: CSV with a header line `slide_id,path[,label]` (paths relative to the CSV's
 //   directory), in file order;
 // - patch folders: DIR/<class>/*.{jpg,jpeg,png,tif,tiff}, classes and files sorted by name, id
 //   "<class>/<file stem>", label = class.
-// Errors: kNotFound (a path that does not exist), kInvalidArgument (bad CSV line, with the line
+// Never throws (std::filesystem's error_code overloads throughout).
+// Errors: kNotFound (a path that does not exist), errno's code for a directory that cannot be
+// listed, naming it; kInvalidArgument (bad CSV line, with the line
 // number; duplicate slide ids, naming both paths; an empty input list).
 [[nodiscard]] Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& paths,
                                                              const std::vector<std::string>& manifests,
@@ -57,7 +63,7 @@ struct TileJobOptions {
   int threads = 2;            // read + encode workers
   int shard_index = 0;        // this run writes slides k with k % shard_count == shard_index
   int shard_count = 1;
-  std::string qc_dir;         // "" = no QC pictures
+  std::string qc_dir;         // "" = no QC pictures; else <qc_dir>/<slide_file_stem(slide id)>.png
   size_t tiles_per_txn = 256;
   std::string command_line;
   bool progress = true;
@@ -96,7 +102,12 @@ struct RunSummary {
 
 // Runs the job into the store at `store_dir` (created or resumed). Returns the summary; a
 // non-OK Result only for errors that end the whole run (the store cannot be opened or written:
-// kPermissionDenied, kResourceExhausted, kFailedPrecondition for a settings mismatch, ...).
+// kPermissionDenied, kResourceExhausted, kFailedPrecondition when any setting recorded in the
+// store's meta differs (StoreWriter::open), kUnavailable when another process is writing the
+// store, ...). Per slide, anything that is not a regular file (a FIFO, socket, device, symlink
+// loop) fails that slide before it is opened, and an allocation failure while tiling a slide
+// fails that slide with kResourceExhausted; the run goes on. A failed slide's error names its
+// path once.
 [[nodiscard]] Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::string& store_dir,
                                             const TileJobOptions& options);
 

@@ -80,11 +80,19 @@ class SlideReader {
   [[nodiscard]] virtual Result<std::vector<uint8_t>> read_raw_jpeg_tile(int level, int64_t col, int64_t row) const;
 };
 
+// OK when `path` (symlinks followed) is a regular file. Reading a FIFO would wait for a writer
+// forever, and a device or socket is never a slide, so every reader checks this before it opens
+// anything. Errors, naming the path: kInvalidArgument ("is a FIFO, not a slide ..."; likewise a
+// directory, socket or device; and a symlink loop), else stat(2)'s errno (kNotFound,
+// kPermissionDenied, ...).
+[[nodiscard]] Status check_regular_file(const std::string& path);
+
 // Opens a slide: OpenSlide first (every format it detects), then libtiff for TIFFs that OpenSlide
 // does not recognise. Errors, each naming the path: kNotFound (no such file), kPermissionDenied,
 // kInvalidArgument (neither OpenSlide nor libtiff recognises the file: "not a slide OpenSlide or
 // libtiff can read"), kDataLoss (recognised but corrupt, e.g. OpenSlide's "Unsupported TIFF
-// compression: 52479").
+// compression: 52479"). A path that is not a regular file (check_regular_file) is
+// kInvalidArgument before anything opens it.
 [[nodiscard]] Result<std::unique_ptr<SlideReader>> open_slide(const std::string& path);
 
 }  // namespace slide::tile

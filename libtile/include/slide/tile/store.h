@@ -1,9 +1,20 @@
 // The LMDB tile store: one LMDB environment (a directory holding data.mdb and lock.mdb) with three
-// named databases. Written by one process (StoreWriter); read by many, lock-free (StoreReader).
+// named databases. Written by one process (StoreWriter), which holds the flock(2) of
+// <store>/writer.lock (slide::core::DirLock) for its whole life; read by many, lock-free
+// (StoreReader). writer.lock is not part of the data: readers ignore it, and copying a store
+// without it is fine.
 //
 //   meta   : UTF-8 key -> UTF-8 value. Keys: format_version ("1"), tile_size_px, stride_px,
 //            target_mpp_um, encoding ("jpeg" | "raw"), jpeg_quality, min_tissue, shard ("i/N"),
-//            command_line, label_names (JSON array; label index i is label_names[i]).
+//            max_tiles_per_slide (0 = all), seed, thumbnail_mpp_um (the tissue thumbnail's
+//            resolution, resolved), passthrough ("true" | "false"), command_line, label_names
+//            (JSON array; label index i is label_names[i]). Every key but command_line and
+//            label_names is a setting that decides which tiles the store holds; a writer
+//            reopening the store must ask for the same ones (StoreWriter::open). --source-mpp is
+//            not among them: it applies per slide and each slide record keeps the mpp it used.
+//            Stores written before max_tiles_per_slide .. passthrough existed lack them: a missing
+//            key means the default of that time (0, 0, auto_thumbnail_mpp of the stored tile
+//            size and target mpp, "true"), and a missing shard means "0/1".
 //   slides : slide id (UTF-8) -> slide record, a JSON object (SlideRecord below). A record is
 //            written in the same transaction as the slide's last tiles: a slide without a record
 //            is not in the store, and a rerun deletes its leftover tiles and redoes it.
@@ -46,6 +57,9 @@ enum class TileEncoding : uint8_t { kRawRgb = 0, kJpeg = 1 };
 inline constexpr size_t kTileHeaderBytes = 48;
 inline constexpr uint16_t kTileRecordVersion = 1;
 inline constexpr int kStoreFormatVersion = 1;
+// The largest tile side a record may declare (twice slide-tile's --tile-size limit), so that a
+// corrupt header cannot size a reader's buffer.
+inline constexpr uint32_t kMaxTileSidePx = 16384;
 
 struct TileHeader {
   uint32_t slide_index = 0;
@@ -63,8 +77,11 @@ struct TileHeader {
 void write_tile_header(const TileHeader& header, uint8_t* out);
 // Appends header + payload to `out` (header.payload_bytes is set from payload.size()).
 void encode_tile_record(TileHeader header, std::span<const uint8_t> payload, std::vector<uint8_t>* out);
-// Parses a record; `payload` points into `record`. Errors: kDataLoss (short record, bad magic,
-// unknown version or encoding, payload size mismatch), with what is wrong.
+// Parses a record; `payload` points into `record`. Validates the header against the payload before
+// anything is sized from it: channels must be 3, width and height 1..kMaxTileSidePx, and a raw
+// tile's payload exactly width * height * channels bytes. Errors: kDataLoss (short record, bad
+// magic, unknown version or encoding, payload size mismatch, a size field out of range), with
+// what is wrong.
 [[nodiscard]] Status decode_tile_record(std::span<const uint8_t> record, TileHeader* header,
                                         std::span<const uint8_t>* payload);
 
@@ -77,6 +94,10 @@ struct StoreMeta {
   int jpeg_quality = 90;
   double min_tissue = 0.5;
   std::string shard = "0/1";
+  int64_t max_tiles_per_slide = 0;  // GridOptions::max_tiles (0 = all)
+  uint64_t seed = 0;                // GridOptions::seed
+  double thumbnail_mpp_um = 0;      // tissue thumbnail resolution (µm/px) after auto_thumbnail_mpp
+  bool passthrough = true;          // TileJobOptions::passthrough (only compared for JPEG stores)
   std::string command_line;
   std::vector<std::string> label_names;
 };
@@ -123,11 +144,18 @@ struct StoreWriterOptions {
 class StoreWriter {
  public:
   // Opens or creates the store at `dir` (created if missing). For an existing store, the meta in
-  // it must agree with `meta` on tile size, stride, target mpp, encoding, JPEG quality and
-  // min_tissue, else kFailedPrecondition listing each difference; label names are taken from the
+  // it must agree with `meta` on every setting that decides the tiles: tile size, stride, target
+  // mpp, encoding, JPEG quality, min_tissue, shard, max_tiles_per_slide, seed (only when either
+  // side samples: max_tiles_per_slide > 0), thumbnail_mpp_um, passthrough (only when both are
+  // JPEG stores), else kFailedPrecondition listing each difference as
+  // "key=stored, this run asks asked"; label names and the command line are taken from the
   // store. Tiles past the last complete slide (a killed run's partial slide) are deleted, and
-  // their count logged. Errors also: kPermissionDenied / kNotFound (unwritable directory),
-  // kResourceExhausted (disk full), kDataLoss (not an LMDB store or an unreadable record),
+  // their count logged. The writer takes the store's single-writer lock (<dir>/writer.lock)
+  // before it opens or changes anything and holds it until close() or its destruction; a second
+  // writer fails at once with kUnavailable, naming the store and the holder's pid.
+  // Errors also: kPermissionDenied / kNotFound (unwritable directory),
+  // kResourceExhausted (disk full), kDataLoss (not an LMDB store, a truncated data.mdb, or an
+  // unreadable record),
   // kFailedPrecondition (a newer format version).
   [[nodiscard]] static Result<std::unique_ptr<StoreWriter>> open(const std::string& dir, const StoreMeta& meta,
                                                                  const StoreWriterOptions& options = {});
@@ -173,7 +201,9 @@ class StoreWriter {
 class StoreReader {
  public:
   // Errors: kNotFound (no store at dir), kDataLoss (not a slidestream store: missing databases
-  // or meta), kFailedPrecondition (newer format version). Works on read-only directories.
+  // or meta; data.mdb shorter than the pages its meta page references, e.g. a truncated copy,
+  // found before any data page is read, so never a SIGBUS), kFailedPrecondition (newer format
+  // version). Works on read-only directories.
   [[nodiscard]] static Result<std::unique_ptr<StoreReader>> open(const std::string& dir);
   ~StoreReader();
 

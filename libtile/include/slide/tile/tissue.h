@@ -49,7 +49,10 @@ struct TissueMask {
 // Builds a thumbnail of `slide` whose level-0 downsample is at least `downsample` (box filter,
 // bounded memory as above). With a pool, bands are read on its threads and this one (memory:
 // one band per thread); the result does not depend on it. The pool must not be running tasks
-// that wait on this call. Errors: those of SlideReader::read_level_region, with context.
+// that wait on this call. Errors: those of SlideReader::read_level_region (which name the slide)
+// with the band as context; kResourceExhausted naming the slide when the thumbnail or one band
+// of level pixels (3 * level width * (ceil(level rows per thumbnail row) + 1) bytes at least)
+// would exceed 1 GiB (a forged or corrupt header), or when an allocation fails.
 [[nodiscard]] Result<RgbImage> make_thumbnail(const SlideReader& slide, double downsample, double* actual_downsample_x,
                                               double* actual_downsample_y, core::ThreadPool* pool = nullptr);
 

@@ -1,5 +1,7 @@
 #include "slide/tile/pipeline.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -46,6 +48,10 @@ bool is_patch_extension(const std::string& ext) {
 }
 
 Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
+  // A FIFO or device named as the manifest would block the open below forever.
+  struct stat st {};
+  if (::stat(csv.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    return slide::core::invalid_argument("manifest " + csv + ": not a regular file (a FIFO, device or directory)");
   std::ifstream in(csv);
   if (!in) return slide::core::errno_status(errno, "open manifest " + csv);
   std::string line;

@@ -695,6 +695,12 @@ class TestHostile(Base):
                              re.escape(fifo))
             self.assertNotIn("Interrupted system call", r.stderr)
         self.assertEqual([s["slide_id"] for s in info(store)["slides"]], ["CMU-1-Small-Region"])
+        manifest = self.path("manifest.csv")
+        os.mkfifo(manifest)
+        r = run(["--manifest", manifest, "--mpp", "2.0", "-o", store], timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("manifest %s: not a regular file" % manifest, r.stderr)
+        self.assertEqual([s["slide_id"] for s in info(store)["slides"]], ["CMU-1-Small-Region"])
 
     def test_huge_declared_size_fails_that_slide_alone(self):  # item 8
         forged = self.path("huge.tif")

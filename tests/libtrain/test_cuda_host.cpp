@@ -6,12 +6,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
+#include <string>
 #include <unordered_set>
 
 #include "../../libtrain/src/cuda/conv_plan.h"
 #include "../../libtrain/src/kernels/launch.h"
 #include "slide/train/backend.h"
 #include "slide/train/caching_allocator.h"
+#include "slide/train/device_select.h"
+#include "slide/train/loss_scaler.h"
 
 using namespace slide::train;
 using slide::core::StatusCode;
@@ -133,4 +136,76 @@ TEST_CASE("Backend::upload / download: host backends copy bytes and refuse misma
   Status s = (*be)->upload(*wrong, *dev);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK(s.message().find("upload") != std::string::npos);
+}
+
+TEST_CASE("LossScaler: GradScaler's rules (2^16 start, halve and skip on inf/NaN, double after 2000 good steps)") {
+  auto made = LossScaler::make({});
+  REQUIRE(made.ok());
+  LossScaler s = *made;
+  CHECK(s.scale() == 65536.0);
+  CHECK(s.inv_scale() == 1.0 / 65536.0);
+  for (int i = 0; i < 1999; ++i) CHECK(s.update(false));
+  CHECK(s.scale() == 65536.0);
+  CHECK(s.growth_tracker() == 1999);
+  CHECK(s.update(false));  // the 2000th good step grows the scale
+  CHECK(s.scale() == 131072.0);
+  CHECK(s.growth_tracker() == 0);
+  for (int i = 0; i < 10; ++i) s.update(false);
+  CHECK_FALSE(s.update(true));  // inf: skip, halve, reset the tracker
+  CHECK(s.scale() == 65536.0);
+  CHECK(s.growth_tracker() == 0);
+  CHECK(s.skipped_steps() == 1);
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 32768.0);
+  // Growth stops where the scale would overflow to inf.
+  s.restore(1.5e308, 1999);
+  CHECK(s.update(false));
+  CHECK(s.scale() == 1.5e308);
+  // A resumed scaler continues where it stopped.
+  LossScaler r = *LossScaler::make({});
+  r.restore(1024.0, 1998);
+  r.update(false);
+  r.update(false);
+  CHECK(r.scale() == 2048.0);
+}
+
+TEST_CASE("LossScaler: disabled (FP32, BF16) has scale 1 and reports non-finite steps; bad options refused") {
+  LossScalerOptions off;
+  off.enabled = false;
+  LossScaler s = *LossScaler::make(off);
+  CHECK(s.scale() == 1.0);
+  CHECK(s.update(false));
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 1.0);
+  for (auto bad : {LossScalerOptions{true, 0.0}, LossScalerOptions{true, 65536, 1.0}, LossScalerOptions{true, 65536, 2, 1.5},
+                   LossScalerOptions{true, 65536, 2, 0.5, 0}}) {
+    auto r = LossScaler::make(bad);
+    CHECK(r.status().code() == StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("select_device: --device, else the launcher's node-local rank, else 0; refuses sharing a GPU") {
+  std::unordered_map<std::string, std::string> env;
+  auto getenv_fn = [&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  CHECK(*select_device(-1, 8, getenv_fn) == 0);
+  CHECK(*select_device(3, 8, getenv_fn) == 3);
+  env["SLURM_LOCALID"] = "5";
+  CHECK(*select_device(-1, 8, getenv_fn) == 5);
+  env["OMPI_COMM_WORLD_LOCAL_RANK"] = "2";  // Open MPI's variable comes first
+  CHECK(*select_device(-1, 8, getenv_fn) == 2);
+  CHECK(*select_device(7, 8, getenv_fn) == 7);  // --device overrides the launcher
+  auto over = select_device(-1, 2, getenv_fn);
+  CHECK(over.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(over.status().message().find("node-local rank 2 but this node shows 2 GPU(s)") != std::string::npos);
+  auto bad_flag = select_device(8, 8, getenv_fn);
+  CHECK(bad_flag.status().code() == StatusCode::kInvalidArgument);
+  CHECK(select_device(-1, 0, getenv_fn).status().code() == StatusCode::kUnavailable);
+  env.clear();
+  env["LOCAL_RANK"] = "x1";
+  auto garbage = select_device(-1, 8, getenv_fn);
+  CHECK(garbage.status().code() == StatusCode::kInvalidArgument);
+  CHECK(garbage.status().message().find("LOCAL_RANK='x1'") != std::string::npos);
 }

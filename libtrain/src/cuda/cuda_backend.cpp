@@ -596,6 +596,9 @@ class CudaBackend final : public Backend {
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
   SLIDE_ASSIGN_OR_RETURN(DeviceState * st, device_state(device));
+  // Kernels launch on the calling thread's current device: the thread that makes the backend is
+  // the one that calls its ops (one process per GPU, as the data-parallel design has it).
+  SLIDE_CUDA_CHECK(cudaSetDevice(device));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(st));
 }
 

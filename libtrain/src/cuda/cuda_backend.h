@@ -20,7 +20,9 @@
 // device, created on first use and kept for the life of the process (tensors may outlive any one
 // Backend object). Every kernel and library call is queued on that stream, so device memory can be
 // reused in stream order (caching_allocator.h). Calls that return a number to the host (the loss,
-// a label check, download) synchronise the stream.
+// a label check, download) synchronise the stream. Threads: one thread calls a device's ops (the
+// one that made the backend, whose current device make_cuda_backend sets); cuDNN and cuBLAS
+// handles are not shared across threads.
 #pragma once
 
 #include <memory>

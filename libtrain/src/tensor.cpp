@@ -85,6 +85,25 @@ Result<Tensor> Tensor::clone(const std::string& what) const {
   return t;
 }
 
+Result<Tensor> Tensor::view(int64_t offset, const Shape& shape) const {
+  int64_t n = 1;
+  for (int64_t e : shape) {
+    if (e < 0) return slide::core::invalid_argument("view " + shape_string(shape) + ": negative extent");
+    if (e != 0 && n > numel_ / e + 1) n = numel_ + 1;  // saturate: larger than this tensor anyway
+    else n *= e;
+  }
+  if (offset < 0 || n > numel_ || offset > numel_ - n)
+    return slide::core::invalid_argument("view of " + shape_string(shape) + " at element " + std::to_string(offset) +
+                                         " does not fit in a tensor of " + shape_string(shape_));
+  if (layout_ != Layout::kPlain)
+    return slide::core::invalid_argument("view of a tensor in the " + std::string(layout_name(layout_)) + " layout");
+  Tensor t = *this;
+  t.shape_ = shape;
+  t.numel_ = n;
+  t.offset_bytes_ = offset_bytes_ + static_cast<size_t>(offset) * dtype_size(dtype_);
+  return t;
+}
+
 Status Tensor::set_layout(Layout layout) {
   const int64_t block = layout == Layout::kNChw8c ? 8 : layout == Layout::kNChw16c ? 16 : 1;
   if (block > 1 && (rank() != 4 || dim(1) % block != 0))

@@ -79,5 +79,17 @@ TEST_CASE("gradient buckets: reverse parameter order, capped size, the stop flag
   CHECK_FALSE(*many->all_reduce(*comm, false));
   for (Parameter* p : params)
     for (int64_t k = 0; k < p->grad.numel(); ++k) REQUIRE(p->grad.data<float>()[k] == static_cast<float>(k % 5));
+  // The gradients now live in the last buffer made: views of one allocation, backward-order
+  // adjacent (no copies in or out of the all-reduce).
+  for (Parameter* p : params) CHECK(p->grad.shares_storage(params.front()->grad));
+  const Parameter* last = params.back();
+  const Parameter* before_last = params[params.size() - 2];
+  CHECK(before_last->grad.data<float>() == last->grad.data<float>() + last->grad.numel());
+  // A gradient replaced behind the buckets' back is refused, not silently left out of the sum.
+  Tensor saved = params.front()->grad;
+  params.front()->grad = *saved.clone();
+  auto refused = many->all_reduce(*comm, false);
+  CHECK(refused.status().code() == slide::core::StatusCode::kFailedPrecondition);
+  params.front()->grad = saved;
   CHECK(GradientBuckets::make(params, cpu_allocator(), 2).status().code() == slide::core::StatusCode::kInvalidArgument);
 }

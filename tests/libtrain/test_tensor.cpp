@@ -65,3 +65,31 @@ TEST_CASE("parse_bytes: binary units") {
   CHECK(parse_bytes("3X").status().code() == StatusCode::kInvalidArgument);
   CHECK(parse_bytes("-1G").status().code() == StatusCode::kInvalidArgument);
 }
+
+TEST_CASE("tensor: view is a window of another tensor's storage; out-of-range views refused") {
+  auto flat = Tensor::zeros({10}, DType::kF32, cpu_allocator(), "flat");
+  REQUIRE(flat.ok());
+  auto v = flat->view(4, {2, 3});
+  REQUIRE(v.ok());
+  CHECK(v->numel() == 6);
+  CHECK(v->shape() == Shape{2, 3});
+  CHECK(v->data<float>() == flat->data<float>() + 4);
+  CHECK(v->shares_storage(*flat));
+  v->data<float>()[5] = 7.0f;  // element 9 of flat
+  CHECK(flat->data<float>()[9] == 7.0f);
+  auto vv = v->view(1, {2});  // a view of a view: elements 5, 6 of flat
+  REQUIRE(vv.ok());
+  CHECK(vv->data<float>() == flat->data<float>() + 5);
+  auto c = v->clone();  // clone copies the window only
+  REQUIRE(c.ok());
+  CHECK(c->numel() == 6);
+  CHECK(c->data<float>()[5] == 7.0f);
+  CHECK_FALSE(c->shares_storage(*flat));
+  CHECK(flat->view(5, {6}).status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(flat->view(-1, {2}).status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(flat->view(0, {1LL << 40, 1LL << 40}).status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(flat->view(10, {0}).ok());  // an empty view at the end
+  Tensor keep = *flat->view(2, {3});
+  flat = Tensor::zeros({1}, DType::kF32, cpu_allocator(), "other");  // the storage lives on in `keep`
+  CHECK(keep.data<float>()[0] == 0.0f);
+}

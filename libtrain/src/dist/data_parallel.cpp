@@ -26,6 +26,18 @@ Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector
   if (g->buckets_.empty()) g->buckets_.push_back({0, 0, {}});
   g->buckets_.back().count += 1;  // the stop flag
   SLIDE_ASSIGN_OR_RETURN(g->flat_, Tensor::zeros({offset + 1}, DType::kF32, alloc, "flat gradient buffer"));
+  // From here on each gradient lives in the flat buffer: its tensor becomes a view of its slice
+  // (its values copied over), so the all-reduce runs in place, without copies in or out, and the
+  // separate gradient tensors are freed (llm.c's one gradient allocation).
+  for (const Bucket& bk : g->buckets_) {
+    int64_t at = bk.offset;
+    for (Parameter* p : bk.params) {
+      SLIDE_ASSIGN_OR_RETURN(Tensor v, g->flat_.view(at, p->grad.shape()));
+      if (p->grad.bytes() > 0) std::memcpy(v.raw(), p->grad.raw(), p->grad.bytes());
+      p->grad = std::move(v);
+      at += p->grad.numel();
+    }
+  }
   return g;
 }
 
@@ -35,29 +47,22 @@ Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested
   const int64_t n_buckets = static_cast<int64_t>(buckets_.size());
   std::vector<std::unique_ptr<CollectiveWork>> work;
   work.reserve(buckets_.size());
+  flat[flat_.numel() - 1] = stop_requested ? 1.0f : 0.0f;
   for (int64_t b = 0; b < n_buckets; ++b) {
     const Bucket& bk = buckets_[static_cast<size_t>(b)];
-    int64_t at = bk.offset;
-    for (Parameter* p : bk.params) {
-      std::memcpy(flat + at, p->grad.data<float>(), p->grad.bytes());
-      at += p->grad.numel();
-    }
-    if (b + 1 == n_buckets) flat[at] = stop_requested ? 1.0f : 0.0f;
+    // The gradients are views of flat_ (make()); one that was replaced since would be summed
+    // wrongly in silence, so it is an error.
+    for (Parameter* p : bk.params)
+      if (!p->grad.shares_storage(flat_))
+        return slide::core::failed_precondition("gradient of " + p->name +
+                                                " was replaced after the gradient buckets were made");
     SLIDE_ASSIGN_OR_RETURN(auto w, comm.all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,
                                                          "all-reduce of gradient bucket " + std::to_string(b + 1) +
                                                              " of " + std::to_string(n_buckets) + " (" +
                                                              std::to_string(bk.count) + " floats)"));
     work.push_back(std::move(w));
   }
-  for (int64_t b = 0; b < n_buckets; ++b) {
-    SLIDE_RETURN_IF_ERROR(work[static_cast<size_t>(b)]->wait());
-    const Bucket& bk = buckets_[static_cast<size_t>(b)];
-    int64_t at = bk.offset;
-    for (Parameter* p : bk.params) {
-      std::memcpy(p->grad.data<float>(), flat + at, p->grad.bytes());
-      at += p->grad.numel();
-    }
-  }
+  for (int64_t b = 0; b < n_buckets; ++b) SLIDE_RETURN_IF_ERROR(work[static_cast<size_t>(b)]->wait());
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return flat[flat_.numel() - 1] > 0.5f;
 }

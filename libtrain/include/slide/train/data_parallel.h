@@ -31,16 +31,17 @@ class GradientBuckets {
   // reverse order of `params` (the order backward produces them, the order in which an
   // all-reduce overlapped with backward would start them, as PyTorch DDP), cut into buckets of at
   // most `bucket_bytes` (a larger parameter is a bucket of its own). One more element, at the end
-  // of the last bucket, carries the ranks' stop requests. Errors: kInvalidArgument (a gradient
-  // that is not f32, bucket_bytes < 4), the allocator's (kResourceExhausted: the buffer is as
-  // large as the gradients).
+  // of the last bucket, carries the ranks' stop requests. Each Parameter::grad then becomes a
+  // view of its slice of the buffer (its values kept; Tensor::view), so backward accumulates
+  // straight into the buffer and its own gradient tensor is freed. Errors: kInvalidArgument (a
+  // gradient that is not f32, bucket_bytes < 4), the allocator's (kResourceExhausted).
   [[nodiscard]] static Result<std::unique_ptr<GradientBuckets>> make(const std::vector<Parameter*>& params,
                                                                      Allocator& alloc,
                                                                      size_t bucket_bytes = kDefaultBucketBytes);
 
-  // Sums every parameter gradient over the ranks of `comm`, in place. Bucket by bucket: the
-  // gradients are copied into the flat buffer and its all-reduce started at once, so copying
-  // bucket k+1 overlaps reducing bucket k; then each is waited for and copied back.
+  // Sums every parameter gradient over the ranks of `comm`, in place in the flat buffer: every
+  // bucket's all-reduce is started, then each is waited for (no copies). Errors also:
+  // kFailedPrecondition when a gradient tensor was replaced since make() (no longer a view).
   // `stop_requested` is this rank's wish to stop after this step; the result says whether any
   // rank has it, so that every rank stops after the same step. Errors: the communicator's
   // (kDeadlineExceeded naming rank, step and bucket); the gradients are then undefined.

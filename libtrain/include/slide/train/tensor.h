@@ -2,7 +2,7 @@
 //
 // Dense and contiguous, row-major over its shape (images NCHW: N samples, C channels, H rows,
 // W columns; each op documents its shapes). Copies share storage (a shared_ptr); clone() copies
-// the bytes. Storage returns to its allocator when the last tensor using it goes away.
+// the bytes; view() is a contiguous window of another tensor's elements, sharing its storage. Storage returns to its allocator when the last tensor using it goes away.
 //
 // Layout: an image tensor may instead be in one of oneDNN's channel-blocked layouts (Layout
 // below), which only the cpu backend produces, so that training's activations stay blocked from
@@ -67,9 +67,17 @@ class Tensor {
   [[nodiscard]] Status set_layout(Layout layout);
 
   template <typename T>
-  T* data() const { return static_cast<T*>(storage_ ? storage_->ptr : nullptr); }
-  void* raw() const { return storage_ ? storage_->ptr : nullptr; }
+  T* data() const { return static_cast<T*>(raw()); }
+  void* raw() const { return storage_ ? static_cast<char*>(storage_->ptr) + offset_bytes_ : nullptr; }
 
+  // A view: `shape`'s elements starting `offset` elements into this tensor's, sharing its storage
+  // (writes through either are seen by both; the storage lives while any view does). For a flat
+  // buffer that tensors are carved from (the gradient buckets). Errors: kInvalidArgument when the
+  // view does not fit inside this tensor, for a negative offset or extent, or for a tensor in a
+  // blocked layout.
+  [[nodiscard]] Result<Tensor> view(int64_t offset, const Shape& shape) const;
+  // True when both see the same storage (views of one buffer, or copies).
+  bool shares_storage(const Tensor& other) const { return storage_ != nullptr && storage_ == other.storage_; }
   // A deep copy (same layout) from the same allocator. Errors: those of empty().
   [[nodiscard]] Result<Tensor> clone(const std::string& what = "tensor copy") const;
   // The same storage seen with another shape of the same element count. Errors: kInvalidArgument,
@@ -86,6 +94,7 @@ class Tensor {
     ~Storage();
   };
   std::shared_ptr<Storage> storage_;
+  size_t offset_bytes_ = 0;  // where this tensor's elements start in storage_ (views)
   Shape shape_;
   int64_t numel_ = 0;
   DType dtype_ = DType::kF32;

@@ -15,9 +15,11 @@
 
 #include "slide/cache/bag.h"
 #include "slide/core/csv.h"
+#include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/train/embed.h"
+#include "slide/train/vit.h"
 
 #include "interrupt.h"
 
@@ -73,7 +75,9 @@ int fail(const slide::core::Status& s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_main(int argc, char** argv) {
   CLI::App app{"slide-embed: features of every tile of slide-tile stores, from a CNN cut at a layer, into one HDF5 "
                "feature bag per slide (/features N x D, /coords N x 2 level-0 x, y; CLAM/TRIDENT layout). "
                "Resumable: complete bags are skipped, so rerun the same command after a crash or Ctrl-C."};
@@ -87,13 +91,28 @@ int main(int argc, char** argv) {
   bool quiet = false, verbose = false, log_json = false;
 
   app.add_option("stores", opt.stores, "Tile stores (slide-tile output directories)")->required();
-  app.add_option("-o,--out", opt.out_dir, "Output directory for <slide_id>.h5 bags and bags.csv (created)")->required();
+  app.add_option("-o,--out", opt.out_dir,
+                 "Output directory for the bags (<slide file stem>.h5: the slide id, made safe as a file name), "
+                 "bags.csv and writer.lock (created; one slide-embed writes it at a time)")
+      ->required();
   app.add_option("--weights", weights,
                  "A slide-train checkpoint directory (checkpoints/epoch-E-step-S), or a safetensors file with "
                  "torchvision names (scripts/convert_torchvision_weights.py makes one from a .pth)")
       ->required();
   app.add_option("--model", model, "Architecture of a safetensors --weights file: resnet18, resnet34, resnet50 "
-                                   "(a checkpoint names its own)");
+                                   "(a checkpoint names its own); or a Vision Transformer with timm's names: vit "
+                                   "(any; the architecture is read from the weights), vit-b16, vit-l16, uni (UNI, "
+                                   "ViT-L/16 with layer scale)");
+  int vit_heads = 0;
+  std::string vit_pool, backend = "cpu";
+  app.add_option("--backend", backend, "Where a ViT runs: cpu (oneDNN), reference, or cuda (builds with CUDA; "
+                                       "CNNs run on the cpu's fused path)")
+      ->capture_default_str();
+  app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--pool", vit_pool, "ViT: features from the class token (token, the default), the mean of the patch "
+                                     "tokens (mean), or both concatenated (token+mean, Virchow's)")
+      ->check(CLI::IsMember({"token", "mean", "token+mean"}));
   app.add_option("--layer", layer, "Cut the model after this layer, then global average pooling (default: layer3 for "
                                    "resnet50, CLAM's 1024-d features; avgpool, the penultimate features, otherwise)");
   std::string slides_file;
@@ -152,20 +171,53 @@ int main(int argc, char** argv) {
   opt.cancel = &g_cancel;
   opt.tool_version = std::string("slide-embed ") + SLIDE_VERSION;
 
-  auto loaded = slide::train::load_embed_model(weights, model, layer);
-  if (!loaded.ok()) return fail(loaded.status());
-  const std::string cut = loaded->layer;
-  auto extractor = slide::train::FeatureExtractor::create(*loaded->net, cut);
-  if (!extractor.ok()) return fail(extractor.status());
-  loaded->net.reset();  // the extractor holds folded copies of the weights
-  slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
-  slide::core::log_info("model", {{"model", loaded->model},
-                                  {"layer", cut},
-                                  {"feature_dim", (*extractor)->feature_dim()},
-                                  {"weights_sha256", loaded->weights_sha256},
+  // One writer per output directory, for the whole run (readers of finished bags need no lock).
+  auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
+  if (!out_lock.ok()) return fail(out_lock.status());
+
+  std::unique_ptr<slide::train::TileEncoder> encoder;
+  slide::train::EmbedModel loaded;
+  if (slide::train::is_vit_preset(model)) {
+    if (!layer.empty()) return fail(slide::core::invalid_argument("--layer applies to CNNs; a ViT takes --pool"));
+    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, backend);
+    if (!vit.ok()) return fail(vit.status());
+    auto sha = slide::train::sha256_file(weights);
+    if (!sha.ok()) return fail(sha.status());
+    const auto& c = (*vit)->config();
+    slide::core::log_info("ViT", {{"width", static_cast<int64_t>(c.width)},
+                                  {"depth", static_cast<int64_t>(c.depth)},
+                                  {"heads", static_cast<int64_t>(c.heads)},
+                                  {"patch", static_cast<int64_t>(c.patch_size)},
+                                  {"image", static_cast<int64_t>(c.image_size)},
+                                  {"register_tokens", static_cast<int64_t>(c.reg_tokens)},
+                                  {"layer_scale", c.layer_scale ? "yes" : "no"}});
+    loaded.model = model;
+    loaded.layer = (*vit)->layer();
+    loaded.weights_path = weights;
+    loaded.weights_sha256 = *sha;
+    encoder = std::move(*vit);
+  } else {
+    if (vit_heads > 0 || !vit_pool.empty())
+      return fail(slide::core::invalid_argument("--heads and --pool apply to ViTs (--model vit, vit-b16, vit-l16, uni)"));
+    if (backend != "cpu")
+      return fail(slide::core::invalid_argument("--backend " + backend +
+                                                ": CNN embedding runs on the cpu backend's fused path only for now"));
+    auto cnn = slide::train::load_embed_model(weights, model, layer);
+    if (!cnn.ok()) return fail(cnn.status());
+    loaded = std::move(*cnn);
+    auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer);
+    if (!extractor.ok()) return fail(extractor.status());
+    loaded.net.reset();  // the extractor holds folded copies of the weights
+    slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
+    encoder = std::move(*extractor);
+  }
+  slide::core::log_info("model", {{"model", loaded.model},
+                                  {"layer", loaded.layer},
+                                  {"feature_dim", encoder->feature_dim()},
+                                  {"weights_sha256", loaded.weights_sha256},
                                   {"threads", threads}});
 
-  auto summary = slide::train::embed_stores(**extractor, *loaded, opt);
+  auto summary = slide::train::embed_stores(*encoder, loaded, opt);
   if (!summary.ok()) return fail(summary.status());
   int done = 0, skipped = 0, empty = 0;
   for (const auto& s : summary->slides) {
@@ -190,4 +242,20 @@ int main(int argc, char** argv) {
   if (summary->interrupted) return kExitInterrupted;
   if (summary->failed() > 0) return kExitSomeFailed;
   return kExitOk;
+}
+
+}  // namespace
+
+// The last line of defence only: every error is meant to come back as a Status. An exception that
+// escapes anyway (a library's, or a bug) ends the run with one line and exit 1, not an abort;
+// what was committed stays (outputs are written atomically).
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", "slide-embed", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "%s: internal error: an unknown exception\n", "slide-embed");
+  }
+  return 1;
 }

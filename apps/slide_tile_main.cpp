@@ -259,6 +259,17 @@ int run_main(int argc, char** argv) {
   app.add_option("--thumbnail-mpp", opt.tissue.thumbnail_mpp_um,
                  "Resolution of the tissue-detection thumbnail, um/px (default: tile size x --mpp / 8, within 2..16)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--annotations", opt.annotations_path,
+                 "GeoJSON (QuPath export, level-0 px): a file for every slide, or a directory of <slide stem>.geojson|.json");
+  app.add_flag("--roi-only", opt.roi_only, "Keep only tiles covered by the annotations (see --min-roi-overlap)");
+  app.add_option("--min-roi-overlap", opt.min_roi_overlap, "With --roi-only: keep a tile when at least this fraction is annotated")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_flag("--label-from-annotations", opt.label_from_annotations,
+               "Label each tile by the annotation class covering the largest area >= --min-label-overlap (none: -1)");
+  app.add_option("--min-label-overlap", opt.min_label_overlap, "Fraction of a tile a class must cover to label it")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   app.add_flag("-q,--quiet", quiet, "Only warnings and errors; no progress");
   app.add_flag("-v,--verbose", verbose, "Also debug records (per-level pass-through and direct-decode decisions)");
   app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");

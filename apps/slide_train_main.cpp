@@ -2,6 +2,13 @@
 //
 // Exit codes: 0 ok, 1 failed, 2 usage or bad input (before any work starts), 130 interrupted
 // (Ctrl-C: the current step finishes, a checkpoint is written; --resume continues exactly).
+//
+// --out (and evaluate's --out) is locked for the whole run (<out>/writer.lock, train_common.h:
+// another writer exits 1 at once, naming the holder's pid; with --dist only rank 0, the one rank
+// that writes it, takes it). An --out holding an earlier run is refused (exit 2) unless --resume
+// continues it or --overwrite replaces it. Out-of-range option values are usage errors (exit 2);
+// NaN or inf in a loss, a gradient, a learning rate, loaded weights or a bag stops the run (exit 1)
+// before anything non-finite is written.
 #include <CLI/CLI.hpp>
 #include <signal.h>
 #include <unistd.h>
@@ -18,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/core/progress.h"
@@ -92,12 +100,16 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
 // folded into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a
 // model it does not support, the engine's forward in inference mode.
 int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& labels_csv,
-                 const std::string& out, int64_t batch, int threads, const std::string& backend, bool fused) {
+                 const std::string& out, int64_t batch, int threads, const std::string& backend, bool fused,
+                 bool overwrite) {
   auto text = slide::core::read_file(checkpoint + "/state.json");
   if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
   nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
-  if (state.is_discarded() || !state.contains("model") || !state.contains("classes"))
-    return fail(slide::core::data_loss(checkpoint + "/state.json: not a slide-train checkpoint record"));
+  if (state.is_discarded())
+    return fail(slide::core::data_loss(checkpoint + "/state.json: not JSON (not a slide-train checkpoint record)"));
+  if (auto s = slide::apps::validate_run_state(checkpoint + "/state.json", state); !s.ok()) return fail(s);
+  auto lock = slide::apps::claim_eval_dir(out, overwrite);
+  if (!lock.ok()) return fail(lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto be = make_backend(backend);
   if (!be.ok()) return fail(be.status());
@@ -152,8 +164,8 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
     if (auto s = (*ds)->tile_header(i, &h); !s.ok()) return fail(s);
     const float* p = probs.data() + i * k;
     const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
-    std::string line = (*ds)->slide_ids()[ref.slide] + "," + std::to_string(h.x_l0) + "," + std::to_string(h.y_l0) +
-                       "," + classes[static_cast<size_t>(ref.label)];
+    std::string line = slide::core::csv_quote((*ds)->slide_ids()[ref.slide]) + "," + std::to_string(h.x_l0) + "," +
+                       std::to_string(h.y_l0) + "," + classes[static_cast<size_t>(ref.label)];
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
     tiles_csv += line + "," + classes[pred] + "\n";
     SlideAgg& a = slides[ref.slide];
@@ -166,7 +178,8 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   for (size_t s = 0; s < slides.size(); ++s) {
     const SlideAgg& a = slides[s];
     if (a.tiles == 0) continue;
-    std::string line = (*ds)->slide_ids()[s] + "," + classes[static_cast<size_t>(a.label)] + "," + std::to_string(a.tiles);
+    std::string line = slide::core::csv_quote((*ds)->slide_ids()[s]) + "," + classes[static_cast<size_t>(a.label)] +
+                       "," + std::to_string(a.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(a.sum[c] / static_cast<double>(a.tiles));
     const auto by_mean = static_cast<size_t>(std::max_element(a.sum.begin(), a.sum.end()) - a.sum.begin());
     const auto by_vote = static_cast<size_t>(std::max_element(a.votes.begin(), a.votes.end()) - a.votes.begin());
@@ -189,7 +202,9 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_main(int argc, char** argv) {
   // From the start: a Ctrl-C during set-up then stops at the first step, with a checkpoint.
   slide::apps::install_interrupt_handlers("\ninterrupt: finishing the current step, then writing a checkpoint\n");
   CLI::App app{"slide-train: train a CNN tile classifier on slide-tile stores, on the CPU (oneDNN); resumable"};
@@ -221,6 +236,10 @@ int main(int argc, char** argv) {
   std::string eval_labels;
   eval->add_option("--labels", eval_labels, "CSV with slide_id,label columns")->check(CLI::ExistingFile);
   bool no_fused = false;
+  bool eval_overwrite = false;
+  eval->add_flag("--overwrite", eval_overwrite,
+                 "Replace an earlier evaluation in --out (its predictions.csv, slides.csv, metrics.json and, with "
+                 "--features, the attention files and heatmaps of the same names)");
   eval->add_flag("--no-fused", no_fused,
                  "Logits through the training engine's forward instead of the fused inference path "
                  "(batch norm folded, ReLU fused; the default on --backend cpu)");
@@ -236,14 +255,19 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--accumulate", accumulate, "Micro-batches per step (gradient accumulation)")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--lr", lr, "Peak learning rate")->capture_default_str();
+  using slide::apps::number_option;
+  app.add_option("--lr", lr, "Peak learning rate (finite, >= 0)")->capture_default_str()->check(number_option("lr"));
   app.add_option("--optimizer", optimizer, "sgd | adamw")->capture_default_str();
-  app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--momentum", momentum, "SGD momentum, in [0, 1)")->capture_default_str()
+      ->check(number_option("momentum"));
   app.add_flag("--nesterov", nesterov, "Nesterov momentum");
-  app.add_option("--weight-decay", weight_decay, "Weight decay (L2 for sgd, decoupled for adamw)")->capture_default_str();
+  app.add_option("--weight-decay", weight_decay, "Weight decay (L2 for sgd, decoupled for adamw; finite, >= 0)")
+      ->capture_default_str()->check(number_option("weight-decay"));
   app.add_option("--schedule", schedule, "cosine | step | constant")->capture_default_str();
-  app.add_option("--warmup-epochs", warmup_epochs, "Linear warm-up, in epochs")->capture_default_str();
-  app.add_option("--label-smoothing", smoothing, "Label smoothing in [0, 1)")->capture_default_str();
+  app.add_option("--warmup-epochs", warmup_epochs, "Linear warm-up, in epochs (finite, >= 0)")->capture_default_str()
+      ->check(number_option("warmup-epochs"));
+  app.add_option("--label-smoothing", smoothing, "Label smoothing in [0, 1)")->capture_default_str()
+      ->check(number_option("label-smoothing"));
   std::string cache = "auto";
   app.add_option("--cache", cache,
                  "ram: decode the dataset once and keep it in memory; none; auto: ram when it fits in half of the "
@@ -253,13 +277,19 @@ int main(int argc, char** argv) {
   app.add_option("--class-weights", class_weights,
                  "none | balanced (n / (classes x n_c) over the training tiles) | w1,w2,... (one per class)")
       ->capture_default_str();
-  app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation")->capture_default_str();
+  app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation, in [0, 1)")
+      ->capture_default_str()->check(number_option("val-fraction"));
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
   app.add_option("--backend", backend, "cpu (oneDNN) | reference")->capture_default_str();
   app.add_option("--memory-budget", budget, "Host memory budget for tensors, e.g. 8G (exceeding it is an error)");
   app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--resume", resume, "Continue from the newest checkpoint in --out");
+  bool overwrite = false;
+  app.add_flag("--overwrite", overwrite,
+               "Replace the earlier run in --out: removes its checkpoints/, metrics.jsonl, metrics.csv, curves.png, "
+               "best.safetensors and attention/ before training starts (without it or --resume, an --out holding "
+               "a run is refused)");
   app.add_flag("--no-augment", no_augment, "No flips or rotations");
   slide::apps::MilOptions mil;  // --features: attention MIL on feature bags (slide_train_mil.cpp)
   slide::apps::add_mil_options(app, &mil);
@@ -274,14 +304,14 @@ int main(int argc, char** argv) {
   float crop_min_scale = 1;
   app.add_option("--random-resized-crop", crop_min_scale,
                  "Smallest area fraction of torchvision's RandomResizedCrop, resized back to the tile size (1 = off)")
-      ->capture_default_str()->check(CLI::Range(0.01, 1.0));
+      ->capture_default_str()->check(number_option("random-resized-crop"));
   std::string best_metric = "balanced_accuracy";
   app.add_option("--best-metric", best_metric,
                  "Validation metric that picks best.safetensors: balanced_accuracy | accuracy | roc_auc | loss")
       ->capture_default_str()->check(CLI::IsMember({"balanced_accuracy", "accuracy", "roc_auc", "loss"}));
   double dropout = 0;
   app.add_option("--dropout", dropout, "Dropout probability before the classifier (0 = none)")->capture_default_str()
-      ->check(CLI::Range(0.0, 0.95));
+      ->check(number_option("dropout"));
   std::string dist = "auto";
   double dist_timeout = 300;
   bool sync_bn = false;
@@ -290,7 +320,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--dist-timeout", dist_timeout,
                  "Seconds a collective between ranks may take before the job stops with an error")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(number_option("dist-timeout"));
   app.add_flag("--sync-bn", sync_bn, "Batch norm statistics over all ranks' samples (default: per rank)");
   app.add_flag("-q,--quiet", quiet, "Only warnings and errors");
   app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
@@ -307,8 +337,10 @@ int main(int argc, char** argv) {
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
   }
   if (eval->parsed() && !mil_eval.features.empty())
-    return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend);
-  if (eval->parsed()) return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, !no_fused);
+    return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend, eval_overwrite);
+  if (eval->parsed())
+    return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, !no_fused,
+                        eval_overwrite);
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
@@ -320,10 +352,19 @@ int main(int argc, char** argv) {
   g_comm = comm.get();
   const bool writer = comm->rank() == 0;  // only rank 0 writes checkpoints, metrics, plots and logs
   if (!writer) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+  // One writer per --out, for the whole run: rank 0 (the only rank that writes it) takes the lock
+  // and refuses an earlier run without --resume or --overwrite; its failure stops every rank.
+  std::unique_ptr<slide::core::DirLock> out_lock;
+  if (writer && !memory.dry_run) {  // a dry run writes nothing
+    auto lock = slide::apps::claim_out_dir(out, resume, overwrite);
+    if (!lock.ok()) return fail(lock.status());
+    out_lock = std::move(*lock);
+  }
 
   // Everything that can be wrong with the input is checked before training starts.
   if (!color_jitter.empty() &&
-      (*std::min_element(color_jitter.begin(), color_jitter.end()) < 0 || color_jitter[3] > 0.5f))
+      (std::any_of(color_jitter.begin(), color_jitter.end(), [](float v) { return !std::isfinite(v) || v < 0; }) ||
+       color_jitter[3] > 0.5f))
     return fail(slide::core::invalid_argument("--color-jitter: brightness, contrast and saturation must be >= 0 "
                                               "and hue in [0, 0.5] (torchvision's ColorJitter)"));
   if (!budget.empty()) {
@@ -422,6 +463,8 @@ int main(int argc, char** argv) {
   }
 
   const std::string ckpt_dir = out + "/checkpoints";
+  if (auto s = writer && overwrite ? slide::apps::remove_earlier_run(out) : slide::core::ok_status(); !s.ok())
+    return fail(s);
   if (auto s = writer ? slide::core::make_dirs(ckpt_dir) : slide::core::ok_status(); !s.ok()) return fail(s);
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
                           {"width", width}, {"dropout", dropout}, {"epochs", epochs},
@@ -443,7 +486,9 @@ int main(int argc, char** argv) {
     auto text = slide::core::read_file(latest + "/state.json");
     if (!text.ok()) return fail(text.status());
     nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
-    if (saved.is_discarded() || saved.value("model", "") != model_name || saved["classes"] != state["classes"])
+    if (saved.is_discarded()) return fail(slide::core::data_loss(latest + "/state.json: not JSON"));
+    if (auto s = slide::apps::validate_run_state(latest + "/state.json", saved); !s.ok()) return fail(s);
+    if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers)); !s.ok()) return fail(s);
@@ -544,4 +589,20 @@ int main(int argc, char** argv) {
   }
   if (writer) std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
   return kExitOk;
+}
+
+}  // namespace
+
+// The last line of defence only: every error is meant to come back as a Status. An exception that
+// escapes anyway (a library's, or a bug) ends the run with one line and exit 1, not an abort;
+// what was committed stays (outputs are written atomically).
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", "slide-train", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "%s: internal error: an unknown exception\n", "slide-train");
+  }
+  return 1;
 }

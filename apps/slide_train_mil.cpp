@@ -1,8 +1,9 @@
 // slide-train --features BAGS...: attention MIL on feature bags. Outputs in --out, as tile
 // training's: checkpoints/epoch-E-step-S/{model,optimizer}.safetensors,state.json, metrics.jsonl,
 // metrics.csv, curves.png, best.safetensors; and, after the last epoch, the attention of every bag:
-// <attention-dir>/<bag file> (HDF5: /attention, /coords), <attention-dir>/<slide>.png (heatmap
-// over the tile grid) and predictions.csv.
+// <attention-dir>/<stem>.h5 (HDF5: /attention, /coords, the full slide id as an attribute),
+// <attention-dir>/<stem>.png (heatmap) and predictions.csv (full slide ids, RFC 4180 quoted), where
+// <stem> is slide::core::slide_file_stem(slide id) (cache::bag_file_name's rule).
 #include "slide_train_mil.h"
 
 #include <CLI/CLI.hpp>
@@ -16,6 +17,7 @@
 #include <sstream>
 
 #include "slide/cache/bag.h"
+#include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
 #include "slide/tile/slide.h"
@@ -126,10 +128,11 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     const auto path = paths.find(bag.slide_id);
     SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes.tile_size_l0_px,
                                         path == paths.end() ? "" : path->second, &grid_fallbacks));
-    std::string line = bag.slide_id + "," + split[i] + "," +
+    // The full slide id (quoted as RFC 4180 where needed); file names follow slide_file_stem.
+    std::string line = slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," +
                        classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
-    csv += line + "," + classes[pred] + "," + h5 + "," + png + "\n";
+    csv += line + "," + classes[pred] + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
   if (grid_fallbacks > 0)
@@ -151,7 +154,7 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
   app.add_option("--mil-attention", o->attention, "ABMIL: width of the gated attention")->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--mil-dropout", o->dropout, "ABMIL: dropout after the first layer in training (CLAM uses 0.25)")
-      ->capture_default_str()->check(CLI::Range(0.0, 0.99));
+      ->capture_default_str()->check(number_option("mil-dropout"));
   app.add_option("--prefetch", o->prefetch, "MIL: bags read ahead of the one in compute when streaming")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--attention-dir", o->attention_dir,
@@ -184,7 +187,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   take("--keep", &o.keep), take("--batch-size", &o.batch), take("--lr", &o.lr), take("--momentum", &o.momentum);
   take("--weight-decay", &o.weight_decay), take("--warmup-epochs", &o.warmup_epochs);
   take("--label-smoothing", &o.label_smoothing), take("--val-fraction", &o.val_fraction), take("--seed", &o.seed);
-  take("--nesterov", &o.nesterov), take("--resume", &o.resume);
+  take("--nesterov", &o.nesterov), take("--resume", &o.resume), take("--overwrite", &o.overwrite);
   if (const CLI::Option* mil_dropout = app.get_option_no_throw("--mil-dropout");
       mil_dropout == nullptr || mil_dropout->count() == 0)
     take("--dropout", &o.dropout);  // tile training's --dropout means the same here
@@ -192,6 +195,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     std::fprintf(stderr, "slide-train: --out is required\n");
     return kExitUsage;
   }
+  // One writer per --out for the whole run; an earlier run there needs --resume or --overwrite.
+  auto out_lock = claim_out_dir(o.out, o.resume, o.overwrite);
+  if (!out_lock.ok()) return fail(out_lock.status());
   if (!o.budget.empty()) {
     auto b = parse_bytes(o.budget);
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
@@ -255,7 +261,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
             : cpu_allocator().budget_bytes() - std::min(cpu_allocator().budget_bytes(), cpu_allocator().current_bytes());
     if (o.cache == "ram" || (*ds)->feature_bytes() <= budget_left / 2) {
       if (auto s = (*ds)->cache_in_ram(cpu_allocator()); !s.ok()) {
-        if (o.cache == "ram") return fail(s.with_context("--cache ram"));
+        // Only a cache that does not fit falls back to streaming; a bad bag is an error either way.
+        if (o.cache == "ram" || s.code() != slide::core::StatusCode::kResourceExhausted)
+          return fail(s.with_context("--cache " + o.cache));
         slide::core::log_warn("bags not cached in RAM", {{"why", s.to_string()}});
       } else {
         slide::core::log_info("bags cached in RAM", {{"bytes", static_cast<int64_t>((*ds)->feature_bytes())}});
@@ -264,6 +272,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   }
 
   const std::string ckpt_dir = o.out + "/checkpoints";
+  if (auto s = o.overwrite ? remove_earlier_run(o.out) : slide::core::ok_status(); !s.ok()) return fail(s);
   if (auto s = slide::core::make_dirs(ckpt_dir); !s.ok()) return fail(s);
   const nlohmann::json mil = {{"in_features", mc.in_features}, {"hidden", mc.hidden}, {"attention", mc.attention}, {"dropout", mc.dropout}};
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", "abmil"},
@@ -284,8 +293,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     auto text = slide::core::read_file(latest + "/state.json");
     if (!text.ok()) return fail(text.status());
     nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
-    if (saved.is_discarded() || saved.value("model", "") != "abmil" || saved["classes"] != state["classes"] ||
-        saved["mil"] != mil)
+    if (saved.is_discarded()) return fail(slide::core::data_loss(latest + "/state.json: not JSON"));
+    if (auto s = validate_run_state(latest + "/state.json", saved); !s.ok()) return fail(s);
+    if (saved["model"] != "abmil" || saved["classes"] != state["classes"] || saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
@@ -372,12 +382,17 @@ void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* o) {
 }
 
 int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o, const std::string& labels_csv,
-                     const std::string& out, const std::string& backend) {
+                     const std::string& out, const std::string& backend, bool overwrite) {
   auto text = slide::core::read_file(checkpoint + "/state.json");
   if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
   const nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
-  if (state.is_discarded() || state.value("model", "") != "abmil" || !state.contains("mil") || !state.contains("classes"))
+  if (state.is_discarded())
+    return fail(slide::core::data_loss(checkpoint + "/state.json: not JSON (not a slide-train checkpoint record)"));
+  if (auto s = validate_run_state(checkpoint + "/state.json", state); !s.ok()) return fail(s);
+  if (state["model"] != "abmil")
     return fail(slide::core::invalid_argument(checkpoint + "/state.json: not a slide-train --features (ABMIL) checkpoint"));
+  auto out_lock = claim_eval_dir(out, overwrite);
+  if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto be = make_backend(backend);
   if (!be.ok()) return fail(be.status());

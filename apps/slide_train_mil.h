@@ -24,7 +24,7 @@ struct MilOptions {
   int64_t batch = 1;
   double lr = 2e-4, momentum = 0.9, weight_decay = 1e-5, warmup_epochs = 0, label_smoothing = 0, val_fraction = 0.2;
   uint64_t seed = 0;
-  bool nesterov = false, resume = false;
+  bool nesterov = false, resume = false, overwrite = false;
   // Registered by add_mil_options.
   std::vector<std::string> features;  // bag directories (slide-embed output)
   int64_t hidden = 512, attention = 256;
@@ -43,9 +43,11 @@ void add_mil_options(CLI::App& app, MilOptions* options);
 // tile training are read from `app` (slide-train's parsed command line) where given, else
 // MilOptions' defaults (CLAM's: AdamW, lr 2e-4, weight decay 1e-5, one bag per step); tile-only
 // options (--data, --val-data, --model, --width, --accumulate, augmentation, --dist, ...) are a
-// usage error; --dropout is --mil-dropout's synonym. Returns the process exit
-// code: 0 ok, 1 failed, 2 usage or bad input (checked before any work), 130 interrupted (a
-// checkpoint is written first; --resume continues exactly).
+// usage error; --dropout is --mil-dropout's synonym. --out is locked for the run and an earlier
+// run there refused unless --resume or --overwrite (train_common.h, claim_out_dir). Returns the
+// process exit code: 0 ok, 1 failed (another process writing --out included), 2 usage or bad
+// input (checked before any work; an earlier run in --out), 130 interrupted (a checkpoint is
+// written first; --resume continues exactly).
 int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<bool>* cancel);
 
 // slide-train evaluate --features BAGS... --checkpoint CK --out DIR: an attention-MIL checkpoint
@@ -60,8 +62,10 @@ struct MilEvaluateOptions {
 void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* options);
 // Writes OUT/predictions.csv (per bag: label, probabilities, prediction), OUT/<bag>.h5 (its
 // attention) and OUT/<bag>.png (heatmap), OUT/metrics.json (loss, accuracy, balanced accuracy,
-// ROC AUC, recall). Returns the exit code: 0 ok, 1 failed, 2 bad input.
+// ROC AUC, recall). Takes OUT's writer lock and refuses an earlier evaluation there unless
+// `overwrite` (train_common.h, claim_eval_dir). Returns the exit code: 0 ok, 1 failed (another
+// process writing OUT included), 2 bad input.
 int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& options, const std::string& labels_csv,
-                     const std::string& out, const std::string& backend);
+                     const std::string& out, const std::string& backend, bool overwrite);
 
 }  // namespace slide::apps

@@ -16,8 +16,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+#include "train_common.h"
 
 extern char** environ;
 
@@ -240,10 +242,41 @@ int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<
   }
   for (const Trial& t : *trials)
     for (const auto& [k, v] : t)
-      if (k == "out" || k == "resume") {
+      if (k == "out" || k == "resume" || k == "overwrite") {
         slide::core::log_error(o.grid + ": --" + k + " is the sweep's to set");
         return kExitUsage;
       }
+  // Values out of range (--lr nan, --momentum 5) are refused before any trial starts, as a
+  // trial's own command line would refuse them.
+  for (size_t i = 0; i < trials->size(); ++i)
+    for (const auto& [k, v] : (*trials)[i])
+      if (const std::string why = check_number_option(k, v); !why.empty()) {
+        slide::core::log_error(o.grid + ": trial " + trial_id(i) + ": " + why);
+        return kExitUsage;
+      }
+  for (size_t i = 0; i < o.common.size(); ++i) {
+    const std::string& a = o.common[i];
+    if (a.rfind("--", 0) != 0) continue;
+    const auto eq = a.find('=');
+    const std::string key = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    if (key == "out" || key == "resume" || key == "overwrite") {
+      slide::core::log_error("sweep: --" + key + " is the sweep's to set, not an option for every trial");
+      return kExitUsage;
+    }
+    const bool has_value = eq != std::string::npos || i + 1 < o.common.size();
+    const std::string value = eq != std::string::npos ? a.substr(eq + 1) : has_value ? o.common[i + 1] : "";
+    if (const std::string why = check_number_option(key, value); has_value && !why.empty()) {
+      slide::core::log_error("sweep: " + why);
+      return kExitUsage;
+    }
+  }
+  // One sweep per --out; each trial's slide-train locks its own trials/tNNN, so the sweep and
+  // its trials never wait on each other.
+  auto out_lock = slide::core::DirLock::acquire(o.out, "sweep directory");
+  if (!out_lock.ok()) {
+    slide::core::log_error(out_lock.status().to_string());
+    return kExitFailed;
+  }
   if (auto s = slide::core::make_dirs(o.out + "/trials"); !s.ok()) {
     slide::core::log_error(s.to_string());
     return kExitFailed;
@@ -283,7 +316,10 @@ int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<
     }
     if (!own_budget && !o.trial_memory_budget.empty()) args.insert(args.end(), {"--memory-budget", o.trial_memory_budget});
     args.insert(args.end(), {"--out", dir});
+    // A trial that left a checkpoint continues; one that failed before its first checkpoint (its
+    // metrics may be there) starts again, replacing what it left.
     if (has_checkpoint(dir)) args.push_back("--resume");
+    else if (!earlier_run_files(dir).empty()) args.push_back("--overwrite");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

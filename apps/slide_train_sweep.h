@@ -17,7 +17,11 @@
 // results.json names the best trial) are rewritten atomically whenever a trial ends.
 //
 // Resumable: a rerun with the same --out skips the trials whose result.json says ok and reruns
-// the others (failed or never finished), with --resume when the trial left a complete checkpoint.
+// the others (failed or never finished), with --resume when the trial left a complete checkpoint
+// (else --overwrite when it left other files of a run). The sweep holds --out's writer lock
+// (<out>/writer.lock) while it runs; each trial holds its own trials/tNNN/writer.lock. Option
+// values out of range (train_common.h, check_number_option) in the grid or the common options are
+// a usage error before any trial starts.
 // Exit codes: 0 every trial ok, 3 some failed, 2 usage (a bad grid), 1 the sweep itself failed,
 // 130 interrupted (running trials were interrupted too; rerun to finish them).
 #pragma once

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <map>
 
 #include "slide/core/file.h"
 #include "slide/core/log.h"
@@ -15,6 +17,212 @@ namespace slide::apps {
 namespace fs = std::filesystem;
 using slide::core::Status;
 using namespace slide::train;
+
+namespace {
+
+// One numeric option's rule: [lo, hi] with either end open, finite, or an integer.
+struct NumberRule {
+  double lo, hi;
+  bool lo_open, hi_open, integer;
+  const char* says;  // the rule in words, for the message
+};
+
+const std::map<std::string, NumberRule>& number_rules() {
+  constexpr double kInf = HUGE_VAL;
+  static const std::map<std::string, NumberRule> rules = {
+      {"lr", {0, kInf, false, true, false, "a finite number >= 0"}},
+      {"weight-decay", {0, kInf, false, true, false, "a finite number >= 0"}},
+      {"warmup-epochs", {0, kInf, false, true, false, "a finite number >= 0"}},
+      {"momentum", {0, 1, false, true, false, "in [0, 1)"}},
+      {"label-smoothing", {0, 1, false, true, false, "in [0, 1)"}},
+      {"val-fraction", {0, 1, false, true, false, "in [0, 1)"}},
+      {"dropout", {0, 0.95, false, false, false, "in [0, 0.95]"}},
+      {"mil-dropout", {0, 0.99, false, false, false, "in [0, 0.99]"}},
+      {"random-resized-crop", {0.01, 1, false, false, false, "in [0.01, 1]"}},
+      {"dist-timeout", {0, kInf, true, true, false, "a finite number > 0"}},
+      {"epochs", {1, kInf, false, true, true, "an integer >= 1"}},
+  };
+  return rules;
+}
+
+}  // namespace
+
+std::string check_number_option(const std::string& option, const std::string& value) {
+  const auto it = number_rules().find(option);
+  if (it == number_rules().end()) return "";
+  const NumberRule& r = it->second;
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  const bool number = !value.empty() && end != value.c_str() && *end == '\0';
+  // Written so that NaN fails every comparison, hence the rule.
+  const bool in_range = number && std::isfinite(v) && (r.lo_open ? v > r.lo : v >= r.lo) &&
+                        (r.hi_open ? v < r.hi : v <= r.hi) && (!r.integer || v == std::floor(v));
+  if (in_range) return "";
+  return "--" + option + " " + value + ": must be " + r.says;
+}
+
+CLI::Validator number_option(const std::string& option) {
+  return CLI::Validator(
+      [option](std::string& value) {
+        const std::string why = check_number_option(option, value);
+        return why.empty() ? why : why.substr(option.size() + 3);  // CLI11 names the option itself
+      },
+      number_rules().count(option) ? number_rules().at(option).says : "", "number_option");
+}
+
+namespace {
+
+constexpr const char* kRunFiles[] = {"metrics.jsonl", "metrics.csv", "curves.png", "best.safetensors"};
+constexpr const char* kRunDirs[] = {"checkpoints", "attention"};
+
+}  // namespace
+
+std::vector<std::string> earlier_run_files(const std::string& out) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const char* d : kRunDirs)
+    if (fs::is_directory(out + "/" + d, ec) && !fs::is_empty(out + "/" + d, ec)) found.push_back(std::string(d) + "/");
+  for (const char* f : kRunFiles)
+    if (fs::exists(out + "/" + f, ec)) found.push_back(f);
+  return found;
+}
+
+slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_out_dir(const std::string& out, bool resume,
+                                                                         bool overwrite) {
+  if (resume && overwrite)
+    return slide::core::invalid_argument("--resume continues the run in " + out + ", --overwrite replaces it: give one");
+  SLIDE_ASSIGN_OR_RETURN(auto lock, slide::core::DirLock::acquire(out, "output directory"));
+  const std::vector<std::string> files = earlier_run_files(out);
+  if (!files.empty() && !resume && !overwrite) {
+    std::string list;
+    for (const auto& f : files) list += (list.empty() ? "" : ", ") + f;
+    return slide::core::invalid_argument("--out " + out + " holds an earlier run (" + list +
+                                         "): continue it with --resume, replace it with --overwrite, or use a new --out");
+  }
+  return lock;
+}
+
+slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const std::string& out, bool overwrite) {
+  SLIDE_ASSIGN_OR_RETURN(auto lock, slide::core::DirLock::acquire(out, "output directory"));
+  std::string list;
+  std::error_code ec;
+  for (const char* f : {"predictions.csv", "slides.csv", "metrics.json"})
+    if (fs::exists(out + "/" + f, ec)) list += (list.empty() ? "" : ", ") + std::string(f);
+  if (!list.empty() && !overwrite)
+    return slide::core::invalid_argument("--out " + out + " holds an earlier evaluation (" + list +
+                                         "): replace it with --overwrite, or use a new --out");
+  return lock;
+}
+
+Status remove_earlier_run(const std::string& out) {
+  std::vector<std::string> paths;
+  for (const char* d : kRunDirs) paths.push_back(out + "/" + d);
+  for (const char* f : kRunFiles) paths.push_back(out + "/" + f);
+  for (const std::string& p : paths) {
+    std::error_code ec;
+    fs::remove_all(p, ec);
+    if (ec) return slide::core::errno_status(ec.value(), "--overwrite: remove " + p);
+  }
+  return slide::core::ok_status();
+}
+
+namespace {
+
+// validate_run_state's checks, each naming the field.
+class StateCheck {
+ public:
+  explicit StateCheck(const std::string& file) : file_(file) {}
+  const Status& status() const { return status_; }
+
+  // `j[key]` (reported as `name`) is an integer >= min; absent is an error unless optional.
+  void integer(const nlohmann::json& j, const std::string& key, const std::string& name, int64_t min,
+               bool optional = false) {
+    if (!status_.ok() || (optional && !j.contains(key))) return;
+    const nlohmann::json* v = j.contains(key) ? &j[key] : nullptr;
+    if (v == nullptr || !v->is_number_integer() || v->get<int64_t>() < min)
+      fail(name, v, "an integer >= " + std::to_string(min));
+  }
+  void number(const nlohmann::json& j, const std::string& key, const std::string& name, bool optional = false) {
+    if (!status_.ok() || (optional && !j.contains(key))) return;
+    const nlohmann::json* v = j.contains(key) ? &j[key] : nullptr;
+    if (v == nullptr || !v->is_number()) fail(name, v, "a number");
+  }
+  void string(const nlohmann::json& j, const std::string& key, const std::string& name, bool optional = false) {
+    if (!status_.ok() || (optional && !j.contains(key))) return;
+    const nlohmann::json* v = j.contains(key) ? &j[key] : nullptr;
+    if (v == nullptr || !v->is_string()) fail(name, v, "a string");
+  }
+  // Present (unless optional) and an object (`object`) or an array; returns whether it is there and is.
+  bool kind(const nlohmann::json& j, const std::string& key, const std::string& name, bool object,
+            bool optional = false) {
+    if (!status_.ok()) return false;
+    if (optional && !j.contains(key)) return false;
+    const nlohmann::json* v = j.contains(key) ? &j[key] : nullptr;
+    if (v == nullptr || (object ? !v->is_object() : !v->is_array())) {
+      fail(name, v, object ? "an object" : "an array");
+      return false;
+    }
+    return true;
+  }
+  void fail(const std::string& name, const nlohmann::json* v, const std::string& expected) {
+    std::string was = v == nullptr ? "missing" : "is " + v->dump();
+    if (was.size() > 80) was = was.substr(0, 80) + "...";
+    status_ = slide::core::data_loss(file_ + ": field '" + name + "' " + was + ", expected " + expected +
+                                     " (not a slide-train checkpoint record, or a damaged one)");
+  }
+
+ private:
+  const std::string& file_;
+  Status status_;
+};
+
+}  // namespace
+
+Status validate_run_state(const std::string& file, const nlohmann::json& s) {
+  if (!s.is_object()) return slide::core::data_loss(file + ": not a JSON object (not a slide-train checkpoint record)");
+  StateCheck c(file);
+  c.integer(s, "epoch", "epoch", 0);
+  c.integer(s, "step_in_epoch", "step_in_epoch", 0);
+  c.integer(s, "optimizer_steps", "optimizer_steps", 0);
+  c.integer(s, "epochs", "epochs", 1);
+  c.string(s, "model", "model");
+  if (c.kind(s, "classes", "classes", false)) {
+    if (s["classes"].size() < 2) c.fail("classes", &s["classes"], "an array of at least two class names");
+    for (const auto& name : s["classes"])
+      if (c.status().ok() && !name.is_string()) c.fail("classes", &s["classes"], "an array of strings");
+  }
+  if (c.kind(s, "history", "history", false)) {
+    const nlohmann::json& h = s["history"];
+    if (c.status().ok() && s["epoch"].is_number_integer() && h.size() != s["epoch"].get<uint64_t>())
+      c.fail("history", &h, "one record per completed epoch (" + std::to_string(s["epoch"].get<int64_t>()) + ")");
+    for (size_t i = 0; i < h.size() && c.status().ok(); ++i) {
+      const std::string at = "history[" + std::to_string(i) + "]";
+      if (!h[i].is_object()) {
+        c.fail(at, &h[i], "an object");
+        break;
+      }
+      c.integer(h[i], "epoch", at + ".epoch", 1);
+      for (const char* key : {"train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_balanced_accuracy",
+                              "val_roc_auc", "lr", "seconds"})
+        c.number(h[i], key, at + "." + key);
+    }
+  }
+  c.number(s, "best_val_balanced_accuracy", "best_val_balanced_accuracy", true);
+  c.number(s, "best_score", "best_score", true);
+  c.string(s, "best_metric", "best_metric", true);
+  c.integer(s, "best_epoch", "best_epoch", 1, true);
+  c.kind(s, "config", "config", true, true);
+  if (c.status().ok() && s["model"] == "abmil") {
+    if (c.kind(s, "mil", "mil", true)) {
+      for (const char* key : {"in_features", "hidden", "attention"}) c.integer(s["mil"], key, std::string("mil.") + key, 1);
+      c.number(s["mil"], "dropout", "mil.dropout");
+    }
+  } else {
+    c.integer(s, "width", "width", 1, true);
+    c.number(s, "dropout", "dropout", true);
+  }
+  return c.status();
+}
 
 std::vector<NamedTensor> named(const std::vector<Parameter*>& ps, const std::vector<Buffer*>& bs) {
   std::vector<NamedTensor> out;

@@ -4,17 +4,79 @@
 // metrics.csv and curves.png.
 #pragma once
 
+#include <CLI/CLI.hpp>
+
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "slide/core/dir_lock.h"
 #include "slide/core/status.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/optimizer.h"
 #include "slide/train/trainer.h"
 
 namespace slide::apps {
+
+// --- Numeric options --------------------------------------------------------------------------
+// The ranges of slide-train's real-valued options, as PyTorch's optimizers and layers check them
+// (torch.optim.SGD / AdamW: lr >= 0, momentum >= 0, weight_decay >= 0; we also require finite
+// values and momentum < 1, where SGD's buffer stops decaying): lr, weight-decay, warmup-epochs
+// finite >= 0; momentum, label-smoothing, val-fraction in [0, 1); dropout in [0, 0.95];
+// mil-dropout in [0, 0.99]; random-resized-crop in [0.01, 1]; dist-timeout finite > 0; epochs an
+// integer >= 1. NaN and inf are never in range.
+//
+// check_number_option(option, value): `option` is the long name without dashes ("lr"), `value`
+// the text given. Returns "" when the value is in range or the option is not one of those above,
+// else the reason ("--lr nan: must be a finite number >= 0"). Used by the command line and by the
+// sweep's grid check (every trial's values before any trial starts).
+std::string check_number_option(const std::string& option, const std::string& value);
+// The same as a CLI11 validator (a value out of range is a usage error: exit 2).
+CLI::Validator number_option(const std::string& option);
+
+// --- Output directories -----------------------------------------------------------------------
+// The files and folders an earlier training run leaves in --out (train_common.cpp's list:
+// checkpoints/ when it holds anything, metrics.jsonl, metrics.csv, curves.png, best.safetensors,
+// attention/), by name, those present. writer.lock, and a sweep's log.txt, pid and result.json,
+// are not a run's files.
+std::vector<std::string> earlier_run_files(const std::string& out);
+
+// Takes --out for this process (slide::core::DirLock, "<out>/writer.lock", held until the lock
+// is destroyed; the directory is created) and checks what is there: an earlier run's files
+// (earlier_run_files) are refused unless `resume` (continue it) or `overwrite` (replace it:
+// remove_earlier_run, called by the caller just before it first writes). Errors: kUnavailable
+// (another process holds the lock: names the directory and its pid), kInvalidArgument (--resume
+// with --overwrite; an earlier run without either, naming the directory and its files), those
+// of creating the directory.
+[[nodiscard]] slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_out_dir(const std::string& out,
+                                                                                       bool resume, bool overwrite);
+
+// slide-train evaluate --out: the same lock; an earlier evaluation's predictions.csv, slides.csv or
+// metrics.json is refused unless `overwrite` (the new evaluation then replaces the files of the
+// same names, each atomically, as it writes them). Errors: as claim_out_dir's.
+[[nodiscard]] slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const std::string& out,
+                                                                                        bool overwrite);
+
+// --overwrite: removes the earlier run's files from `out` (checkpoints/ whole, metrics.jsonl,
+// metrics.csv, curves.png, best.safetensors, attention/; a MIL --attention-dir elsewhere is left
+// alone: its files are replaced as they are written). Errors: kInternal / kPermissionDenied
+// naming the path.
+[[nodiscard]] slide::core::Status remove_earlier_run(const std::string& out);
+
+// --- Checkpoint records -----------------------------------------------------------------------
+// Checks a checkpoint's state.json (already parsed; `file` names it in messages) against the
+// record save_checkpoint writes, before any field is used: epoch, step_in_epoch,
+// optimizer_steps integers >= 0; epochs an integer >= 1; model a string; classes an array of at
+// least two strings; history an array of `epoch` objects whose epoch (integer >= 1), train_loss,
+// train_accuracy, val_loss, val_accuracy, val_balanced_accuracy, val_roc_auc, lr and seconds are
+// numbers; best_val_balanced_accuracy and best_score numbers, best_metric a string and
+// best_epoch an integer >= 1 when present; config an object when present; tile models: width an
+// integer >= 1 and dropout a number when present; "abmil": mil an object with in_features,
+// hidden, attention integers >= 1 and dropout a number. Errors: kDataLoss naming `file` and the
+// first field that is wrong ("state.json: field 'epoch' is "x", expected an integer >= 0").
+[[nodiscard]] slide::core::Status validate_run_state(const std::string& file, const nlohmann::json& state);
 
 // The parameters, then the buffers, as named tensors for safetensors (pointers into them).
 std::vector<slide::train::NamedTensor> named(const std::vector<slide::train::Parameter*>& ps,

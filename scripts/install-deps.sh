@@ -9,9 +9,11 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libopenslide-dev liblmdb-dev lmdb-utils libtiff-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev
   libcli11-dev nlohmann-json3-dev doctest-dev
+  libgeos-dev  # annotations: polygon geometry (libtile/src/annotations.cpp)
   libhdf5-dev liblzf-dev libssl-dev libdnnl-dev libopenmpi-dev openmpi-bin
   python3 python3-lmdb python3-openslide python3-numpy python3-pil python3-h5py
   python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer
+  clang libclang-rt-14-dev  # the fuzz targets (tests/fuzz/: clang++ and its libFuzzer runtime)
 )
 # Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
 bench_packages=(python3-opencv libvips-tools time)

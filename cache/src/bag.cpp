@@ -19,6 +19,7 @@
 
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
+#include "slide/core/file_name.h"
 
 namespace slide::cache {
 namespace {
@@ -86,9 +87,17 @@ size_t lzf_filter(unsigned flags, size_t cd_nelmts, const unsigned cd_values[], 
 
 // HDF5 prints its error stack to stderr by default; we turn that off once and turn the stack into
 // the message of a Status instead. The LZF filter is registered here too, unless a plugin did.
+//
+// H5dont_atexit: HDF5 1.10 (Debian's 1.10.8) cannot close a file whose H5Fclose failed (a full
+// disk, or EFBIG, while flushing): the file ID stays registered half torn down, and the
+// library's atexit clean-up (H5_term_library -> H5F__close_cb) then segfaults, turning a clean
+// "disk full" error into exit 139. Every object of ours is closed explicitly (Hid), so the
+// clean-up at exit has nothing to do but that; it is switched off. This must precede the
+// library's initialisation (the first HDF5 call of the process), hence here, first of all.
 void quiet_hdf5() {
   static std::once_flag once;
   std::call_once(once, [] {
+    H5dont_atexit();
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
     if (H5Zfilter_avail(kLzfFilterId) <= 0) {
       static const H5Z_class2_t kLzfClass = {H5Z_CLASS_T_VERS, kLzfFilterId, 1, 1, "lzf", nullptr, lzf_set_local,
@@ -119,6 +128,7 @@ Status hdf5_status(StatusCode fallback, const std::string& what) {
   const int err = errno;
   std::string msg = what + ": " + hdf5_error_message();
   if (err == ENOSPC || err == EDQUOT) return slide::core::resource_exhausted(msg + " (disk full)");
+  if (err == EFBIG) return slide::core::resource_exhausted(msg + " (file too large: " + std::strerror(err) + ")");
   if (fallback == StatusCode::kInternal && (err == EACCES || err == EPERM || err == EROFS)) {
     return slide::core::permission_denied(msg + ": " + std::strerror(err));
   }
@@ -308,7 +318,9 @@ bool compression_available(Compression compression) {
   return false;
 }
 
-std::string bag_file_name(const std::string& slide_id) {
+std::string bag_file_name(const std::string& slide_id) { return slide::core::slide_file_stem(slide_id) + ".h5"; }
+
+std::string legacy_bag_file_name(const std::string& slide_id) {
   std::string name = slide_id;
   for (char& c : name) {
     const bool keep = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
@@ -542,6 +554,17 @@ Status BagWriter::append(int64_t rows, std::span<const float> features, std::spa
                                          std::to_string(features.size()) + " feature values and " +
                                          std::to_string(coords.size()) + " coordinates (D = " + std::to_string(m.dim) + ")");
   }
+  for (size_t i = 0; i < features.size(); ++i) {
+    const float v = features[i];
+    // NaN is never written; nor an inf, or a value float16 would turn into one.
+    if (!std::isfinite(v) || (m.options.dtype == FeatureDtype::kFloat16 && std::fabs(v) >= 65520.0f)) {
+      const auto row = m.written + m.buffered + static_cast<int64_t>(i) / m.dim, col = static_cast<int64_t>(i) % m.dim;
+      return slide::core::out_of_range(
+          "bag " + m.partial + ": feature row " + std::to_string(row) + ", column " + std::to_string(col) + " is " +
+          (std::isnan(v) ? std::string("NaN") : std::to_string(v)) +
+          (std::isfinite(v) ? ", beyond float16's range (use float32)" : ": features must be finite"));
+    }
+  }
   for (int64_t c : coords) {
     if (c < std::numeric_limits<int32_t>::min() || c > std::numeric_limits<int32_t>::max()) {
       return slide::core::invalid_argument("bag " + m.partial + ": coordinate " + std::to_string(c) +
@@ -721,6 +744,23 @@ Status read_rows(const std::string& path, const char* name, hid_t ds, int64_t n,
 
 }  // namespace
 
+namespace {
+
+// Features are never passed on when not finite: the first NaN or inf names its row and column.
+Status check_finite(const std::string& path, int64_t row_begin, int64_t d, std::span<const float> rows) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!std::isfinite(rows[i])) {
+      const auto row = row_begin + static_cast<int64_t>(i) / d, col = static_cast<int64_t>(i) % d;
+      return slide::core::data_loss("bag " + path + ": /features row " + std::to_string(row) + " (tile " +
+                                    std::to_string(row) + "), column " + std::to_string(col) + " is " +
+                                    (std::isnan(rows[i]) ? "NaN" : "inf") + ": features must be finite");
+    }
+  }
+  return slide::core::ok_status();
+}
+
+}  // namespace
+
 Status BagReader::read_features(int64_t row_begin, int64_t row_count, std::span<float> out) const {
   const Impl& m = *impl_;
   const int64_t d = m.info.feature_dim;
@@ -729,8 +769,9 @@ Status BagReader::read_features(int64_t row_begin, int64_t row_count, std::span<
                                          " values, need " + std::to_string(row_count) + " x " + std::to_string(d));
   }
   if (m.info.dtype == FeatureDtype::kFloat32) {
-    return read_rows(m.info.path, "features", m.features.get(), m.info.num_tiles, row_begin, row_count,
-                     static_cast<hsize_t>(d), H5T_NATIVE_FLOAT, out.data());
+    SLIDE_RETURN_IF_ERROR(read_rows(m.info.path, "features", m.features.get(), m.info.num_tiles, row_begin, row_count,
+                                    static_cast<hsize_t>(d), H5T_NATIVE_FLOAT, out.data()));
+    return check_finite(m.info.path, row_begin, d, out);
   }
   // float16: read the bits into the upper half of `out` viewed as uint16, then widen in place from
   // the front (each float is written at or before the half it came from has been read).
@@ -743,7 +784,7 @@ Status BagReader::read_features(int64_t row_begin, int64_t row_count, std::span<
     std::memcpy(&b, bits + i, 2);
     out[i] = half_to_float(b);
   }
-  return slide::core::ok_status();
+  return check_finite(m.info.path, row_begin, d, out);
 }
 
 Status BagReader::read_coords(int64_t row_begin, int64_t row_count, std::span<int32_t> out) const {

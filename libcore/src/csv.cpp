@@ -51,7 +51,11 @@ bool csv_line_is_blank(const std::string& line) {
 }
 
 std::string csv_quote(const std::string& field) {
-  if (field.find_first_of(",\"\n\r") == std::string::npos && (field.empty() || field.front() != '#')) return field;
+  // A leading '#' would make a first field's line a comment, and a leading byte-order mark would
+  // be skipped as the line's: both are kept only inside quotes.
+  if (field.find_first_of(",\"\n\r") == std::string::npos && (field.empty() || field.front() != '#') &&
+      !std::string_view(field).starts_with(kUtf8Bom))
+    return field;
   std::string out = "\"";
   for (char c : field) {
     if (c == '"') out += '"';

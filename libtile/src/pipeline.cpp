@@ -21,11 +21,13 @@
 #include "slide/core/log.h"
 #include "slide/core/progress.h"
 #include "slide/core/thread_pool.h"
+#include "slide/tile/annotations.h"
 #include "slide/tile/image.h"
 #include "slide/tile/slide.h"
 
 namespace slide::tile {
 namespace fs = std::filesystem;
+using slide::core::log_debug;
 using slide::core::log_info;
 using slide::core::log_warn;
 
@@ -57,7 +59,7 @@ Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
   std::string line;
   int line_no = 0;
   fs::path base = fs::path(csv).parent_path();
-  int id_col = -1, path_col = -1, label_col = -1;
+  int id_col = -1, path_col = -1, label_col = -1, annot_col = -1;
   while (std::getline(in, line)) {
     ++line_no;
     if (slide::core::csv_line_is_blank(line)) continue;
@@ -67,6 +69,7 @@ Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
         if (fields[i] == "slide_id") id_col = static_cast<int>(i);
         if (fields[i] == "path") path_col = static_cast<int>(i);
         if (fields[i] == "label") label_col = static_cast<int>(i);
+        if (fields[i] == "annotations") annot_col = static_cast<int>(i);
       }
       if (id_col < 0 || path_col < 0)
         return slide::core::invalid_argument(csv + ":" + std::to_string(line_no) +
@@ -82,6 +85,10 @@ Status read_manifest(const std::string& csv, std::vector<SlideInput>* out) {
     fs::path p = fields[path_col];
     s.path = p.is_absolute() ? p.string() : (base / p).string();
     if (label_col >= 0 && label_col < static_cast<int>(fields.size())) s.label = fields[label_col];
+    if (annot_col >= 0 && annot_col < static_cast<int>(fields.size()) && !fields[annot_col].empty()) {
+      fs::path a = fields[annot_col];
+      s.annotations = a.is_absolute() ? a.string() : (base / a).string();
+    }
     if (s.slide_id.empty() || fields[path_col].empty())
       return slide::core::invalid_argument(csv + ":" + std::to_string(line_no) + ": empty slide_id or path");
     out->push_back(std::move(s));
@@ -203,6 +210,7 @@ class TilingRun {
 
  private:
   Status tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
+  Status apply_annotations(const SlideInput& in, const SlideRecord& rec, TilePlan* plan, std::vector<int32_t>* labels);
   Status tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
 
   StoreWriter& writer_;
@@ -274,6 +282,57 @@ Status TilingRun::tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecor
   return slide::core::ok_status();
 }
 
+// The annotation file of a slide: the manifest's column, else the --annotations file, else
+// <dir>/<slide file stem>.geojson or .json. "" when there is none.
+static std::string find_annotation_file(const SlideInput& in, const std::string& option) {
+  if (!in.annotations.empty()) return in.annotations;
+  if (option.empty()) return "";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(option, ec)) return option;
+  const std::string stem = std::filesystem::path(in.path).stem().string();
+  for (const char* ext : {".geojson", ".json"}) {
+    std::string p = option + "/" + stem + ext;
+    if (std::filesystem::exists(p, ec)) return p;
+  }
+  return "";
+}
+
+Status TilingRun::apply_annotations(const SlideInput& in, const SlideRecord& rec, TilePlan* plan,
+                                    std::vector<int32_t>* labels) {
+  const bool needed = opt_.roi_only || opt_.label_from_annotations;
+  const std::string file = find_annotation_file(in, opt_.annotations_path);
+  if (file.empty()) {
+    if (needed)
+      return slide::core::not_found(in.path + ": no annotation file (looked for <" + opt_.annotations_path +
+                                    ">/<stem>.geojson|.json)");
+    return slide::core::ok_status();
+  }
+  if (!needed) return slide::core::ok_status();
+  SLIDE_ASSIGN_OR_RETURN(Annotations ann, load_geojson(file));
+  SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<AnnotationIndex> index,
+                         AnnotationIndex::build(ann, rec.width_l0, rec.height_l0));
+  std::vector<int32_t> class_label(ann.classes.size());
+  if (opt_.label_from_annotations)
+    for (size_t c = 0; c < ann.classes.size(); ++c) class_label[c] = writer_.label_index(ann.classes[c]);
+  const int64_t side_l0 = static_cast<int64_t>(std::llround(plan->tile_size_l0()));
+  std::vector<TileSpec> kept;
+  size_t dropped_roi = 0;
+  for (const TileSpec& t : plan->tiles) {
+    TileCoverage c = index->cover(t.x_l0, t.y_l0, side_l0, opt_.min_label_overlap);
+    if (opt_.roi_only && c.roi_fraction < opt_.min_roi_overlap) {
+      ++dropped_roi;
+      continue;
+    }
+    kept.push_back(t);
+    if (opt_.label_from_annotations) labels->push_back(c.label < 0 ? -1 : class_label[static_cast<size_t>(c.label)]);
+  }
+  log_debug("annotations applied", {{"slide", in.slide_id}, {"file", file},
+                                    {"tiles_kept", std::to_string(kept.size())},
+                                    {"dropped_outside_roi", std::to_string(dropped_roi)}});
+  plan->tiles = std::move(kept);
+  return slide::core::ok_status();
+}
+
 Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error) {
   SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<SlideReader> reader, open_slide(in.path));
   const SlideProperties& props = reader->properties();
@@ -315,6 +374,10 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     // A QC picture that cannot be written is worth a warning, not the slide.
     if (!qs.ok()) log_warn("QC picture not written", {{"slide", in.slide_id}, {"error", qs.to_string()}});
   }
+
+  // Annotations: filter the plan and label its tiles before anything is written.
+  std::vector<int32_t> tile_labels;
+  SLIDE_RETURN_IF_ERROR(apply_annotations(in, *rec, &plan, &tile_labels));
 
   const bool passthrough =
       opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && can_pass_through(*reader, plan);
@@ -389,7 +452,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
       continue;
     }
     TileHeader h;
-    h.label = rec->label_index;
+    h.label = tile_labels.empty() ? rec->label_index : tile_labels[next_write - 1];
     h.x_l0 = t.x_l0;
     h.y_l0 = t.y_l0;
     h.width = h.height = static_cast<uint32_t>(T);

@@ -1,5 +1,8 @@
 #include "slide/train/checkpoint.h"
 
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -18,6 +21,20 @@ const char* st_dtype(DType t) {
     case DType::kU8: return "U8";
   }
   return "?";
+}
+
+// The index of the first NaN or inf element of a f32 / f64 tensor, or -1 (other dtypes: -1).
+int64_t first_non_finite(const Tensor& t) {
+  if (t.dtype() == DType::kF32) {
+    const float* p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(p[i])) return i;
+  } else if (t.dtype() == DType::kF64) {
+    const double* p = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(p[i])) return i;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -64,20 +81,77 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
       return slide::core::data_loss(path + ": entry '" + name + "' is malformed");
     Shape shape;
     try {
+      // Integers only: a float such as 1e300 converted to int64 is undefined behaviour, and a
+      // negative offset would wrap to a huge unsigned one (found by tests/fuzz/fuzz_safetensors).
+      auto integers = [](const nlohmann::json& a, bool non_negative) {
+        if (!a.is_array()) return false;
+        for (const auto& v : a)
+          if (!(v.is_number_unsigned() || (!non_negative && v.is_number_integer()))) return false;
+        return true;
+      };
+      if (!integers(e["shape"], true) || !integers(e["data_offsets"], true))
+        return slide::core::data_loss(path + ": entry '" + name + "' has a shape or data offsets that are not "
+                                      "non-negative integers");
       shape = e["shape"].get<Shape>();
       const auto off = e["data_offsets"].get<std::vector<uint64_t>>();
       if (e["dtype"].get<std::string>() != st_dtype(t->dtype()) || shape != t->shape())
         return slide::core::invalid_argument(path + ": tensor '" + name + "' is " + e["dtype"].get<std::string>() + " " +
                                              shape_string(shape) + ", expected " + st_dtype(t->dtype()) + " " +
                                              shape_string(t->shape()));
-      if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != t->bytes() || base + off[1] > bytes.size())
+      if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != t->bytes() || off[1] > bytes.size() - base)
         return slide::core::data_loss(path + ": tensor '" + name + "' has data offsets outside the file");
       std::memcpy(t->raw(), bytes.data() + base + off[0], t->bytes());
+      if (const int64_t bad = first_non_finite(*t); bad >= 0) {
+        const double v = t->dtype() == DType::kF32 ? static_cast<double>(t->data<float>()[bad]) : t->data<double>()[bad];
+        std::memset(t->raw(), 0, t->bytes());  // never left holding the file's non-finite values
+        return slide::core::data_loss(path + ": tensor '" + name + "' holds " + (std::isnan(v) ? "NaN" : "inf") +
+                                      " (element " + std::to_string(bad) + " of " + shape_string(shape) +
+                                      "): refusing weights that are not finite");
+      }
     } catch (const nlohmann::json::exception& ex) {
       return slide::core::data_loss(path + ": entry '" + name + "': " + ex.what());
     }
   }
   return slide::core::ok_status();
+}
+
+Result<std::map<std::string, Shape>> read_safetensors_shapes(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return slide::core::errno_status(errno, "open " + path);
+  auto close = [&] { std::fclose(f); };
+  uint8_t len_bytes[8];
+  if (std::fread(len_bytes, 1, 8, f) != 8) {
+    close();
+    return slide::core::data_loss(path + ": not a safetensors file (shorter than its 8-byte header length)");
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  std::fseek(f, 0, SEEK_END);
+  const long size = std::ftell(f);
+  if (n > 100u << 20 || size < 0 || n > static_cast<uint64_t>(size) - 8) {
+    close();
+    return slide::core::data_loss(path + ": safetensors header length " + std::to_string(n) +
+                                  " is past the end of the file or over 100 MB");
+  }
+  std::string header(n, '\0');
+  std::fseek(f, 8, SEEK_SET);
+  const size_t got = std::fread(header.data(), 1, n, f);
+  close();
+  if (got != n) return slide::core::data_loss(path + ": safetensors header is cut short");
+  std::map<std::string, Shape> out;
+  try {
+    const auto j = nlohmann::json::parse(header);
+    if (!j.is_object()) return slide::core::data_loss(path + ": safetensors header is not a JSON object");
+    for (const auto& [name, entry] : j.items()) {
+      if (name == "__metadata__") continue;
+      Shape shape;
+      for (const auto& d : entry.at("shape")) shape.push_back(d.get<int64_t>());
+      out[name] = shape;
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return slide::core::data_loss(path + ": safetensors header: " + e.what());
+  }
+  return out;
 }
 
 }  // namespace slide::train

@@ -669,7 +669,10 @@ Status decode_into(const slide::tile::StoreReader& store, const std::string& sto
 
 }  // namespace
 
-Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel& model, const EmbedOptions& opt) {
+const float* TileEncoder::mean() const { return kImageNetMean; }
+const float* TileEncoder::std() const { return kImageNetStd; }
+
+Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& model, const EmbedOptions& opt) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   if (opt.stores.empty()) return invalid_argument("no tile stores given");
@@ -677,6 +680,11 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores;
   for (const auto& dir : opt.stores) {
     SLIDE_ASSIGN_OR_RETURN_CTX(auto r, slide::tile::StoreReader::open(dir), "store " + dir);
+    const int64_t need = extractor.input_size(), have = r->meta().tile_size_px;
+    if (need > 0 && have != need)
+      return invalid_argument("store " + dir + " holds " + std::to_string(have) + " px tiles, but the encoder takes " +
+                              std::to_string(need) + " px: tile the slides again with --tile-size " +
+                              std::to_string(need) + " (slide-embed does not resize tiles yet)");
     stores.push_back(std::move(r));
   }
   // The slides to embed, and their bag names (which must not collide).
@@ -700,18 +708,29 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
     if (found.count(id) == 0) return invalid_argument("slide '" + id + "' is in none of the stores");
   }
   SLIDE_RETURN_IF_ERROR_CTX(slide::core::make_dirs(opt.out_dir), "--out");
+  // A slide's bag: <out>/<bag_file_name(id)>, or a complete bag of an earlier version under the
+  // legacy name when it holds this slide (its slide_id attribute), so that a rerun skips it.
+  auto bag_path_of = [&](const std::string& slide_id) {
+    const std::string path = opt.out_dir + "/" + slide::cache::bag_file_name(slide_id);
+    const std::string legacy = opt.out_dir + "/" + slide::cache::legacy_bag_file_name(slide_id);
+    std::error_code ec;
+    if (legacy == path || std::filesystem::exists(path, ec) || !std::filesystem::exists(legacy, ec)) return path;
+    auto r = slide::cache::BagReader::open(legacy);
+    return r.ok() && (*r)->info().attributes.slide_id == slide_id ? legacy : path;
+  };
 
   // torchvision's normalisation as a lookup table per channel: (v / 255 - mean) / std.
   float lut[3][256];
   for (int c = 0; c < 3; ++c)
-    for (int v = 0; v < 256; ++v) lut[c][v] = (static_cast<float>(v) / 255.f - kImageNetMean[c]) / kImageNetStd[c];
+    for (int v = 0; v < 256; ++v)
+      lut[c][v] = (static_cast<float>(v) / 255.f - extractor.mean()[c]) / extractor.std()[c];
 
   EmbedSummary summary;
   int64_t total_tiles = 0;
   for (const auto& j : jobs) {
     // Complete bags are skipped without work: they are not in the progress total (tiles/s).
     std::error_code ec;
-    if (!std::filesystem::exists(opt.out_dir + "/" + slide::cache::bag_file_name(j.record.slide_id), ec)) {
+    if (!std::filesystem::exists(bag_path_of(j.record.slide_id), ec)) {
       total_tiles += static_cast<int64_t>(j.record.tile_count);
     }
   }
@@ -729,7 +748,7 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
     SlideOutcome& o = outcomes[j];
     o.store = opt.stores[job.store];
     o.slide_id = rec.slide_id;
-    o.bag_path = opt.out_dir + "/" + slide::cache::bag_file_name(rec.slide_id);
+    o.bag_path = bag_path_of(rec.slide_id);
     std::error_code ec;
     if (std::filesystem::exists(o.bag_path, ec)) {
       // Complete by construction; reused only when made the same way.
@@ -779,6 +798,12 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
     outcomes[j].tiles = 0;
     slide::core::log_error(s.to_string(), {{"slide", outcomes[j].slide_id}, {"store", outcomes[j].store}});
   };
+  // A bag write that runs out of space (disk full, quota, file size limit) stops the run: every
+  // later bag would fail the same way.
+  Status out_of_space;
+  auto note_space = [&](const Status& s) {
+    if (s.code() == slide::core::StatusCode::kResourceExhausted && out_of_space.ok()) out_of_space = s;
+  };
   auto start_slide = [&](size_t j) {
     const SlideJob& job = jobs[j];
     const slide::tile::SlideRecord& rec = job.record;
@@ -798,7 +823,10 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
     Open& op = open[j];
     op.start = clock::now();
     auto w = slide::cache::BagWriter::create(outcomes[j].bag_path, D, attrs, opt.bag);
-    if (!w.ok()) return fail_slide(j, w.status());
+    if (!w.ok()) {
+      note_space(w.status());
+      return fail_slide(j, w.status());
+    }
     op.writer = std::move(*w);
   };
 
@@ -894,6 +922,7 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
           if (op.appended == static_cast<int64_t>(jobs[j].record.tile_count)) s = op.writer->commit();
         }
         if (!s.ok()) {
+          note_space(s);
           fail_slide(j, s);
         } else if (op.appended == static_cast<int64_t>(jobs[j].record.tile_count)) {
           outcomes[j].tiles = op.appended;
@@ -907,6 +936,7 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
       i = k;
     }
     progress.add(b.n);
+    if (!out_of_space.ok()) break;
     if (opt.cancel != nullptr && opt.cancel->load()) {
       summary.interrupted = true;
       break;
@@ -932,7 +962,13 @@ Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel&
   std::vector<slide::core::Status> bad;
   SLIDE_ASSIGN_OR_RETURN(auto bags, slide::cache::list_bags(opt.out_dir, true, &bad));
   for (const auto& s : bad) slide::core::log_warn("not a readable bag, left out of bags.csv: " + s.message());
-  SLIDE_RETURN_IF_ERROR_CTX(slide::cache::write_manifest(opt.out_dir, bags), "bags.csv");
+  const Status manifest = slide::cache::write_manifest(opt.out_dir, bags);
+  if (!out_of_space.ok()) {
+    if (!manifest.ok()) slide::core::log_warn("bags.csv not written: " + manifest.to_string());
+    return out_of_space.with_context("stopped: no space left for bags in " + opt.out_dir +
+                                     " (complete bags are kept; free space and rerun to finish)");
+  }
+  SLIDE_RETURN_IF_ERROR_CTX(manifest, "bags.csv");
   summary.seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return summary;
 }

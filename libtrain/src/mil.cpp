@@ -388,6 +388,10 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
       SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
       model.set_rng_seed(epoch_seed * 1000003 + i);  // dropout: a function of the bag's place in the order
       SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, bag.label, true, options.label_smoothing));
+      if (!std::isfinite(sc.loss))  // diverged: stop before it reaches the parameters
+        return slide::core::out_of_range("step " + std::to_string(start / B) + " of the epoch (optimizer step " +
+                                         std::to_string(opt.steps() + 1) + "), bag " + bag.path + ": the loss is " +
+                                         std::to_string(sc.loss) + "; nothing was updated (lower --lr)");
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
       SLIDE_RETURN_IF_ERROR(
           be.softmax_cross_entropy_backward(sc.probs, sc.label, Tensor(), options.label_smoothing, dlogits));

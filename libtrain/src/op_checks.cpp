@@ -257,4 +257,35 @@ Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tens
   return d;
 }
 
+// --- Vision Transformer ops ---
+Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                                       const Tensor& y, DTypes dtypes) {
+  const char* op = "layer_norm_forward";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
+  if (x.dim(1) < 1) return invalid_argument(std::string(op) + ": rows of x " + shape_string(x.shape()) + " are empty");
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_channels(op, {{"gamma", &gamma}, {"beta", &beta}}, x.dim(1)));
+  if (!(eps > 0)) return invalid_argument(std::string(op) + ": eps " + std::to_string(eps) + " must be > 0");
+  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"y", &y}}, dtypes));
+  return LinearDims{x.dim(0), x.dim(1), x.dim(1)};
+}
+
+Status validate_permute(const Tensor& x, const std::vector<int>& perm, const Tensor& y, DTypes dtypes) {
+  const char* op = "permute";
+  if (!x.defined() || x.rank() < 1 || x.rank() > 6 || perm.size() != x.rank())
+    return invalid_argument(std::string(op) + ": x " + shape_string(x.shape()) + " with a permutation of " +
+                            std::to_string(perm.size()) + " dimensions (rank 1..6, one entry per dimension)");
+  std::vector<bool> seen(perm.size(), false);
+  Shape want(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) {
+    if (perm[i] < 0 || static_cast<size_t>(perm[i]) >= perm.size() || seen[static_cast<size_t>(perm[i])])
+      return invalid_argument(std::string(op) + ": not a permutation of 0.." + std::to_string(perm.size() - 1));
+    seen[static_cast<size_t>(perm[i])] = true;
+    want[i] = x.dim(static_cast<size_t>(perm[i]));
+  }
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, want));
+  if (y.shares_storage(x)) return invalid_argument(std::string(op) + ": y shares storage with x");
+  return want_dtype(op, {{"x", &x}, {"y", &y}}, dtypes);
+}
+
 }  // namespace slide::train::detail

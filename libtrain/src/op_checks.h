@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "slide/train/backend.h"
 
@@ -80,5 +81,13 @@ struct MatmulDims {
 // y[M,N] = op(a)[M,K] op(b)[K,N]; y must not share storage with a or b.
 [[nodiscard]] Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
                                                  const Tensor& y, DTypes dtypes);
+
+// --- Vision Transformer ops ---
+// x and y [R,C] of one shape, gamma and beta [C], eps > 0: returns {R, C} as {N, I, I}.
+[[nodiscard]] Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                     double eps, const Tensor& y, DTypes dtypes);
+// perm a permutation of 0..rank-1 (rank 1..6), y.shape[i] == x.shape[perm[i]], y not sharing x's
+// storage.
+[[nodiscard]] Status validate_permute(const Tensor& x, const std::vector<int>& perm, const Tensor& y, DTypes dtypes);
 
 }  // namespace slide::train::detail

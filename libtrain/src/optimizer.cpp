@@ -10,8 +10,11 @@ Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config
                                                    Allocator& alloc) {
   if (config.name != "sgd" && config.name != "adamw")
     return slide::core::invalid_argument("optimizer '" + config.name + "' is not one of sgd, adamw");
-  if (config.momentum < 0 || config.weight_decay < 0 || config.dampening < 0 || config.eps <= 0 ||
-      !(config.beta1 >= 0 && config.beta1 < 1) || !(config.beta2 >= 0 && config.beta2 < 1))
+  // Written so that NaN fails every test.
+  if (!(config.momentum >= 0 && config.momentum < 1) || !(config.weight_decay >= 0) ||
+      !std::isfinite(config.weight_decay) || !(config.dampening >= 0 && config.dampening <= 1) ||
+      !(config.eps > 0) || !std::isfinite(config.eps) || !(config.beta1 >= 0 && config.beta1 < 1) ||
+      !(config.beta2 >= 0 && config.beta2 < 1))
     return slide::core::invalid_argument("optimizer " + config.name + ": a hyper-parameter is out of range");
   if (config.nesterov && (config.momentum <= 0 || config.dampening != 0))
     return slide::core::invalid_argument("sgd: Nesterov momentum needs momentum > 0 and dampening 0 (as PyTorch)");
@@ -35,7 +38,45 @@ Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config
   return opt;
 }
 
+namespace {
+
+// The sum of squared gradient elements of host tensors (f32 or f64; element order does not
+// matter, so blocked layouts need no reorder), in double.
+double grad_sum_of_squares(const Tensor& g) {
+  if (!g.defined() || g.device() != Device::kCpu) return 0;
+  double sq = 0;
+  if (g.dtype() == DType::kF32) {
+    const float* p = g.data<float>();
+    for (int64_t i = 0; i < g.numel(); ++i) sq += static_cast<double>(p[i]) * p[i];
+  } else if (g.dtype() == DType::kF64) {
+    const double* p = g.data<double>();
+    for (int64_t i = 0; i < g.numel(); ++i) sq += p[i] * p[i];
+  }
+  return sq;
+}
+
+}  // namespace
+
 Status Optimizer::step(Backend& be, double lr) {
+  // Nothing non-finite is applied: a NaN or inf learning rate or gradient (after the all-reduce,
+  // so every rank sees the same) stops training before any parameter changes.
+  if (!std::isfinite(lr) || lr < 0)
+    return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) + ": learning rate " +
+                                     std::to_string(lr) + " is not a finite number >= 0; nothing was updated");
+  double sq = 0;
+  for (const Parameter* p : params_) sq += grad_sum_of_squares(p->grad);
+  if (!std::isfinite(sq)) {
+    std::string where;
+    for (const Parameter* p : params_)
+      if (!std::isfinite(grad_sum_of_squares(p->grad))) {
+        where = p->name;
+        break;
+      }
+    return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) +
+                                     ": the gradient is not finite (NaN or inf" +
+                                     (where.empty() ? std::string() : ", first in " + where + "'s gradient") +
+                                     "); nothing was updated");
+  }
   const bool first = steps_ == 0;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {

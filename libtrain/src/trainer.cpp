@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <future>
 #include <numeric>
 #include <random>
@@ -177,6 +178,11 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       // the epoch's order only (the same masks however the step is split).
       model.set_rng_seed(epoch_seed * 1000003 + mb.a);
       SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
+      if (!std::isfinite(sc.loss))  // diverged (or NaN weights): stop before it reaches the parameters
+        return slide::core::out_of_range(
+            "step " + std::to_string(mb.start / static_cast<size_t>(options.batch_size)) + " of the epoch (optimizer step " +
+            std::to_string(opt.steps() + 1) + "): the loss is " + std::to_string(sc.loss) +
+            "; nothing was updated (lower --lr, or check the data and weights)");
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
       SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,
                                                               options.label_smoothing, dlogits));

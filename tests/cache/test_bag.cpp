@@ -1,7 +1,10 @@
 // HDF5 feature bags: write/read round trips (float32, float16, gzip, lzf), slices, atomic commit,
 // the directory listing and manifest, float16 rounding, and corrupt or foreign files.
 #include <doctest/doctest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -16,6 +19,7 @@
 #include "slide/core/file.h"
 
 using namespace slide::cache;
+using slide::core::Status;
 using slide::core::StatusCode;
 namespace fs = std::filesystem;
 
@@ -297,7 +301,7 @@ TEST_CASE("list_bags and the manifest") {
   CHECK((*bags)[0].attributes.slide_id == "a 1");
   CHECK((*bags)[0].num_tiles == 9);
   CHECK((*bags)[1].attributes.slide_id == "b/2");
-  CHECK(fs::path((*bags)[1].path).filename() == "b_2.h5");
+  CHECK(fs::path((*bags)[1].path).filename() == bag_file_name("b/2"));
 
   { std::ofstream(tmp.path + "/broken.h5") << "x"; }
   CHECK(list_bags(tmp.path).status().code() == StatusCode::kDataLoss);
@@ -316,7 +320,7 @@ TEST_CASE("list_bags and the manifest") {
   CHECK((*m)[0].num_tiles == 9);
   CHECK((*m)[0].feature_dim == 8);
   CHECK((*m)[0].label == "with, comma");
-  CHECK((*m)[1].path == tmp.path + "/b_2.h5");
+  CHECK((*m)[1].path == tmp.path + "/" + bag_file_name("b/2"));
   CHECK(read_bag((*m)[1].path).ok());
 
   REQUIRE(slide::core::write_file_atomic(tmp.path + "/bad.csv", std::string("slide_id,file,num_tiles,feature_dim,dtype\nx,x.h5,ten,8,float32\n")).ok());
@@ -325,11 +329,101 @@ TEST_CASE("list_bags and the manifest") {
   CHECK(bad.status().message().find("bad.csv:2") != std::string::npos);
 }
 
-TEST_CASE("bag_file_name sanitises ids") {
+TEST_CASE("bag_file_name is slide_file_stem's rule; the legacy rule is kept for old bags (issue 22)") {
   CHECK(bag_file_name("TCGA-AB-1234.01") == "TCGA-AB-1234.01.h5");
-  CHECK(bag_file_name("a/b c") == "a_b_c.h5");
-  CHECK(bag_file_name("../x") == "_._x.h5");
-  CHECK(bag_file_name("") == "_.h5");
+  CHECK(bag_file_name("CMU-1 (copy)") == "CMU-1 (copy).h5");  // no longer rewritten
+  // Changed ids end in "~" + 12 hex digits of the id's hash: never outside the directory, unique.
+  const std::string up = bag_file_name("../../x");
+  CHECK(up.rfind("_._.._x~", 0) == 0);
+  CHECK(up.size() == std::string("_._.._x~").size() + 12 + 3);
+  CHECK(bag_file_name("a/b") != bag_file_name("a_b"));
+  CHECK(bag_file_name("").rfind("_~", 0) == 0);
+  const std::string long_name = bag_file_name(std::string(300, 'x'));
+  CHECK(long_name.size() <= 203);
+  CHECK(long_name.find('/') == std::string::npos);
+  CHECK(legacy_bag_file_name("a/b c") == "a_b_c.h5");
+  CHECK(legacy_bag_file_name("../x") == "_._x.h5");
+  CHECK(legacy_bag_file_name("") == "_.h5");
+}
+
+TEST_CASE("bag writer refuses NaN, inf and float16 overflow; the reader names a NaN's bag, row and column (issue 20)") {
+  TempDir tmp;
+  std::vector<int64_t> c = {0, 0, 256, 0};
+  for (FeatureDtype dt : {FeatureDtype::kFloat32, FeatureDtype::kFloat16}) {
+    BagWriterOptions opt;
+    opt.dtype = dt;
+    auto w = BagWriter::create(tmp.path + "/w.h5", 3, attrs("w"), opt);
+    REQUIRE(w.ok());
+    std::vector<float> f = {1, 2, 3, 4, std::nanf(""), 6};
+    Status s = (*w)->append(2, f, c);
+    CHECK(s.code() == StatusCode::kOutOfRange);
+    CHECK(s.message().find("row 1, column 1 is NaN") != std::string::npos);
+    f[4] = HUGE_VALF;
+    CHECK((*w)->append(2, f, c).code() == StatusCode::kOutOfRange);
+    f[4] = 70000.f;  // finite, but float16 would store inf
+    CHECK((*w)->append(2, f, c).ok() == (dt == FeatureDtype::kFloat32));
+    (*w)->discard();
+  }
+  // A NaN that got into a file some other way (here: patched bytes) is refused on reading.
+  std::vector<float> f;
+  const std::string path = write_bag(tmp.path, "nan", 6, 4, {}, &f, &c);
+  {
+    std::ifstream in(path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string needle(reinterpret_cast<const char*>(&f[4 * 3 + 2]), 4);  // row 3, column 2
+    const size_t at = bytes.find(needle);
+    REQUIRE(at != std::string::npos);
+    REQUIRE(bytes.find(needle, at + 1) == std::string::npos);
+    const float nan = std::nanf("");
+    std::memcpy(bytes.data() + at, &nan, 4);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  auto r = BagReader::open(path);
+  REQUIRE(r.ok());
+  std::vector<float> rows(static_cast<size_t>(6 * 4));
+  Status s = (*r)->read_features(0, 6, rows);
+  CHECK(s.code() == StatusCode::kDataLoss);
+  CHECK(s.message().find(path) != std::string::npos);
+  CHECK(s.message().find("row 3 (tile 3), column 2 is NaN") != std::string::npos);
+  std::vector<float> first(static_cast<size_t>(3 * 4));
+  CHECK((*r)->read_features(0, 3, first).ok());  // rows before it read fine
+}
+
+TEST_CASE("bag writer: a failed write (file size limit) is an error, and the process then exits normally (issue 20)") {
+  // In a child: RLIMIT_FSIZE makes HDF5's writes fail with EFBIG (SIGXFSZ ignored), as a full
+  // disk would. HDF5 1.10 left a file whose close failed for its atexit clean-up, which then
+  // crashed (exit 139); the child must exit normally with the error reported.
+  TempDir tmp;
+  const std::string path = tmp.path + "/big.h5";
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit rl{};
+    ::getrlimit(RLIMIT_FSIZE, &rl);
+    rl.rlim_cur = 64 * 1024;
+    if (::setrlimit(RLIMIT_FSIZE, &rl) != 0) std::exit(20);
+    BagWriterOptions opt;
+    opt.chunk_rows = 64;
+    auto w = BagWriter::create(path, 256, attrs("big"), opt);
+    if (!w.ok()) std::exit(21);
+    std::vector<float> f(64 * 256, 0.5f);
+    std::vector<int64_t> c(64 * 2, 0);
+    Status s;
+    for (int i = 0; i < 64 && s.ok(); ++i) s = (*w)->append(64, f, c);  // 4 MiB: far past the limit
+    if (s.ok()) s = (*w)->commit();
+    if (s.code() != StatusCode::kResourceExhausted) std::exit(22);
+    if (s.message().find("big.h5.partial") == std::string::npos) std::exit(23);
+    (*w)->discard();
+    w->reset();
+    if (fs::exists(path) || fs::exists(path + ".partial")) std::exit(24);
+    std::exit(0);  // runs the atexit handlers, HDF5's included
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  CHECK_MESSAGE(!WIFSIGNALED(status), "killed by signal ", WTERMSIG(status));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("bag reader: read-only files, HDF5_USE_FILE_LOCKING=FALSE, and several readers of one bag at once") {

@@ -86,6 +86,52 @@ def csv_rows(path):
     return list(csv.DictReader(io.StringIO(read_text(path))))
 
 
+def slide_file_stem(slide_id):
+    """slide::core::slide_file_stem (libcore/include/slide/core/file_name.h), for the expected names:
+    '/', '\\', control bytes -> '_', a leading '.' -> '_'; when changed or longer than 200 bytes,
+    cut (at a UTF-8 boundary) and "~" + 12 hex digits of the id's 64-bit FNV-1a hash appended."""
+    raw = slide_id.encode()
+    out = bytearray(b"_"[0] if c in (0x2F, 0x5C) or c < 0x20 or c == 0x7F else c for c in raw) or bytearray(b"_")
+    if out[0] == ord("."):
+        out[0] = ord("_")
+    if bytes(out) == raw and len(out) <= 200:
+        return out.decode()
+    if len(out) > 187:
+        cut = 187
+        while cut > 0 and (out[cut] & 0xC0) == 0x80:
+            cut -= 1
+        out = out[:cut]
+    h = 0xCBF29CE484222325
+    for c in raw:
+        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return out.decode() + "~%012x" % (h & 0xFFFFFFFFFFFF)
+
+
+def bag_name(slide_id):
+    return slide_file_stem(slide_id) + ".h5"
+
+
+def listing(out):
+    """The files of an output directory, without the writer's lock file."""
+    return sorted(n for n in os.listdir(out) if n != "writer.lock")
+
+
+def snapshot(root):
+    """{relative path: (size, mtime_ns, sha256)} of every file under root (but writer.lock, which each
+    writer that takes the lock rewrites with its pid): to show that nothing changed."""
+    import hashlib
+    snap = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            if n == "writer.lock":
+                continue
+            p = os.path.join(d, n)
+            st = os.stat(p)
+            with open(p, "rb") as f:
+                snap[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
+    return snap
+
+
 def rel_err(got, want):
     return float(np.abs(got.astype(np.float64) - want).max()) / max(1.0, float(np.abs(want).max()))
 
@@ -166,9 +212,9 @@ class TestTorchvision(Base):
         r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--slides", ",".join(ids),
                        "--dtype", "float16", "--compression", "gzip")
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(sorted(os.listdir(out)), sorted(["bags.csv"] + [i.replace("/", "_") + ".h5" for i in ids]))
+        self.assertEqual(listing(out), sorted(["bags.csv"] + [bag_name(i) for i in ids]))
         for sid in ids:
-            with h5py.File(os.path.join(out, sid.replace("/", "_") + ".h5"), "r") as f:
+            with h5py.File(os.path.join(out, bag_name(sid)), "r") as f:
                 ours = f["features"][:]
                 self.assertEqual(ours.dtype, np.float16)
                 self.assertEqual(f.attrs["layer"], "avgpool")
@@ -249,7 +295,7 @@ class TestLayout(Base):
         out = os.path.join(self.tmp, "bags-ckpt")
         r = self.embed(store, out, "--weights", ckpt, "--slides", "lung_n/lungn1,lung_scc/lungscc1")
         self.assertEqual(r.returncode, 0, r.stderr)
-        with h5py.File(os.path.join(out, "lung_n_lungn1.h5"), "r") as f:
+        with h5py.File(os.path.join(out, bag_name("lung_n/lungn1")), "r") as f:
             self.assertEqual(f["features"].shape, (1, 32))  # 4 x width
             self.assertEqual(f.attrs["model"], "small")
             self.assertEqual(f.attrs["layer"], "avgpool")
@@ -418,7 +464,7 @@ class TestBadInput(TwoSlides):
         self.assertEqual(r.returncode, 3, r.stderr)
         self.assertIn("TCGA-CR-7395-01A-01-TS1", r.stderr)
         self.assertIn("tile %d" % (rec["first_tile_index"] + 5), r.stderr)
-        self.assertEqual(sorted(os.listdir(out)), ["CMU-1-Small-Region.h5", "bags.csv"])
+        self.assertEqual(listing(out), ["CMU-1-Small-Region.h5", "bags.csv"])
 
     def test_corrupt_tile_in_a_batch_spanning_slides(self):
         """Patches are one-tile slides: one batch holds several slides; the corrupt one fails alone
@@ -445,8 +491,8 @@ class TestBadInput(TwoSlides):
         r = self.embed(bad, out, *args)
         self.assertEqual(r.returncode, 3, r.stderr)
         self.assertIn("lung_aca/lungaca100", r.stderr)
-        names = sorted(os.listdir(out))
-        self.assertEqual(names, sorted(["bags.csv"] + [i.replace("/", "_") + ".h5" for i in ids if i != "lung_aca/lungaca100"]))
+        names = listing(out)
+        self.assertEqual(names, sorted(["bags.csv"] + [bag_name(i) for i in ids if i != "lung_aca/lungaca100"]))
         for name in names[1:]:
             with h5py.File(os.path.join(clean, name), "r") as a, h5py.File(os.path.join(out, name), "r") as b:
                 np.testing.assert_array_equal(a["features"][:], b["features"][:])
@@ -459,7 +505,122 @@ class TestBadInput(TwoSlides):
         r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer1",
                        "--slides-file", ids)
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(sorted(os.listdir(out)), ["TCGA-CR-7395-01A-01-TS1.h5", "bags.csv"])
+        self.assertEqual(listing(out), ["TCGA-CR-7395-01A-01-TS1.h5", "bags.csv"])
+
+
+
+class TestOutputSafety(TwoSlides):
+    """Issue 20: one writer per output directory (a second fails at once, naming the holder), weights
+    with a NaN refused at load, a bag with a NaN row refused by MIL training, and a write that runs
+    out of space reported as an error, never a crash (exit 1, not 139). Each leaves what was
+    already written as it was."""
+
+    ARGS = ["--model", "resnet18", "--layer", "layer1", "-q"]
+
+    def test_second_writer_fails_at_once(self):
+        import fcntl
+        out = os.path.join(self.tmp, "locked")
+        r = self.embed(self.store, out, "--weights", self.weights, "--slides", "CMU-1-Small-Region", *self.ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        before = snapshot(out)
+        with open(os.path.join(out, "writer.lock"), "a+") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            t0 = time.monotonic()
+            r = self.embed(self.store, out, "--weights", self.weights, *self.ARGS)
+            seconds = time.monotonic() - t0
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertRegex(r.stderr, r"output directory %s is being written by another process \(pid \d+" % out)
+        self.assertLess(seconds, 10)  # at once, not after waiting
+        self.assertEqual(snapshot(out), before)
+        # Released (the holder's file closed): the same run goes through, and bags.csv ignores the lock file.
+        r = self.embed(self.store, out, "--weights", self.weights, *self.ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual([x["slide_id"] for x in csv_rows(os.path.join(out, "bags.csv"))],
+                         ["CMU-1-Small-Region", "TCGA-CR-7395-01A-01-TS1"])
+
+    def test_weights_with_a_nan_are_refused(self):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from safetensors_io import read_safetensors, write_safetensors
+        w = read_safetensors(self.weights)
+        for bad_value, word in ((np.nan, "NaN"), (np.inf, "inf")):
+            bad = dict(w)
+            bad["layer1.0.conv2.weight"] = w["layer1.0.conv2.weight"].copy()
+            bad["layer1.0.conv2.weight"].reshape(-1)[7] = bad_value
+            path = os.path.join(self.tmp, "nan-weights.safetensors")
+            write_safetensors(path, bad)
+            out = os.path.join(self.tmp, "nan-bags")
+            r = self.embed(self.store, out, "--weights", path, *self.ARGS)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("nan-weights.safetensors: tensor 'layer1.0.conv2.weight' holds %s (element 7 of" % word,
+                          r.stderr)
+            self.assertEqual(listing(out), [])  # no bag, no bags.csv
+
+    def test_mil_refuses_a_bag_with_a_nan_row(self):
+        bags = os.path.join(self.tmp, "real-bags")
+        r = self.embed(self.store, bags, "--weights", self.weights, *self.ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        labels = os.path.join(self.tmp, "two-labels.csv")
+        with open(labels, "w") as f:
+            f.write("slide_id,label\nCMU-1-Small-Region,a\nTCGA-CR-7395-01A-01-TS1,b\n")
+        train = [os.environ["SLIDE_TRAIN"], "--features", None, "--labels", labels, "--out", None, "--epochs", "1",
+                 "--mil-hidden", "8", "--mil-attention", "4", "--val-fraction", "0", "--no-attention", "-q"]
+        def mil(features, out):
+            args = list(train)
+            args[2], args[6] = features, out
+            return run(args)
+        r = mil(bags, os.path.join(self.tmp, "mil-clean"))
+        self.assertEqual(r.returncode, 0, r.stderr)  # the control: the real bags train
+        nan_bags = os.path.join(self.tmp, "nan-row-bags")
+        shutil.copytree(bags, nan_bags, ignore=shutil.ignore_patterns("writer.lock"))
+        victim = os.path.join(nan_bags, "TCGA-CR-7395-01A-01-TS1.h5")
+        with h5py.File(victim, "r+") as f:
+            feats = f["features"][:]
+            self.assertGreater(len(feats), 3)
+            feats[3, 5] = np.nan
+            f["features"][...] = feats
+        before = snapshot(nan_bags)
+        for cache in ("ram", "none"):
+            out = os.path.join(self.tmp, "mil-nan-" + cache)
+            r = mil(nan_bags, out)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("bag %s: /features row 3 (tile 3), column 5 is NaN" % victim, r.stderr)
+            self.assertFalse(os.path.exists(os.path.join(out, "metrics.jsonl")))
+            ckpts = os.path.join(out, "checkpoints")
+            self.assertEqual(os.listdir(ckpts) if os.path.isdir(ckpts) else [], [])  # no checkpoint, NaN or other
+        self.assertEqual(snapshot(nan_bags), before)
+
+    def test_bag_under_the_earlier_name_rule_is_reused(self):
+        """Issue 22: bags are named by slide_file_stem now ("lung_n/lungn1" -> "lung_n_lungn1~<hash>.h5");
+        a complete bag of an earlier version under the old name ("lung_n_lungn1.h5") holding the slide
+        is still found by a rerun and skipped, not embedded a second time."""
+        store = self.tile("lc32", "--patches", LC, "--tile-size", "32")
+        out = os.path.join(self.tmp, "legacy")
+        ids = "lung_n/lungn1,lung_scc/lungscc1"
+        r = self.embed(store, out, "--weights", self.weights, "--slides", ids, *self.ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        os.rename(os.path.join(out, bag_name("lung_n/lungn1")), os.path.join(out, "lung_n_lungn1.h5"))
+        r = self.embed(store, out, "--weights", self.weights, "--slides", ids, *self.ARGS[:-1])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("bags_skipped_complete=2", r.stderr)
+        self.assertEqual(listing(out), sorted(["bags.csv", "lung_n_lungn1.h5", bag_name("lung_scc/lungscc1")]))
+        rows = {x["slide_id"]: x["file"] for x in csv_rows(os.path.join(out, "bags.csv"))}
+        self.assertEqual(rows["lung_n/lungn1"], "lung_n_lungn1.h5")
+
+    def test_out_of_space_is_an_error_not_a_crash(self):
+        import resource
+
+        def limit():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY))
+
+        out = os.path.join(self.tmp, "full")
+        r = run([EMBED, self.store, "-o", out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer2",
+                 "--threads", "2", "-q"], preexec_fn=limit)
+        self.assertEqual(r.returncode, 1, r.stderr)  # before the fix: -11 (SIGSEGV at exit)
+        self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
+        self.assertIn("File too large", r.stderr)
+        self.assertIn("stopped: no space left for bags in " + out, r.stderr)
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".h5") or n.endswith(".partial")], os.listdir(out))
 
 
 if __name__ == "__main__":

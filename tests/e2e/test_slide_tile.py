@@ -860,6 +860,128 @@ class TestSettings(Base):
         self.assertIn("max_tiles_per_slide=0, this run asks 3", r.stderr)
 
 
+
+def clip_area(poly, x0, y0, x1, y1):
+    """Area of a convex or simple polygon clipped to a rectangle (Sutherland-Hodgman, shoelace)."""
+    def clip(pts, inside, cut):
+        out = []
+        for i, cur in enumerate(pts):
+            prev = pts[i - 1]
+            if inside(cur):
+                if not inside(prev):
+                    out.append(cut(prev, cur))
+                out.append(cur)
+            elif inside(prev):
+                out.append(cut(prev, cur))
+        return out
+
+    def cut_x(x):
+        return lambda a, b: (x, a[1] + (b[1] - a[1]) * (x - a[0]) / (b[0] - a[0]))
+
+    def cut_y(y):
+        return lambda a, b: (a[0] + (b[0] - a[0]) * (y - a[1]) / (b[1] - a[1]), y)
+
+    pts = list(poly)
+    for inside, cut in ((lambda p: p[0] >= x0, cut_x(x0)), (lambda p: p[0] <= x1, cut_x(x1)),
+                        (lambda p: p[1] >= y0, cut_y(y0)), (lambda p: p[1] <= y1, cut_y(y1))):
+        pts = clip(pts, inside, cut) if pts else pts
+    return abs(sum(pts[i - 1][0] * p[1] - p[0] * pts[i - 1][1] for i, p in enumerate(pts))) / 2
+
+
+class TestAnnotations(Base):
+    """--annotations with --roi-only and --label-from-annotations on CMU-1-Small-Region (2220x2967),
+    against coverage computed here: a grid-aligned rectangle with a hole and a diagonal triangle."""
+
+    T = 256  # --mpp 0.499 is the slide's own mpp: level 0, one tile = 256 level-0 px
+    TUMOR = ([[256, 256], [1280, 256], [1280, 1280], [256, 1280], [256, 256]],
+             [[512, 512], [1024, 512], [1024, 1024], [512, 1024], [512, 512]])
+    STROMA = [[1536, 1536], [2048, 1536], [1536, 2048], [1536, 1536]]
+
+    def write_geojson(self, name, features):
+        d = self.path("annot")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(features if isinstance(features, str) else json.dumps(features))
+        return d
+
+    def two_classes(self):
+        return {"type": "FeatureCollection", "features": [
+            {"type": "Feature", "properties": {"classification": {"name": "tumor", "colorRGB": -1}},
+             "geometry": {"type": "Polygon", "coordinates": [self.TUMOR[0], self.TUMOR[1]]}},
+            {"type": "Feature", "properties": {"classification": {"name": "stroma"}},
+             "geometry": {"type": "MultiPolygon", "coordinates": [[self.STROMA]]}}]}
+
+    def expected(self, x, y, min_label=0.5):
+        """(roi fraction, label name or None) of the tile at level-0 (x, y)."""
+        t = self.T
+        rect = lambda r: clip_area([tuple(p) for p in r[:-1]], x, y, x + t, y + t)
+        tumor = rect(self.TUMOR[0]) - rect(self.TUMOR[1])
+        stroma = clip_area([tuple(p) for p in self.STROMA[:-1]], x, y, x + t, y + t)
+        a = t * t
+        label = None
+        best = -1
+        for name, area in (("tumor", tumor), ("stroma", stroma)):
+            if area / a >= min_label and area > best:
+                label, best = name, area
+        return (tumor + stroma) / a, label
+
+    def tile(self, extra, name="CMU-1-Small-Region.geojson", features=None):
+        d = self.write_geojson(name, features if features is not None else self.two_classes())
+        store = self.path("s%d" % len(os.listdir(self.tmp)))
+        r = run([CMU, "--mpp", "0.499", "--min-tissue", "0", "-o", store, "--annotations", d] + extra)
+        return r, store
+
+    def positions(self, store):
+        names = info(store).get("label_names", [])
+        return {(f[5], f[6]): (names[f[4]] if f[4] >= 0 else None) for _, f, _ in tiles_of(store)}
+
+    def test_roi_only_and_labels(self):
+        base = self.path("base")
+        r = run([CMU, "--mpp", "0.499", "--min-tissue", "0", "-o", base])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        grid = sorted(self.positions(base))
+        self.assertGreater(len(grid), 60)
+        exp = {p: self.expected(*p) for p in grid}
+
+        r, store = self.tile(["--roi-only"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got = self.positions(store)
+        want = sorted(p for p, (roi, _) in exp.items() if roi >= 0.5)
+        self.assertEqual(len(want), 12 + 3)  # tumour 16 - 4 in the hole; the triangle's 1 + 2 halves
+        self.assertEqual(sorted(got), want)
+        self.assertTrue(all(v is None for v in got.values()))  # --roi-only alone labels nothing
+
+        r, store = self.tile(["--roi-only", "--label-from-annotations"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got = self.positions(store)
+        self.assertEqual(got, {p: exp[p][1] for p in want})
+        self.assertEqual(sum(v == "tumor" for v in got.values()), 12)
+        self.assertEqual(sum(v == "stroma" for v in got.values()), 3)
+
+        r, store = self.tile(["--label-from-annotations", "--min-label-overlap", "0.6"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got = self.positions(store)
+        self.assertEqual(sorted(got), grid)  # without --roi-only every tile stays; unlabelled: -1
+        self.assertEqual(got, {p: self.expected(*p, min_label=0.6)[1] for p in grid})
+        self.assertEqual(sum(v == "tumor" for v in got.values()), 12)
+        self.assertEqual(sum(v == "stroma" for v in got.values()), 1)  # the two half tiles lose theirs
+
+    def test_bad_annotations_fail_the_slide(self):
+        bow = {"type": "Feature", "properties": {"classification": {"name": "x"}},
+               "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [100, 100], [100, 0], [0, 100], [0, 0]]]}}
+        outside = {"type": "Feature", "properties": {"classification": {"name": "x"}},
+                   "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [3000, 0], [3000, 10], [0, 0]]]}}
+        point = {"type": "Feature", "geometry": {"type": "Point", "coordinates": [1, 2]}}
+        for features, message in (("{oops", "not valid JSON"), (bow, "Self-intersection"),
+                                  (outside, "outside the slide"), (point, "'Point' is not supported")):
+            r, _ = self.tile(["--roi-only"], features=features)
+            self.assertEqual(r.returncode, 3, r.stderr)
+            self.assertIn("CMU-1-Small-Region.geojson", r.stderr)
+            self.assertIn(message, r.stderr)
+            self.assertIn("1 failed", r.stderr)
+            shutil.rmtree(self.path("annot"))
+
+
 class TestFileNames(Base):
     """Issue 22 part 3: QC pictures and exports are named by slide_file_stem and stay in their folders."""
 

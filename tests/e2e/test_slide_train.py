@@ -330,6 +330,220 @@ class TestBadInput(Base):
         self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
 
 
+
+def snapshot(root):
+    """{relative path: (size, mtime_ns, sha256)} of every file under root (but writer.lock, which each
+    writer that takes the lock rewrites with its pid): to show that nothing changed."""
+    import hashlib
+    snap = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            if n == "writer.lock":
+                continue
+            p = os.path.join(d, n)
+            st = os.stat(p)
+            with open(p, "rb") as f:
+                snap[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
+    return snap
+
+
+class TestOutputSafety(Base):
+    """Issue 20 (train side): option ranges at parse time, one writer per --out, an earlier run kept
+    unless --resume or --overwrite, a malformed state.json or NaN weights refused on --resume and
+    evaluate. Every refusal leaves what was written as it was."""
+
+    def quick(self, out, *extra, epochs=1):
+        return subprocess.run([TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32",
+                               "--width", "4", "--threads", "2", "--seed", "3", "-q"] + list(extra),
+                              capture_output=True, text=True)
+
+    def run_dir(self, name):
+        """A finished one-epoch run, made once per name."""
+        out = os.path.join(self.tmp, name)
+        if not os.path.isdir(out):
+            r = self.quick(out)
+            self.assertEqual(r.returncode, 0, r.stderr)
+        return out
+
+    def test_out_of_range_options_are_usage_errors(self):
+        out = os.path.join(self.tmp, "ranges")
+        for option, value, says in (("--lr", "nan", "must be a finite number >= 0"),
+                                    ("--lr", "-1", "must be a finite number >= 0"),
+                                    ("--lr", "inf", "must be a finite number >= 0"),
+                                    ("--momentum", "5", "must be in [0, 1)"),
+                                    ("--momentum", "nan", "must be in [0, 1)"),
+                                    ("--weight-decay", "-1", "must be a finite number >= 0"),
+                                    ("--warmup-epochs", "-2", "must be a finite number >= 0"),
+                                    ("--label-smoothing", "1.5", "must be in [0, 1)"),
+                                    ("--val-fraction", "1", "must be in [0, 1)"),
+                                    ("--dropout", "nan", "must be in [0, 0.95]")):
+            r = self.quick(out, option, value)
+            self.assertEqual(r.returncode, 2, (option, value, r.stderr))
+            self.assertIn("%s: %s: %s" % (option, value, says), r.stderr)
+            self.assertFalse(os.path.exists(out))  # refused before anything is written
+        # The same for --features (MIL) and for a sweep's grid, before any trial starts.
+        r = subprocess.run([TRAIN, "--features", self.tmp, "--out", out, "--lr", "nan"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--lr: nan: must be a finite number >= 0", r.stderr)
+        r = subprocess.run([TRAIN, "--features", self.tmp, "--out", out, "--mil-dropout", "-0.5"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        grid = os.path.join(self.tmp, "bad-values.toml")
+        with open(grid, "w") as f:
+            f.write("lr = [0.1, nan]\nmomentum = 0.9\n")
+        sweep = os.path.join(self.tmp, "bad-sweep")
+        r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", sweep, "--", "--data", self.store],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("bad-values.toml: trial t001: --lr nan: must be a finite number >= 0", r.stderr)
+        self.assertFalse(os.path.exists(sweep))
+        with open(grid, "w") as f:
+            f.write("lr = [0.1, 0.2]\n")
+        r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", sweep, "--", "--data", self.store,
+                            "--weight-decay", "-1"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--weight-decay -1: must be a finite number >= 0", r.stderr)
+
+    def test_earlier_run_needs_resume_or_overwrite(self):
+        out = os.path.join(self.tmp, "earlier")
+        r = self.quick(out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        before = snapshot(out)
+        r = self.quick(out)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--out %s holds an earlier run (checkpoints/, metrics.jsonl, metrics.csv, curves.png, "
+                      "best.safetensors): continue it with --resume, replace it with --overwrite" % out, r.stderr)
+        self.assertEqual(snapshot(out), before)
+        r = self.quick(out, "--resume", "--overwrite")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("give one", r.stderr)
+        self.assertEqual(snapshot(out), before)
+        # The lock file alone is not a run: a directory holding only it trains without a flag.
+        only_lock = os.path.join(self.tmp, "only-lock")
+        os.makedirs(only_lock)
+        open(os.path.join(only_lock, "writer.lock"), "w").close()
+        self.assertEqual(self.quick(only_lock).returncode, 0)
+        # --overwrite replaces the run: its old checkpoints are gone, a new run's files are there.
+        os.makedirs(os.path.join(out, "checkpoints", "epoch-9-step-0"))
+        r = self.quick(out, "--overwrite")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))), ["epoch-1-step-0"])
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            self.assertEqual(len(f.read().splitlines()), 1)
+        # evaluate's --out: an earlier evaluation is kept unless --overwrite.
+        ev = os.path.join(self.tmp, "earlier-eval")
+        ck = os.path.join(out, "checkpoints", "epoch-1-step-0")
+        evaluate = [TRAIN, "evaluate", "--checkpoint", ck, "--data", self.store, "--out", ev]
+        self.assertEqual(subprocess.run(evaluate, capture_output=True).returncode, 0)
+        before = snapshot(ev)
+        r = subprocess.run(evaluate, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("holds an earlier evaluation (predictions.csv, slides.csv, metrics.json)", r.stderr)
+        self.assertEqual(snapshot(ev), before)
+        r = subprocess.run(evaluate + ["--overwrite"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_second_writer_fails_at_once(self):
+        import fcntl
+        out = self.run_dir("locked")
+        before = snapshot(out)
+        with open(os.path.join(out, "writer.lock"), "a+") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            holder.seek(0)
+            holder.truncate()
+            holder.write("%d python3\n" % os.getpid())
+            holder.flush()
+            before = snapshot(out)
+            t0 = time.monotonic()
+            r = self.quick(out, "--resume", epochs=2)
+            seconds = time.monotonic() - t0
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("output directory %s is being written by another process (pid %d, python3)"
+                          % (out, os.getpid()), r.stderr)
+            self.assertLess(seconds, 10)
+            # evaluate's --out is locked the same way.
+            ev = os.path.join(self.tmp, "locked-eval")
+            os.makedirs(ev)
+            with open(os.path.join(ev, "writer.lock"), "a+") as ev_holder:
+                fcntl.flock(ev_holder, fcntl.LOCK_EX)
+                r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-1-step-0"),
+                                    "--data", self.store, "--out", ev], capture_output=True, text=True)
+                self.assertEqual(r.returncode, 1, r.stderr)
+                self.assertIn("output directory %s is being written by another process" % ev, r.stderr)
+        self.assertEqual(snapshot(out), before)
+        # Released: the run continues, and --resume does not mistake writer.lock for anything.
+        r = self.quick(out, "--resume", epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(os.path.isdir(os.path.join(out, "checkpoints", "epoch-2-step-0")))
+
+    def test_sweep_locks_its_directory_and_trials_their_own(self):
+        import fcntl
+        grid = os.path.join(self.tmp, "lock-grid.toml")
+        with open(grid, "w") as f:
+            f.write("lr = [0.05]\n")
+        sweep = os.path.join(self.tmp, "lock-sweep")
+        args = [TRAIN, "sweep", "--grid", grid, "--out", sweep, "--", "--data", self.store, "--epochs", "1",
+                "--width", "4", "--threads", "2"]
+        os.makedirs(sweep)
+        with open(os.path.join(sweep, "writer.lock"), "a+") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            r = subprocess.run(args, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("sweep directory %s is being written by another process" % sweep, r.stderr)
+        self.assertEqual(os.listdir(sweep), ["writer.lock"])
+        # Unlocked: the sweep (holding its lock) and its trial (holding trials/t000's) run side by side.
+        r = subprocess.run(args, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(sweep, "trials", "t000", "writer.lock")))
+
+    def test_resume_refuses_a_malformed_state_json(self):
+        ref = self.run_dir("state-ref")
+        for field, value, expected in (("epoch", "x", "an integer >= 0"), ("optimizer_steps", "x", "an integer >= 0"),
+                                       ("history", 5, "an array"), ("model", 3, "a string"),
+                                       ("epoch", -3, "an integer >= 0"), ("classes", "abc", "an array"),
+                                       ("step_in_epoch", 1.5, "an integer >= 0")):
+            out = os.path.join(self.tmp, "state-" + field)
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(ref, out)
+            state_path = os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")
+            with open(state_path) as f:
+                state = json.load(f)
+            state[field] = value
+            with open(state_path, "w") as f:
+                json.dump(state, f)
+            before = snapshot(out)
+            r = self.quick(out, "--resume", epochs=2)
+            self.assertEqual(r.returncode, 1, (field, r.stderr))
+            self.assertIn("%s: field '%s' is %s, expected %s" % (state_path, field, json.dumps(value), expected),
+                          r.stderr)
+            self.assertNotIn("terminate", r.stderr)  # no uncaught exception
+            self.assertEqual(snapshot(out), before)
+            r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.dirname(state_path), "--data", self.store,
+                                "--out", os.path.join(out, "eval")], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("field '%s'" % field, r.stderr)
+
+    def test_nan_weights_are_refused_on_resume_and_evaluate(self):
+        ref = self.run_dir("nan-ref")
+        out = os.path.join(self.tmp, "nan-weights")
+        shutil.copytree(ref, out)
+        path = os.path.join(out, "checkpoints", "epoch-1-step-0", "model.safetensors")
+        w = read_safetensors(path)
+        w["fc.weight"] = w["fc.weight"].copy()
+        w["fc.weight"].reshape(-1)[2] = np.nan
+        write_safetensors(path, w)
+        before = snapshot(out)
+        r = self.quick(out, "--resume", epochs=2)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("%s: tensor 'fc.weight' holds NaN (element 2 of" % path, r.stderr)
+        self.assertEqual(snapshot(out), before)  # no checkpoint written, NaN or other
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.dirname(path), "--data", self.store,
+                            "--out", os.path.join(self.tmp, "nan-eval")], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("tensor 'fc.weight' holds NaN", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "nan-eval", "predictions.csv")))
+
+
 class TestLabelsCsv(Base):
     def test_slide_labels_from_a_csv(self):
         store = os.path.join(self.tmp, "slides")

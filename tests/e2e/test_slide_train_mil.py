@@ -94,6 +94,39 @@ def make_bags(out, copies=1):
     return bags
 
 
+def slide_file_stem(slide_id):
+    """slide::core::slide_file_stem (libcore/include/slide/core/file_name.h), for the expected names:
+    '/', '\\', control bytes -> '_', a leading '.' -> '_'; when changed or longer than 200 bytes,
+    cut (at a UTF-8 boundary) and "~" + 12 hex digits of the id's 64-bit FNV-1a hash appended."""
+    raw = slide_id.encode()
+    out = bytearray(b"_"[0] if c in (0x2F, 0x5C) or c < 0x20 or c == 0x7F else c for c in raw) or bytearray(b"_")
+    if out[0] == ord("."):
+        out[0] = ord("_")
+    if bytes(out) == raw and len(out) <= 200:
+        return out.decode()
+    if len(out) > 187:
+        cut = 187
+        while cut > 0 and (out[cut] & 0xC0) == 0x80:
+            cut -= 1
+        out = out[:cut]
+    h = 0xCBF29CE484222325
+    for c in raw:
+        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return out.decode() + "~%012x" % (h & 0xFFFFFFFFFFFF)
+
+
+def snapshot(root):
+    """{relative path: (size, mtime_ns)} of every file under root but writer.lock (rewritten by each
+    writer that takes the lock): to show that nothing changed."""
+    snap = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            if n != "writer.lock":
+                st = os.stat(os.path.join(d, n))
+                snap[os.path.relpath(os.path.join(d, n), root)] = (st.st_size, st.st_mtime_ns)
+    return snap
+
+
 def run_train(*args, **kw):
     return subprocess.run([TRAIN] + [str(a) for a in args], capture_output=True, text=True, **kw)
 
@@ -356,6 +389,99 @@ class TestBadInput(Base):
         self.assertFalse(os.path.exists(os.path.join(out, "metrics.jsonl")))
 
 
+class TestOutputSafety(Base):
+    """Issue 20 for --features: one writer per --out, an earlier run kept unless --resume or
+    --overwrite, evaluate's --out the same; refusals change nothing."""
+
+    def test_earlier_run_and_second_writer(self):
+        import fcntl
+        out = os.path.join(self.tmp, "safe")
+        args = ["--features", self.bags_dir, "--out", out, "--epochs", 1, *MIL_ARGS]
+        r = run_train(*args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        before = snapshot(out)
+        self.assertIn(os.path.join("attention", "predictions.csv"), before)
+        r = run_train(*args)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--out %s holds an earlier run (checkpoints/, attention/, metrics.jsonl" % out, r.stderr)
+        self.assertEqual(snapshot(out), before)
+        with open(os.path.join(out, "writer.lock"), "a+") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            r = run_train(*args, "--overwrite")
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertRegex(r.stderr, r"output directory %s is being written by another process \(pid \d+" % out)
+        self.assertEqual(snapshot(out), before)
+        r = run_train(*args, "--overwrite")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))), ["epoch-1-step-0"])
+        ev = os.path.join(self.tmp, "safe-eval")
+        evaluate = ["evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-1-step-0"), "--features",
+                    self.bags_dir, "--out", ev]
+        self.assertEqual(run_train(*evaluate).returncode, 0)
+        before = snapshot(ev)
+        r = run_train(*evaluate)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("holds an earlier evaluation (predictions.csv, metrics.json)", r.stderr)
+        self.assertEqual(snapshot(ev), before)
+        self.assertEqual(run_train(*evaluate, "--overwrite").returncode, 0)
+
+
+class TestSlideIdFileNames(unittest.TestCase):
+    """Issue 22 part 3: slide ids that are not file names ("../../x", 300 characters) through the
+    real pipeline: slide-tile --manifest, slide-embed, MIL training with attention outputs. Bags,
+    attention files and heatmaps are named by slide_file_stem inside their output directories, the
+    full ids stay inside the files (the bags' slide_id attribute, the CSV columns), and nothing is
+    written anywhere else."""
+
+    def test_hostile_ids_stay_inside_the_output_directories(self):
+        tmp = tempfile.mkdtemp(prefix="slide_mil_ids_")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        work = os.path.join(tmp, "a", "b")  # "../../x" joined to work/bags would land in tmp/a if it escaped
+        os.makedirs(work)
+        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        cmu = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
+        long_id = "L" * 300
+        manifest, labels = os.path.join(work, "m.csv"), os.path.join(work, "labels.csv")
+        with open(manifest, "w") as f:
+            f.write("slide_id,path\n../../x,%s\n%s,%s\n" % (cmu, long_id, cmu))
+        with open(labels, "w") as f:
+            f.write("slide_id,label\n../../x,a\n%s,b\n" % long_id)
+        store, lc, cnn, bags, out = (os.path.join(work, n) for n in ("store", "lc", "cnn", "bags", "mil"))
+        for cmd in ([tile, "--manifest", manifest, "--mpp", "2.0", "--min-tissue", "0", "--tile-size", "64", "-o", store,
+                     "-q"],
+                    [tile, "--patches", LC, "--tile-size", "32", "-o", lc, "-q"],
+                    [TRAIN, "--data", lc, "--out", cnn, "--epochs", "1", "--width", "4", "--threads", "2", "-q"],
+                    [embed, store, "-o", bags, "--weights", os.path.join(cnn, "checkpoints", "epoch-1-step-0"), "-q"],
+                    [TRAIN, "--features", bags, "--labels", labels, "--out", out, "--epochs", "1", "--val-fraction", "0",
+                     "--mil-hidden", "8", "--mil-attention", "4", "-q"]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, (cmd, r.stderr))
+        stems = {sid: slide_file_stem(sid) for sid in ("../../x", long_id)}
+        self.assertTrue(stems["../../x"].startswith("_._.._x~"))
+        self.assertLessEqual(len(stems[long_id].encode()), 200)
+        self.assertEqual(sorted(n for n in os.listdir(bags) if n.endswith(".h5")), sorted(s + ".h5" for s in stems.values()))
+        for sid, stem in stems.items():
+            with h5py.File(os.path.join(bags, stem + ".h5"), "r") as f:
+                self.assertEqual(f.attrs["slide_id"], sid)  # the full id, inside the file
+        import csv as csv_module
+        with open(os.path.join(bags, "bags.csv")) as f:
+            self.assertEqual(sorted(r["slide_id"] for r in csv_module.DictReader(f)), sorted(stems))
+        att = os.path.join(out, "attention")
+        self.assertEqual(sorted(n for n in os.listdir(att) if n != "predictions.csv"),
+                         sorted([s + ".h5" for s in stems.values()] + [s + ".png" for s in stems.values()]))
+        with open(os.path.join(att, "predictions.csv")) as f:
+            rows = {r["slide_id"]: r for r in csv_module.DictReader(f)}
+        self.assertEqual(sorted(rows), sorted(stems))
+        for sid, stem in stems.items():
+            self.assertEqual((rows[sid]["attention_file"], rows[sid]["heatmap"]), (stem + ".h5", stem + ".png"))
+        # Nothing anywhere else: every file of the temp tree is an input or inside an output directory.
+        allowed = tuple(d + os.sep for d in (store, lc, cnn, bags, out))
+        for root, _, files in os.walk(tmp):
+            for name in files:
+                p = os.path.join(root, name)
+                self.assertTrue(p.startswith(allowed) or os.path.dirname(p) == work, "written outside: " + p)
+
+
 class TestLabelsCsvPatients(Base):
     def test_patient_column_keeps_a_patients_bags_on_one_side(self):
         # Two bags per "patient" (consecutive bags of a class); labels from the CSV, not the bags.
@@ -435,7 +561,7 @@ class TestPipeline(unittest.TestCase):
             self.assertAlmostEqual(h0 / im.size[1], ds, delta=0.02 * ds)  # the whole slide, its aspect ratio
             self.assertAlmostEqual(ds, step / 8, delta=0.1 * ds)          # about 8 px per tile
             self.assertGreater(len(im.convert("RGB").getcolors(1 << 20)), 1000)  # the slide's pixels, tinted
-        with Image.open(os.path.join(ev, "lung_n_lungn1.png")) as im:
+        with Image.open(os.path.join(ev, slide_file_stem("lung_n/lungn1") + ".png")) as im:
             self.assertEqual(im.size, (8, 8))  # a patch: one grid cell
 
 

@@ -292,6 +292,34 @@ TEST_CASE("cuda vs reference: SGD (momentum, Nesterov, weight decay) and AdamW, 
   compare("adamw param", q, 1e-6);
 }
 
+TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward, scale, permute)") {
+  Pair x = make({7, 13}, 91, -3, 3), g = make({13}, 92, 0.5, 1.5), b = make({13}, 93), y = make({7, 13}),
+       dy = make({7, 13}, 94), dx = make({7, 13});
+  Tensor X = up(x.f), G = up(g.f), B = up(b.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+  OK(ref().layer_norm_forward(x.d, g.d, b.d, 1e-6, y.d));
+  OK(gpu().layer_norm_forward(X, G, B, 1e-6, Y));
+  down(Y, y.f);
+  compare("layer norm", y, 1e-5);
+  OK(ref().gelu_forward(x.d, y.d));
+  OK(gpu().gelu_forward(X, Y));
+  down(Y, y.f);
+  compare("gelu y", y, 1e-6);
+  OK(ref().gelu_backward(x.d, dy.d, dx.d));
+  OK(gpu().gelu_backward(X, DY, DX));
+  down(DX, dx.f);
+  compare("gelu dx", dx, 1e-6);
+  OK(ref().scale(x.d, 0.125, y.d));
+  OK(gpu().scale(X, 0.125, Y));
+  down(Y, y.f);
+  compare("scale", y, 1e-7);
+  Pair q = make({2, 5, 3, 4, 3}, 95), p = make({3, 2, 4, 5, 3});
+  Tensor Q = up(q.f), PT = up(p.f);
+  OK(ref().permute(q.d, {2, 0, 3, 1, 4}, p.d));
+  OK(gpu().permute(Q, {2, 0, 3, 1, 4}, PT));
+  down(PT, p.f);
+  compare("permute", p, 1e-7);
+}
+
 TEST_CASE("cuda: tensors on the host are refused; budgets and zeros work on the device") {
   Pair x = make({4}, 81), y = make({4});
   Status s = gpu().relu_forward(x.f, y.f);

@@ -400,6 +400,44 @@ TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals s
   CHECK(BagDataset::open({dir.path + "/nope"}).status().code() == StatusCode::kNotFound);
 }
 
+TEST_CASE("MIL training stops at a non-finite loss before any update (issue 20)") {
+  TempDir dir;
+  for (int i = 0; i < 4; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 3, 6);
+  auto ds = BagDataset::open({dir.path});
+  REQUIRE(ds.ok());
+  AbmilConfig c;
+  c.in_features = 6, c.hidden = 8, c.attention = 4, c.classes = 2;
+  auto model = Abmil::make(cpu_allocator(), DType::kF32, c, 1);
+  REQUIRE(model.ok());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  // A NaN weight of the classifier (as a damaged checkpoint would hold, were loading not checked).
+  Parameter* classifier = params.back();
+  classifier->value.data<float>()[0] = std::nanf("");
+  std::vector<std::vector<float>> before;
+  for (auto* p : params) before.emplace_back(p->value.data<float>(), p->value.data<float>() + p->value.numel());
+  OptimizerConfig oc;
+  oc.name = "adamw";
+  auto opt = Optimizer::make(oc, params, cpu_allocator());
+  REQUIRE(opt.ok());
+  Schedule sched;
+  sched.kind = "constant", sched.base_lr = 0.01;
+  MilTrainOptions to;
+  to.batch_size = 2;
+  auto st = train_mil_epoch(cpu(), **model, **opt, sched, **ds, {0, 1, 2, 3}, to, 7);
+  REQUIRE(!st.ok());
+  CHECK(st.status().code() == StatusCode::kOutOfRange);
+  CHECK(st.status().message().find("step 0 of the epoch (optimizer step 1)") != std::string::npos);
+  CHECK(st.status().message().find("the loss is nan") != std::string::npos);
+  CHECK((*opt)->steps() == 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const float* v = params[i]->value.data<float>();
+    for (size_t j = 0; j < before[i].size(); ++j)
+      if (!(std::isnan(before[i][j]) && std::isnan(v[j]))) REQUIRE(v[j] == before[i][j]);
+  }
+}
+
 TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals RAM, attention outputs") {
   TempDir dir;
   for (int i = 0; i < 8; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 4 + i % 3, 6);

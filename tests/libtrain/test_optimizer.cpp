@@ -2,6 +2,7 @@
 // evaluated by hand for these inputs; both backends; and the schedules.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,58 @@ TEST_CASE("optimizer: bad configurations are refused; zero_grad") {
   set_grad(p, {3.0});
   (*opt)->zero_grad();
   CHECK(at(p.grad, 0) == 0.0);
+}
+
+TEST_CASE("optimizer: out-of-range or non-finite hyper-parameters are refused as PyTorch's (issue 20)") {
+  Parameter p = param({1.0}, DType::kF64);
+  for (auto bad : std::vector<void (*)(OptimizerConfig&)>{
+           [](OptimizerConfig& c) { c.momentum = 5; }, [](OptimizerConfig& c) { c.momentum = -0.1; },
+           [](OptimizerConfig& c) { c.momentum = std::nan(""); }, [](OptimizerConfig& c) { c.weight_decay = -1; },
+           [](OptimizerConfig& c) { c.weight_decay = HUGE_VAL; }, [](OptimizerConfig& c) { c.eps = 0; },
+           [](OptimizerConfig& c) { c.name = "adamw", c.beta1 = 1.0; },
+           [](OptimizerConfig& c) { c.name = "adamw", c.beta2 = std::nan(""); }}) {
+    OptimizerConfig c;
+    bad(c);
+    CHECK(Optimizer::make(c, {&p}, cpu_allocator()).status().code() == StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("optimizer: a NaN learning rate or gradient is never applied (issue 20)") {
+  for (const char* name : {"reference", "cpu"}) {
+    CAPTURE(name);
+    auto be = must_make(name);
+    const DType dt = std::string(name) == "cpu" ? DType::kF32 : DType::kF64;
+    for (const char* optimizer : {"sgd", "adamw"}) {
+      CAPTURE(optimizer);
+      Parameter a = param({1.0, -2.0}, dt), b = param({0.5}, dt);
+      a.name = "a.weight", b.name = "b.weight";
+      OptimizerConfig c;
+      c.name = optimizer;
+      auto opt = Optimizer::make(c, {&a, &b}, cpu_allocator());
+      REQUIRE(opt.ok());
+      set_grad(a, {0.5, 0.25});
+      set_grad(b, {std::nan("")});
+      Status s = (*opt)->step(*be, 0.1);
+      CHECK(s.code() == StatusCode::kOutOfRange);
+      CHECK(s.message().find("optimizer step 1") != std::string::npos);
+      CHECK(s.message().find("first in b.weight's gradient") != std::string::npos);
+      set_grad(b, {HUGE_VAL});
+      CHECK((*opt)->step(*be, 0.1).code() == StatusCode::kOutOfRange);
+      set_grad(b, {0.1});
+      for (double lr : {std::nan(""), HUGE_VAL, -1.0}) {
+        s = (*opt)->step(*be, lr);
+        CHECK(s.code() == StatusCode::kOutOfRange);
+        CHECK(s.message().find("learning rate") != std::string::npos);
+      }
+      // Nothing was updated, and the step count did not move: the next good step is step 1.
+      CHECK(at(a.value, 0) == 1.0);
+      CHECK(at(a.value, 1) == -2.0);
+      CHECK(at(b.value, 0) == 0.5);
+      CHECK((*opt)->steps() == 0);
+      REQUIRE((*opt)->step(*be, 0.1).ok());
+      CHECK(at(a.value, 0) < 1.0);
+    }
+  }
 }
 
 TEST_CASE("schedules: warm-up then cosine; step decay") {

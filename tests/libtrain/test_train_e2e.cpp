@@ -184,5 +184,32 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   CHECK(moved > 1e-4);
   CHECK(worst3 < 1e-5);
   CHECK(worst5 < 1e-5);
+
+  // Issue 20: a non-finite loss (here from a NaN weight) stops the epoch before the update.
+  {
+    InitRng nan_rng(5);
+    Sequential net;
+    net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, nan_rng)));
+    net.add(std::make_unique<ReLU>());
+    net.add(std::make_unique<GlobalAvgPool>());
+    net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, nan_rng)));
+    std::vector<Parameter*> params;
+    net.collect("", &params, nullptr);
+    params.back()->value.data<float>()[0] = std::nanf("");
+    const float conv0 = params[0]->value.data<float>()[0];
+    auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());
+    REQUIRE(opt.ok());
+    Schedule sched;
+    sched.kind = "constant";
+    TrainOptions to;
+    to.batch_size = 6;
+    to.augment = {};
+    auto st = train_epoch(**cpu, net, **opt, sched, **data, twelve, to, 1, nullptr);
+    REQUIRE(!st.ok());
+    CHECK(st.status().code() == slide::core::StatusCode::kOutOfRange);
+    CHECK(st.status().message().find("step 0 of the epoch (optimizer step 1): the loss is nan") != std::string::npos);
+    CHECK((*opt)->steps() == 0);
+    CHECK(params[0]->value.data<float>()[0] == conv0);
+  }
   std::filesystem::remove_all(dir);
 }

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <dnnl.hpp>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -402,6 +403,29 @@ class OneDnnBackend final : public Backend {
 
   // --- Attention MIL ops: oneDNN eltwise (tanh, logistic: the *_use_dst_for_bwd forms, so backward
   // needs only the output, as the op list says), softmax and matmul primitives ---
+  // Vision Transformer ops: the reference loops for now (f32). oneDNN has layer_normalization and
+  // eltwise_gelu_erf primitives; moving to them is a measured change (bench/embed_bench.sh).
+  Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("layer_norm_forward", {&x, &gamma, &beta, &y}));
+    return loops_->layer_norm_forward(x, gamma, beta, eps, y);
+  }
+  Status gelu_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("gelu_forward", {&x, &y}));
+    return loops_->gelu_forward(x, y);
+  }
+  Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("gelu_backward", {&x, &dy, &dx}));
+    return loops_->gelu_backward(x, dy, dx);
+  }
+  Status scale(const Tensor& x, double alpha, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("scale", {&x, &y}));
+    return loops_->scale(x, alpha, y);
+  }
+  Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("permute", {&x, &y}));
+    return loops_->permute(x, perm, y);
+  }
+
   Status tanh_forward(const Tensor& x, Tensor& y) override {
     return eltwise_forward("tanh_forward", dnnl::algorithm::eltwise_tanh_use_dst_for_bwd, x, y);
   }
@@ -692,6 +716,19 @@ class OneDnnBackend final : public Backend {
   std::unordered_map<std::string, std::any> cache_;
   static constexpr size_t kMaxCachedPrimitives = 512;
   std::unique_ptr<Backend> loops_;  // the reference backend, for ops oneDNN does not have
+
+  // The cpu backend is f32 and the reference loops read plain tensors only: say so in the op's
+  // name rather than the reference's.
+  static Status plain_f32(const char* op, std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts) {
+      if (t->defined() && t->dtype() != DType::kF32)
+        return slide::core::unimplemented(std::string(op) + ": cpu has f32 only");
+      if (t->defined() && t->layout() != Layout::kPlain)
+        return slide::core::invalid_argument(std::string(op) + ": a tensor in the " + layout_name(t->layout()) +
+                                             " layout (Backend::to_plain first)");
+    }
+    return ok_status();
+  }
   std::vector<Tensor> scratch_;     // reorder scratch of the op in flight
 };
 

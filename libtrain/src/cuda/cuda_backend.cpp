@@ -354,6 +354,35 @@ class CudaBackend final : public Backend {
     return unary_grad("sigmoid_backward", UnaryGrad::kSigmoid, y, dy, dx);
   }
 
+  // --- Vision Transformer ops ---
+  Status gelu_forward(const Tensor& x, Tensor& y) override { return unary("gelu_forward", Unary::kGelu, x, y); }
+  Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    return unary_grad("gelu_backward", UnaryGrad::kGelu, x, dy, dx);
+  }
+  Status scale(const Tensor& x, double alpha, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, kDTypes));
+    SLIDE_CUDA_CHECK(launch_scale(f32(x), alpha, f32(y), x.numel(), st_->stream));
+    return ok_status();
+  }
+  Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kDTypes));
+    SLIDE_CUDA_CHECK(launch_layer_norm_forward(f32(x), f32(gamma), f32(beta), eps, f32(y), d.N, d.I, st_->stream));
+    return ok_status();
+  }
+  Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kDTypes));
+    PermuteGeometry g;
+    g.rank = static_cast<int>(perm.size());
+    int64_t x_stride[6] = {0}, s = 1;
+    for (int i = g.rank - 1; i >= 0; --i) x_stride[i] = s, s *= x.dim(static_cast<size_t>(i));
+    for (int i = 0; i < g.rank; ++i) {
+      g.y_extent[i] = y.dim(static_cast<size_t>(i));
+      g.in_stride[i] = x_stride[perm[static_cast<size_t>(i)]];
+    }
+    SLIDE_CUDA_CHECK(launch_permute(f32(x), f32(y), y.numel(), g, st_->stream));
+    return ok_status();
+  }
+
   // --- Pooling ---
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,

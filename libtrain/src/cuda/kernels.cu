@@ -67,7 +67,7 @@ cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel,
 __global__ void unary_kernel(Unary f, const float* x, float* y, int64_t n) {
   SLIDE_GRID_STRIDE(i, n) {
     const float v = x[i];
-    y[i] = f == Unary::kRelu ? fm::relu(v) : f == Unary::kTanh ? tanhf(v) : fm::sigmoid(v);
+    y[i] = f == Unary::kRelu ? fm::relu(v) : f == Unary::kTanh ? tanhf(v) : f == Unary::kGelu ? fm::gelu(v) : fm::sigmoid(v);
   }
 }
 
@@ -75,6 +75,7 @@ __global__ void unary_grad_kernel(UnaryGrad f, const float* y, const float* dy, 
   SLIDE_GRID_STRIDE(i, n) {
     dx[i] = f == UnaryGrad::kRelu   ? fm::relu_grad(y[i], dy[i])
             : f == UnaryGrad::kTanh ? fm::tanh_grad(y[i], dy[i])
+            : f == UnaryGrad::kGelu ? fm::gelu_grad(y[i], dy[i])
                                     : fm::sigmoid_grad(y[i], dy[i]);
   }
 }
@@ -312,6 +313,38 @@ __global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* lab
   }
 }
 
+// --- Vision Transformer ops ---
+__global__ void scale_kernel(const float* x, double alpha, float* y, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { y[i] = static_cast<float>(alpha * double(x[i])); }
+}
+
+// One block per row.
+__global__ void layer_norm_kernel(const float* x, const float* gamma, const float* beta, double eps, float* y,
+                                  int64_t C) {
+  __shared__ double shared[kBlock];
+  const float* row = x + static_cast<int64_t>(blockIdx.x) * C;
+  float* out = y + static_cast<int64_t>(blockIdx.x) * C;
+  double local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += row[c];
+  const double mean = block_sum(local, shared) / double(C);
+  local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += (double(row[c]) - mean) * (double(row[c]) - mean);
+  const double invstd = fm::bn_invstd(block_sum(local, shared) / double(C), eps);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    out[c] = fm::bn_apply(row[c], double(gamma[c]), double(beta[c]), mean, invstd);
+}
+
+__global__ void permute_kernel(const float* x, float* y, int64_t n, PermuteGeometry g) {
+  SLIDE_GRID_STRIDE(o, n) {
+    int64_t rest = o, src = 0;
+    for (int i = g.rank - 1; i >= 0; --i) {
+      src += (rest % g.y_extent[i]) * g.in_stride[i];
+      rest /= g.y_extent[i];
+    }
+    y[o] = x[src];
+  }
+}
+
 // --- Optimizers ---
 __global__ void sgd_kernel(float* param, const float* grad, float* buf, int64_t n, double lr, double momentum,
                            double dampening, double weight_decay, bool nesterov, bool first_step) {
@@ -406,6 +439,16 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
   if (e != cudaSuccess) return e;
   return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sum,
                             dlogits, C, N * C);
+}
+cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream) {
+  return launch_grid_stride(n, stream, scale_kernel, x, alpha, y, n);
+}
+cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
+                                      int64_t R, int64_t C, cudaStream_t stream) {
+  return launch_per_block(R, stream, layer_norm_kernel, x, gamma, beta, eps, y, C);
+}
+cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream) {
+  return launch_grid_stride(n, stream, permute_kernel, x, y, n, g);
 }
 cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                               double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,

@@ -14,8 +14,10 @@
 
 namespace slide::train::cuda {
 
-enum class Unary { kRelu, kTanh, kSigmoid };
-enum class UnaryGrad { kRelu, kTanh, kSigmoid };
+enum class Unary { kRelu, kTanh, kSigmoid, kGelu };
+// kGelu's gradient is taken from the forward's input x (passed as `y` below), the others' from
+// the output.
+enum class UnaryGrad { kRelu, kTanh, kSigmoid, kGelu };
 enum class Binary { kAdd, kMul };
 
 // y = f(x) over n elements (y may be x).
@@ -71,6 +73,20 @@ cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* lab
 cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* labels, const float* weights,
                                           double smoothing, float* dlogits, double* weight_sum, int* bad_label,
                                           int64_t N, int64_t C, cudaStream_t stream);
+
+// y = alpha x over n elements (y may be x).
+cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream);
+// Layer norm of each row of x [R, C] (backend.h): one block per row, double accumulation.
+cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
+                                      int64_t R, int64_t C, cudaStream_t stream);
+// y = x permuted: rank <= 6, y_extent[i] = x's extent of perm[i], in_stride[i] = x's row-major
+// stride of dimension perm[i].
+struct PermuteGeometry {
+  int rank = 0;
+  int64_t y_extent[6] = {0};
+  int64_t in_stride[6] = {0};
+};
+cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream);
 
 // Optimizer updates over n parameters (momentum_buf null without momentum).
 cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,

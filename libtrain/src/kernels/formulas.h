@@ -53,10 +53,27 @@ SLIDE_HD T sigmoid_grad(T y, T dy) {
   return dy * y * (T(1) - y);
 }
 
+// --- GELU (Hendrycks & Gimpel, 2016), exact: torch.nn.GELU(approximate='none') ------------------
+// gelu(x) = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), evaluated in double.
+template <typename T>
+SLIDE_HD T gelu(T x) {
+  const double v = x;
+  return static_cast<T>(0.5 * v * (1.0 + std::erf(v * 0.70710678118654752440)));
+}
+// d gelu / dx = Phi(x) + x phi(x), phi the standard normal density; times dy.
+template <typename T>
+SLIDE_HD T gelu_grad(T x, T dy) {
+  const double v = x;
+  const double cdf = 0.5 * (1.0 + std::erf(v * 0.70710678118654752440));
+  const double pdf = 0.39894228040143267794 * std::exp(-0.5 * v * v);
+  return static_cast<T>(double(dy) * (cdf + v * pdf));
+}
+
 // --- Batch normalisation (backend.h: batch_norm_*; Ioffe & Szegedy, 2015) ------------------------
 // invstd = 1 / sqrt(var + eps), var the biased batch variance (or the running one at inference).
 SLIDE_HD double bn_invstd(double var, double eps) { return 1.0 / std::sqrt(var + eps); }
-// y = gamma (x - mean) invstd + beta, evaluated in this order in double.
+// y = gamma (x - mean) invstd + beta, evaluated in this order in double (batch norm per channel,
+// layer norm per row).
 template <typename T>
 SLIDE_HD T bn_apply(T x, double gamma, double beta, double mean, double invstd) {
   return static_cast<T>(gamma * (double(x) - mean) * invstd + beta);

@@ -511,6 +511,83 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  // --- Vision Transformer ops ---
+  Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kDTypes));
+    const int64_t R = d.N, C = d.I;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = xp + r * C;
+        double sum = 0;
+        for (int64_t c = 0; c < C; ++c) sum += row[c];
+        const double mean = sum / double(C);
+        double sq = 0;
+        for (int64_t c = 0; c < C; ++c) sq += (double(row[c]) - mean) * (double(row[c]) - mean);
+        const double invstd = formulas::bn_invstd(sq / double(C), eps);
+        for (int64_t c = 0; c < C; ++c)
+          yp[r * C + c] = formulas::bn_apply(row[c], double(gp[c]), double(bp[c]), mean, invstd);
+      }
+      return ok_status();
+    });
+  }
+
+  Status gelu_forward(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, kDTypes));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::gelu(xp[i]);
+      return ok_status();
+    });
+  }
+
+  Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_backward", x, dy, &dx, kDTypes));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T *xp = x.data<T>(), *dyp = dy.data<T>();
+      T* dxp = dx.data<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) dxp[i] = formulas::gelu_grad(xp[i], dyp[i]);
+      return ok_status();
+    });
+  }
+
+  Status scale(const Tensor& x, double alpha, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, kDTypes));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = static_cast<T>(alpha * double(xp[i]));
+      return ok_status();
+    });
+  }
+
+  Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kDTypes));
+    const size_t rank = perm.size();
+    // Strides of x (row-major), taken in y's order: y's index i walks x with in_stride[i].
+    int64_t x_stride[6] = {0}, in_stride[6] = {0}, extent[6] = {0};
+    int64_t s = 1;
+    for (size_t i = rank; i-- > 0;) x_stride[i] = s, s *= x.dim(i);
+    for (size_t i = 0; i < rank; ++i) in_stride[i] = x_stride[perm[i]], extent[i] = y.dim(i);
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.data<T>();
+      T* yp = y.data<T>();
+      int64_t idx[6] = {0};
+      for (int64_t o = 0; o < y.numel(); ++o) {
+        int64_t src = 0;
+        for (size_t i = 0; i < rank; ++i) src += idx[i] * in_stride[i];
+        yp[o] = xp[src];
+        for (size_t i = rank; i-- > 0;) {  // odometer over y's index
+          if (++idx[i] < extent[i]) break;
+          idx[i] = 0;
+        }
+      }
+      return ok_status();
+    });
+  }
+
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, kDTypes));
     const auto [M, K, N] = d;

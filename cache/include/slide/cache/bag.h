@@ -108,9 +108,11 @@ class BagWriter {
   ~BagWriter();
 
   // Appends `rows` rows: `features` is rows x D float32 (row-major; converted to float16 with
-  // round-to-nearest-even when the dtype is float16; values beyond the float16 range become inf),
-  // `coords` is rows x 2 (x_l0, y_l0) per row. Errors: kInvalidArgument (span sizes are not
-  // rows x D and rows x 2; coordinates outside int32), kResourceExhausted (disk full),
+  // round-to-nearest-even when the dtype is float16), `coords` is rows x 2 (x_l0, y_l0) per row.
+  // Errors: kInvalidArgument (span sizes are not rows x D and rows x 2; coordinates outside
+  // int32), kOutOfRange (a NaN or inf feature, or with float16 one that would round to inf,
+  // |v| >= 65520: naming its row and column; nothing of this call is written), kResourceExhausted (disk full, or
+  // the file size limit: EFBIG),
   // kInternal (HDF5 write error, with its message); after an error the writer is dead: every
   // later call returns kFailedPrecondition.
   [[nodiscard]] Status append(int64_t rows, std::span<const float> features, std::span<const int64_t> coords);
@@ -118,7 +120,9 @@ class BagWriter {
   // Writes the buffered rows, closes the file, fsyncs it and renames `<path>.partial` to `<path>`
   // (replacing an existing file of that name), then fsyncs the directory. Errors: those of
   // append, and kInternal / kPermissionDenied / kResourceExhausted from close, fsync or rename;
-  // on error the .partial file is removed and `<path>` is untouched.
+  // on error every HDF5 object of the bag is closed (or, where HDF5 cannot close a file whose
+  // flush failed, never touched again: see quiet_hdf5 in bag.cpp), the .partial file is removed
+  // and `<path>` is untouched; the process can go on (other bags) and exits normally.
   [[nodiscard]] Status commit();
 
   // Removes `<path>.partial` without committing. Idempotent.
@@ -172,7 +176,8 @@ class BagReader {
 
   // Reads rows [row_begin, row_begin + row_count) of /features into `out` (row_count x D float32,
   // float16 widened exactly). Errors: kOutOfRange (rows outside 0..N), kInvalidArgument
-  // (out.size() != row_count x D), kDataLoss (HDF5 read error: a truncated or corrupt file).
+  // (out.size() != row_count x D), kDataLoss (HDF5 read error: a truncated or corrupt file; a
+  // NaN or inf value, naming the file, its row and column: features must be finite).
   [[nodiscard]] Status read_features(int64_t row_begin, int64_t row_count, std::span<float> out) const;
   // The same for /coords: out is row_count x 2 (x_l0, y_l0).
   [[nodiscard]] Status read_coords(int64_t row_begin, int64_t row_count, std::span<int32_t> out) const;
@@ -217,10 +222,17 @@ inline constexpr const char* kManifestName = "bags.csv";
 // wrong header, a row with a missing or non-numeric field, naming the line).
 [[nodiscard]] Result<std::vector<ManifestEntry>> read_manifest(const std::string& path);
 
-// The file name of a slide's bag: the slide id with every character other than [A-Za-z0-9._-]
-// replaced by '_' (so "a/b c" -> "a_b_c"), a leading '.' replaced by '_', then ".h5". Ids that
-// differ only in replaced characters collide; slide-embed refuses such a run.
+// The file name of a slide's bag: slide::core::slide_file_stem(slide_id) + ".h5" (the one rule
+// for file names made from slide ids, slide/core/file_name.h: never leaves its directory, at most
+// 203 bytes, unique per id; "TCGA-A1-0001.svs" -> "TCGA-A1-0001.svs.h5", "../../x" ->
+// "_._.._x~<12 hex digits>.h5"). The full id is the bag's slide_id attribute.
 std::string bag_file_name(const std::string& slide_id);
+
+// The rule of bags written before bag_file_name used slide_file_stem: every character other than
+// [A-Za-z0-9._-] replaced by '_', a leading '.' by '_', then ".h5" (ids differing only in
+// replaced characters collided; long ids could exceed the file-name limit). slide-embed uses it
+// only to find such a bag from an earlier run, checking its slide_id attribute.
+std::string legacy_bag_file_name(const std::string& slide_id);
 
 // IEEE 754 binary16 <-> binary32: round to nearest even (overflow to inf, NaN kept NaN), and
 // the exact widening. Used by the writer and the reader; public for tests and MIL code.

@@ -13,9 +13,10 @@ namespace slide::core {
 std::vector<std::string> split_csv_line(const std::string& line);
 
 // One field written so that split_csv_line gives it back unchanged: in double quotes (with ""
-// for a quote) when it holds a comma, quote, CR or LF, or starts with '#' (else
-// csv_line_is_blank would take a first field's line for a comment). The dialect trims spaces and
-// tabs around every field, quoted or not: a field with them comes back trimmed.
+// for a quote) when it holds a comma, quote, CR or LF, starts with '#' (else
+// csv_line_is_blank would take a first field's line for a comment) or starts with a UTF-8
+// byte-order mark (else it would be skipped as the line's). The dialect trims spaces and tabs
+// around every field, quoted or not: a field with them comes back trimmed.
 std::string csv_quote(const std::string& field);
 
 // True for lines a reader skips: empty, whitespace only, or a '#' comment.

@@ -33,6 +33,7 @@ struct SlideInput {
   std::string path;
   std::string label;     // "" = none
   bool is_patch = false;  // a single patch image (from a patch folder), not a whole-slide image
+  std::string annotations;  // GeoJSON file from the manifest's `annotations` column ("" = none)
 };
 
 // Expands inputs into slides, in a deterministic order:
@@ -41,8 +42,8 @@ struct SlideInput {
 //   is a slide format (.svs .tif .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif; .czi is not
 //   OpenSlide 3.4), sorted by name; entries that are not regular files (FIFOs, sockets, symlink
 //   loops, dangling links) are listed too, so that they fail as slides, named in the summary;
-// - manifests: CSV with a header line `slide_id,path[,label]` (paths relative to the CSV's
-//   directory), in file order;
+// - manifests: CSV with a header line `slide_id,path[,label][,annotations]` (paths relative to
+//   the CSV's directory; annotations: a GeoJSON file for that slide), in file order;
 // - patch folders: DIR/<class>/*.{jpg,jpeg,png,tif,tiff}, classes and files sorted by name, id
 //   "<class>/<file stem>", label = class.
 // Never throws (std::filesystem's error_code overloads throughout).
@@ -67,6 +68,15 @@ struct TileJobOptions {
   size_t tiles_per_txn = 256;
   std::string command_line;
   bool progress = true;
+  // Annotations (slide/tile/annotations.h). annotations_path: a GeoJSON file (every slide) or a
+  // directory holding <slide file stem>.geojson or .json; a manifest's `annotations` column wins.
+  // A slide with no annotation file found is tiled as without annotations when neither
+  // roi_only nor label_from_annotations is set, else it fails (kNotFound).
+  std::string annotations_path;
+  bool roi_only = false;            // keep tiles whose square is >= min_roi_overlap annotated
+  double min_roi_overlap = 0.5;
+  bool label_from_annotations = false;  // tile label = class covering >= min_label_overlap
+  double min_label_overlap = 0.5;
   // Set from a signal handler: the run stops after committing the current transaction.
   const std::atomic<bool>* cancel = nullptr;
 };

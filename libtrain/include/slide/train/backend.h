@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "slide/core/status.h"
 #include "slide/train/tensor.h"
@@ -191,6 +192,32 @@ class Backend {
   [[nodiscard]] virtual Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
                                       Tensor& y) {
     return unimplemented_op("matmul", a, transpose_a, b, transpose_b, y);
+  }
+
+  // --- Vision Transformer (Dosovitskiy et al., 2021; as timm's VisionTransformer runs it) --------
+  // Layer normalisation of each row of x[R,C] (Ba et al., 2016; torch.nn.LayerNorm over the last
+  // dimension): y = gamma (x - mean_r) invstd_r + beta, invstd_r = 1 / sqrt(var_r + eps), var the
+  // biased variance of the row; gamma, beta [C]. y may be x. (The inference form: nothing saved.)
+  [[nodiscard]] virtual Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                                                  Tensor& y) {
+    return unimplemented_op("layer_norm_forward", x, gamma, beta, eps, y);
+  }
+  // y = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), the exact GELU (PyTorch's default); any shape, y
+  // may be x.
+  [[nodiscard]] virtual Status gelu_forward(const Tensor& x, Tensor& y) { return unimplemented_op("gelu_forward", x, y); }
+  // dx = dy (Phi(x) + x phi(x)), from the forward's input x (overwritten).
+  [[nodiscard]] virtual Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+    return unimplemented_op("gelu_backward", x, dy, dx);
+  }
+  // y = alpha x, any shape; y may be x (attention's 1 / sqrt(head dim)).
+  [[nodiscard]] virtual Status scale(const Tensor& x, double alpha, Tensor& y) {
+    return unimplemented_op("scale", x, alpha, y);
+  }
+  // y = x with its dimensions reordered, y.shape[i] = x.shape[perm[i]] (torch.permute, then
+  // contiguous); rank 1..6, perm a permutation of 0..rank-1; y must not share storage with x
+  // (splitting attention heads: [B, T, 3, H, Dh] -> [3, B, H, T, Dh]).
+  [[nodiscard]] virtual Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) {
+    return unimplemented_op("permute", x, perm, y);
   }
 
  private:

@@ -32,9 +32,15 @@ struct NamedTensor {
                                       const std::map<std::string, std::string>& metadata = {});
 
 // Reads a safetensors file into the tensors named in `into` (each must exist in the file with the
-// same shape and dtype; extra file entries are ignored). Errors: kNotFound, kDataLoss (malformed
-// header, offsets outside the file), kInvalidArgument naming the first tensor that is missing or
-// differs.
+// same shape and dtype; extra file entries are ignored). Every f32 / f64 value read must be
+// finite. Errors: kNotFound, kDataLoss (malformed header, offsets outside the file; a NaN or inf
+// value, naming the file, the tensor and the element: that tensor is zeroed), kInvalidArgument
+// naming the first tensor that is missing or differs.
 [[nodiscard]] Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into);
+
+// The tensor names and shapes of a safetensors file, from its header only (the data is not read:
+// a foundation model's weights are gigabytes). Errors: kNotFound, kDataLoss (a header length past
+// the end of the file or over 100 MB, a header that is not the format's JSON).
+[[nodiscard]] Result<std::map<std::string, Shape>> read_safetensors_shapes(const std::string& path);
 
 }  // namespace slide::train

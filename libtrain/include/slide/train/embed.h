@@ -64,9 +64,28 @@ std::string default_layer(const std::string& model);
 // bad cut.
 [[nodiscard]] Result<Tensor> engine_features(Backend& be, Sequential& model, size_t cut, const Tensor& images);
 
+// What embed_stores runs on each batch of tiles: a CNN cut at a layer (FeatureExtractor) or a
+// Vision Transformer (VitEncoder, vit.h). Not thread-safe (one per thread).
+class TileEncoder {
+ public:
+  virtual ~TileEncoder() = default;
+  // D, the feature width.
+  virtual int64_t feature_dim() const = 0;
+  // What the bag's `layer` attribute records: the CNN's cut, or the ViT's pooling.
+  virtual const std::string& layer() const = 0;
+  // The tile side the encoder needs (0: any; a ViT's image size).
+  virtual int64_t input_size() const { return 0; }
+  // The per-channel normalisation of [0, 1] RGB the encoder was trained with: (v - mean) / std.
+  virtual const float* mean() const;  // ImageNet's by default (0.485, 0.456, 0.406)
+  virtual const float* std() const;   // (0.229, 0.224, 0.225)
+  // images: n x 3 x h x w f32, plain NCHW, normalised; features: n x D f32, row-major,
+  // overwritten. Errors: kInvalidArgument (n < 1, a size the encoder cannot take), the backend's.
+  [[nodiscard]] virtual Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) = 0;
+};
+
 // The inference path. Not thread-safe (one per thread); oneDNN parallelises each primitive over
 // OMP_NUM_THREADS (or every core).
-class FeatureExtractor {
+class FeatureExtractor final : public TileEncoder {
  public:
   // Copies and folds the weights of children 0..cut of `model` (the model may be destroyed
   // afterwards). Supported: Conv2d (+ BatchNorm2d, + ReLU), MaxPool2d, ResNet blocks
@@ -76,14 +95,14 @@ class FeatureExtractor {
   ~FeatureExtractor();
 
   // D for `in_channels` x size x size inputs (the output width of the cut).
-  int64_t feature_dim() const;
-  const std::string& layer() const;
+  int64_t feature_dim() const override;
+  const std::string& layer() const override;
 
   // images: n x 3 x h x w f32, plain NCHW, normalised (ImageNet mean/std); features: n x D f32,
   // row-major, overwritten. The first call for a shape compiles its primitives (tens of ms);
   // later calls reuse them. Errors: kInvalidArgument (n < 1, an input too small for the cut),
   // kInternal (oneDNN's error, with its message), kResourceExhausted (out of memory).
-  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features);
+  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
 
   // extract() on a tensor: images [N,3,H,W] f32 (plain, contiguous, in host memory) -> a new
   // [N,D] f32 tensor from `alloc`. With the cut at "fc" these are the model's logits (slide-train
@@ -138,8 +157,13 @@ struct EmbedSummary {
 // no bag. At the end (also when cancelled) `<out_dir>/bags.csv` lists every bag in the directory.
 // Errors (the run does not start or stops): kNotFound / kDataLoss opening a store, kInvalidArgument
 // (no stores, a requested slide id in no store, two slides whose bag file names collide),
-// kPermissionDenied / kResourceExhausted for the output directory or the manifest.
-[[nodiscard]] Result<EmbedSummary> embed_stores(FeatureExtractor& extractor, const EmbedModel& model,
+// kPermissionDenied / kResourceExhausted for the output directory or the manifest, and
+// kResourceExhausted when a bag write runs out of space (disk full, quota, file size limit): the
+// run stops there (that bag discarded, complete bags kept, bags.csv written when it fits).
+// The tiles are normalised with the encoder's mean and std; an encoder with an input_size()
+// refuses stores of another tile size (kInvalidArgument naming the store and both sizes: resizing
+// is not implemented yet).
+[[nodiscard]] Result<EmbedSummary> embed_stores(TileEncoder& encoder, const EmbedModel& model,
                                                 const EmbedOptions& options);
 
 }  // namespace slide::train

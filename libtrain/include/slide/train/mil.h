@@ -145,7 +145,9 @@ struct MilTrainOptions {
 // as one batch: bag b's gradient is scaled by w[y_b] / sum over the step's bags of w[y]. The last
 // partial step is used. EpochStats: loss (mean over bags), accuracy, balanced accuracy, recall.
 // Errors: kInvalidArgument (batch_size < 1, prefetch < 0), the data's, model's and backend's
-// (kResourceExhausted over the budget: that step is not applied).
+// (kResourceExhausted over the budget: that step is not applied), kOutOfRange when a bag's loss
+// is not finite (naming the step and bag) or from Optimizer::step (a gradient or learning rate
+// that is not finite): that step is not applied.
 [[nodiscard]] Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, const Schedule& schedule,
                                                  const BagDataset& data, const std::vector<size_t>& positions,
                                                  const MilTrainOptions& options, uint64_t epoch_seed);

@@ -25,10 +25,17 @@ class Optimizer {
  public:
   // State tensors (momentum buffers, Adam moments) are allocated from `alloc` now, so an
   // optimizer that does not fit the budget fails here, before training starts.
-  // Errors: kInvalidArgument (unknown name, negative hyper-parameters), the allocator's.
+  // Errors: kInvalidArgument (unknown name; a hyper-parameter out of PyTorch's range or not
+  // finite: momentum and betas in [0, 1), weight decay >= 0, dampening in [0, 1], eps > 0),
+  // the allocator's.
   [[nodiscard]] static Result<std::unique_ptr<Optimizer>> make(const OptimizerConfig& config,
                                                                std::vector<Parameter*> params, Allocator& alloc);
-  // One update of every parameter from its gradient at learning rate `lr`.
+  // One update of every parameter from its gradient at learning rate `lr`. Checks first that
+  // `lr` is finite and >= 0 and that the gradient is finite (the sum of squared gradient
+  // elements over all parameters: one pass over the gradients; gradients in device memory are
+  // not read here, their loss is checked by the training loops); otherwise nothing is updated.
+  // Errors: kOutOfRange (naming the step, and the first parameter whose gradient is not
+  // finite), the backend's update's.
   [[nodiscard]] Status step(Backend& be, double lr);
   // Sets every gradient to zero (before the first micro-batch of a step).
   void zero_grad();

@@ -69,7 +69,9 @@ struct TrainOptions {
 // `schedule` gives the learning rate at the optimizer's step count. Clears the model's input
 // gradient (Layer::set_input_gradient): its backward no longer returns dx. Errors: kInvalidArgument
 // (batch_size < 1, accumulate < 1 or > batch_size), and those of the data, layers and backend
-// (kResourceExhausted when the memory budget is exceeded: the step is not applied).
+// (kResourceExhausted when the memory budget is exceeded: the step is not applied), kOutOfRange
+// when a micro-batch's loss is not finite (naming the step) or from Optimizer::step (a gradient
+// or learning rate that is not finite): that step is not applied.
 [[nodiscard]] Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const Schedule& schedule,
                                              const TileDataset& data, const std::vector<size_t>& positions,
                                              const TrainOptions& options, uint64_t epoch_seed,

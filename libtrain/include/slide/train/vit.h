@@ -1,0 +1,162 @@
+// Vision Transformers for embedding tiles: the encoders of pathology foundation models (UNI,
+// Virchow, Prov-GigaPath, CONCH, H-optimus) are timm VisionTransformers, and their weights are
+// published under timm's parameter names. This model runs the same computation on the op list
+// (backend.h), so it runs on every backend, and loads those names from safetensors.
+//
+// The computation (timm.models.vision_transformer.VisionTransformer.forward_features, then its
+// pooling; Dosovitskiy et al., 2021), for images [N, 3, S, S] normalised as the encoder expects:
+//   patches = conv(images, patch_embed.proj, stride P)         -> [N, G*G, D], G = S / P
+//   tokens  = [cls_token?, reg_token x R, patches]              (T = prefix + G*G tokens)
+//   tokens += pos_embed (over all tokens; or over the patches only with no_embed_class)
+//   per block i: x += ls1 * attn(norm1(x));  x += ls2 * mlp(norm2(x))
+//     attn: qkv = x W_qkv^T + b -> heads H of width Dh = D / H; softmax(q k^T / sqrt(Dh)) v;
+//           heads concatenated, then proj;  mlp: fc2(GELU(fc1(x))) (exact GELU), or with
+//           swiglu (timm GluMlp as SwiGLUPacked: Shazeer, 2020): [a, b] = fc1(x) split in halves,
+//           fc2(SiLU(a) * b), SiLU(a) = a sigmoid(a)
+//     ls1/ls2 are layer scale (Touvron et al., 2021: a per-channel gamma) when configured
+//   x = norm(x) (unless fc_norm); features = pool(x):
+//     kToken         x[:, 0]                                   (UNI, ViT-B/16)
+//     kMean          mean of the patch tokens (then fc_norm when configured)
+//     kTokenAndMean  [x[:, 0], mean of the patch tokens]       (Virchow: 2 D features)
+// LayerNorm eps is norm_eps (timm's ViTs use 1e-6).
+//
+// Parameter names (timm): cls_token [1,1,D], reg_token [1,R,D], pos_embed [1,T or G*G,D],
+// patch_embed.proj.weight [D,3,P,P] and .bias, blocks.{i}.norm1.{weight,bias},
+// blocks.{i}.attn.qkv.{weight [3D,D], bias}, blocks.{i}.attn.proj.{weight,bias},
+// blocks.{i}.ls1.gamma [D] (layer scale), blocks.{i}.norm2.*, blocks.{i}.mlp.fc1.{weight [M,D],
+// bias}, blocks.{i}.mlp.fc2.{weight [D,M], bias}, blocks.{i}.ls2.gamma, norm.{weight,bias} (or
+// fc_norm.{weight,bias}). Extra entries in a weight file (a classifier head) are ignored.
+//
+// Not yet: positional embeddings interpolated to another grid,
+// training (the ops' backward passes beyond GELU), resizing tiles to the encoder's input size.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slide/train/backend.h"
+#include "slide/train/checkpoint.h"
+#include "slide/train/embed.h"
+
+namespace slide::train {
+
+enum class VitPool { kToken, kMean, kTokenAndMean };
+
+struct VitConfig {
+  int image_size = 224;
+  int patch_size = 16;
+  int width = 768;  // D
+  int depth = 12;
+  int heads = 12;
+  int mlp_hidden = 3072;  // M (timm: width * mlp_ratio): fc2's input width
+  bool swiglu = false;    // timm's SwiGLUPacked MLP: fc1 [2M, D], SiLU(first half) * second half
+  bool class_token = true;
+  int reg_tokens = 0;
+  bool no_embed_class = false;  // pos_embed covers the patch tokens only
+  bool layer_scale = false;
+  bool fc_norm = false;  // LayerNorm after mean pooling instead of before it (timm global_pool='avg')
+  double norm_eps = 1e-6;
+  VitPool pool = VitPool::kToken;
+
+  int64_t grid() const { return image_size / patch_size; }
+  int64_t prefix_tokens() const { return (class_token ? 1 : 0) + reg_tokens; }
+  int64_t tokens() const { return prefix_tokens() + grid() * grid(); }
+  int64_t feature_dim() const { return pool == VitPool::kTokenAndMean ? 2 * int64_t{width} : width; }
+};
+
+class VisionTransformer {
+ public:
+  // Parameters allocated on `be`'s device, zeroed. Errors: kInvalidArgument for an inconsistent
+  // configuration (image size not a multiple of the patch size, width not a multiple of the
+  // heads, a pooling that needs a class token without one, ...); the allocator's.
+  [[nodiscard]] static Result<std::unique_ptr<VisionTransformer>> create(Backend& be, const VitConfig& config);
+
+  // Reads every parameter from a safetensors file with timm's names (F32). Errors: those of
+  // load_safetensors naming the file and the first missing or misshapen tensor, kDataLoss for a
+  // non-finite value (naming the tensor).
+  [[nodiscard]] Status load(const std::string& path);
+
+  // features [N, feature_dim()] (overwritten) of images [N, 3, image_size, image_size], both on
+  // the backend's device. Errors: kInvalidArgument for other shapes; the backend's.
+  [[nodiscard]] Status forward(const Tensor& images, Tensor& features);
+
+  const VitConfig& config() const { return config_; }
+  // Every parameter with its timm name (for loading and tests).
+  std::vector<NamedTensor> named_parameters() const;
+
+ private:
+  struct Block {
+    Tensor norm1_w, norm1_b, qkv_w, qkv_b, proj_w, proj_b, ls1, norm2_w, norm2_b, fc1_w, fc1_b, fc2_w, fc2_b, ls2;
+  };
+  VisionTransformer(Backend& be, VitConfig config) : be_(be), config_(std::move(config)) {}
+  Status attention(const Tensor& h, int64_t n_images, Tensor& out);
+  Status layer_scale(const Tensor& gamma, Tensor& x2d, int64_t n_images);
+
+  Backend& be_;
+  VitConfig config_;
+  Tensor cls_token_, reg_token_, pos_embed_, patch_w_, patch_b_, norm_w_, norm_b_;
+  std::vector<Block> blocks_;
+  std::vector<std::pair<std::string, Tensor*>> names_;
+  std::vector<Tensor> ls_rows_;  // each layer scale gamma repeated over the T tokens: [T, D]
+};
+
+// The configuration of a timm-named weight file, read from its tensor shapes: width (cls_token or
+// pos_embed), patch size (patch_embed.proj.weight), depth (the blocks.N present), MLP width
+// (mlp.fc2.weight's input), SwiGLU (fc1 twice as wide as fc2's input), register tokens (reg_token), layer scale (ls1.gamma), class token, fc_norm
+// (fc_norm.weight instead of norm.weight), and the image size from pos_embed's length (with or
+// without the prefix tokens, whichever is a square grid: no_embed_class). The head count cannot
+// be read from shapes: `heads` > 0 gives it, else width / 64 (the head width of ViT-S/B/L/g; ViT-H
+// has 16 heads of 80, which its presets set; VisionTransformer::create checks it). `path` names
+// the file in errors. Errors: kInvalidArgument naming the tensor that is missing or does not fit a
+// ViT.
+[[nodiscard]] Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
+                                                 const std::string& path);
+
+// A Vision Transformer as slide-embed's tile encoder, on any backend (cpu by default; cuda where
+// built: tiles are uploaded per batch and features downloaded).
+//
+// Presets (the architecture is read from the weights; a preset checks it and sets the pooling and
+// normalisation the encoder was trained with):
+//   "vit"      any timm ViT; class-token pooling unless `pool` says otherwise; ImageNet mean/std.
+//   "vit-b16"  ViT-B/16 (width 768, depth 12; Dosovitskiy et al. 2021; torchvision's vit_b_16
+//              normalises with ImageNet's mean/std).
+//   "vit-l16"  ViT-L/16 (width 1024, depth 24), as vit-b16.
+//   "uni"      UNI (Chen et al., Nature Medicine 2024): ViT-L/16 at 224 px with layer scale
+//              (timm vit_large_patch16_224, init_values=1e-5), class-token features (1024-d),
+//              ImageNet mean/std (its model card's transform).
+//   "uni2-h"   UNI2-h (MahmoodLab's model card): ViT-g/14 at 224 px (width 1536, depth 24, 24
+//              heads), SwiGLU MLP, layer scale, 8 register tokens, class-token features (1536-d).
+//   "virchow2" Virchow2 (Zimmermann et al., 2024; Paige's model card): ViT-H/14 at 224 px (width
+//              1280, depth 32, 16 heads), SwiGLU MLP, layer scale, 4 register tokens; features are
+//              the class token and the mean of the patch tokens, concatenated (2560-d).
+// Both take ImageNet's mean and std (their model cards' transforms). None of these presets has
+// been run here on its published (gated) weights: each is checked on random weights of its shape
+// against a PyTorch transcription of timm's forward (tests/e2e/test_vit.py).
+// `pool`: "" (the preset's), "token", "mean", "token+mean".
+class VitEncoder final : public TileEncoder {
+ public:
+  // Errors: kInvalidArgument (unknown preset or pooling, a file that is not that preset's
+  // architecture, naming what differs), those of infer_vit_config and VisionTransformer::load.
+  // `backend`: a make_backend name ("cpu", "reference", "cuda").
+  [[nodiscard]] static Result<std::unique_ptr<VitEncoder>> load(const std::string& weights, const std::string& preset,
+                                                                int heads, const std::string& pool,
+                                                                const std::string& backend = "cpu");
+  int64_t feature_dim() const override { return vit_->config().feature_dim(); }
+  const std::string& layer() const override { return layer_; }
+  int64_t input_size() const override { return vit_->config().image_size; }
+  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
+  const VitConfig& config() const { return vit_->config(); }
+
+ private:
+  VitEncoder() = default;
+  std::unique_ptr<Backend> be_;
+  std::unique_ptr<VisionTransformer> vit_;
+  std::string layer_;
+};
+
+// True for the model names VitEncoder::load takes.
+bool is_vit_preset(const std::string& model);
+
+}  // namespace slide::train

@@ -1,0 +1,394 @@
+// VisionTransformer (vit.h): timm's ViT forward on the op list.
+#include "slide/train/vit.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+namespace slide::train {
+
+namespace {
+
+using slide::core::invalid_argument;
+using slide::core::ok_status;
+
+// Copies `bytes` from src's element `src_at` to dst's element `dst_at` (f32), on the tensors'
+// device (Allocator::copy_bytes).
+Status copy_f32(Backend& be, const Tensor& src, int64_t src_at, Tensor& dst, int64_t dst_at, int64_t count) {
+  if (count == 0) return ok_status();
+  return be.allocator().copy_bytes(dst.data<float>() + dst_at, src.data<float>() + src_at,
+                                   static_cast<size_t>(count) * sizeof(float));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be, const VitConfig& c) {
+  if (c.patch_size < 1 || c.image_size < c.patch_size || c.image_size % c.patch_size != 0)
+    return invalid_argument("ViT: image size " + std::to_string(c.image_size) + " is not a multiple of patch size " +
+                            std::to_string(c.patch_size));
+  if (c.width < 1 || c.heads < 1 || c.width % c.heads != 0)
+    return invalid_argument("ViT: width " + std::to_string(c.width) + " is not a multiple of " +
+                            std::to_string(c.heads) + " heads (heads default to width / 64; give the count)");
+  if (c.depth < 0 || c.mlp_hidden < 1 || c.reg_tokens < 0 || !(c.norm_eps > 0))
+    return invalid_argument("ViT: depth, MLP width, register tokens or norm eps out of range");
+  if (!c.class_token && c.pool != VitPool::kMean)
+    return invalid_argument("ViT: class-token pooling without a class token");
+  if (c.fc_norm && c.pool != VitPool::kMean) return invalid_argument("ViT: fc_norm applies to mean pooling only");
+  auto vit = std::unique_ptr<VisionTransformer>(new VisionTransformer(be, c));
+  const int64_t D = c.width, M = c.mlp_hidden, P = c.patch_size;
+  Allocator& alloc = be.allocator();
+  auto param = [&](Tensor* t, const std::string& name, const Shape& shape) -> Status {
+    SLIDE_ASSIGN_OR_RETURN(*t, Tensor::zeros(shape, DType::kF32, alloc, name));
+    vit->names_.push_back({name, t});
+    return ok_status();
+  };
+  vit->blocks_.resize(static_cast<size_t>(c.depth));  // before taking pointers into it
+  if (c.class_token) SLIDE_RETURN_IF_ERROR(param(&vit->cls_token_, "cls_token", {1, 1, D}));
+  if (c.reg_tokens > 0) SLIDE_RETURN_IF_ERROR(param(&vit->reg_token_, "reg_token", {1, c.reg_tokens, D}));
+  const int64_t pos_len = c.no_embed_class ? c.grid() * c.grid() : c.tokens();
+  SLIDE_RETURN_IF_ERROR(param(&vit->pos_embed_, "pos_embed", {1, pos_len, D}));
+  SLIDE_RETURN_IF_ERROR(param(&vit->patch_w_, "patch_embed.proj.weight", {D, 3, P, P}));
+  SLIDE_RETURN_IF_ERROR(param(&vit->patch_b_, "patch_embed.proj.bias", {D}));
+  for (int i = 0; i < c.depth; ++i) {
+    Block& b = vit->blocks_[static_cast<size_t>(i)];
+    const std::string p = "blocks." + std::to_string(i) + ".";
+    SLIDE_RETURN_IF_ERROR(param(&b.norm1_w, p + "norm1.weight", {D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.norm1_b, p + "norm1.bias", {D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.qkv_w, p + "attn.qkv.weight", {3 * D, D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.qkv_b, p + "attn.qkv.bias", {3 * D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.proj_w, p + "attn.proj.weight", {D, D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.proj_b, p + "attn.proj.bias", {D}));
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(param(&b.ls1, p + "ls1.gamma", {D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.norm2_w, p + "norm2.weight", {D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.norm2_b, p + "norm2.bias", {D}));
+    const int64_t M1 = c.swiglu ? 2 * M : M;
+    SLIDE_RETURN_IF_ERROR(param(&b.fc1_w, p + "mlp.fc1.weight", {M1, D}));
+    SLIDE_RETURN_IF_ERROR(param(&b.fc1_b, p + "mlp.fc1.bias", {M1}));
+    SLIDE_RETURN_IF_ERROR(param(&b.fc2_w, p + "mlp.fc2.weight", {D, M}));
+    SLIDE_RETURN_IF_ERROR(param(&b.fc2_b, p + "mlp.fc2.bias", {D}));
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(param(&b.ls2, p + "ls2.gamma", {D}));
+  }
+  const std::string norm = c.fc_norm ? "fc_norm" : "norm";
+  SLIDE_RETURN_IF_ERROR(param(&vit->norm_w_, norm + ".weight", {D}));
+  SLIDE_RETURN_IF_ERROR(param(&vit->norm_b_, norm + ".bias", {D}));
+  return vit;
+}
+
+std::vector<NamedTensor> VisionTransformer::named_parameters() const {
+  std::vector<NamedTensor> out;
+  for (const auto& [name, t] : names_) out.push_back({name, t});
+  return out;
+}
+
+Status VisionTransformer::load(const std::string& path) {
+  if (be_.device() == Device::kCpu) {
+    SLIDE_RETURN_IF_ERROR(load_safetensors(path, named_parameters()));
+  } else {
+    // Read into host tensors, then upload (the loader writes host memory).
+    std::vector<Tensor> host;
+    host.reserve(names_.size());
+    std::vector<NamedTensor> into;
+    for (const auto& [name, t] : names_) {
+      SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::empty(t->shape(), DType::kF32, cpu_allocator(), name));
+      host.push_back(std::move(h));
+    }
+    for (size_t i = 0; i < names_.size(); ++i) into.push_back({names_[i].first, &host[i]});
+    SLIDE_RETURN_IF_ERROR(load_safetensors(path, into));
+    for (size_t i = 0; i < names_.size(); ++i) SLIDE_RETURN_IF_ERROR(be_.upload(host[i], *names_[i].second));
+  }
+  // Layer scale's gamma repeated over the tokens, so that it is one element-wise product per image.
+  ls_rows_.clear();
+  if (config_.layer_scale) {
+    const int64_t T = config_.tokens(), D = config_.width;
+    for (const Block& b : blocks_)
+      for (const Tensor* gamma : {&b.ls1, &b.ls2}) {
+        SLIDE_ASSIGN_OR_RETURN(Tensor rows, Tensor::empty({T, D}, DType::kF32, be_.allocator(), "layer scale rows"));
+        for (int64_t t = 0; t < T; ++t) SLIDE_RETURN_IF_ERROR(copy_f32(be_, *gamma, 0, rows, t * D, D));
+        ls_rows_.push_back(std::move(rows));
+      }
+  }
+  return ok_status();
+}
+
+Status VisionTransformer::layer_scale(const Tensor& rows, Tensor& x2d, int64_t n_images) {
+  const int64_t T = config_.tokens(), D = config_.width;
+  for (int64_t n = 0; n < n_images; ++n) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor xn, x2d.view(n * T * D, {T, D}));
+    SLIDE_RETURN_IF_ERROR(be_.mul(xn, rows, xn));
+  }
+  return ok_status();
+}
+
+// Multi-head self-attention of h [N*T, D] (already normalised) into out [N*T, D], before proj.
+Status VisionTransformer::attention(const Tensor& qkv2d, int64_t N, Tensor& out) {
+  const int64_t T = config_.tokens(), D = config_.width, H = config_.heads, Dh = D / H;
+  Allocator& alloc = be_.allocator();
+  // [N, T, 3, H, Dh] -> [3, N, H, T, Dh]: each head's q, k and v contiguous [T, Dh].
+  SLIDE_ASSIGN_OR_RETURN(Tensor qkv5, qkv2d.reshape({N, T, 3, H, Dh}));
+  SLIDE_ASSIGN_OR_RETURN(Tensor heads, Tensor::empty({3, N, H, T, Dh}, DType::kF32, alloc, "attention heads"));
+  SLIDE_RETURN_IF_ERROR(be_.permute(qkv5, {2, 0, 3, 1, 4}, heads));
+  SLIDE_ASSIGN_OR_RETURN(Tensor scores, Tensor::empty({T, T}, DType::kF32, alloc, "attention scores"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, Tensor::empty({N, H, T, Dh}, DType::kF32, alloc, "attention output"));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(Dh));
+  const int64_t head = T * Dh, part = N * H * head;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t at = (n * H + h) * head;
+      SLIDE_ASSIGN_OR_RETURN(Tensor q, heads.view(at, {T, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor k, heads.view(part + at, {T, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor v, heads.view(2 * part + at, {T, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor o, ctx.view(at, {T, Dh}));
+      SLIDE_RETURN_IF_ERROR(be_.matmul(q, false, k, true, scores));
+      SLIDE_RETURN_IF_ERROR(be_.scale(scores, scale, scores));
+      SLIDE_RETURN_IF_ERROR(be_.softmax_forward(scores, scores));
+      SLIDE_RETURN_IF_ERROR(be_.matmul(scores, false, v, false, o));
+    }
+  // [N, H, T, Dh] -> [N, T, H, Dh] = [N*T, D]: the heads concatenated per token.
+  SLIDE_ASSIGN_OR_RETURN(Tensor merged, out.reshape({N, T, H, Dh}));
+  return be_.permute(ctx, {0, 2, 1, 3}, merged);
+}
+
+Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
+  const VitConfig& c = config_;
+  const int64_t S = c.image_size, P = c.patch_size, G = c.grid(), D = c.width, M = c.mlp_hidden, T = c.tokens(),
+                R = c.prefix_tokens(), F = c.feature_dim();
+  if (images.rank() != 4 || images.dim(1) != 3 || images.dim(2) != S || images.dim(3) != S)
+    return invalid_argument("ViT: images are " + shape_string(images.shape()) + ", expected [N, 3, " +
+                            std::to_string(S) + ", " + std::to_string(S) + "]");
+  const int64_t N = images.dim(0);
+  if (features.shape() != Shape{N, F})
+    return invalid_argument("ViT: features are " + shape_string(features.shape()) + ", expected [" +
+                            std::to_string(N) + ", " + std::to_string(F) + "]");
+  if (c.layer_scale && ls_rows_.size() != 2 * blocks_.size())
+    return slide::core::failed_precondition("ViT: load() the weights before forward()");
+  Allocator& alloc = be_.allocator();
+  auto empty = [&](const Shape& s, const char* what) { return Tensor::empty(s, DType::kF32, alloc, what); };
+
+  // Patch embedding: [N, D, G, G] -> [N, G*G, D].
+  SLIDE_ASSIGN_OR_RETURN(Tensor conv, empty({N, D, G, G}, "patch embedding"));
+  SLIDE_RETURN_IF_ERROR(be_.conv2d_forward(images, patch_w_, patch_b_, Conv2dParams{static_cast<int>(P), 0}, conv));
+  SLIDE_ASSIGN_OR_RETURN(Tensor conv_plain, be_.to_plain(conv));
+  SLIDE_ASSIGN_OR_RETURN(Tensor conv3, conv_plain.reshape({N, D, G * G}));
+  SLIDE_ASSIGN_OR_RETURN(Tensor patches, empty({N, G * G, D}, "patch tokens"));
+  SLIDE_RETURN_IF_ERROR(be_.permute(conv3, {0, 2, 1}, patches));
+
+  // Tokens [N, T, D]: class token, register tokens, patches; plus the positional embedding.
+  SLIDE_ASSIGN_OR_RETURN(Tensor x, empty({N * T, D}, "tokens"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor pos, pos_embed_.reshape({pos_embed_.dim(1), D}));
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t at = n * T * D;
+    if (c.class_token) {
+      SLIDE_RETURN_IF_ERROR(copy_f32(be_, cls_token_, 0, x, at, D));
+      at += D;
+    }
+    if (c.reg_tokens > 0) {
+      SLIDE_RETURN_IF_ERROR(copy_f32(be_, reg_token_, 0, x, at, c.reg_tokens * D));
+      at += c.reg_tokens * D;
+    }
+    SLIDE_RETURN_IF_ERROR(copy_f32(be_, patches, n * G * G * D, x, at, G * G * D));
+    const int64_t first = c.no_embed_class ? n * T * D + R * D : n * T * D;
+    SLIDE_ASSIGN_OR_RETURN(Tensor span, x.view(first, pos.shape()));
+    SLIDE_RETURN_IF_ERROR(be_.add(span, pos, span));
+  }
+
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, empty({N * T, D}, "normalised tokens"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor qkv, empty({N * T, 3 * D}, "qkv"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, empty({N * T, D}, "attention context"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor branch, empty({N * T, D}, "residual branch"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor hidden, empty({N * T, c.swiglu ? 2 * M : M}, "MLP hidden"));
+  // SwiGLU: fc1's output [N*T, 2, M] split into halves [2, N*T, M], then SiLU(a) * b.
+  Tensor halves, act, gate;
+  if (c.swiglu) {
+    SLIDE_ASSIGN_OR_RETURN(halves, empty({2, N * T, M}, "SwiGLU halves"));
+    SLIDE_ASSIGN_OR_RETURN(gate, empty({N * T, M}, "SwiGLU gate"));
+    SLIDE_ASSIGN_OR_RETURN(act, empty({N * T, M}, "SwiGLU output"));
+  }
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm1_w, b.norm1_b, c.norm_eps, h));
+    SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.qkv_w, b.qkv_b, qkv));
+    SLIDE_RETURN_IF_ERROR(attention(qkv, N, ctx));
+    SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, b.proj_w, b.proj_b, branch));
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i], branch, N));
+    SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
+    SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm2_w, b.norm2_b, c.norm_eps, h));
+    SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.fc1_w, b.fc1_b, hidden));
+    if (c.swiglu) {
+      SLIDE_ASSIGN_OR_RETURN(Tensor packed, hidden.reshape({N * T, 2, M}));
+      SLIDE_RETURN_IF_ERROR(be_.permute(packed, {1, 0, 2}, halves));
+      SLIDE_ASSIGN_OR_RETURN(Tensor a, halves.view(0, {N * T, M}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor bb, halves.view(N * T * M, {N * T, M}));
+      SLIDE_RETURN_IF_ERROR(be_.sigmoid_forward(a, gate));
+      SLIDE_RETURN_IF_ERROR(be_.mul(gate, a, gate));  // SiLU(a) = a sigmoid(a)
+      SLIDE_RETURN_IF_ERROR(be_.mul(gate, bb, act));
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(act, b.fc2_w, b.fc2_b, branch));
+    } else {
+      SLIDE_RETURN_IF_ERROR(be_.gelu_forward(hidden, hidden));
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(hidden, b.fc2_w, b.fc2_b, branch));
+    }
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i + 1], branch, N));
+    SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
+  }
+  if (!c.fc_norm) SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, norm_w_, norm_b_, c.norm_eps, x));
+
+  // Pooling.
+  Tensor mean;
+  if (c.pool != VitPool::kToken) {
+    const int64_t Np = G * G;
+    SLIDE_ASSIGN_OR_RETURN(Tensor patch_rows, empty({N, Np, D}, "patch tokens for pooling"));
+    for (int64_t n = 0; n < N; ++n) SLIDE_RETURN_IF_ERROR(copy_f32(be_, x, (n * T + R) * D, patch_rows, n * Np * D, Np * D));
+    SLIDE_ASSIGN_OR_RETURN(Tensor by_channel, empty({N, D, Np, 1}, "patch tokens by channel"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor by_channel3, by_channel.reshape({N, D, Np}));
+    SLIDE_RETURN_IF_ERROR(be_.permute(patch_rows, {0, 2, 1}, by_channel3));
+    SLIDE_ASSIGN_OR_RETURN(mean, empty({N, D}, "mean of patch tokens"));
+    SLIDE_RETURN_IF_ERROR(be_.global_avg_pool_forward(by_channel, mean));
+    if (c.fc_norm) SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(mean, norm_w_, norm_b_, c.norm_eps, mean));
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t at = n * F;
+    if (c.pool != VitPool::kMean) {
+      SLIDE_RETURN_IF_ERROR(copy_f32(be_, x, n * T * D, features, at, D));
+      at += D;
+    }
+    if (c.pool != VitPool::kToken) SLIDE_RETURN_IF_ERROR(copy_f32(be_, mean, n * D, features, at, D));
+  }
+  return ok_status();
+}
+
+Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
+                                   const std::string& path) {
+  auto shape = [&](const std::string& name) -> const Shape* {
+    auto it = shapes.find(name);
+    return it == shapes.end() ? nullptr : &it->second;
+  };
+  auto bad = [&](const std::string& what) {
+    return invalid_argument(path + ": not a timm Vision Transformer weight file: " + what);
+  };
+  VitConfig c;
+  const Shape* pw = shape("patch_embed.proj.weight");
+  if (pw == nullptr || pw->size() != 4 || (*pw)[1] != 3 || (*pw)[2] != (*pw)[3])
+    return bad("patch_embed.proj.weight [D, 3, P, P] is missing or misshapen");
+  c.width = static_cast<int>((*pw)[0]);
+  c.patch_size = static_cast<int>((*pw)[2]);
+  c.class_token = shape("cls_token") != nullptr;
+  const Shape* reg = shape("reg_token");
+  c.reg_tokens = reg != nullptr && reg->size() == 3 ? static_cast<int>((*reg)[1]) : 0;
+  const Shape* pos = shape("pos_embed");
+  if (pos == nullptr || pos->size() != 3 || (*pos)[2] != c.width) return bad("pos_embed [1, L, D] is missing or misshapen");
+  auto square = [](int64_t v) {
+    const auto r = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(v))));
+    return r > 0 && r * r == v ? r : int64_t{0};
+  };
+  const int64_t L = (*pos)[1], prefix = (c.class_token ? 1 : 0) + c.reg_tokens;
+  if (int64_t g = square(L - prefix); g > 0 && L > prefix) {
+    c.no_embed_class = false;
+    c.image_size = static_cast<int>(g * c.patch_size);
+  } else if (int64_t g2 = square(L); g2 > 0) {
+    c.no_embed_class = true;
+    c.image_size = static_cast<int>(g2 * c.patch_size);
+  } else {
+    return bad("pos_embed's " + std::to_string(L) + " positions are not a square grid (plus " + std::to_string(prefix) +
+               " prefix tokens)");
+  }
+  c.depth = 0;
+  while (shape("blocks." + std::to_string(c.depth) + ".attn.qkv.weight") != nullptr) ++c.depth;
+  if (c.depth == 0) return bad("no blocks.0.attn.qkv.weight");
+  const Shape* fc1 = shape("blocks.0.mlp.fc1.weight");
+  const Shape* fc2 = shape("blocks.0.mlp.fc2.weight");
+  if (fc1 == nullptr || fc2 == nullptr || fc1->size() != 2 || fc2->size() != 2)
+    return bad("blocks.0.mlp.fc1.weight / fc2.weight are missing or not matrices (a separate-gate SwiGLU, "
+               "mlp.w12/w3, is not supported)");
+  c.mlp_hidden = static_cast<int>((*fc2)[1]);
+  if ((*fc1)[0] == 2 * (*fc2)[1]) c.swiglu = true;  // timm SwiGLUPacked: fc1 produces both halves
+  else if ((*fc1)[0] != (*fc2)[1])
+    return bad("blocks.0.mlp.fc1.weight's " + std::to_string((*fc1)[0]) + " outputs fit neither fc2's " +
+               std::to_string((*fc2)[1]) + " inputs (GELU MLP) nor twice them (SwiGLU)");
+  c.layer_scale = shape("blocks.0.ls1.gamma") != nullptr;
+  c.fc_norm = shape("fc_norm.weight") != nullptr && shape("norm.weight") == nullptr;
+  c.heads = heads > 0 ? heads : c.width / 64;  // checked by VisionTransformer::create
+  c.pool = pool;
+  if (c.fc_norm && c.pool != VitPool::kMean) c.pool = VitPool::kMean;  // timm: fc_norm comes with avg pooling
+  return c;
+}
+
+bool is_vit_preset(const std::string& model) {
+  return model == "vit" || model == "vit-b16" || model == "vit-l16" || model == "uni" || model == "uni2-h" ||
+         model == "virchow2";
+}
+
+Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights, const std::string& preset, int heads,
+                                                     const std::string& pool, const std::string& backend) {
+  if (!is_vit_preset(preset))
+    return invalid_argument("unknown ViT preset '" + preset + "' (vit, vit-b16, vit-l16, uni, uni2-h, virchow2)");
+  // What each preset is (vit.h, with sources); "vit" takes what the file says.
+  struct Want {
+    int width, depth, patch, heads;
+    bool layer_scale, swiglu;
+    int reg_tokens;
+    VitPool pool;
+  };
+  const std::map<std::string, Want> presets = {
+      {"vit-b16", {768, 12, 16, 12, false, false, 0, VitPool::kToken}},
+      {"vit-l16", {1024, 24, 16, 16, false, false, 0, VitPool::kToken}},
+      {"uni", {1024, 24, 16, 16, true, false, 0, VitPool::kToken}},
+      {"uni2-h", {1536, 24, 14, 24, true, true, 8, VitPool::kToken}},
+      {"virchow2", {1280, 32, 14, 16, true, true, 4, VitPool::kTokenAndMean}},
+  };
+  const auto preset_it = presets.find(preset);
+  VitPool p = preset_it != presets.end() ? preset_it->second.pool : VitPool::kToken;
+  if (pool == "token") p = VitPool::kToken;
+  else if (pool == "mean") p = VitPool::kMean;
+  else if (pool == "token+mean") p = VitPool::kTokenAndMean;
+  else if (!pool.empty()) return invalid_argument("--pool '" + pool + "': expected token, mean or token+mean");
+  if (heads <= 0 && preset_it != presets.end()) heads = preset_it->second.heads;
+  SLIDE_ASSIGN_OR_RETURN(auto shapes, read_safetensors_shapes(weights));
+  SLIDE_ASSIGN_OR_RETURN(VitConfig c, infer_vit_config(shapes, heads, p, weights));
+  if (preset_it != presets.end()) {
+    const Want& w = preset_it->second;
+    auto describe = [](int width, int depth, int patch, bool ls, bool glu, int reg) {
+      return "width " + std::to_string(width) + ", depth " + std::to_string(depth) + ", patch " +
+             std::to_string(patch) + (ls ? ", layer scale" : ", no layer scale") + (glu ? ", SwiGLU" : ", GELU MLP") +
+             ", " + std::to_string(reg) + " register tokens";
+    };
+    if (c.width != w.width || c.depth != w.depth || c.patch_size != w.patch || c.layer_scale != w.layer_scale ||
+        c.swiglu != w.swiglu || c.reg_tokens != w.reg_tokens)
+      return invalid_argument(weights + " is a ViT of " +
+                              describe(c.width, c.depth, c.patch_size, c.layer_scale, c.swiglu, c.reg_tokens) + "; " +
+                              preset + " is " +
+                              describe(w.width, w.depth, w.patch, w.layer_scale, w.swiglu, w.reg_tokens) +
+                              " (use --model vit for another ViT)");
+  }
+  auto enc = std::unique_ptr<VitEncoder>(new VitEncoder());
+  SLIDE_ASSIGN_OR_RETURN(enc->be_, make_backend(backend));
+  SLIDE_ASSIGN_OR_RETURN(enc->vit_, VisionTransformer::create(*enc->be_, c));
+  SLIDE_RETURN_IF_ERROR(enc->vit_->load(weights));
+  enc->layer_ = c.pool == VitPool::kToken ? "token" : c.pool == VitPool::kMean ? "mean" : "token+mean";
+  return enc;
+}
+
+Status VitEncoder::extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) {
+  const int64_t S = vit_->config().image_size;
+  if (n < 1 || h != S || w != S)
+    return invalid_argument("ViT encoder: " + std::to_string(n) + " images of " + std::to_string(h) + "x" +
+                            std::to_string(w) + " px; it takes " + std::to_string(S) + "x" + std::to_string(S));
+  Allocator& alloc = be_->allocator();
+  SLIDE_ASSIGN_OR_RETURN(Tensor x, Tensor::empty({n, 3, S, S}, DType::kF32, alloc, "ViT input"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor f, Tensor::empty({n, feature_dim()}, DType::kF32, alloc, "ViT features"));
+  if (be_->device() == Device::kCpu) {
+    std::memcpy(x.raw(), images, x.bytes());
+    SLIDE_RETURN_IF_ERROR(vit_->forward(x, f));
+    std::memcpy(features, f.raw(), f.bytes());
+    return ok_status();
+  }
+  // A device backend: through host tensors and the backend's one door (upload / download).
+  SLIDE_ASSIGN_OR_RETURN(Tensor xh, Tensor::empty(x.shape(), DType::kF32, cpu_allocator(), "ViT input (host)"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor fh, Tensor::empty(f.shape(), DType::kF32, cpu_allocator(), "ViT features (host)"));
+  std::memcpy(xh.raw(), images, xh.bytes());
+  SLIDE_RETURN_IF_ERROR(be_->upload(xh, x));
+  SLIDE_RETURN_IF_ERROR(vit_->forward(x, f));
+  SLIDE_RETURN_IF_ERROR(be_->download(f, fh));
+  std::memcpy(features, fh.raw(), fh.bytes());
+  return ok_status();
+}
+
+}  // namespace slide::train

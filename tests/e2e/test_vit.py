@@ -1,0 +1,322 @@
+#!/usr/bin/python3
+"""The Vision Transformer (libtrain/include/slide/train/vit.h) against PyTorch, on real tiles.
+
+TestTorchvision: torchvision's VisionTransformer (the ViT-B/16 architecture family, here 2 blocks
+of width 192 so that Debian's reference-BLAS PyTorch stays fast) with random weights, its
+parameter names mapped to timm's, run on real H&E tiles (sample_data's LC25000 patches, ImageNet
+normalisation): our features equal torchvision's within 1e-4 relative, on the cpu and reference
+backends.
+TestTimmVariants: the options the foundation models use (layer scale as UNI, register tokens,
+class token + mean of patch tokens as Virchow, mean pooling with fc_norm, no_embed_class) against a
+float64 PyTorch transcription of timm's VisionTransformer.forward_features + pooling written here.
+TestBadWeights: a missing or misshapen tensor is refused, naming it.
+
+Environment: SLIDE_GOLDEN_VIT (the driver), SLIDE_SAMPLE_DIR.
+"""
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from safetensors_io import read_safetensors, write_safetensors  # noqa: E402
+
+GOLDEN = os.environ["SLIDE_GOLDEN_VIT"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+
+def real_tiles(n, size):
+    paths = sorted(glob.glob(os.path.join(SAMPLE, "patches", "lc25000-lung-subset", "*", "*.jpeg")) +
+                   glob.glob(os.path.join(SAMPLE, "patches", "lc25000-lung-subset", "*", "*.jpg")))
+    assert len(paths) >= n, "sample_data has %d LC25000 patches" % len(paths)
+    out = []
+    for p in paths[:n]:
+        img = Image.open(p).convert("RGB").resize((size, size), Image.BICUBIC)
+        a = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
+        out.append(a.transpose(2, 0, 1))
+    return np.ascontiguousarray(np.stack(out).astype(np.float32))
+
+
+def run_golden(tmp, backend, weights, images, cfg):
+    inp, out = os.path.join(tmp, "images.safetensors"), os.path.join(tmp, "features.safetensors")
+    write_safetensors(inp, {"images": images})
+    args = [GOLDEN, backend, weights, inp, out, str(images.shape[0])] + ["%s=%s" % kv for kv in cfg.items()]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    return r, (read_safetensors(out)["features"] if r.returncode == 0 else None)
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a.astype(np.float64) - b)) / max(1.0, float(np.max(np.abs(b)))))
+
+
+def torchvision_to_timm(sd, depth):
+    out = {"cls_token": sd["class_token"], "pos_embed": sd["encoder.pos_embedding"],
+           "patch_embed.proj.weight": sd["conv_proj.weight"], "patch_embed.proj.bias": sd["conv_proj.bias"],
+           "norm.weight": sd["encoder.ln.weight"], "norm.bias": sd["encoder.ln.bias"]}
+    for i in range(depth):
+        tv, tm = "encoder.layers.encoder_layer_%d." % i, "blocks.%d." % i
+        for a, b in [("ln_1", "norm1"), ("ln_2", "norm2"), ("self_attention.out_proj", "attn.proj"),
+                     ("mlp.0", "mlp.fc1"), ("mlp.3", "mlp.fc2")]:
+            out[tm + b + ".weight"] = sd[tv + a + ".weight"]
+            out[tm + b + ".bias"] = sd[tv + a + ".bias"]
+        out[tm + "attn.qkv.weight"] = sd[tv + "self_attention.in_proj_weight"]
+        out[tm + "attn.qkv.bias"] = sd[tv + "self_attention.in_proj_bias"]
+    return {k: v.detach().numpy().astype(np.float32) for k, v in out.items()}
+
+
+class TestTorchvision(unittest.TestCase):
+    def test_features_equal_torchvision(self):
+        torch.manual_seed(0)
+        depth, width, heads, mlp = 2, 192, 3, 768
+        model = torchvision.models.VisionTransformer(image_size=224, patch_size=16, num_layers=depth, num_heads=heads,
+                                                     hidden_dim=width, mlp_dim=mlp)
+        with torch.no_grad():  # torchvision zero-initialises some tensors; make every one matter
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        model.heads = torch.nn.Identity()
+        model.eval()
+        images = real_tiles(3, 224)
+        with torch.no_grad():
+            expected = model(torch.from_numpy(images)).double().numpy()
+        tmp = tempfile.mkdtemp(prefix="vit_")
+        try:
+            weights = os.path.join(tmp, "vit.safetensors")
+            write_safetensors(weights, torchvision_to_timm(model.state_dict(), depth))
+            cfg = {"image": 224, "patch": 16, "width": width, "depth": depth, "heads": heads, "mlp": mlp}
+            for backend in ("cpu", "reference"):
+                with self.subTest(backend=backend):
+                    r, got = run_golden(tmp, backend, weights, images, cfg)
+                    self.assertEqual(r.returncode, 0, r.stderr)
+                    self.assertEqual(got.shape, (3, width))
+                    err = rel_err(got, expected)
+                    print("torchvision ViT, %s backend: max relative error %.2e; %s" % (backend, err, r.stderr.strip()))
+                    self.assertLess(err, 1e-4)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def timm_reference(p, x, cfg):
+    """timm VisionTransformer.forward_features + pooling, in float64 (timm 1.0's
+    vision_transformer.py: _pos_embed, Block = x + ls1(attn(norm1(x))) + ..., Attention with
+    qkv.reshape(B, N, 3, H, Dh).permute(2, 0, 3, 1, 4), Mlp = fc2(GELU(fc1)), norm / fc_norm)."""
+    t = {k: torch.from_numpy(v).double() for k, v in p.items()}
+    D, H, eps = cfg["width"], cfg["heads"], 1e-6
+    x = torch.from_numpy(x).double()
+    B = x.shape[0]
+    x = F.conv2d(x, t["patch_embed.proj.weight"], t["patch_embed.proj.bias"], stride=cfg["patch"])
+    x = x.flatten(2).transpose(1, 2)
+    prefix = []
+    if cfg.get("class_token", 1):
+        prefix.append(t["cls_token"].expand(B, -1, -1))
+    if cfg.get("reg", 0):
+        prefix.append(t["reg_token"].expand(B, -1, -1))
+    if cfg.get("no_embed_class", 0):
+        x = torch.cat(prefix + [x + t["pos_embed"]], dim=1)
+    else:
+        x = torch.cat(prefix + [x], dim=1) + t["pos_embed"]
+    n_prefix = len(prefix) - (1 if cfg.get("reg", 0) else 0) + cfg.get("reg", 0)
+    for i in range(cfg["depth"]):
+        b = "blocks.%d." % i
+        h = F.layer_norm(x, (D,), t[b + "norm1.weight"], t[b + "norm1.bias"], eps)
+        qkv = F.linear(h, t[b + "attn.qkv.weight"], t[b + "attn.qkv.bias"])
+        N = x.shape[1]
+        q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.softmax(q @ k.transpose(-2, -1) * (D // H) ** -0.5, dim=-1) @ v
+        a = F.linear(a.transpose(1, 2).reshape(B, N, D), t[b + "attn.proj.weight"], t[b + "attn.proj.bias"])
+        x = x + (a * t[b + "ls1.gamma"] if cfg.get("layer_scale", 0) else a)
+        h = F.layer_norm(x, (D,), t[b + "norm2.weight"], t[b + "norm2.bias"], eps)
+        f1 = F.linear(h, t[b + "mlp.fc1.weight"], t[b + "mlp.fc1.bias"])
+        if cfg.get("swiglu", 0):  # timm GluMlp (SwiGLUPacked): x1, x2 = fc1(x).chunk(2); SiLU(x1) * x2
+            x1, x2 = f1.chunk(2, dim=-1)
+            f1 = F.silu(x1) * x2
+        else:
+            f1 = F.gelu(f1)
+        m = F.linear(f1, t[b + "mlp.fc2.weight"], t[b + "mlp.fc2.bias"])
+        x = x + (m * t[b + "ls2.gamma"] if cfg.get("layer_scale", 0) else m)
+    pool = cfg.get("pool", "token")
+    if not cfg.get("fc_norm", 0):
+        x = F.layer_norm(x, (D,), t["norm.weight"], t["norm.bias"], eps)
+    mean = x[:, n_prefix:].mean(dim=1)
+    if pool == "token":
+        return x[:, 0].numpy()
+    if pool == "mean":
+        if cfg.get("fc_norm", 0):
+            mean = F.layer_norm(mean, (D,), t["fc_norm.weight"], t["fc_norm.bias"], eps)
+        return mean.numpy()
+    return torch.cat([x[:, 0], mean], dim=1).numpy()  # Virchow: class token and mean of patch tokens
+
+
+def random_timm_weights(cfg, seed):
+    g = np.random.default_rng(seed)
+    D, M, P, R = cfg["width"], cfg["mlp"], cfg["patch"], cfg.get("reg", 0)
+    G = cfg["image"] // P
+    prefix = int(cfg.get("class_token", 1)) + R
+    r = lambda *s: (0.1 * g.standard_normal(s)).astype(np.float32)  # noqa: E731
+    w = {"pos_embed": r(1, G * G if cfg.get("no_embed_class", 0) else G * G + prefix, D),
+         "patch_embed.proj.weight": r(D, 3, P, P), "patch_embed.proj.bias": r(D)}
+    if cfg.get("class_token", 1):
+        w["cls_token"] = r(1, 1, D)
+    if R:
+        w["reg_token"] = r(1, R, D)
+    for i in range(cfg["depth"]):
+        b = "blocks.%d." % i
+        w.update({b + "norm1.weight": 1 + r(D), b + "norm1.bias": r(D), b + "attn.qkv.weight": r(3 * D, D),
+                  b + "attn.qkv.bias": r(3 * D), b + "attn.proj.weight": r(D, D), b + "attn.proj.bias": r(D),
+                  b + "norm2.weight": 1 + r(D), b + "norm2.bias": r(D),
+                  b + "mlp.fc1.weight": r(2 * M if cfg.get("swiglu", 0) else M, D),
+                  b + "mlp.fc1.bias": r(2 * M if cfg.get("swiglu", 0) else M), b + "mlp.fc2.weight": r(D, M),
+                  b + "mlp.fc2.bias": r(D)})
+        if cfg.get("layer_scale", 0):
+            w[b + "ls1.gamma"], w[b + "ls2.gamma"] = r(D), r(D)
+    norm = "fc_norm" if cfg.get("fc_norm", 0) else "norm"
+    w[norm + ".weight"], w[norm + ".bias"] = 1 + r(D), r(D)
+    w["head.weight"] = r(5, D)  # a classifier head: extra entries are ignored
+    return w
+
+
+class TestTimmVariants(unittest.TestCase):
+    BASE = {"image": 64, "patch": 16, "width": 48, "depth": 2, "heads": 4, "mlp": 96}
+    VARIANTS = {
+        "uni (layer scale, class token)": {"layer_scale": 1},
+        "registers, class token + mean (Virchow's pooling)": {"reg": 4, "pool": "token_mean", "layer_scale": 1},
+        "mean pooling with fc_norm": {"pool": "mean", "fc_norm": 1},
+        "no class token, no_embed_class": {"class_token": 0, "pool": "mean", "no_embed_class": 1},
+        "registers with no_embed_class": {"reg": 2, "no_embed_class": 1, "pool": "token_mean"},
+        "virchow2-like (SwiGLU, layer scale, 4 registers, class token + mean)":
+            {"swiglu": 1, "layer_scale": 1, "reg": 4, "pool": "token_mean"},
+        "uni2-h-like (SwiGLU, 8 registers, no_embed_class)": {"swiglu": 1, "layer_scale": 1, "reg": 8,
+                                                             "no_embed_class": 1},
+    }
+
+    def test_variants_equal_the_reference(self):
+        images = real_tiles(2, 64)
+        tmp = tempfile.mkdtemp(prefix="vit_")
+        try:
+            for i, (name, extra) in enumerate(self.VARIANTS.items()):
+                with self.subTest(variant=name):
+                    cfg = dict(self.BASE, **extra)
+                    w = random_timm_weights(cfg, i)
+                    weights = os.path.join(tmp, "w%d.safetensors" % i)
+                    write_safetensors(weights, w)
+                    expected = timm_reference(w, images, cfg)
+                    r, got = run_golden(tmp, "cpu", weights, images, cfg)
+                    self.assertEqual(r.returncode, 0, r.stderr)
+                    self.assertEqual(got.shape, expected.shape)
+                    self.assertLess(rel_err(got, expected), 1e-4, name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TestBadWeights(unittest.TestCase):
+    def test_missing_and_misshapen_tensors_are_named(self):
+        cfg = dict(TestTimmVariants.BASE, layer_scale=1)
+        images = real_tiles(1, 64)
+        tmp = tempfile.mkdtemp(prefix="vit_")
+        try:
+            w = random_timm_weights(cfg, 7)
+            del w["blocks.1.ls2.gamma"]
+            weights = os.path.join(tmp, "missing.safetensors")
+            write_safetensors(weights, w)
+            r, _ = run_golden(tmp, "cpu", weights, images, cfg)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("blocks.1.ls2.gamma", r.stderr)
+            w = random_timm_weights(cfg, 7)
+            w["blocks.0.attn.qkv.weight"] = w["blocks.0.attn.qkv.weight"][:, :-1].copy()
+            weights = os.path.join(tmp, "misshapen.safetensors")
+            write_safetensors(weights, w)
+            r, _ = run_golden(tmp, "cpu", weights, images, cfg)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("blocks.0.attn.qkv.weight", r.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TestSlideEmbed(unittest.TestCase):
+    """slide-embed --model vit: bags of a real slide's tiles equal the reference ViT's features."""
+
+    def test_bags_equal_the_reference(self):
+        import h5py
+        import lmdb
+        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        cfg = dict(TestTimmVariants.BASE, layer_scale=1, reg=2)
+        tmp = tempfile.mkdtemp(prefix="vit_embed_")
+        try:
+            store = os.path.join(tmp, "store")
+            slide = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
+            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "64", "--encoding", "raw",
+                                "--max-tiles-per-slide", "12", "-o", store, "-q"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            w = random_timm_weights(cfg, 21)
+            weights = os.path.join(tmp, "vit.safetensors")
+            write_safetensors(weights, w)
+            out = os.path.join(tmp, "bags")
+            r = subprocess.run([embed, store, "-o", out, "--weights", weights, "--model", "vit", "--heads", "4",
+                                "--pool", "token+mean", "--batch-size", "5"], capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            # The store's raw tiles, normalised with ImageNet's mean and std, through the reference.
+            env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+            tiles_db = env.open_db(b"tiles")
+            images, coords = [], []
+            with env.begin() as txn:
+                for _, v in txn.cursor(db=tiles_db):
+                    _, _, hdr, _, _, x, y, tw, th, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", v)
+                    self.assertEqual(enc, 0)
+                    a = np.frombuffer(v[hdr:hdr + n], np.uint8).reshape(th, tw, 3).astype(np.float32) / 255.0
+                    images.append(((a - MEAN) / STD).transpose(2, 0, 1))
+                    coords.append((x, y))
+            env.close()
+            expected = timm_reference(w, np.ascontiguousarray(np.stack(images).astype(np.float32)),
+                                      dict(cfg, pool="token_mean"))
+            with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+                got = f["features"][()]
+                self.assertEqual(f.attrs["model"], "vit")
+                self.assertEqual(f.attrs["layer"], "token+mean")
+                self.assertEqual(f.attrs["feature_dim"], 2 * cfg["width"])
+                np.testing.assert_array_equal(f["coords"][()], np.array(coords, np.int32))
+            self.assertEqual(got.shape, (len(images), 2 * cfg["width"]))
+            self.assertLess(rel_err(got, expected), 1e-4)
+            # The same bags through another backend (the op list's reference loops).
+            out_ref = os.path.join(tmp, "bags_ref")
+            r = subprocess.run([embed, store, "-o", out_ref, "--weights", weights, "--model", "vit", "--heads", "4",
+                                "--pool", "token+mean", "--backend", "reference"], capture_output=True, text=True,
+                               timeout=300)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with h5py.File(os.path.join(out_ref, "CMU-1-Small-Region.h5"), "r") as f:
+                self.assertLess(rel_err(f["features"][()], expected), 1e-4)
+            # A preset checks the architecture; --layer is a CNN's option.
+            r = subprocess.run([embed, store, "-o", os.path.join(tmp, "b2"), "--weights", weights, "--model", "uni"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("is a ViT of width 48, depth 2, patch 16, layer scale, GELU MLP, 2 register tokens; "
+                          "uni is width 1024, depth 24, patch 16", r.stderr)
+            r = subprocess.run([embed, store, "-o", os.path.join(tmp, "b3"), "--weights", weights, "--model", "vit",
+                                "--heads", "4", "--layer", "layer3"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            # A store of another tile size is refused, naming both sizes.
+            store2 = os.path.join(tmp, "store2")
+            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "32", "--max-tiles-per-slide", "2",
+                                "-o", store2, "-q"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            r = subprocess.run([embed, store2, "-o", os.path.join(tmp, "b4"), "--weights", weights, "--model", "vit",
+                                "--heads", "4"], capture_output=True, text=True)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("holds 32 px tiles, but the encoder takes 64 px", r.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:], verbosity=2)

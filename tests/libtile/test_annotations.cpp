@@ -1,0 +1,100 @@
+// GeoJSON parsing and tile coverage (libtile/src/annotations.cpp), on hand-written GeoJSON whose
+// areas are known exactly (axis-aligned rectangles, a rectangle with a hole, a right triangle).
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "slide/tile/annotations.h"
+
+using slide::core::StatusCode;
+using slide::tile::AnnotationIndex;
+using slide::tile::parse_geojson;
+
+namespace {
+// "tumor": [0,200]^2 with a hole [50,150]^2; "stroma": the triangle (200,0)-(400,0)-(200,200).
+const char* kTwoClasses = R"({"type":"FeatureCollection","features":[
+ {"type":"Feature","properties":{"classification":{"name":"tumor"}},
+  "geometry":{"type":"Polygon","coordinates":[[[0,0],[200,0],[200,200],[0,200],[0,0]],
+                                              [[50,50],[150,50],[150,150],[50,150],[50,50]]]}},
+ {"type":"Feature","properties":{"classification":"stroma"},
+  "geometry":{"type":"MultiPolygon","coordinates":[[[[200,0],[400,0],[200,200],[200,0]]]]}}]})";
+}  // namespace
+
+TEST_CASE("parse_geojson: FeatureCollection, holes, both classification spellings") {
+  auto a = parse_geojson(kTwoClasses, "two.geojson");
+  REQUIRE(a.ok());
+  CHECK(a->classes == std::vector<std::string>{"tumor", "stroma"});
+  REQUIRE(a->polygons.size() == 2);
+  CHECK(a->polygons[0].rings.size() == 2);
+  CHECK(a->polygons[1].class_name == "stroma");
+}
+
+TEST_CASE("parse_geojson: bad inputs name the file and the fault") {
+  struct Case { const char* text; const char* message; };
+  const Case cases[] = {
+      {"{not json", "not valid JSON"},
+      {R"({"type":"Feature","geometry":{"type":"Point","coordinates":[1,2]}})", "'Point' is not supported"},
+      {R"({"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1]]]}})",
+       "not closed"},
+      {R"({"type":"FeatureCollection","features":[]})", "no Polygon"},
+      {R"({"type":"Topology"})", "top level"},
+  };
+  for (const Case& c : cases) {
+    auto a = parse_geojson(c.text, "bad.geojson");
+    REQUIRE_FALSE(a.ok());
+    CHECK(a.status().code() == StatusCode::kInvalidArgument);
+    CHECK(a.status().message().find("bad.geojson") != std::string::npos);
+    CHECK_MESSAGE(a.status().message().find(c.message) != std::string::npos, a.status().message());
+  }
+}
+
+TEST_CASE("AnnotationIndex: coverage, labels, ties and validation") {
+  auto a = parse_geojson(kTwoClasses, "two.geojson");
+  REQUIRE(a.ok());
+  auto idx = AnnotationIndex::build(*a, 1000, 1000);
+  REQUIRE(idx.ok());
+  const AnnotationIndex& ix = **idx;
+  // Fully inside tumour's shell, outside the hole.
+  auto c = ix.cover(0, 0, 50, 0.5);
+  CHECK(c.roi_fraction == doctest::Approx(1.0));
+  CHECK(c.label == 0);
+  // Inside the hole: nothing.
+  c = ix.cover(60, 60, 50, 0.5);
+  CHECK(c.roi_fraction == 0);
+  CHECK(c.label == -1);
+  // [0,100]^2 minus the hole's [50,100]^2 quarter: 3/4 tumour.
+  c = ix.cover(0, 0, 100, 0.5);
+  CHECK(c.roi_fraction == doctest::Approx(0.75));
+  CHECK(c.label == 0);
+  // [200,300]^2 under the triangle x + y <= 400: a triangle of area 100*100/2 = half the tile.
+  c = ix.cover(200, 200 - 100, 100, 0.5);
+  CHECK(c.roi_fraction == doctest::Approx(0.5));
+  CHECK(c.label == 1);
+  CHECK(ix.cover(200, 100, 100, 0.51).label == -1);
+  // [150,250]x[0,100]: tumour covers [150,200]x[0,100] = 0.5; stroma covers the part of
+  // [200,250]x[0,100] under x + y <= 400: all of it, 0.5. Equal areas: tumour (listed first).
+  c = ix.cover(150, 0, 100, 0.4);
+  CHECK(c.roi_fraction == doctest::Approx(1.0));
+  CHECK(c.label == 0);
+  // Far away: the prepared geometry answers without an intersection.
+  CHECK(ix.cover(900, 900, 50, 0.5).roi_fraction == 0);
+}
+
+TEST_CASE("AnnotationIndex: self-intersection and coordinates outside the slide") {
+  auto bow = parse_geojson(
+      R"({"type":"Feature","properties":{"classification":{"name":"x"}},
+          "geometry":{"type":"Polygon","coordinates":[[[0,0],[100,100],[100,0],[0,100],[0,0]]]}})",
+      "bow.geojson");
+  REQUIRE(bow.ok());
+  auto r = AnnotationIndex::build(*bow, 1000, 1000);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == StatusCode::kInvalidArgument);
+  CHECK(r.status().message().find("bow.geojson") != std::string::npos);
+  CHECK(r.status().message().find("Self-intersection") != std::string::npos);
+
+  auto a = parse_geojson(kTwoClasses, "two.geojson");
+  REQUIRE(a.ok());
+  auto out = AnnotationIndex::build(*a, 300, 300);  // the triangle reaches x = 400
+  REQUIRE_FALSE(out.ok());
+  CHECK(out.status().message().find("outside the slide") != std::string::npos);
+}

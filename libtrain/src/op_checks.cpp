@@ -257,6 +257,19 @@ Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tens
   return d;
 }
 
+Status validate_transfer(const char* op, const Tensor& host, const Tensor& dev, Device device) {
+  if (!host.defined() || !dev.defined() || host.shape() != dev.shape() || host.dtype() != dev.dtype())
+    return invalid_argument(std::string(op) + ": host " + shape_string(host.shape()) + " " + dtype_name(host.dtype()) +
+                            " and device " + shape_string(dev.shape()) + " " + dtype_name(dev.dtype()) + " differ");
+  if (host.device() != Device::kCpu || dev.device() != device)
+    return invalid_argument(std::string(op) + ": the host tensor is on " + device_name(host.device()) +
+                            " and the backend's on " + device_name(dev.device()) + ", expected cpu and " +
+                            device_name(device));
+  if (host.layout() != Layout::kPlain || dev.layout() != Layout::kPlain)
+    return invalid_argument(std::string(op) + ": tensors must be plain (Backend::to_plain first)");
+  return ok_status();
+}
+
 // --- Vision Transformer ops ---
 Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                        const Tensor& y, DTypes dtypes) {

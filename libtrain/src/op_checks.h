@@ -82,6 +82,10 @@ struct MatmulDims {
 [[nodiscard]] Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
                                                  const Tensor& y, DTypes dtypes);
 
+// Backend::upload / download: `host` a plain tensor in host memory, `dev` a plain tensor on
+// `device`, same shape and dtype; `op` names the transfer in the message.
+[[nodiscard]] Status validate_transfer(const char* op, const Tensor& host, const Tensor& dev, Device device);
+
 // --- Vision Transformer ops ---
 // x and y [R,C] of one shape, gamma and beta [C], eps > 0: returns {R, C} as {N, I, I}.
 [[nodiscard]] Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,

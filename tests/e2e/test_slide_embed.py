@@ -23,6 +23,7 @@ import h5py
 import lmdb
 import numpy as np
 from PIL import Image
+from e2e_util import slide_file_stem, snapshot
 
 TILE = os.environ["SLIDE_TILE"]
 EMBED = os.environ["SLIDE_EMBED"]
@@ -86,27 +87,6 @@ def csv_rows(path):
     return list(csv.DictReader(io.StringIO(read_text(path))))
 
 
-def slide_file_stem(slide_id):
-    """slide::core::slide_file_stem (libcore/include/slide/core/file_name.h), for the expected names:
-    '/', '\\', control bytes -> '_', a leading '.' -> '_'; when changed or longer than 200 bytes,
-    cut (at a UTF-8 boundary) and "~" + 12 hex digits of the id's 64-bit FNV-1a hash appended."""
-    raw = slide_id.encode()
-    out = bytearray(b"_"[0] if c in (0x2F, 0x5C) or c < 0x20 or c == 0x7F else c for c in raw) or bytearray(b"_")
-    if out[0] == ord("."):
-        out[0] = ord("_")
-    if bytes(out) == raw and len(out) <= 200:
-        return out.decode()
-    if len(out) > 187:
-        cut = 187
-        while cut > 0 and (out[cut] & 0xC0) == 0x80:
-            cut -= 1
-        out = out[:cut]
-    h = 0xCBF29CE484222325
-    for c in raw:
-        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return out.decode() + "~%012x" % (h & 0xFFFFFFFFFFFF)
-
-
 def bag_name(slide_id):
     return slide_file_stem(slide_id) + ".h5"
 
@@ -114,22 +94,6 @@ def bag_name(slide_id):
 def listing(out):
     """The files of an output directory, without the writer's lock file."""
     return sorted(n for n in os.listdir(out) if n != "writer.lock")
-
-
-def snapshot(root):
-    """{relative path: (size, mtime_ns, sha256)} of every file under root (but writer.lock, which each
-    writer that takes the lock rewrites with its pid): to show that nothing changed."""
-    import hashlib
-    snap = {}
-    for d, _, files in os.walk(root):
-        for n in files:
-            if n == "writer.lock":
-                continue
-            p = os.path.join(d, n)
-            st = os.stat(p)
-            with open(p, "rb") as f:
-                snap[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
-    return snap
 
 
 def rel_err(got, want):

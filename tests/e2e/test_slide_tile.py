@@ -21,6 +21,7 @@ import lmdb
 import numpy as np
 import openslide
 from PIL import Image
+from e2e_util import slide_file_stem
 
 TILE = os.environ["SLIDE_TILE"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
@@ -182,27 +183,6 @@ def jpeg_pyramid(path, size=1024, tile=256, levels=3, corrupt=None):
         out += struct.pack("<I", 0)
     with open(path, "wb") as f:
         f.write(bytes(out))
-
-
-def slide_file_stem(slide_id):
-    """libcore's slide_file_stem (file_name.h), for the expected file names."""
-    raw = slide_id.encode("utf-8")
-    out = bytearray(b"".join(b"_" if (c in b"/\\" or c < 0x20 or c == 0x7f) else bytes([c]) for c in raw))
-    if not out:
-        out = bytearray(b"_")
-    if out[:1] == b".":
-        out[0:1] = b"_"
-    if bytes(out) == raw and len(out) <= 200:
-        return out.decode("utf-8")
-    if len(out) > 200 - 13:
-        cut = 200 - 13
-        while cut > 0 and (out[cut] & 0xC0) == 0x80:
-            cut -= 1
-        del out[cut:]
-    h = 0xcbf29ce484222325
-    for c in raw:
-        h = ((h ^ c) * 0x100000001b3) & 0xffffffffffffffff
-    return out.decode("utf-8") + "~%012x" % (h & 0xffffffffffff)
 
 
 def failed_lines(stderr):

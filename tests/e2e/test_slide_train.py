@@ -17,6 +17,7 @@ import unittest
 
 import numpy as np
 from safetensors_io import read_safetensors, write_safetensors
+from e2e_util import snapshot
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
@@ -329,22 +330,6 @@ class TestBadInput(Base):
         self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
         self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
 
-
-
-def snapshot(root):
-    """{relative path: (size, mtime_ns, sha256)} of every file under root (but writer.lock, which each
-    writer that takes the lock rewrites with its pid): to show that nothing changed."""
-    import hashlib
-    snap = {}
-    for d, _, files in os.walk(root):
-        for n in files:
-            if n == "writer.lock":
-                continue
-            p = os.path.join(d, n)
-            st = os.stat(p)
-            with open(p, "rb") as f:
-                snap[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
-    return snap
 
 
 class TestOutputSafety(Base):

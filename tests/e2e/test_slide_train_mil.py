@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 from safetensors_io import read_safetensors
 from PIL import Image
+from e2e_util import slide_file_stem, snapshot
 
 TRAIN = os.environ["SLIDE_TRAIN"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
@@ -92,39 +93,6 @@ def make_bags(out, copies=1):
                 write_bag(os.path.join(out, sid + ".h5"), sid, c, feats[b * BAG_TILES:(b + 1) * BAG_TILES], coords)
                 bags.append((sid, c))
     return bags
-
-
-def slide_file_stem(slide_id):
-    """slide::core::slide_file_stem (libcore/include/slide/core/file_name.h), for the expected names:
-    '/', '\\', control bytes -> '_', a leading '.' -> '_'; when changed or longer than 200 bytes,
-    cut (at a UTF-8 boundary) and "~" + 12 hex digits of the id's 64-bit FNV-1a hash appended."""
-    raw = slide_id.encode()
-    out = bytearray(b"_"[0] if c in (0x2F, 0x5C) or c < 0x20 or c == 0x7F else c for c in raw) or bytearray(b"_")
-    if out[0] == ord("."):
-        out[0] = ord("_")
-    if bytes(out) == raw and len(out) <= 200:
-        return out.decode()
-    if len(out) > 187:
-        cut = 187
-        while cut > 0 and (out[cut] & 0xC0) == 0x80:
-            cut -= 1
-        out = out[:cut]
-    h = 0xCBF29CE484222325
-    for c in raw:
-        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return out.decode() + "~%012x" % (h & 0xFFFFFFFFFFFF)
-
-
-def snapshot(root):
-    """{relative path: (size, mtime_ns)} of every file under root but writer.lock (rewritten by each
-    writer that takes the lock): to show that nothing changed."""
-    snap = {}
-    for d, _, files in os.walk(root):
-        for n in files:
-            if n != "writer.lock":
-                st = os.stat(os.path.join(d, n))
-                snap[os.path.relpath(os.path.join(d, n), root)] = (st.st_size, st.st_mtime_ns)
-    return snap
 
 
 def run_train(*args, **kw):

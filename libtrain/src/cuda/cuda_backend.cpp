@@ -196,7 +196,7 @@ class CudaBackend final : public Backend {
 
   // --- Host <-> device ---
   Status upload(const Tensor& host, Tensor& dst) override {
-    SLIDE_RETURN_IF_ERROR(check_transfer("upload", host, dst));
+    SLIDE_RETURN_IF_ERROR(detail::validate_transfer("upload", host, dst, Device::kCuda));
     if (host.bytes() == 0) return ok_status();
     SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host.raw(), host.bytes(), cudaMemcpyHostToDevice, st_->stream));
     // From pageable memory the call returns once the source is staged; pinned sources are not
@@ -205,7 +205,7 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
   Status download(const Tensor& src, Tensor& host) override {
-    SLIDE_RETURN_IF_ERROR(check_transfer("download", host, src));
+    SLIDE_RETURN_IF_ERROR(detail::validate_transfer("download", host, src, Device::kCuda));
     if (src.bytes() == 0) return ok_status();
     SLIDE_CUDA_CHECK(cudaMemcpyAsync(host.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToHost, st_->stream));
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
@@ -509,19 +509,6 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  Status check_transfer(const char* op, const Tensor& host, const Tensor& dev) const {
-    if (!host.defined() || !dev.defined() || host.shape() != dev.shape() || host.dtype() != dev.dtype())
-      return slide::core::invalid_argument(std::string(op) + ": host " + shape_string(host.shape()) + " and device " +
-                                           shape_string(dev.shape()) + " tensors differ in shape or dtype");
-    if (host.device() != Device::kCpu || dev.device() != Device::kCuda)
-      return slide::core::invalid_argument(std::string(op) + ": expected a cpu tensor and a cuda tensor, got " +
-                                           device_name(host.device()) + " and " + device_name(dev.device()));
-    if (host.layout() != Layout::kPlain)
-      return slide::core::invalid_argument(std::string(op) + ": the host tensor is in the " +
-                                           layout_name(host.layout()) + " layout (Backend::to_plain first)");
-    return ok_status();
-  }
-
   Status unary(const char* op, Unary f, const Tensor& x, Tensor& y) {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kDTypes));
     SLIDE_CUDA_CHECK(launch_unary(f, f32(x), f32(y), x.numel(), st_->stream));

@@ -305,6 +305,19 @@ class TestSlideEmbed(unittest.TestCase):
             r = subprocess.run([embed, store, "-o", os.path.join(tmp, "b3"), "--weights", weights, "--model", "vit",
                                 "--heads", "4", "--layer", "layer3"], capture_output=True, text=True)
             self.assertEqual(r.returncode, 2, r.stderr)
+            # A truncated or forged weight file is refused by its header, naming it; no bag is written.
+            for name, blob in (("short.safetensors", b"\x10\x00"),
+                               ("forged.safetensors", struct.pack("<Q", 1 << 40) + b"{}"),
+                               ("notjson.safetensors", struct.pack("<Q", 4) + b"{{{{")):
+                bad = os.path.join(tmp, name)
+                with open(bad, "wb") as f:
+                    f.write(blob)
+                bad_out = os.path.join(tmp, "bad_" + name)
+                r = subprocess.run([embed, store, "-o", bad_out, "--weights", bad, "--model", "vit", "--heads", "4"],
+                                   capture_output=True, text=True)
+                self.assertEqual(r.returncode, 1, r.stderr)
+                self.assertIn("DATA_LOSS: " + bad, r.stderr)
+                self.assertFalse(glob.glob(os.path.join(bad_out, "*.h5")))
             # A store of another tile size is refused, naming both sizes.
             store2 = os.path.join(tmp, "store2")
             r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "32", "--max-tiles-per-slide", "2",

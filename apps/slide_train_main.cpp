@@ -78,6 +78,14 @@ Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t 
   return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
 }
 
+// The backend named by --backend (and --device). A device backend that cannot start (a build
+// without CUDA, no driver, no device) is a usage error naming the reason, as is an unknown name.
+Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int device) {
+  auto be = make_backend(name, device);
+  if (!be.ok()) return slide::core::invalid_argument("--backend " + name + ": " + be.status().message());
+  return be;
+}
+
 struct Run {
   std::unique_ptr<Sequential> model;
   std::unique_ptr<Optimizer> opt;
@@ -91,8 +99,8 @@ using slide::apps::named;
 using slide::apps::record_best_epoch;
 using slide::apps::write_metrics;
 
-Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& state, int keep) {
-  return slide::apps::save_checkpoint(dir, run.params, run.buffers, *run.opt, state, keep);
+Status save_checkpoint(const std::string& dir, Run& run, Backend& be, const nlohmann::json& state, int keep) {
+  return slide::apps::save_checkpoint(dir, run.params, run.buffers, *run.opt, state, keep, &be);
 }
 
 // slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
@@ -100,7 +108,7 @@ Status save_checkpoint(const std::string& dir, Run& run, const nlohmann::json& s
 // folded into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a
 // model it does not support, the engine's forward in inference mode.
 int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& labels_csv,
-                 const std::string& out, int64_t batch, int threads, const std::string& backend, bool fused,
+                 const std::string& out, int64_t batch, int threads, const std::string& backend, int device, bool fused,
                  bool overwrite) {
   auto text = slide::core::read_file(checkpoint + "/state.json");
   if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
@@ -108,11 +116,11 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   if (state.is_discarded())
     return fail(slide::core::data_loss(checkpoint + "/state.json: not JSON (not a slide-train checkpoint record)"));
   if (auto s = slide::apps::validate_run_state(checkpoint + "/state.json", state); !s.ok()) return fail(s);
+  auto be = open_backend(backend, device);  // before the output directory is touched
+  if (!be.ok()) return fail(be.status());
   auto lock = slide::apps::claim_eval_dir(out, overwrite);
   if (!lock.ok()) return fail(lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
-  auto be = make_backend(backend);
-  if (!be.ok()) return fail(be.status());
   auto ds = TileDataset::open(data, labels_csv);
   if (!ds.ok()) return fail(ds.status());
   // The stores may list the classes in another order, or only some of them: labels are matched by name.
@@ -125,6 +133,7 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   std::vector<Buffer*> buffers;
   (*model)->collect("", &params, &buffers);
   if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
+  if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + backend));
   std::vector<size_t> all((*ds)->tiles().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
@@ -214,6 +223,7 @@ int run_main(int argc, char** argv) {
   std::string model_name = "small", out, optimizer = "sgd", schedule = "cosine", backend = "cpu", budget;
   int epochs = 10, keep = 3, threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int64_t batch = 32, accumulate = 1, width = 16;
+  int device = -1;  // --device: unset
   double lr = 0.1, momentum = 0.9, weight_decay = 1e-4, warmup_epochs = 0, smoothing = 0, val_fraction = 0.2;
   uint64_t seed = 0;
   bool nesterov = false, resume = false, no_augment = false, quiet = false, log_json = false;
@@ -243,6 +253,10 @@ int run_main(int argc, char** argv) {
   eval->add_flag("--no-fused", no_fused,
                  "Logits through the training engine's forward instead of the fused inference path "
                  "(batch norm folded, ReLU fused; the default on --backend cpu)");
+  // The backend of evaluate (also accepted before `evaluate`, as an option of slide-train).
+  eval->add_option("--backend", backend, "cpu (oneDNN) | cuda | reference | reference-sim");
+  eval->add_option("--device", device, "The GPU for --backend cuda (default: the launcher's local rank, else 0)")
+      ->check(CLI::NonNegativeNumber);
   slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
   slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
@@ -281,8 +295,17 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(number_option("val-fraction"));
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
-  app.add_option("--backend", backend, "cpu (oneDNN) | reference")->capture_default_str();
-  app.add_option("--memory-budget", budget, "Host memory budget for tensors, e.g. 8G (exceeding it is an error)");
+  app.add_option("--backend", backend,
+                 "cpu (oneDNN) | cuda (one GPU; built with CUDA) | reference | reference-sim (the reference "
+                 "backend on a simulated device: tests the device paths without a GPU)")
+      ->capture_default_str();
+  app.add_option("--device", device,
+                 "The GPU for --backend cuda (default: the launcher's node-local rank, from mpirun's or srun's "
+                 "environment, else 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--memory-budget", budget,
+                 "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
+                 "cuda); exceeding it is an error, recovered by smaller micro-batches");
   app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--resume", resume, "Continue from the newest checkpoint in --out");
   bool overwrite = false;
@@ -316,7 +339,8 @@ int run_main(int argc, char** argv) {
   double dist_timeout = 300;
   bool sync_bn = false;
   app.add_option("--dist", dist,
-                 "auto (mpi when launched by mpirun or srun with several ranks, else local) | local | mpi")
+                 "auto (mpi when launched by mpirun or srun with several ranks, else local) | local | mpi | nccl "
+                 "(GPU ranks, with --backend cuda; built with NCCL)")
       ->capture_default_str();
   app.add_option("--dist-timeout", dist_timeout,
                  "Seconds a collective between ranks may take before the job stops with an error")
@@ -339,7 +363,7 @@ int run_main(int argc, char** argv) {
   if (eval->parsed() && !mil_eval.features.empty())
     return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend, eval_overwrite);
   if (eval->parsed())
-    return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, !no_fused,
+    return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, device, !no_fused,
                         eval_overwrite);
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {
@@ -352,6 +376,20 @@ int run_main(int argc, char** argv) {
   g_comm = comm.get();
   const bool writer = comm->rank() == 0;  // only rank 0 writes checkpoints, metrics, plots and logs
   if (!writer) slide::core::set_log_level(slide::core::LogLevel::kWarn);
+  // The backend first: one that cannot start (no GPU, a build without CUDA) is refused before
+  // anything is written.
+  auto be = open_backend(backend, device);
+  if (!be.ok()) return fail(be.status());
+  // --device names one GPU for one process; ranks take their node-local GPU (as NCCL does).
+  if (device >= 0 && comm->world_size() > 1)
+    return fail(slide::core::invalid_argument("--device is for one process; with " +
+                                              std::to_string(comm->world_size()) +
+                                              " ranks each takes its node-local GPU (the launcher's local rank)"));
+  // Synchronised batch norm reduces its statistics on the host (dist/sync_batch_norm.cpp): not
+  // on a device yet. Refused before anything is written.
+  if ((*be)->device() != Device::kCpu && sync_bn && comm->world_size() > 1)
+    return fail(slide::core::invalid_argument("--sync-bn runs on host backends (cpu, reference) for now, not on --backend " +
+                                              backend));
   // One writer per --out, for the whole run: rank 0 (the only rank that writes it) takes the lock
   // and refuses an earlier run without --resume or --overwrite; its failure stops every rank.
   std::unique_ptr<slide::core::DirLock> out_lock;
@@ -370,10 +408,8 @@ int run_main(int argc, char** argv) {
   if (!budget.empty()) {
     auto b = parse_bytes(budget);
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    cpu_allocator().set_budget_bytes(*b);
+    (*be)->allocator().set_budget_bytes(*b);
   }
-  auto be = make_backend(backend);
-  if (!be.ok()) return fail(be.status());
   std::vector<std::string> all = data;
   all.insert(all.end(), val_data.begin(), val_data.end());
   auto ds = TileDataset::open(all, labels_csv);
@@ -393,13 +429,15 @@ int run_main(int argc, char** argv) {
   auto model = make_model(model_name, classes, width, seed, dropout);
   if (!model.ok()) return fail(model.status());
   run.model = std::move(*model);
+  // Built and initialised on the host, then moved to the backend's device once.
+  if (auto s = move_to_device(**be, *run.model); !s.ok()) return fail(s.with_context("model to " + backend));
   run.model->collect("", &run.params, &run.buffers);
   OptimizerConfig oc;
   oc.name = optimizer;
   oc.momentum = momentum;
   oc.nesterov = nesterov;
   oc.weight_decay = weight_decay;
-  auto opt = Optimizer::make(oc, run.params, cpu_allocator());
+  auto opt = Optimizer::make(oc, run.params, (*be)->allocator());
   if (!opt.ok()) return fail(opt.status());
   run.opt = std::move(*opt);
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
@@ -491,11 +529,12 @@ int run_main(int argc, char** argv) {
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
-    if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers)); !s.ok()) return fail(s);
+    if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers), be->get()); !s.ok())
+      return fail(s);
     std::vector<NamedTensor> opt_state;
     for (auto* b : run.opt->state()) opt_state.push_back({b->name, &b->value});
     if (!opt_state.empty())
-      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
+      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state, be->get()); !s.ok()) return fail(s);
     state = saved;
     state["epochs"] = epochs;
     state["config"] = config;
@@ -504,7 +543,7 @@ int run_main(int argc, char** argv) {
   }
 
   // Every rank starts from rank 0's parameters, buffers, optimizer state and run state.
-  if (auto s = slide::apps::broadcast_run(*comm, run.params, run.buffers, run.opt->state(), &state); !s.ok())
+  if (auto s = slide::apps::broadcast_run(*comm, run.params, run.buffers, run.opt->state(), &state, be->get()); !s.ok())
     return fail(s);
   run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
   if (sync_bn && comm->world_size() > 1) run.model->set_batch_norm_sync(comm.get());
@@ -548,7 +587,8 @@ int run_main(int argc, char** argv) {
     if (!st->completed) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
-      if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
+      if (auto s = writer ? save_checkpoint(ckpt_dir, run, **be, state, keep) : slide::core::ok_status(); !s.ok())
+        return fail(s);
       // Ranks leave together, after rank 0's checkpoint: a launcher that ends the job when the
       // first rank exits must not cut the write short.
       if (auto s = comm->barrier("barrier after the interrupt's checkpoint"); !s.ok()) return fail(s);
@@ -560,7 +600,7 @@ int run_main(int argc, char** argv) {
     EpochStats v;
     if (!val.empty()) {
       // Per-rank batch norm: every rank evaluates rank 0's running statistics (the checkpoint's).
-      if (auto s = slide::apps::broadcast_buffers(*comm, run.buffers); !s.ok()) return fail(s);
+      if (auto s = slide::apps::broadcast_buffers(*comm, run.buffers, be->get()); !s.ok()) return fail(s);
       auto ev = evaluate_data_parallel(**be, *run.model, **ds, val, (batch + accumulate - 1) / accumulate, &pool, *comm);
       if (!ev.ok()) return fail(ev.status().with_context("validation"));
       v = *ev;
@@ -575,19 +615,23 @@ int run_main(int argc, char** argv) {
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
     if (record_best_epoch(&state, v, best_metric, epoch + 1)) {
-      if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}})
+      if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}},
+                                             be->get())
                          : slide::core::ok_status();
           !s.ok())
         return fail(s);
     }
-    if (auto s = writer ? save_checkpoint(ckpt_dir, run, state, keep) : slide::core::ok_status(); !s.ok()) return fail(s);
+    if (auto s = writer ? save_checkpoint(ckpt_dir, run, **be, state, keep) : slide::core::ok_status(); !s.ok())
+      return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_accuracy", v.accuracy}, {"val_balanced_accuracy", v.balanced_accuracy},
                                     {"val_roc_auc", v.roc_auc},
                                     {"images_per_s", st->samples / st->seconds},
                                     {"all_reduce_s", st->all_reduce_seconds}});
   }
-  if (writer) std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  if (writer)
+    std::fprintf(stderr, "peak tensor memory: %zu bytes (%s)\n", (*be)->allocator().peak_bytes(),
+                 device_name((*be)->device()));
   return kExitOk;
 }
 

@@ -205,6 +205,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   }
   auto be = make_backend(o.backend);
   if (!be.ok()) return fail(be.status());
+  if ((*be)->device() != slide::train::Device::kCpu)
+    return fail(slide::core::invalid_argument("--backend " + (*be)->name() +
+                                              ": attention MIL runs on the host backends (cpu, reference) for now"));
   auto ds = BagDataset::open(o.features, o.labels_csv);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   std::vector<size_t> train, val;
@@ -396,6 +399,9 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto be = make_backend(backend);
   if (!be.ok()) return fail(be.status());
+  if ((*be)->device() != slide::train::Device::kCpu)
+    return fail(slide::core::invalid_argument("--backend " + (*be)->name() +
+                                              ": attention MIL runs on the host backends (cpu, reference) for now"));
   auto ds = BagDataset::open(o.features, labels_csv, classes);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   AbmilConfig mc;

@@ -247,7 +247,8 @@ std::vector<fs::path> list_checkpoints(const std::string& dir) {
 }
 
 Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& params,
-                       const std::vector<Buffer*>& buffers, Optimizer& opt, const nlohmann::json& state, int keep) {
+                       const std::vector<Buffer*>& buffers, Optimizer& opt, const nlohmann::json& state, int keep,
+                       Backend* device) {
   const std::string name = "epoch-" + std::to_string(state["epoch"].get<long>()) + "-step-" +
                            std::to_string(state["step_in_epoch"].get<long>());
   const std::string partial = dir + "/" + name + ".partial", final_dir = dir + "/" + name;
@@ -255,10 +256,11 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
   fs::remove_all(partial, ec);
   SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(partial));
   SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/model.safetensors", named(params, buffers),
-                                         {{"format", "pt"}}));
+                                         {{"format", "pt"}}, device));
   std::vector<NamedTensor> opt_state;
   for (auto* b : opt.state()) opt_state.push_back({b->name, &b->value});
-  if (!opt_state.empty()) SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state));
+  if (!opt_state.empty())
+    SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state, {}, device));
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(partial + "/state.json", state.dump(2)));
   fs::remove_all(final_dir, ec);
   fs::rename(partial, final_dir, ec);

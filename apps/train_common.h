@@ -103,11 +103,13 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and
 // state.json, in a .partial directory renamed into place; keeps the newest `keep`. Errors: those
-// of writing the files and of the rename.
+// of writing the files and of the rename. Tensors on a device are downloaded through `device`
+// (their backend; nullptr when all are host tensors).
 [[nodiscard]] slide::core::Status save_checkpoint(const std::string& dir,
                                                   const std::vector<slide::train::Parameter*>& params,
                                                   const std::vector<slide::train::Buffer*>& buffers,
-                                                  slide::train::Optimizer& opt, const nlohmann::json& state, int keep);
+                                                  slide::train::Optimizer& opt, const nlohmann::json& state, int keep,
+                                                  slide::train::Backend* device = nullptr);
 
 // curves.png: the learning curves, 640 x 360, epochs along x. Train loss (blue) and validation
 // loss (orange) scaled to the largest loss; validation accuracy (green) and balanced accuracy

@@ -68,7 +68,7 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   std::vector<double> times;
   for (int s = 0; s <= steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    (*opt)->zero_grad();
+    if (!(*opt)->zero_grad().ok()) return 1;
     auto logits = (*net)->forward(be, x, true);
     if (!logits.ok()) return std::fprintf(stderr, "%s\n", logits.status().to_string().c_str()), 1;
     Tensor probs = *Tensor::empty(logits->shape(), DType::kF32, cpu_allocator());

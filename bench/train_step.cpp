@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   std::vector<double> times;
   for (int s = 0; s <= steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    (*opt)->zero_grad();
+    if (!(*opt)->zero_grad().ok()) return 1;
     auto logits = (*net)->forward(**be, x, true);
     if (!logits.ok()) {
       std::fprintf(stderr, "%s\n", logits.status().to_string().c_str());

@@ -8,7 +8,14 @@
 
 namespace slide::train {
 
-const char* device_name(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+const char* device_name(Device d) {
+  switch (d) {
+    case Device::kCpu: return "cpu";
+    case Device::kCuda: return "cuda";
+    case Device::kSim: return "sim";
+  }
+  return "?";
+}
 
 Status Allocator::reserve(size_t bytes, const std::string& what) {
   const size_t budget = budget_bytes();
@@ -62,7 +69,7 @@ Result<void*> CpuAllocator::allocate(size_t bytes, const std::string& what) {
   }
   if (p == nullptr) {
     release(bytes);
-    return slide::core::resource_exhausted("cpu: out of memory allocating " + std::to_string(bytes) + " bytes for " +
+    return slide::core::resource_exhausted(std::string(device_name(device_)) + ": out of memory allocating " + std::to_string(bytes) + " bytes for " +
                                            what);
   }
   return p;
@@ -105,6 +112,11 @@ void CpuAllocator::set_cache_limit_bytes(size_t limit) {
 
 CpuAllocator& cpu_allocator() {
   static CpuAllocator a;
+  return a;
+}
+
+CpuAllocator& sim_device_allocator() {
+  static CpuAllocator a(Device::kSim);
   return a;
 }
 

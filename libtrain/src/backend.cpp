@@ -1,7 +1,9 @@
 // The one place that knows which backends this build has (ggml-backend's registry idea).
 #include "slide/train/backend.h"
 
-#include <cstring>
+#include <cstdlib>
+
+#include "slide/train/device_select.h"
 
 #include "cpu/onednn_backend.h"
 #include "op_checks.h"
@@ -15,30 +17,26 @@ namespace slide::train {
 namespace {
 
 #if defined(SLIDE_WITH_CUDA)
-constexpr const char* kBuilt = "reference, cpu, cuda";
+constexpr const char* kBuilt = "reference, reference-sim, cpu, cuda";
 #else
-constexpr const char* kBuilt = "reference, cpu";
+constexpr const char* kBuilt = "reference, reference-sim, cpu";
 #endif
 
 }  // namespace
 
-Status Backend::upload(const Tensor& host, Tensor& dst) {
-  SLIDE_RETURN_IF_ERROR(detail::validate_transfer("upload", host, dst, device()));
-  if (host.bytes() > 0 && host.raw() != dst.raw()) std::memcpy(dst.raw(), host.raw(), host.bytes());
-  return slide::core::ok_status();
-}
-
-Status Backend::download(const Tensor& src, Tensor& host) {
-  SLIDE_RETURN_IF_ERROR(detail::validate_transfer("download", host, src, device()));
-  if (src.bytes() > 0 && host.raw() != src.raw()) std::memcpy(host.raw(), src.raw(), src.bytes());
-  return slide::core::ok_status();
-}
-
-Result<std::unique_ptr<Backend>> make_backend(const std::string& name) {
+Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device) {
+  if (device >= 0 && name != "cuda")
+    return slide::core::invalid_argument("--device " + std::to_string(device) + " is for --backend cuda, not " + name);
   if (name == "reference") return make_reference_backend(cpu_allocator());
+  if (name == "reference-sim") return make_reference_backend(sim_device_allocator());
   if (name == "cpu") return make_onednn_backend(cpu_allocator());
 #if defined(SLIDE_WITH_CUDA)
-  if (name == "cuda") return cuda::make_cuda_backend(0);
+  if (name == "cuda") {
+    SLIDE_ASSIGN_OR_RETURN(const int count, cuda::usable_device_count());
+    SLIDE_ASSIGN_OR_RETURN(const int chosen,
+                           select_device(device, count, [](const char* var) { return std::getenv(var); }));
+    return cuda::make_cuda_backend(chosen);
+  }
 #endif
   return slide::core::not_found("backend '" + name + "' is not in this build (built: " + kBuilt + ")");
 }

@@ -40,13 +40,16 @@ int64_t first_non_finite(const Tensor& t) {
 }  // namespace
 
 Status save_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                        const std::map<std::string, std::string>& metadata) {
+                        const std::map<std::string, std::string>& metadata, Backend* device) {
   nlohmann::json header = nlohmann::json::object();
   std::set<std::string> names;
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (t == nullptr || !t->defined()) return slide::core::invalid_argument(path + ": tensor '" + name + "' is undefined");
     if (!names.insert(name).second) return slide::core::invalid_argument(path + ": duplicate tensor name '" + name + "'");
+    if (t->device() != Device::kCpu && (device == nullptr || device->device() != t->device()))
+      return slide::core::invalid_argument(path + ": tensor '" + name + "' is on " + device_name(t->device()) +
+                                           " and no backend of that device was given to download it");
     header[name] = {{"dtype", st_dtype(t->dtype())}, {"shape", t->shape()}, {"data_offsets", {offset, offset + t->bytes()}}};
     offset += t->bytes();
   }
@@ -59,13 +62,18 @@ Status save_safetensors(const std::string& path, const std::vector<NamedTensor>&
   std::memcpy(out.data() + 8, h.data(), h.size());
   uint8_t* data = out.data() + 8 + h.size();
   for (const auto& [name, t] : tensors) {
-    std::memcpy(data, t->raw(), t->bytes());
+    if (t->device() == Device::kCpu) {
+      std::memcpy(data, t->raw(), t->bytes());
+    } else {
+      SLIDE_ASSIGN_OR_RETURN(Tensor host, to_host(*device, *t, name + " (host copy)"));
+      std::memcpy(data, host.raw(), host.bytes());
+    }
     data += t->bytes();
   }
   return slide::core::write_file_atomic(path, out);
 }
 
-Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into) {
+Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into, Backend* device) {
   SLIDE_ASSIGN_OR_RETURN(std::string bytes, slide::core::read_file(path));
   if (bytes.size() < 8) return slide::core::data_loss(path + ": shorter than a safetensors header");
   uint64_t n = 0;
@@ -76,6 +84,9 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
   const size_t base = 8 + n;
   for (const auto& [name, t] : into) {
     if (!header.contains(name)) return slide::core::invalid_argument(path + ": no tensor '" + name + "'");
+    if (t->device() != Device::kCpu && (device == nullptr || device->device() != t->device()))
+      return slide::core::invalid_argument(path + ": tensor '" + name + "' is on " + device_name(t->device()) +
+                                           " and no backend of that device was given to upload it");
     const auto& e = header[name];
     if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
       return slide::core::data_loss(path + ": entry '" + name + "' is malformed");
@@ -100,13 +111,23 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
                                              shape_string(t->shape()));
       if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != t->bytes() || off[1] > bytes.size() - base)
         return slide::core::data_loss(path + ": tensor '" + name + "' has data offsets outside the file");
-      std::memcpy(t->raw(), bytes.data() + base + off[0], t->bytes());
-      if (const int64_t bad = first_non_finite(*t); bad >= 0) {
-        const double v = t->dtype() == DType::kF32 ? static_cast<double>(t->data<float>()[bad]) : t->data<double>()[bad];
-        std::memset(t->raw(), 0, t->bytes());  // never left holding the file's non-finite values
+      // A device tensor is read into a host copy, checked there, then uploaded: it never holds
+      // the file's values unless they are all finite.
+      Tensor host = *t;
+      if (t->device() != Device::kCpu) {
+        SLIDE_ASSIGN_OR_RETURN(host, Tensor::empty(t->shape(), t->dtype(), cpu_allocator(), name + " (host copy)"));
+      }
+      std::memcpy(host.raw(), bytes.data() + base + off[0], t->bytes());
+      if (const int64_t bad = first_non_finite(host); bad >= 0) {
+        const double v = host.dtype() == DType::kF32 ? static_cast<double>(host.data<float>()[bad]) : host.data<double>()[bad];
+        std::memset(host.raw(), 0, host.bytes());  // never left holding the file's non-finite values
         return slide::core::data_loss(path + ": tensor '" + name + "' holds " + (std::isnan(v) ? "NaN" : "inf") +
                                       " (element " + std::to_string(bad) + " of " + shape_string(shape) +
                                       "): refusing weights that are not finite");
+      }
+      if (t->device() != Device::kCpu) {
+        Tensor dst = *t;  // shares t's storage
+        SLIDE_RETURN_IF_ERROR(device->upload(host, dst));
       }
     } catch (const nlohmann::json::exception& ex) {
       return slide::core::data_loss(path + ": entry '" + name + "': " + ex.what());

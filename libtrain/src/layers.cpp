@@ -298,6 +298,21 @@ void Sequential::set_rng_seed(uint64_t seed) {
   for (auto& l : layers_) l->set_rng_seed(seed);
 }
 
+Status move_to_device(Backend& be, Layer& model) {
+  if (be.device() == Device::kCpu) return slide::core::ok_status();
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  model.collect("", &params, &buffers);
+  for (Parameter* p : params) {
+    SLIDE_ASSIGN_OR_RETURN(p->value, to_device(be, p->value, "parameter " + p->name));
+    SLIDE_ASSIGN_OR_RETURN(p->grad, to_device(be, p->grad, "gradient of " + p->name));
+  }
+  for (Buffer* b : buffers) {
+    SLIDE_ASSIGN_OR_RETURN(b->value, to_device(be, b->value, "buffer " + b->name));
+  }
+  return slide::core::ok_status();
+}
+
 void Sequential::set_batch_norm_sync(Communicator* comm) {
   for (auto& l : layers_) l->set_batch_norm_sync(comm);
 }
@@ -307,10 +322,17 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   if (!(p_ >= 0 && p_ < 1)) return invalid_argument("dropout probability " + std::to_string(p_) + " is not in [0, 1)");
   identity_ = !training || p_ == 0;
   if (identity_) return x;
-  SLIDE_ASSIGN_OR_RETURN(mask_, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout mask"));
   // The mask is drawn on the host, one generator per sample (row of dim 0) seeded by seed + row:
   // the trainer's seed is the micro-batch's first position in the epoch's order, so a sample's
   // mask depends on its position only, not on how the step is split into micro-batches or ranks.
+  // On a device backend it is uploaded (one copy of x's size per Dropout and step; the classifier
+  // head's dropout is [N, features], small beside the activations).
+  Tensor host_mask;
+  if (be.device() == Device::kCpu) {
+    SLIDE_ASSIGN_OR_RETURN(host_mask, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout mask"));
+  } else {
+    SLIDE_ASSIGN_OR_RETURN(host_mask, Tensor::empty(x.shape(), x.dtype(), cpu_allocator(), "dropout mask (host)"));
+  }
   std::bernoulli_distribution keep(1.0 - p_);
   const double scale = 1.0 / (1.0 - p_);
   const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;
@@ -318,10 +340,11 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
     std::mt19937_64 rng((seed_ + static_cast<uint64_t>(r)) * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
     for (int64_t i = r * per_row; i < (r + 1) * per_row; ++i) {
       const double m = keep(rng) ? scale : 0.0;
-      if (x.dtype() == DType::kF64) mask_.data<double>()[i] = m;
-      else mask_.data<float>()[i] = static_cast<float>(m);
+      if (x.dtype() == DType::kF64) host_mask.data<double>()[i] = m;
+      else host_mask.data<float>()[i] = static_cast<float>(m);
     }
   }
+  SLIDE_ASSIGN_OR_RETURN(mask_, to_device(be, host_mask, "dropout mask"));
   SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout output"));
   SLIDE_RETURN_IF_ERROR(be.mul(x, mask_, y));
   return y;

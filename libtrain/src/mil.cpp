@@ -382,7 +382,7 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
     const size_t end = std::min(order.size(), start + B);
     double weight_sum = 0;
     for (size_t i = start; i < end; ++i) weight_sum += weight_of(order[i]);
-    opt.zero_grad();
+    SLIDE_RETURN_IF_ERROR(opt.zero_grad());
     for (size_t i = start; i < end; ++i) {
       const BagRef& bag = data.bags()[order[i]];
       SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
@@ -397,7 +397,8 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
           be.softmax_cross_entropy_backward(sc.probs, sc.label, Tensor(), options.label_smoothing, dlogits));
       // This bag's share of the step's weighted mean loss (PyTorch's weighted CrossEntropyLoss).
       const double share = weight_sum > 0 ? weight_of(order[i]) / weight_sum : 0.0;
-      for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= static_cast<float>(share);
+      // On the backend (llm.c's dloss); the share rounded to f32 first, as the f32 loop it replaced.
+      SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(static_cast<float>(share)), dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
       model.release();
       tally.add(sc.probs, bag.label, sc.loss);

@@ -1,7 +1,5 @@
 #include "slide/train/oom_recovery.h"
 
-#include <cstring>
-
 #include "slide/core/log.h"
 
 namespace slide::train {
@@ -12,13 +10,16 @@ StepRecovery::StepRecovery(Layer& model, bool enabled) : model_(model), enabled_
 
 Status StepRecovery::begin_step() {
   if (!enabled_) return slide::core::ok_status();
+  // Copies on the buffers' own device (running statistics: a few KiB per batch norm), refreshed in
+  // place after the first step.
   saved_.resize(buffers_.size());
   for (size_t i = 0; i < buffers_.size(); ++i) {
     const Tensor& t = buffers_[i]->value;
-    if (t.device() != Device::kCpu)
-      return slide::core::unimplemented("out-of-memory recovery: buffer " + buffers_[i]->name + " is not in host memory");
-    const auto* p = static_cast<const unsigned char*>(t.raw());
-    saved_[i].assign(p, p + t.bytes());
+    if (!saved_[i].defined() || saved_[i].shape() != t.shape() || saved_[i].device() != t.device()) {
+      SLIDE_ASSIGN_OR_RETURN(saved_[i], t.clone(buffers_[i]->name + " (saved for out-of-memory recovery)"));
+    } else {
+      SLIDE_RETURN_IF_ERROR(saved_[i].copy_from(t));
+    }
   }
   return slide::core::ok_status();
 }
@@ -30,10 +31,10 @@ Status StepRecovery::recover(const Status& error, int64_t* micro_count, int64_t 
                               " micro-batches): no smaller split is left");
   model_.release();
   for (size_t i = 0; i < buffers_.size() && i < saved_.size(); ++i)
-    std::memcpy(buffers_[i]->value.raw(), saved_[i].data(), saved_[i].size());
+    SLIDE_RETURN_IF_ERROR(buffers_[i]->value.copy_from(saved_[i]));
   // Freed blocks cached by the allocator do not count against the budget, but they do against the
   // machine's memory: give them back before the finer split allocates its (smaller) blocks.
-  if (auto* cpu = dynamic_cast<CpuAllocator*>(&alloc); cpu != nullptr) cpu->trim_cache();
+  alloc.trim_cache();
   if (reruns_++ == 0) count_before_ = *micro_count, first_error_ = error.to_string();
   *micro_count = std::min<int64_t>(2 * *micro_count, step_samples);
   return slide::core::ok_status();

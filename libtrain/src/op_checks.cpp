@@ -219,10 +219,10 @@ Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, 
   if (labels.device() != dtypes.device)
     return invalid_argument(std::string(op) + ": labels are on " + device_name(labels.device()) + ", expected " +
                             device_name(dtypes.device));
-  // Host labels are range-checked here; a device backend checks them in its kernel (one flag read
-  // back per call) and returns the same error.
-  if (labels.device() != Device::kCpu) return d;
-  const int32_t* yp = labels.data<int32_t>();
+  // Labels in host memory (cpu, and the simulated device's) are range-checked here; a GPU backend
+  // checks them in its kernel (one flag read back per call) and returns the same error.
+  if (labels.device() == Device::kCuda) return d;
+  const int32_t* yp = labels.ptr<int32_t>();
   for (int64_t n = 0; n < d.N; ++n)
     if (yp[n] < 0 || yp[n] >= d.I)
       return invalid_argument(std::string(op) + ": label " + std::to_string(yp[n]) + " of sample " + std::to_string(n) +
@@ -255,19 +255,6 @@ Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tens
     return invalid_argument(std::string(op) + ": y shares storage with an operand");
   SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"a", &a}, {"b", &b}, {"y", &y}}, dtypes));
   return d;
-}
-
-Status validate_transfer(const char* op, const Tensor& host, const Tensor& dev, Device device) {
-  if (!host.defined() || !dev.defined() || host.shape() != dev.shape() || host.dtype() != dev.dtype())
-    return invalid_argument(std::string(op) + ": host " + shape_string(host.shape()) + " " + dtype_name(host.dtype()) +
-                            " and device " + shape_string(dev.shape()) + " " + dtype_name(dev.dtype()) + " differ");
-  if (host.device() != Device::kCpu || dev.device() != device)
-    return invalid_argument(std::string(op) + ": the host tensor is on " + device_name(host.device()) +
-                            " and the backend's on " + device_name(dev.device()) + ", expected cpu and " +
-                            device_name(device));
-  if (host.layout() != Layout::kPlain || dev.layout() != Layout::kPlain)
-    return invalid_argument(std::string(op) + ": tensors must be plain (Backend::to_plain first)");
-  return ok_status();
 }
 
 // --- Vision Transformer ops ---

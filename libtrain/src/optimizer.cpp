@@ -38,40 +38,24 @@ Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config
   return opt;
 }
 
-namespace {
-
-// The sum of squared gradient elements of host tensors (f32 or f64; element order does not
-// matter, so blocked layouts need no reorder), in double.
-double grad_sum_of_squares(const Tensor& g) {
-  if (!g.defined() || g.device() != Device::kCpu) return 0;
-  double sq = 0;
-  if (g.dtype() == DType::kF32) {
-    const float* p = g.data<float>();
-    for (int64_t i = 0; i < g.numel(); ++i) sq += static_cast<double>(p[i]) * p[i];
-  } else if (g.dtype() == DType::kF64) {
-    const double* p = g.data<double>();
-    for (int64_t i = 0; i < g.numel(); ++i) sq += p[i] * p[i];
-  }
-  return sq;
-}
-
-}  // namespace
-
 Status Optimizer::step(Backend& be, double lr) {
   // Nothing non-finite is applied: a NaN or inf learning rate or gradient (after the all-reduce,
   // so every rank sees the same) stops training before any parameter changes.
   if (!std::isfinite(lr) || lr < 0)
     return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) + ": learning rate " +
                                      std::to_string(lr) + " is not a finite number >= 0; nothing was updated");
+  // The sum of squared gradient elements (Backend::sum_of_squares: on the gradients' device, one
+  // number per parameter back to the host), the first non-finite one named.
+  std::string where;
   double sq = 0;
-  for (const Parameter* p : params_) sq += grad_sum_of_squares(p->grad);
+  for (const Parameter* p : params_) {
+    if (!p->grad.defined()) continue;
+    double one = 0;
+    SLIDE_RETURN_IF_ERROR(be.sum_of_squares(p->grad, &one).with_context("gradient check of " + p->name));
+    if (!std::isfinite(one) && where.empty()) where = p->name;
+    sq += one;
+  }
   if (!std::isfinite(sq)) {
-    std::string where;
-    for (const Parameter* p : params_)
-      if (!std::isfinite(grad_sum_of_squares(p->grad))) {
-        where = p->name;
-        break;
-      }
     return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) +
                                      ": the gradient is not finite (NaN or inf" +
                                      (where.empty() ? std::string() : ", first in " + where + "'s gradient") +
@@ -96,8 +80,9 @@ Status Optimizer::step(Backend& be, double lr) {
   return slide::core::ok_status();
 }
 
-void Optimizer::zero_grad() {
-  for (Parameter* p : params_) p->grad.fill_zero();
+Status Optimizer::zero_grad() {
+  for (Parameter* p : params_) SLIDE_RETURN_IF_ERROR(p->grad.set_zero());
+  return slide::core::ok_status();
 }
 
 std::vector<Buffer*> Optimizer::state() {

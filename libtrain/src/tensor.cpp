@@ -1,6 +1,8 @@
 #include "slide/train/tensor.h"
 
 #include <cassert>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -33,6 +35,13 @@ const char* layout_name(Layout l) {
     case Layout::kNChw16c: return "nChw16c";
   }
   return "?";
+}
+
+void Tensor::host_access_failure() const {
+  std::fprintf(stderr, "slidestream: internal error: host code read the elements of a %s tensor %s on %s "
+               "(Tensor::data is for host tensors; download it through Backend::download)\n",
+               dtype_name(dtype_), shape_string(shape_).c_str(), device_name(device_));
+  std::abort();
 }
 
 std::string shape_string(const Shape& s) {
@@ -126,6 +135,22 @@ Result<Tensor> Tensor::reshape(const Shape& shape) const {
   Tensor t = *this;
   t.shape_ = shape;
   return t;
+}
+
+Status Tensor::copy_from(const Tensor& src) {
+  if (src.shape_ != shape_ || src.dtype_ != dtype_ || src.layout_ != layout_ || src.device_ != device_)
+    return slide::core::invalid_argument("copy of a " + std::string(dtype_name(src.dtype_)) + " " +
+                                         shape_string(src.shape_) + " " + layout_name(src.layout_) + " tensor on " +
+                                         device_name(src.device_) + " into a " + dtype_name(dtype_) + " " +
+                                         shape_string(shape_) + " " + layout_name(layout_) + " one on " +
+                                         device_name(device_));
+  if (storage_ == nullptr || bytes() == 0 || raw() == src.raw()) return slide::core::ok_status();
+  return storage_->alloc->copy_bytes(raw(), src.raw(), bytes());
+}
+
+Status Tensor::set_zero() {
+  if (storage_ == nullptr || bytes() == 0) return slide::core::ok_status();
+  return storage_->alloc->zero_bytes(raw(), bytes());
 }
 
 void Tensor::fill_zero() {

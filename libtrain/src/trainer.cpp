@@ -16,7 +16,7 @@ namespace slide::train {
 
 namespace {
 
-// Adds a batch's predictions to correct / per-class counts.
+// Adds a batch's predictions to correct / per-class counts (host tensors: probs[N,C] f32, labels[N]).
 void tally(const Tensor& probs, const Tensor& labels, std::vector<int64_t>* seen, std::vector<int64_t>* right,
            int64_t* correct) {
   const int64_t n = probs.dim(0), c = probs.dim(1);
@@ -29,20 +29,39 @@ void tally(const Tensor& probs, const Tensor& labels, std::vector<int64_t>* seen
   }
 }
 
-// A batch through the model and the loss: its labels, the softmax probabilities and the mean loss.
+// A batch through the model and the loss: its labels, the softmax probabilities (on the backend's
+// device; host_probs a host copy, made by with_host_probs) and the mean loss.
 struct Scored {
-  Tensor labels, probs;
+  Tensor labels, host_labels, probs, host_probs;
   double loss = 0;
 };
 
+// Downloads sc's probabilities for the host's tallies (a no-op on a host backend).
+Status with_host_probs(Backend& be, Scored* sc) {
+  SLIDE_ASSIGN_OR_RETURN(sc->host_probs, to_host(be, sc->probs, "probabilities (host)"));
+  return slide::core::ok_status();
+}
+
+// images and labels on the backend's device; host_labels the labels in host memory (the same
+// tensor on a host backend), for the tallies.
 struct Batch {
-  Tensor images, labels;
+  Tensor images, labels, host_labels;
 };
 
+// Decodes a batch on the host (on `pool`) and, on a device backend, uploads it: one copy per
+// micro-batch, made on the prefetch thread while the previous micro-batch computes.
 Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
                    uint64_t seed, slide::core::ThreadPool* pool) {
   Batch b;
-  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
+  if (be.device() == Device::kCpu) {
+    SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
+    b.host_labels = b.labels;
+    return b;
+  }
+  Tensor host_images;
+  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, cpu_allocator(), &host_images, &b.host_labels));
+  SLIDE_ASSIGN_OR_RETURN(b.images, to_device(be, host_images, "images"));
+  SLIDE_ASSIGN_OR_RETURN(b.labels, to_device(be, b.host_labels, "labels"));
   return b;
 }
 
@@ -51,6 +70,7 @@ Result<Scored> score_logits(Backend& be, const Tensor& logits, const Batch& batc
                             const Tensor& class_weights = Tensor()) {
   Scored out;
   out.labels = batch.labels;
+  out.host_labels = batch.host_labels;
   SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "probabilities"));
   SLIDE_RETURN_IF_ERROR(
       be.softmax_cross_entropy_forward(logits, out.labels, class_weights, label_smoothing, out.probs, &out.loss));
@@ -91,6 +111,8 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     return slide::core::invalid_argument("batch size " + std::to_string(options.batch_size) + " with " +
                                          std::to_string(options.accumulate) + " micro-batches");
   const auto t0 = std::chrono::steady_clock::now();
+  // The class weights (host, from the caller) on the backend's device, once per epoch.
+  SLIDE_ASSIGN_OR_RETURN(const Tensor class_weights, to_device(be, options.class_weights, "class weights"));
   std::vector<size_t> order = positions;
   std::mt19937_64 rng(epoch_seed);
   std::shuffle(order.begin(), order.end(), rng);
@@ -114,7 +136,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     std::vector<Parameter*> params;
     std::vector<Buffer*> buffers;
     model.collect("", &params, &buffers);
-    SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator()));
+    SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator(), kDefaultBucketBytes, &be));
   }
   bool stop_all = false;  // data-parallel: some rank asked to stop (all-reduced with the gradients)
   int64_t step_index = 0;
@@ -165,7 +187,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
         st.completed = false;
         break;  // the future in flight is joined when it goes out of scope
       }
-      opt.zero_grad();
+      SLIDE_RETURN_IF_ERROR(opt.zero_grad());
       step_first = i;
       tally_at_step = {loss_sum, correct, seen, right};
       SLIDE_RETURN_IF_ERROR(recovery.begin_step());
@@ -177,21 +199,24 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       // Dropout's masks: sample j of this micro-batch gets seed + j, a function of its position in
       // the epoch's order only (the same masks however the step is split).
       model.set_rng_seed(epoch_seed * 1000003 + mb.a);
-      SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, options.class_weights));
+      SLIDE_ASSIGN_OR_RETURN(Scored sc, score(be, model, batch, true, options.label_smoothing, class_weights));
       if (!std::isfinite(sc.loss))  // diverged (or NaN weights): stop before it reaches the parameters
         return slide::core::out_of_range(
             "step " + std::to_string(mb.start / static_cast<size_t>(options.batch_size)) + " of the epoch (optimizer step " +
             std::to_string(opt.steps() + 1) + "): the loss is " + std::to_string(sc.loss) +
             "; nothing was updated (lower --lr, or check the data and weights)");
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
-      SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, options.class_weights,
+      SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, class_weights,
                                                               options.label_smoothing, dlogits));
-      // The micro-batch's mean-loss gradient, weighted by its share of the (global) step's samples.
+      // The micro-batch's mean-loss gradient, weighted by its share of the (global) step's samples
+      // (llm.c's dloss), on the device. The share is rounded to f32 first: a product of two f32
+      // values rounded once is the f32 product, so this equals the f32 loop it replaced bit for bit.
       const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
-      for (int64_t j = 0; j < dlogits.numel(); ++j) dlogits.data<float>()[j] *= share;
+      SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(share), dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
       loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
-      tally(sc.probs, sc.labels, &seen, &right, &correct);
+      SLIDE_RETURN_IF_ERROR(with_host_probs(be, &sc));
+      tally(sc.host_probs, sc.host_labels, &seen, &right, &correct);
     }
     return slide::core::ok_status();
     }();
@@ -205,7 +230,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       }
       if (next.valid()) (void)next.get();  // the prefetched micro-batch belongs to the old split
       SLIDE_RETURN_IF_ERROR(recovery.recover(micro_status, &micro_count, step_rank_n, be.allocator()));
-      opt.zero_grad();
+      SLIDE_RETURN_IF_ERROR(opt.zero_grad());
       std::tie(loss_sum, correct, seen, right) =
           std::tie(tally_at_step.loss_sum, tally_at_step.correct, tally_at_step.seen, tally_at_step.right);
       // Re-split this step and every later one into micro_count micro-batches.
@@ -329,22 +354,25 @@ Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDatas
         return slide::core::invalid_argument("evaluate: logits of shape " + shape_string(z.shape()) + " for " +
                                              std::to_string(batch->labels.dim(0)) + " images and " +
                                              std::to_string(classes) + " classes");
-      return score_logits(be, z, *batch, 0.0);
+      SLIDE_ASSIGN_OR_RETURN(Scored sc, score_logits(be, z, *batch, 0.0));
+      SLIDE_RETURN_IF_ERROR(with_host_probs(be, &sc));
+      return sc;
     }();
     if (!scored.ok() && scored.status().code() == slide::core::StatusCode::kResourceExhausted && batch_size > 1) {
       // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
       batch_size = (batch_size + 1) / 2;
       slide::core::log_warn("out of memory in evaluation: batch halved", {{"batch_size", batch_size}});
-      if (auto* cpu = dynamic_cast<CpuAllocator*>(&be.allocator()); cpu != nullptr) cpu->trim_cache();
+      be.allocator().trim_cache();
       end = start;
       continue;
     }
     if (!scored.ok()) return scored.status();
     const Scored& sc = *scored;
     loss_sum += sc.loss * static_cast<double>(end - start);
-    tally(sc.probs, sc.labels, &seen, &right, &correct);
-    all_probs.insert(all_probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + sc.probs.numel());
-    all_labels.insert(all_labels.end(), sc.labels.data<int32_t>(), sc.labels.data<int32_t>() + sc.labels.numel());
+    tally(sc.host_probs, sc.host_labels, &seen, &right, &correct);
+    all_probs.insert(all_probs.end(), sc.host_probs.data<float>(), sc.host_probs.data<float>() + sc.host_probs.numel());
+    all_labels.insert(all_labels.end(), sc.host_labels.data<int32_t>(),
+                      sc.host_labels.data<int32_t>() + sc.host_labels.numel());
     st.samples += static_cast<int64_t>(end - start);
     ++st.steps;
   }

@@ -16,7 +16,7 @@ using slide::core::ok_status;
 // device (Allocator::copy_bytes).
 Status copy_f32(Backend& be, const Tensor& src, int64_t src_at, Tensor& dst, int64_t dst_at, int64_t count) {
   if (count == 0) return ok_status();
-  return be.allocator().copy_bytes(dst.data<float>() + dst_at, src.data<float>() + src_at,
+  return be.allocator().copy_bytes(dst.ptr<float>() + dst_at, src.ptr<float>() + src_at,
                                    static_cast<size_t>(count) * sizeof(float));
 }
 

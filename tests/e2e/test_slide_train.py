@@ -218,6 +218,70 @@ class TestResume(Base):
         self.assertFalse(np.array_equal(a["fc.weight"], c["fc.weight"]))
 
 
+class TestDevice(Base):
+    """The device paths of slide-train without a GPU: --backend reference-sim keeps every tensor on
+    the simulated device, which host code may not read (the process would abort), so model, batches,
+    optimizer state, checkpoints and evaluation go through upload and download. Bit for bit the
+    host run's; checkpoints move between the device and the host both ways."""
+
+    def run3(self, out, backend, epochs, *extra):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "2", "--seed", "3", "--backend", backend, "--schedule", "constant",
+                "--dropout", "0.2", "--class-weights", "balanced", "--accumulate", "2"] + list(extra)
+        return subprocess.run(args, capture_output=True, text=True)
+
+    def weights(self, out, epoch, name="model"):
+        return read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % epoch, name + ".safetensors"))
+
+    def assert_same(self, a, b, what):
+        self.assertEqual(sorted(a), sorted(b))
+        for k in a:
+            self.assertTrue(np.array_equal(a[k], b[k]), "%s: %s differs" % (what, k))
+
+    def test_device_run_equals_host_run_and_checkpoints_cross_devices(self):
+        host, sim = os.path.join(self.tmp, "dev_host"), os.path.join(self.tmp, "dev_sim")
+        r = self.run3(host, "reference", 3)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.run3(sim, "reference-sim", 3)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("(sim)", r.stderr)  # the peak reported is the device's
+        for name in ("model", "optimizer"):
+            self.assert_same(self.weights(host, 3, name), self.weights(sim, 3, name), name)
+        self.assert_same(read_safetensors(os.path.join(host, "best.safetensors")),
+                         read_safetensors(os.path.join(sim, "best.safetensors")), "best")
+        with open(os.path.join(host, "metrics.jsonl")) as f, open(os.path.join(sim, "metrics.jsonl")) as g:
+            drop = ("seconds", "images_per_s")
+            self.assertEqual([{k: v for k, v in json.loads(l).items() if k not in drop} for l in f],
+                             [{k: v for k, v in json.loads(l).items() if k not in drop} for l in g])
+        # A device checkpoint resumes on the host, and a host one on the device: the same weights.
+        for first, then, tag in (("reference-sim", "reference", "sim_to_host"), ("reference", "reference-sim", "host_to_sim")):
+            out = os.path.join(self.tmp, "dev_" + tag)
+            r = self.run3(out, first, 2)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            r = self.run3(out, then, 3, "--resume")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assert_same(self.weights(host, 3), self.weights(out, 3), tag)
+        # evaluate on the device: the host engine's predictions exactly.
+        ck = os.path.join(sim, "checkpoints", "epoch-3-step-0")
+        outs = {}
+        for backend in ("reference", "reference-sim"):
+            ev = os.path.join(self.tmp, "dev_eval_" + backend)
+            r = subprocess.run([TRAIN, "evaluate", "--checkpoint", ck, "--data", self.store, "--out", ev,
+                                "--backend", backend, "--no-fused"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(ev, "predictions.csv")) as f:
+                outs[backend] = f.read()
+        self.assertEqual(outs["reference"], outs["reference-sim"])
+        self.assertEqual(len(outs["reference"].splitlines()), 361)
+
+    def test_cuda_without_a_gpu_is_a_usage_error_that_writes_nothing(self):
+        out = os.path.join(self.tmp, "dev_cuda")
+        r = self.train(out, "--backend", "cuda")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("cuda", r.stderr)
+        self.assertFalse(os.path.exists(out))
+
+
 class TestEvaluateRemap(Base):
     def test_stores_with_a_subset_of_the_classes_in_another_order(self):
         out = os.path.join(self.tmp, "run")

@@ -160,6 +160,25 @@ class TestEquivalence(Base):
         # 2 ranks x 2 micro-batches of a step of 8 = 4 micro-batches of 2 on one rank.
         self.check(2, 8, ["--accumulate", "4"], ["--accumulate", "2"])
 
+    def test_two_ranks_on_the_simulated_device(self):
+        # Device gradients with an MPI communicator: the flat buffer is staged through host memory;
+        # parameters and optimizer state are broadcast through host copies. Two ranks on the
+        # simulated device equal one rank on it with two micro-batches.
+        self.check(2, 5, ["--accumulate", "2", "--backend", "reference-sim"], ["--backend", "reference-sim"])
+        # ... and the host reference backend's run (the device paths change no number).
+        host = os.path.join(self.tmp, "host_2_5")
+        r = self.train(0, host, 5, 2, "--accumulate", "2", "--backend", "reference")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a, b = params(host, 2), params(os.path.join(self.tmp, "one_2_5_--accumulate_2_--backend_reference-sim"), 2)
+        for k in a:
+            self.assertTrue(np.array_equal(a[k], b[k]), k)
+        # --sync-bn reduces statistics on the host: refused on a device, before anything is written.
+        out = os.path.join(self.tmp, "sim_sync_bn")
+        r = self.train(2, out, 6, 1, "--backend", "reference-sim", "--sync-bn")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--sync-bn", r.stderr)
+        self.assertFalse(os.path.exists(out))
+
     def test_sync_bn_two_ranks_equal_one_rank_with_the_whole_batch(self):
         self.check(2, 6, [], ["--sync-bn"], same_validation=True)
         self.assert_close(read_safetensors(os.path.join(self.tmp, "one_2_6_", "best.safetensors")),

@@ -10,7 +10,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include "../libtrain/test_util.h"
@@ -318,6 +320,29 @@ TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward
   OK(gpu().permute(Q, {2, 0, 3, 1, 4}, PT));
   down(PT, p.f);
   compare("permute", p, 1e-7);
+}
+
+TEST_CASE("cuda vs reference: sum of squares (the optimizer's gradient check), NaN and inf propagate") {
+  // 1 element; one block; more than kSumOfSquaresBlocks x 256 elements (each thread loops).
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{300001}}) {
+    CAPTURE(n);
+    Pair x = make({n}, 41, -3, 3);
+    double want = 0, got = 0;
+    OK(ref().sum_of_squares(x.f, &want));  // the f32 values, summed in double
+    OK(gpu().sum_of_squares(up(x.f), &got));
+    CHECK(std::abs(got - want) <= 1e-12 * want);  // double sums of the same terms, another order
+    double again = 0;
+    OK(gpu().sum_of_squares(up(x.f), &again));
+    CHECK(again == got);  // a fixed reduction tree: the same bits every run
+  }
+  Pair bad = make({5000}, 42);
+  bad.f.data<float>()[4321] = std::numeric_limits<float>::quiet_NaN();
+  double got = 0;
+  OK(gpu().sum_of_squares(up(bad.f), &got));
+  CHECK(std::isnan(got));
+  bad.f.data<float>()[4321] = std::numeric_limits<float>::infinity();
+  OK(gpu().sum_of_squares(up(bad.f), &got));
+  CHECK(std::isinf(got));
 }
 
 TEST_CASE("cuda: tensors on the host are refused; budgets and zeros work on the device") {

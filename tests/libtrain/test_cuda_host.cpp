@@ -104,17 +104,17 @@ TEST_CASE("Every backend refuses tensors on another device, naming it; zeros and
   auto x = Tensor::zeros({2, 3}, DType::kF32, pretend, "x");
   REQUIRE(x.ok());
   CHECK(x->device() == Device::kCuda);
-  CHECK(x->data<float>()[5] == 0.0f);  // zeroed by the allocator's zero_bytes
+  CHECK(x->ptr<float>()[5] == 0.0f);  // zeroed by the allocator's zero_bytes
   auto y = Tensor::zeros({2, 3}, DType::kF32, cpu_allocator(), "y");
   REQUIRE(y.ok());
   Status s = (*be)->relu_forward(*x, *y);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK(s.message().find("relu_forward: first operand is on cuda, this backend's tensors are on cpu") != std::string::npos);
-  x->data<float>()[4] = 7.0f;
+  x->ptr<float>()[4] = 7.0f;
   auto c = x->clone();
   REQUIRE(c.ok());
   CHECK(c->device() == Device::kCuda);
-  CHECK(c->data<float>()[4] == 7.0f);
+  CHECK(c->ptr<float>()[4] == 7.0f);
 }
 
 TEST_CASE("Backend::upload / download: host backends copy bytes and refuse mismatches") {

@@ -237,5 +237,12 @@ TEST_CASE("make_backend: unknown names list what is built") {
   auto b = make_backend("tpu");
   REQUIRE_FALSE(b.ok());
   CHECK(b.status().code() == StatusCode::kNotFound);
-  CHECK(b.status().message().find("built: reference, cpu") != std::string::npos);
+  CHECK(b.status().message().find("built: reference, reference-sim, cpu") != std::string::npos);
+  // --device is for cuda only; cuda itself, without a device here, is unavailable (or not built).
+  auto d = make_backend("cpu", 0);
+  CHECK(d.status().code() == StatusCode::kInvalidArgument);
+  CHECK(d.status().message().find("--device 0 is for --backend cuda, not cpu") != std::string::npos);
+  auto c = make_backend("cuda");
+  if (!c.ok())
+    CHECK((c.status().code() == StatusCode::kUnavailable || c.status().code() == StatusCode::kNotFound));
 }

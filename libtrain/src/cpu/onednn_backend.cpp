@@ -417,6 +417,10 @@ class OneDnnBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(plain_f32("gelu_backward", {&x, &dy, &dx}));
     return loops_->gelu_backward(x, dy, dx);
   }
+  Status sum_of_squares(const Tensor& x, double* out) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("sum_of_squares", {&x}));
+    return loops_->sum_of_squares(x, out);
+  }
   Status scale(const Tensor& x, double alpha, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("scale", {&x, &y}));
     return loops_->scale(x, alpha, y);

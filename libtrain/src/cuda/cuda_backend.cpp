@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -16,6 +17,7 @@
 #include "cuda_check.h"
 #include "kernels.h"
 #include "kernels/formulas.h"
+#include "kernels/launch.h"
 #include "op_checks.h"
 
 namespace slide::train::cuda {
@@ -74,13 +76,7 @@ struct DeviceState {
 };
 
 Status init_device(int device, DeviceState* st) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return slide::core::unavailable("cuda: no usable CUDA driver or device (cudaGetDeviceCount: " +
-                                    std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e) + ")");
-  }
+  SLIDE_ASSIGN_OR_RETURN(const int count, usable_device_count());
   if (device < 0 || device >= count)
     return slide::core::unavailable("cuda: no device " + std::to_string(device) + " (this machine has " +
                                     std::to_string(count) + ")");
@@ -184,7 +180,7 @@ std::vector<AlgoCandidate> candidates_of(const Perf* perf, int n) {
   return out;
 }
 
-float* f32(const Tensor& t) { return t.data<float>(); }
+float* f32(const Tensor& t) { return t.ptr<float>(); }
 
 class CudaBackend final : public Backend {
  public:
@@ -195,9 +191,13 @@ class CudaBackend final : public Backend {
   Allocator& allocator() override { return *st_->alloc; }
 
   // --- Host <-> device ---
+  // Transfers may come from another thread than the one that made the backend (the trainer
+  // uploads the next micro-batch from its prefetch thread), whose current device is not set:
+  // each sets it (a per-thread setting, cheap) before using the device's stream.
   Status upload(const Tensor& host, Tensor& dst) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_transfer("upload", host, dst, Device::kCuda));
     if (host.bytes() == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host.raw(), host.bytes(), cudaMemcpyHostToDevice, st_->stream));
     // From pageable memory the call returns once the source is staged; pinned sources are not
     // used here, so `host` may be reused at once. Synchronise anyway to surface errors here.
@@ -207,7 +207,14 @@ class CudaBackend final : public Backend {
   Status download(const Tensor& src, Tensor& host) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_transfer("download", host, src, Device::kCuda));
     if (src.bytes() == 0) return ok_status();
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(cudaMemcpyAsync(host.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToHost, st_->stream));
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    return ok_status();
+  }
+
+  Status synchronize() override {
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
     return ok_status();
   }
@@ -359,6 +366,20 @@ class CudaBackend final : public Backend {
   Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
     return unary_grad("gelu_backward", UnaryGrad::kGelu, x, dy, dx);
   }
+  Status sum_of_squares(const Tensor& x, double* out) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", x, x, nullptr, kDTypes));
+    *out = 0;
+    if (x.numel() == 0) return ok_status();
+    const int64_t blocks = std::min<int64_t>(kernels::launch_1d(x.numel(), 256).blocks, kSumOfSquaresBlocks);
+    // partial[0 .. blocks) and the total at partial[blocks].
+    SLIDE_ASSIGN_OR_RETURN(Tensor partial, Tensor::empty({blocks + 1}, DType::kF64, *st_->alloc, "sum of squares"));
+    SLIDE_CUDA_CHECK(launch_sum_of_squares(f32(x), x.numel(), partial.ptr<double>(), blocks,
+                                           partial.ptr<double>() + blocks, st_->stream));
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(out, partial.ptr<double>() + blocks, sizeof(double), cudaMemcpyDeviceToHost,
+                                     st_->stream));
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    return ok_status();
+  }
   Status scale(const Tensor& x, double alpha, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, kDTypes));
     SLIDE_CUDA_CHECK(launch_scale(f32(x), alpha, f32(y), x.numel(), st_->stream));
@@ -462,9 +483,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(Tensor sums, Tensor::empty({2 + 2 * d.N}, DType::kF64, *st_->alloc, "cross-entropy sums"));
     SLIDE_ASSIGN_OR_RETURN(Tensor bad, Tensor::empty({1}, DType::kI32, *st_->alloc, "label check"));
     SLIDE_CUDA_CHECK(cudaMemsetAsync(bad.raw(), 0x7f, sizeof(int), st_->stream));
-    SLIDE_CUDA_CHECK(launch_cross_entropy_forward(f32(logits), labels.data<int32_t>(),
+    SLIDE_CUDA_CHECK(launch_cross_entropy_forward(f32(logits), labels.ptr<int32_t>(),
                                                   class_weights.defined() ? f32(class_weights) : nullptr,
-                                                  label_smoothing, f32(probs), sums.data<double>(), bad.data<int>(),
+                                                  label_smoothing, f32(probs), sums.ptr<double>(), bad.ptr<int>(),
                                                   d.N, d.I, st_->stream));
     double host_sums[2] = {0, 0};
     SLIDE_CUDA_CHECK(cudaMemcpyAsync(host_sums, sums.raw(), sizeof host_sums, cudaMemcpyDeviceToHost, st_->stream));
@@ -480,9 +501,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(Tensor wsum, Tensor::empty({1}, DType::kF64, *st_->alloc, "cross-entropy weight sum"));
     SLIDE_ASSIGN_OR_RETURN(Tensor bad, Tensor::empty({1}, DType::kI32, *st_->alloc, "label check"));
     SLIDE_CUDA_CHECK(cudaMemsetAsync(bad.raw(), 0x7f, sizeof(int), st_->stream));
-    SLIDE_CUDA_CHECK(launch_cross_entropy_backward(f32(probs), labels.data<int32_t>(),
+    SLIDE_CUDA_CHECK(launch_cross_entropy_backward(f32(probs), labels.ptr<int32_t>(),
                                                    class_weights.defined() ? f32(class_weights) : nullptr,
-                                                   label_smoothing, f32(dlogits), wsum.data<double>(), bad.data<int>(),
+                                                   label_smoothing, f32(dlogits), wsum.ptr<double>(), bad.ptr<int>(),
                                                    d.N, d.I, st_->stream));
     return check_labels(op, labels, bad, d.I);
   }
@@ -551,7 +572,7 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
     if (first_bad == kNoBadLabel) return ok_status();
     int32_t label = 0;
-    SLIDE_CUDA_CHECK(cudaMemcpy(&label, labels.data<int32_t>() + first_bad, sizeof label, cudaMemcpyDeviceToHost));
+    SLIDE_CUDA_CHECK(cudaMemcpy(&label, labels.ptr<int32_t>() + first_bad, sizeof label, cudaMemcpyDeviceToHost));
     return slide::core::invalid_argument(std::string(op) + ": label " + std::to_string(label) + " of sample " +
                                          std::to_string(first_bad) + " is outside [0, " + std::to_string(classes) + ")");
   }
@@ -609,6 +630,17 @@ class CudaBackend final : public Backend {
 };
 
 }  // namespace
+
+Result<int> usable_device_count() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return slide::core::unavailable("cuda: no usable CUDA driver or device (cudaGetDeviceCount: " +
+                                    std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e) + ")");
+  }
+  return count;
+}
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
   SLIDE_ASSIGN_OR_RETURN(DeviceState * st, device_state(device));

@@ -32,6 +32,10 @@
 
 namespace slide::train::cuda {
 
+// The number of devices this process sees (after CUDA_VISIBLE_DEVICES). Unlike device_probe.h's
+// device_count, which says 0, a missing driver is an error: kUnavailable with CUDA's error text.
+[[nodiscard]] Result<int> usable_device_count();
+
 // A backend on GPU `device`. Errors: kUnavailable when there is no driver, no device, or no
 // device `device` (the message says which, with CUDA's error text).
 [[nodiscard]] Result<std::unique_ptr<Backend>> make_cuda_backend(int device);

@@ -314,6 +314,22 @@ __global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* lab
 }
 
 // --- Vision Transformer ops ---
+__global__ void sum_of_squares_partial_kernel(const float* x, int64_t n, double* partial) {
+  __shared__ double shared[kBlock];
+  double local = 0;
+  SLIDE_GRID_STRIDE(i, n) local += fm::squared(x[i]);
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void sum_partials_kernel(const double* partial, int64_t m, double* out) {
+  __shared__ double shared[kBlock];
+  double local = 0;
+  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) local += partial[i];
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) out[0] = total;
+}
+
 __global__ void scale_kernel(const float* x, double alpha, float* y, int64_t n) {
   SLIDE_GRID_STRIDE(i, n) { y[i] = static_cast<float>(alpha * double(x[i])); }
 }
@@ -439,6 +455,13 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
   if (e != cudaSuccess) return e;
   return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sum,
                             dlogits, C, N * C);
+}
+cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* partial, int64_t blocks, double* out,
+                                  cudaStream_t stream) {
+  if (blocks < 1 || blocks > kSumOfSquaresBlocks) return cudaErrorInvalidValue;
+  cudaError_t e = launch_per_block(blocks, stream, sum_of_squares_partial_kernel, x, n, partial);
+  if (e != cudaSuccess) return e;
+  return launch_per_block(1, stream, sum_partials_kernel, partial, blocks, out);
 }
 cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream) {
   return launch_grid_stride(n, stream, scale_kernel, x, alpha, y, n);

@@ -74,6 +74,12 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
                                           double smoothing, float* dlogits, double* weight_sum, int* bad_label,
                                           int64_t N, int64_t C, cudaStream_t stream);
 
+// out[0] = sum of x_i^2 over n elements, in double: `blocks` blocks (at most kSumOfSquaresBlocks)
+// write their partial sums to partial[0 .. blocks), then one block adds them (a fixed tree: the
+// same inputs give the same bits on every run). partial holds `blocks` doubles, out one.
+inline constexpr int64_t kSumOfSquaresBlocks = 1024;
+cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* partial, int64_t blocks, double* out,
+                                  cudaStream_t stream);
 // y = alpha x over n elements (y may be x).
 cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream);
 // Layer norm of each row of x [R, C] (backend.h): one block per row, double accumulation.

@@ -7,15 +7,21 @@
 namespace slide::train {
 
 Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector<Parameter*>& params,
-                                                               Allocator& alloc, size_t bucket_bytes) {
+                                                               Allocator& alloc, size_t bucket_bytes, Backend* device) {
   if (bucket_bytes < sizeof(float)) return slide::core::invalid_argument("gradient bucket of " + std::to_string(bucket_bytes) + " bytes");
+  if (alloc.device() != Device::kCpu && (device == nullptr || device->device() != alloc.device()))
+    return slide::core::invalid_argument(std::string("gradient buckets on ") + device_name(alloc.device()) +
+                                         " need the backend of that device");
   auto g = std::unique_ptr<GradientBuckets>(new GradientBuckets());
+  if (alloc.device() != Device::kCpu) g->device_ = device;
   const auto cap = static_cast<int64_t>(bucket_bytes / sizeof(float));
   int64_t offset = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     Parameter* p = *it;
-    if (p->grad.dtype() != DType::kF32 || p->grad.device() != Device::kCpu)
-      return slide::core::invalid_argument("gradient of " + p->name + ": data-parallel training takes f32 host gradients");
+    if (p->grad.dtype() != DType::kF32 || p->grad.device() != alloc.device())
+      return slide::core::invalid_argument("gradient of " + p->name + ": data-parallel training takes f32 gradients on " +
+                                           device_name(alloc.device()) + ", got " + dtype_name(p->grad.dtype()) +
+                                           " on " + device_name(p->grad.device()));
     const int64_t n = p->grad.numel();
     if (g->buckets_.empty() || (g->buckets_.back().count > 0 && g->buckets_.back().count + n > cap))
       g->buckets_.push_back({offset, 0, {}});
@@ -33,7 +39,7 @@ Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector
     int64_t at = bk.offset;
     for (Parameter* p : bk.params) {
       SLIDE_ASSIGN_OR_RETURN(Tensor v, g->flat_.view(at, p->grad.shape()));
-      if (p->grad.bytes() > 0) std::memcpy(v.raw(), p->grad.raw(), p->grad.bytes());
+      SLIDE_RETURN_IF_ERROR(v.copy_from(p->grad));  // on the gradients' device
       p->grad = std::move(v);
       at += p->grad.numel();
     }
@@ -43,11 +49,33 @@ Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector
 
 Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested) {
   const auto t0 = std::chrono::steady_clock::now();
-  float* flat = flat_.data<float>();
+  const int64_t n = flat_.numel();
+  // Where the all-reduce runs: flat_ itself (host gradients; or device gradients and a
+  // communicator of that device, NCCL), else a host copy (device gradients, MPI).
+  const bool staged = device_ != nullptr && comm.device() != flat_.device();
+  if (staged && !staging_.defined()) {
+    SLIDE_ASSIGN_OR_RETURN(staging_, Tensor::empty(flat_.shape(), DType::kF32, cpu_allocator(),
+                                                   "flat gradient buffer (host staging)"));
+  }
+  if (device_ != nullptr && !staged) {
+    // The stop flag into the device buffer, then every queued op (backward) finished before a
+    // communicator on its own stream reads the buffer.
+    SLIDE_ASSIGN_OR_RETURN(Tensor flag, Tensor::empty({1}, DType::kF32, cpu_allocator(), "stop flag"));
+    flag.data<float>()[0] = stop_requested ? 1.0f : 0.0f;
+    SLIDE_ASSIGN_OR_RETURN(Tensor last, flat_.view(n - 1, {1}));
+    SLIDE_RETURN_IF_ERROR(device_->upload(flag, last));
+    SLIDE_RETURN_IF_ERROR(device_->synchronize());
+  } else if (staged) {
+    SLIDE_RETURN_IF_ERROR(device_->download(flat_, staging_));
+    staging_.data<float>()[n - 1] = stop_requested ? 1.0f : 0.0f;
+  } else {
+    flat_.data<float>()[n - 1] = stop_requested ? 1.0f : 0.0f;
+  }
+  // The communicator's buffer: a host pointer, or a device one that only the communicator reads.
+  float* flat = staged ? staging_.data<float>() : flat_.ptr<float>();
   const int64_t n_buckets = static_cast<int64_t>(buckets_.size());
   std::vector<std::unique_ptr<CollectiveWork>> work;
   work.reserve(buckets_.size());
-  flat[flat_.numel() - 1] = stop_requested ? 1.0f : 0.0f;
   for (int64_t b = 0; b < n_buckets; ++b) {
     const Bucket& bk = buckets_[static_cast<size_t>(b)];
     // The gradients are views of flat_ (make()); one that was replaced since would be summed
@@ -63,8 +91,19 @@ Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested
     work.push_back(std::move(w));
   }
   for (int64_t b = 0; b < n_buckets; ++b) SLIDE_RETURN_IF_ERROR(work[static_cast<size_t>(b)]->wait());
+  float stop = 0;
+  if (staged) {
+    SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));
+    stop = staging_.data<float>()[n - 1];
+  } else if (device_ != nullptr) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor last, flat_.view(n - 1, {1}));
+    SLIDE_ASSIGN_OR_RETURN(Tensor flag, to_host(*device_, last, "stop flag"));
+    stop = flag.data<float>()[0];
+  } else {
+    stop = flat[n - 1];
+  }
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return flat[flat_.numel() - 1] > 0.5f;
+  return stop > 0.5f;
 }
 
 Status all_reduce_tallies(Communicator& comm, double* loss_sum, int64_t* correct, std::vector<int64_t>* seen,
@@ -82,8 +121,38 @@ Status all_reduce_tallies(Communicator& comm, double* loss_sum, int64_t* correct
 }
 
 Status broadcast_tensors(Communicator& comm, const std::vector<Tensor*>& tensors, int root, const std::string& what,
-                         size_t chunk_bytes) {
+                         size_t chunk_bytes, Backend* device) {
   if (comm.world_size() == 1) return slide::core::ok_status();
+  // Device tensors: host copies (the root's downloaded) broadcast like host tensors, then uploaded.
+  std::vector<Tensor> host_copies;
+  std::vector<Tensor*> host(tensors.begin(), tensors.end());
+  std::vector<size_t> on_device;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    if (tensors[k]->device() == Device::kCpu) continue;
+    if (device == nullptr || device->device() != tensors[k]->device())
+      return slide::core::invalid_argument(what + ": a tensor on " + device_name(tensors[k]->device()) +
+                                           " and no backend of that device to copy it");
+    on_device.push_back(k);
+  }
+  if (!on_device.empty()) {
+    host_copies.reserve(on_device.size());
+    for (size_t k : on_device) {
+      if (comm.rank() == root) {
+        SLIDE_ASSIGN_OR_RETURN(Tensor h, to_host(*device, *tensors[k], what + " (host copy)"));
+        host_copies.push_back(std::move(h));
+      } else {
+        SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::empty(tensors[k]->shape(), tensors[k]->dtype(), cpu_allocator(),
+                                                       what + " (host copy)"));
+        host_copies.push_back(std::move(h));
+      }
+      host[k] = &host_copies.back();
+    }
+    SLIDE_RETURN_IF_ERROR(broadcast_tensors(comm, host, root, what, chunk_bytes, nullptr));
+    if (comm.rank() != root)
+      for (size_t i = 0; i < on_device.size(); ++i)
+        SLIDE_RETURN_IF_ERROR(device->upload(host_copies[i], *tensors[on_device[i]]));
+    return slide::core::ok_status();
+  }
   chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   std::vector<char> buf;
   size_t i = 0;

@@ -13,12 +13,14 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <thread>
 #include <vector>
 
 #include "dist/communicators.h"
+#include "slide/train/device_select.h"
 
 namespace slide::train::dist {
 
@@ -312,7 +314,10 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return slide::core::failed_precondition("--dist nccl: no CUDA device on this node");
   SLIDE_ASSIGN_OR_RETURN(auto bootstrap, make_mpi_communicator(timeout_s));
-  const int device = bootstrap->local_rank() % devices;
+  // The GPU the cuda backend opens too (make_backend: select_device without --device): the
+  // launcher's node-local rank; more ranks on a node than GPUs is refused, not shared.
+  SLIDE_ASSIGN_OR_RETURN(const int device,
+                         select_device(-1, devices, [](const char* var) { return std::getenv(var); }));
   auto comm = std::make_unique<NcclCommunicator>(timeout_s, std::move(bootstrap));
   SLIDE_RETURN_IF_ERROR(comm->init(device));
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -26,6 +26,13 @@
 
 namespace slide::train::formulas {
 
+// --- Reductions (backend.h: sum_of_squares) -------------------------------------------------------
+// One element's term of the sum of squares, in double (the accumulator's type).
+template <typename T>
+SLIDE_HD double squared(T x) {
+  return static_cast<double>(x) * static_cast<double>(x);
+}
+
 // --- Activations (backend.h: relu_*, tanh_backward, sigmoid_*) -----------------------------------
 // y = max(x, 0); NaN propagates as PyTorch's relu does not (x > 0 is false for NaN: y = 0).
 template <typename T>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <initializer_list>
 #include <string>
@@ -24,7 +25,6 @@ namespace {
 
 using slide::core::ok_status;
 
-constexpr detail::DTypes kDTypes{true, true};
 
 // Runs f.template operator()<T>() for the call's dtype.
 template <typename F>
@@ -35,17 +35,19 @@ Status dispatch(DType dtype, F&& f) {
 
 class ReferenceBackend final : public Backend {
  public:
-  explicit ReferenceBackend(Allocator& alloc) : alloc_(alloc) {}
-  std::string name() const override { return "reference"; }
-  Device device() const override { return Device::kCpu; }
+  // On `alloc`'s device: the host (cpu), or the simulated device (Device::kSim), whose tensors
+  // are host memory that only the backend reads.
+  explicit ReferenceBackend(Allocator& alloc) : alloc_(alloc), dtypes_{true, true, false, alloc.device()} {}
+  std::string name() const override { return alloc_.device() == Device::kSim ? "reference-sim" : "reference"; }
+  Device device() const override { return alloc_.device(); }
   Allocator& allocator() override { return alloc_; }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *wp = w.data<T>(), *bp = b.defined() ? b.data<T>() : nullptr;
-      T* yp = y.data<T>();
+      const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
+      T* yp = y.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
         for (int64_t k = 0; k < K; ++k)
           for (int64_t oh = 0; oh < P; ++oh)
@@ -68,10 +70,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
-      const T *dyp = dy.data<T>(), *wp = w.data<T>();
+      const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
       std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
       for (int64_t n = 0; n < N; ++n)
         for (int64_t k = 0; k < K; ++k)
@@ -89,7 +91,7 @@ class ReferenceBackend final : public Backend {
                   }
                 }
             }
-      T* dxp = dx.data<T>();
+      T* dxp = dx.ptr<T>();
       for (size_t i = 0; i < acc.size(); ++i) dxp[i] = static_cast<T>(acc[i]);
       return ok_status();
     });
@@ -97,11 +99,11 @@ class ReferenceBackend final : public Backend {
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *dyp = dy.data<T>();
-      T* dwp = dw.data<T>();
+      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dwp = dw.ptr<T>();
       for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < C; ++c)
           for (int64_t r = 0; r < R; ++r)
@@ -120,7 +122,7 @@ class ReferenceBackend final : public Backend {
               dwp[((k * C + c) * R + r) * S + s] += static_cast<T>(acc);
             }
       if (db.defined()) {
-        T* dbp = db.data<T>();
+        T* dbp = db.ptr<T>();
         for (int64_t k = 0; k < K; ++k) {
           double acc = 0;
           for (int64_t n = 0; n < N; ++n)
@@ -137,13 +139,13 @@ class ReferenceBackend final : public Backend {
                                      Tensor& save_mean, Tensor& save_invstd) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
-                                                                save_invstd, kDTypes));
+                                                                save_invstd, dtypes_));
     const auto [N, C, HW] = d;
     const int64_t M = N * HW;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
-      T *yp = y.data<T>(), *rm = running_mean.data<T>(), *rv = running_var.data<T>();
-      T *sm = save_mean.data<T>(), *si = save_invstd.data<T>();
+      const T *xp = x.ptr<T>(), *gp = gamma.ptr<T>(), *bp = beta.ptr<T>();
+      T *yp = y.ptr<T>(), *rm = running_mean.ptr<T>(), *rv = running_var.ptr<T>();
+      T *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
         double sum = 0;
         for (int64_t n = 0; n < N; ++n)
@@ -175,12 +177,12 @@ class ReferenceBackend final : public Backend {
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
-                                                                                         running_var, y, kDTypes));
+                                                                                         running_var, y, dtypes_));
     const auto [N, C, HW] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
-      const T *rm = running_mean.data<T>(), *rv = running_var.data<T>();
-      T* yp = y.data<T>();
+      const T *xp = x.ptr<T>(), *gp = gamma.ptr<T>(), *bp = beta.ptr<T>();
+      const T *rm = running_mean.ptr<T>(), *rv = running_var.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
         const double invstd = formulas::bn_invstd(double(rv[c]), eps);
         for (int64_t n = 0; n < N; ++n)
@@ -197,13 +199,13 @@ class ReferenceBackend final : public Backend {
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
-                                                                kDTypes));
+                                                                dtypes_));
     const auto [N, C, HW] = d;
     const int64_t M = N * HW;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *dyp = dy.data<T>(), *gp = gamma.data<T>();
-      const T *sm = save_mean.data<T>(), *si = save_invstd.data<T>();
-      T *dxp = dx.data<T>(), *dgp = dgamma.data<T>(), *dbp = dbeta.data<T>();
+      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>(), *gp = gamma.ptr<T>();
+      const T *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
+      T *dxp = dx.ptr<T>(), *dgp = dgamma.ptr<T>(), *dbp = dbeta.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
         // dx = gamma * invstd / M * (M dy - sum dy - xhat sum(dy xhat))
         double sum_dy = 0, sum_dy_xhat = 0;
@@ -229,40 +231,40 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::relu(xp[i]);
       return ok_status();
     });
   }
 
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, dtypes_));
     return dispatch(y.dtype(), [&]<typename T>() {
-      const T *yp = y.data<T>(), *dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T *yp = y.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::relu_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
 
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("add", a, b, &y, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("add", a, b, &y, dtypes_));
     return dispatch(a.dtype(), [&]<typename T>() {
-      const T *ap = a.data<T>(), *bp = b.data<T>();
-      T* yp = y.data<T>();
+      const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < a.numel(); ++i) yp[i] = ap[i] + bp[i];
       return ok_status();
     });
   }
 
   Status mul(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, dtypes_));
     return dispatch(a.dtype(), [&]<typename T>() {
-      const T *ap = a.data<T>(), *bp = b.data<T>();
-      T* yp = y.data<T>();
+      const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < a.numel(); ++i) yp[i] = ap[i] * bp[i];
       return ok_status();
     });
@@ -276,11 +278,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_global_avg_pool("global_avg_pool_forward", x, y, dtypes_));
     const auto [N, C, HW] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t j = 0; j < N * C; ++j) {
         double s = 0;
         for (int64_t i = 0; i < HW; ++i) s += xp[j * HW + i];
@@ -292,11 +294,11 @@ class ReferenceBackend final : public Backend {
 
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kDTypes));
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, dtypes_));
     const auto [N, C, HW] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
-      const T* dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T* dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t j = 0; j < N * C; ++j)
         for (int64_t i = 0; i < HW; ++i) dxp[j * HW + i] = static_cast<T>(double(dyp[j]) / double(HW));
       return ok_status();
@@ -304,11 +306,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, dtypes_));
     const auto [N, I, O] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *wp = w.data<T>(), *bp = b.defined() ? b.data<T>() : nullptr;
-      T* yp = y.data<T>();
+      const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
+      T* yp = y.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
         for (int64_t o = 0; o < O; ++o) {
           double acc = bp ? double(bp[o]) : 0.0;
@@ -321,11 +323,11 @@ class ReferenceBackend final : public Backend {
 
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kDTypes));
+                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, dtypes_));
     const auto [N, I, O] = d;
     return dispatch(dy.dtype(), [&]<typename T>() {
-      const T *dyp = dy.data<T>(), *wp = w.data<T>();
-      T* dxp = dx.data<T>();
+      const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
         for (int64_t i = 0; i < I; ++i) {
           double acc = 0;
@@ -338,11 +340,11 @@ class ReferenceBackend final : public Backend {
 
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kDTypes));
+                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, dtypes_));
     const auto [N, I, O] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *dyp = dy.data<T>();
-      T* dwp = dw.data<T>();
+      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dwp = dw.ptr<T>();
       for (int64_t o = 0; o < O; ++o)
         for (int64_t i = 0; i < I; ++i) {
           double acc = 0;
@@ -350,7 +352,7 @@ class ReferenceBackend final : public Backend {
           dwp[o * I + i] += static_cast<T>(acc);
         }
       if (db.defined()) {
-        T* dbp = db.data<T>();
+        T* dbp = db.ptr<T>();
         for (int64_t o = 0; o < O; ++o) {
           double acc = 0;
           for (int64_t n = 0; n < N; ++n) acc += dyp[n * O + o];
@@ -365,12 +367,12 @@ class ReferenceBackend final : public Backend {
                                        double label_smoothing, Tensor& probs, double* loss) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_cross_entropy("softmax_cross_entropy_forward", logits, labels, class_weights,
-                                                          label_smoothing, probs, kDTypes));
+                                                          label_smoothing, probs, dtypes_));
     const int64_t N = d.N, C = d.I;
     return dispatch(logits.dtype(), [&]<typename T>() {
-      const T *zp = logits.data<T>(), *wp = class_weights.defined() ? class_weights.data<T>() : nullptr;
-      const int32_t* yp = labels.data<int32_t>();
-      T* pp = probs.data<T>();
+      const T *zp = logits.ptr<T>(), *wp = class_weights.defined() ? class_weights.ptr<T>() : nullptr;
+      const int32_t* yp = labels.ptr<int32_t>();
+      T* pp = probs.ptr<T>();
       for (int64_t n = 0; n < N; ++n) {
         // log-sum-exp with the max subtracted (no overflow for large logits).
         double m = -std::numeric_limits<double>::infinity();
@@ -389,12 +391,12 @@ class ReferenceBackend final : public Backend {
                                         double label_smoothing, Tensor& dlogits) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_cross_entropy("softmax_cross_entropy_backward", probs, labels, class_weights,
-                                                          label_smoothing, dlogits, kDTypes));
+                                                          label_smoothing, dlogits, dtypes_));
     const int64_t N = d.N, C = d.I;
     return dispatch(probs.dtype(), [&]<typename T>() {
-      const T *pp = probs.data<T>(), *wp = class_weights.defined() ? class_weights.data<T>() : nullptr;
-      const int32_t* yp = labels.data<int32_t>();
-      T* dp = dlogits.data<T>();
+      const T *pp = probs.ptr<T>(), *wp = class_weights.defined() ? class_weights.ptr<T>() : nullptr;
+      const int32_t* yp = labels.ptr<int32_t>();
+      T* dp = dlogits.ptr<T>();
       double weight_sum = 0;
       for (int64_t n = 0; n < N; ++n) weight_sum += wp ? double(wp[yp[n]]) : 1.0;
       for (int64_t n = 0; n < N; ++n) {
@@ -410,11 +412,11 @@ class ReferenceBackend final : public Backend {
   Status sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, double lr, double momentum,
                     double dampening, double weight_decay, bool nesterov, bool first_step) override {
     SLIDE_RETURN_IF_ERROR(
-        detail::validate_same_shape("sgd_update", param, grad, momentum > 0 ? &momentum_buf : nullptr, kDTypes));
+        detail::validate_same_shape("sgd_update", param, grad, momentum > 0 ? &momentum_buf : nullptr, dtypes_));
     return dispatch(param.dtype(), [&]<typename T>() {
-      T* p = param.data<T>();
-      const T* g = grad.data<T>();
-      T* buf = momentum > 0 ? momentum_buf.data<T>() : nullptr;
+      T* p = param.ptr<T>();
+      const T* g = grad.ptr<T>();
+      T* buf = momentum > 0 ? momentum_buf.ptr<T>() : nullptr;
       for (int64_t i = 0; i < param.numel(); ++i)
         formulas::sgd_step(p[i], g[i], buf != nullptr ? buf + i : nullptr, lr, momentum, dampening, weight_decay,
                            nesterov, first_step);
@@ -424,13 +426,13 @@ class ReferenceBackend final : public Backend {
 
   Status adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1, double beta2,
                       double eps, double weight_decay, int64_t step) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, grad, &m, kDTypes));
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, v, nullptr, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, grad, &m, dtypes_));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("adamw_update", param, v, nullptr, dtypes_));
     if (step < 1) return slide::core::invalid_argument("adamw_update: step " + std::to_string(step) + " < 1");
     const formulas::AdamCorrections c = formulas::adam_corrections(beta1, beta2, step);
     return dispatch(param.dtype(), [&]<typename T>() {
-      T *p = param.data<T>(), *mp = m.data<T>(), *vp = v.data<T>();
-      const T* g = grad.data<T>();
+      T *p = param.ptr<T>(), *mp = m.ptr<T>(), *vp = v.ptr<T>();
+      const T* g = grad.ptr<T>();
       for (int64_t i = 0; i < param.numel(); ++i)
         formulas::adamw_step(p[i], g[i], mp[i], vp[i], lr, beta1, beta2, eps, weight_decay, c);
       return ok_status();
@@ -439,51 +441,51 @@ class ReferenceBackend final : public Backend {
 
   // --- Attention MIL ops ---
   Status tanh_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_forward", x, y, nullptr, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) yp[i] = std::tanh(xp[i]);
       return ok_status();
     });
   }
 
   Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_backward", y, dy, &dx, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("tanh_backward", y, dy, &dx, dtypes_));
     return dispatch(y.dtype(), [&]<typename T>() {
-      const T *yp = y.data<T>(), *dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T *yp = y.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::tanh_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
 
   Status sigmoid_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_forward", x, y, nullptr, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::sigmoid(xp[i]);
       return ok_status();
     });
   }
 
   Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_backward", y, dy, &dx, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_backward", y, dy, &dx, dtypes_));
     return dispatch(y.dtype(), [&]<typename T>() {
-      const T *yp = y.data<T>(), *dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T *yp = y.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = formulas::sigmoid_grad(yp[i], dyp[i]);
       return ok_status();
     });
   }
 
   Status softmax_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_forward", x, y, nullptr, dtypes_));
     const int64_t R = d.N, C = d.I;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t r = 0; r < R; ++r) {
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t c = 0; c < C; ++c) m = std::max(m, double(xp[r * C + c]));
@@ -496,11 +498,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_rows("softmax_backward", y, dy, &dx, dtypes_));
     const int64_t R = d.N, C = d.I;
     return dispatch(y.dtype(), [&]<typename T>() {
-      const T *yp = y.data<T>(), *dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T *yp = y.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t r = 0; r < R; ++r) {
         double dot = 0;
         for (int64_t c = 0; c < C; ++c) dot += double(dyp[r * C + c]) * double(yp[r * C + c]);
@@ -513,11 +515,11 @@ class ReferenceBackend final : public Backend {
 
   // --- Vision Transformer ops ---
   Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, dtypes_));
     const int64_t R = d.N, C = d.I;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *gp = gamma.data<T>(), *bp = beta.data<T>();
-      T* yp = y.data<T>();
+      const T *xp = x.ptr<T>(), *gp = gamma.ptr<T>(), *bp = beta.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t r = 0; r < R; ++r) {
         const T* row = xp + r * C;
         double sum = 0;
@@ -534,37 +536,48 @@ class ReferenceBackend final : public Backend {
   }
 
   Status gelu_forward(const Tensor& x, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::gelu(xp[i]);
       return ok_status();
     });
   }
 
   Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_backward", x, dy, &dx, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_backward", x, dy, &dx, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.data<T>(), *dyp = dy.data<T>();
-      T* dxp = dx.data<T>();
+      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
+      T* dxp = dx.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) dxp[i] = formulas::gelu_grad(xp[i], dyp[i]);
       return ok_status();
     });
   }
 
-  Status scale(const Tensor& x, double alpha, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, kDTypes));
+  Status sum_of_squares(const Tensor& x, double* out) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", x, x, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      double sq = 0;
+      for (int64_t i = 0; i < x.numel(); ++i) sq += formulas::squared(xp[i]);
+      *out = sq;
+      return ok_status();
+    });
+  }
+
+  Status scale(const Tensor& x, double alpha, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, dtypes_));
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) yp[i] = static_cast<T>(alpha * double(xp[i]));
       return ok_status();
     });
   }
 
   Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, dtypes_));
     const size_t rank = perm.size();
     // Strides of x (row-major), taken in y's order: y's index i walks x with in_stride[i].
     int64_t x_stride[6] = {0}, in_stride[6] = {0}, extent[6] = {0};
@@ -572,8 +585,8 @@ class ReferenceBackend final : public Backend {
     for (size_t i = rank; i-- > 0;) x_stride[i] = s, s *= x.dim(i);
     for (size_t i = 0; i < rank; ++i) in_stride[i] = x_stride[perm[i]], extent[i] = y.dim(i);
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      T* yp = y.data<T>();
+      const T* xp = x.ptr<T>();
+      T* yp = y.ptr<T>();
       int64_t idx[6] = {0};
       for (int64_t o = 0; o < y.numel(); ++o) {
         int64_t src = 0;
@@ -589,11 +602,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, dtypes_));
     const auto [M, K, N] = d;
     return dispatch(a.dtype(), [&]<typename T>() {
-      const T *ap = a.data<T>(), *bp = b.data<T>();
-      T* yp = y.data<T>();
+      const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
+      T* yp = y.ptr<T>();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
           double acc = 0;
@@ -610,24 +623,25 @@ class ReferenceBackend final : public Backend {
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
                            detail::validate_max_pool(y ? "max_pool2d_forward" : "max_pool2d_backward", x, p, y, dy, dx,
-                                                     kDTypes));
+                                                     dtypes_));
     const auto [N, C, H, W, P, Q] = d;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T* xp = x.data<T>();
-      if (dx) dx->fill_zero();
+      const T* xp = x.ptr<T>();
+      if (dx && dx->bytes() > 0) std::memset(dx->raw(), 0, dx->bytes());
       for (int64_t nc = 0; nc < N * C; ++nc)
         for (int64_t oh = 0; oh < P; ++oh)
           for (int64_t ow = 0; ow < Q; ++ow) {
             const int64_t best = formulas::max_pool_argmax(xp, nc, oh, ow, H, W, p.kernel, p.stride, p.pad);
             const int64_t o = (nc * P + oh) * Q + ow;
-            if (y) y->data<T>()[o] = best >= 0 ? xp[best] : T(0);
-            if (dx && best >= 0) dx->data<T>()[best] += dy->data<T>()[o];
+            if (y) y->ptr<T>()[o] = best >= 0 ? xp[best] : T(0);
+            if (dx && best >= 0) dx->ptr<T>()[best] += dy->ptr<T>()[o];
           }
       return ok_status();
     });
   }
 
   Allocator& alloc_;
+  const detail::DTypes dtypes_;  // f32 and f64, plain layouts, on alloc_'s device
 };
 
 }  // namespace

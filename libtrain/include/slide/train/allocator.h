@@ -21,7 +21,11 @@ namespace slide::train {
 using slide::core::Result;
 using slide::core::Status;
 
-enum class Device : uint8_t { kCpu = 0, kCuda = 1 };
+// kSim, the simulated device: host memory that only a backend reads or writes (the reference
+// backend on it is `reference-sim`). Host code must treat its tensors as on a GPU (upload,
+// download; Tensor::data refuses them), so the CPU test suite runs the device paths of the
+// trainer, evaluation and checkpoints without a GPU.
+enum class Device : uint8_t { kCpu = 0, kCuda = 1, kSim = 2 };
 const char* device_name(Device d);
 
 class Allocator {
@@ -43,6 +47,9 @@ class Allocator {
   // device allocator runs them on its device, in its stream order. Errors: the device's.
   [[nodiscard]] virtual Status zero_bytes(void* ptr, size_t bytes);
   [[nodiscard]] virtual Status copy_bytes(void* dst, const void* src, size_t bytes);
+  // Returns cached free blocks to the system (or the driver), e.g. after an out-of-memory error
+  // so that a retry with a smaller batch finds them. Allocators without a cache: nothing to do.
+  virtual void trim_cache() {}
 
   size_t current_bytes() const { return current_.load(std::memory_order_relaxed); }
   size_t peak_bytes() const { return peak_.load(std::memory_order_relaxed); }
@@ -67,17 +74,22 @@ class Allocator {
 // much as the layers' arithmetic for batch norm and ReLU). Cached blocks do not count as live
 // bytes against the budget; the cache holds at most cache_limit_bytes (default 4 GiB) and
 // trim_cache() returns it to the system.
+//
+// With Device::kSim it is the simulated device's allocator (sim_device_allocator()): the same host
+// memory and budget rules, its tensors labelled as a device's.
 class CpuAllocator final : public Allocator {
  public:
+  explicit CpuAllocator(Device device = Device::kCpu) : device_(device) {}
   ~CpuAllocator() override;
-  Device device() const override { return Device::kCpu; }
+  Device device() const override { return device_; }
   [[nodiscard]] Result<void*> allocate(size_t bytes, const std::string& what) override;
   void deallocate(void* ptr, size_t bytes) override;
-  void trim_cache();
+  void trim_cache() override;
   size_t cached_bytes() const;
   void set_cache_limit_bytes(size_t limit);
 
  private:
+  const Device device_;
   mutable std::mutex mu_;
   std::unordered_multimap<size_t, void*> free_;  // rounded size -> block
   size_t cached_ = 0;
@@ -86,6 +98,8 @@ class CpuAllocator final : public Allocator {
 
 // The process's CPU allocator (one budget for all host tensors).
 CpuAllocator& cpu_allocator();
+// The simulated device's allocator (Device::kSim; its own budget), for `reference-sim`.
+CpuAllocator& sim_device_allocator();
 
 // Parses a byte count with an optional binary suffix: "512M", "2G", "1.5GiB", "4096".
 // Errors: kInvalidArgument naming the text.

@@ -59,6 +59,10 @@ class Backend {
   // layout), the device's.
   [[nodiscard]] virtual Status upload(const Tensor& host, Tensor& dst);
   [[nodiscard]] virtual Status download(const Tensor& src, Tensor& host);
+  // Returns once every op queued so far on this backend's device has finished: before another
+  // party (a communicator on its own stream) reads what the ops wrote. Host backends run ops to
+  // completion before returning: nothing to wait for. Errors: the device's.
+  [[nodiscard]] virtual Status synchronize() { return slide::core::ok_status(); }
 
   // --- Layout ------------------------------------------------------------------------------------
   // x in the plain layout: x itself when it is plain, else a reordered copy (same shape and
@@ -209,6 +213,12 @@ class Backend {
   [[nodiscard]] virtual Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
     return unimplemented_op("gelu_backward", x, dy, dx);
   }
+  // *out = sum_i x_i^2 over every element of x (any shape; element order does not matter, so any
+  // layout), accumulated in double: the optimizer's check that a gradient is finite (NaN or inf in
+  // x makes *out non-finite). A host number: a device backend waits for its result.
+  [[nodiscard]] virtual Status sum_of_squares(const Tensor& x, double* out) {
+    return unimplemented_op("sum_of_squares", x, out);
+  }
   // y = alpha x, any shape; y may be x (attention's 1 / sqrt(head dim)).
   [[nodiscard]] virtual Status scale(const Tensor& x, double alpha, Tensor& y) {
     return unimplemented_op("scale", x, alpha, y);
@@ -227,8 +237,23 @@ class Backend {
   }
 };
 
-// The backends this build has: "reference" always; "cpu" (oneDNN) and "cuda" when built.
-// Errors: kNotFound naming the backend and listing the built ones.
-[[nodiscard]] Result<std::unique_ptr<Backend>> make_backend(const std::string& name);
+// --- Host <-> device helpers (on upload / download) ----------------------------------------------
+// A host copy of `t` (plain, on cpu_allocator()) downloaded from be's device; `t` itself when it
+// is already a host tensor. For host code that reads elements (metrics, checkpoints).
+// Errors: those of download and of the host allocation.
+[[nodiscard]] Result<Tensor> to_host(Backend& be, const Tensor& t, const std::string& what = "host copy");
+// `host` on be's device: a new tensor from be.allocator() with `host`'s elements uploaded, or
+// `host` itself when be's tensors live in host memory (device cpu). An undefined tensor stays
+// undefined. Errors: those of upload and of the allocation (kResourceExhausted past the budget).
+[[nodiscard]] Result<Tensor> to_device(Backend& be, const Tensor& host, const std::string& what = "tensor");
+
+// The backends this build has: "reference" and "reference-sim" (the reference backend on the
+// simulated device, Device::kSim: for tests of the device paths) always; "cpu" (oneDNN) and
+// "cuda" when built.
+// `device` (cuda only; -1: unset) is the GPU to open; unset, the launcher's node-local rank picks it
+// (select_device, device_select.h), else GPU 0.
+// Errors: kNotFound naming the backend and listing the built ones; for cuda, kUnavailable (no
+// driver or device), those of select_device; kInvalidArgument for a device with another backend.
+[[nodiscard]] Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device = -1);
 
 }  // namespace slide::train

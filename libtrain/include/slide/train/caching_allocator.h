@@ -74,6 +74,7 @@ class CachingDeviceAllocator final : public Allocator {
   // Returns every cached block to the source (cudaFree), e.g. before a cuDNN call that needs a
   // large workspace, or at the end of a run.
   void empty_cache();
+  void trim_cache() override { empty_cache(); }
   size_t cached_bytes() const;
   size_t reserved_bytes() const;
   // Device calls made so far (for tests and logs: a warmed-up step makes none).

@@ -27,16 +27,21 @@ struct NamedTensor {
 };
 
 // Writes `tensors` (f32, f64 or i32) as a safetensors file, atomically (write_file_atomic).
-// Errors: kInvalidArgument (duplicate name, undefined tensor), the file's.
+// Tensors on a device are downloaded through `device` (the backend they live on; nullptr when all
+// are host tensors). Errors: kInvalidArgument (duplicate name, undefined tensor, a device tensor
+// without its backend), the download's, the file's.
 [[nodiscard]] Status save_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                                      const std::map<std::string, std::string>& metadata = {});
+                                      const std::map<std::string, std::string>& metadata = {},
+                                      Backend* device = nullptr);
 
 // Reads a safetensors file into the tensors named in `into` (each must exist in the file with the
 // same shape and dtype; extra file entries are ignored). Every f32 / f64 value read must be
 // finite. Errors: kNotFound, kDataLoss (malformed header, offsets outside the file; a NaN or inf
 // value, naming the file, the tensor and the element: that tensor is zeroed), kInvalidArgument
-// naming the first tensor that is missing or differs.
-[[nodiscard]] Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into);
+// naming the first tensor that is missing or differs. Tensors on a device are read into a host
+// copy, checked, then uploaded through `device` (their backend; nullptr for host tensors only).
+[[nodiscard]] Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into,
+                                      Backend* device = nullptr);
 
 // The tensor names and shapes of a safetensors file, from its header only (the data is not read:
 // a foundation model's weights are gigabytes). Errors: kNotFound, kDataLoss (a header length past

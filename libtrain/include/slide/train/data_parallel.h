@@ -33,14 +33,20 @@ class GradientBuckets {
   // most `bucket_bytes` (a larger parameter is a bucket of its own). One more element, at the end
   // of the last bucket, carries the ranks' stop requests. Each Parameter::grad then becomes a
   // view of its slice of the buffer (its values kept; Tensor::view), so backward accumulates
-  // straight into the buffer and its own gradient tensor is freed. Errors: kInvalidArgument (a
-  // gradient that is not f32, bucket_bytes < 4), the allocator's (kResourceExhausted).
+  // straight into the buffer and its own gradient tensor is freed. Gradients on a device (alloc's
+  // device) need `device`, their backend: all_reduce waits for its queued work, and stages the
+  // buffer through host memory when the communicator's buffers live elsewhere (MPI with GPU
+  // gradients; NCCL reduces device buffers in place). Errors: kInvalidArgument (a gradient that is
+  // not f32 or not on alloc's device, device gradients without their backend, bucket_bytes < 4),
+  // the allocator's (kResourceExhausted).
   [[nodiscard]] static Result<std::unique_ptr<GradientBuckets>> make(const std::vector<Parameter*>& params,
                                                                      Allocator& alloc,
-                                                                     size_t bucket_bytes = kDefaultBucketBytes);
+                                                                     size_t bucket_bytes = kDefaultBucketBytes,
+                                                                     Backend* device = nullptr);
 
   // Sums every parameter gradient over the ranks of `comm`, in place in the flat buffer: every
-  // bucket's all-reduce is started, then each is waited for (no copies). Errors also:
+  // bucket's all-reduce is started, then each is waited for (no copies; with device gradients and
+  // a host communicator, one download of the buffer before and one upload after). Errors also:
   // kFailedPrecondition when a gradient tensor was replaced since make() (no longer a view).
   // `stop_requested` is this rank's wish to stop after this step; the result says whether any
   // rank has it, so that every rank stops after the same step. Errors: the communicator's
@@ -57,6 +63,8 @@ class GradientBuckets {
     std::vector<Parameter*> params;    // in flat_ order
   };
   Tensor flat_;
+  Backend* device_ = nullptr;  // flat_'s backend when flat_ is not a host tensor
+  Tensor staging_;             // host copy of flat_ for a host communicator (made on first use)
   std::vector<Bucket> buckets_;
   double seconds_ = 0;
 };
@@ -69,9 +77,12 @@ class GradientBuckets {
 
 // Copies the tensors of rank `root` to every rank: packed into one flat host buffer of at most
 // `chunk_bytes` at a time, one broadcast per chunk. Every rank must pass tensors of the same
-// shapes and dtypes in the same order. Errors: the communicator's.
+// shapes and dtypes in the same order. Tensors on a device go through host copies (downloaded on
+// the root, uploaded on the others) through `device`, their backend. Errors: kInvalidArgument for a
+// device tensor without its backend; the communicator's; the transfers'.
 [[nodiscard]] Status broadcast_tensors(Communicator& comm, const std::vector<Tensor*>& tensors, int root,
-                                       const std::string& what, size_t chunk_bytes = size_t{64} << 20);
+                                       const std::string& what, size_t chunk_bytes = size_t{64} << 20,
+                                       Backend* device = nullptr);
 
 // Copies rank `root`'s string to every rank (its length first). Errors: the communicator's.
 [[nodiscard]] Status broadcast_string(Communicator& comm, std::string* text, int root, const std::string& what);

@@ -257,6 +257,14 @@ class Bottleneck final : public ResidualBlock {
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth,
                                                               int64_t classes, uint64_t seed, double dropout = 0);
 
+// Moves every parameter (value and gradient) and buffer of `model` to be's device: models are
+// built and initialised on the host (make_resnet, make_small_cnn with cpu_allocator()), then
+// moved once; the host copies are freed when nothing else holds them. Parameter and buffer
+// pointers collected before stay valid (the tensors are replaced in place). Nothing to do on a
+// host backend. Errors: those of to_device (kResourceExhausted past the device budget), naming
+// the tensor; the model is then partly moved and should be discarded.
+[[nodiscard]] Status move_to_device(Backend& be, Layer& model);
+
 // A small CNN for tests and small patches: 3 x [conv3x3 -> bn -> relu -> maxpool 2], then global
 // average pool and a linear classifier. Widths w, 2w, 4w. `dropout` as in make_resnet.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels,

@@ -46,7 +46,7 @@ class StepRecovery {
   Layer& model_;
   bool enabled_;
   std::vector<Buffer*> buffers_;
-  std::vector<std::vector<unsigned char>> saved_;
+  std::vector<Tensor> saved_;  // copies of the buffers, on their device
   int64_t reruns_ = 0, count_before_ = 0;  // this step's
   std::string first_error_;
 };

@@ -32,13 +32,14 @@ class Optimizer {
                                                                std::vector<Parameter*> params, Allocator& alloc);
   // One update of every parameter from its gradient at learning rate `lr`. Checks first that
   // `lr` is finite and >= 0 and that the gradient is finite (the sum of squared gradient
-  // elements over all parameters: one pass over the gradients; gradients in device memory are
-  // not read here, their loss is checked by the training loops); otherwise nothing is updated.
+  // elements of each parameter, Backend::sum_of_squares, on the gradients' device: one pass over
+  // the gradients and one number per parameter back to the host); otherwise nothing is updated.
   // Errors: kOutOfRange (naming the step, and the first parameter whose gradient is not
   // finite), the backend's update's.
   [[nodiscard]] Status step(Backend& be, double lr);
-  // Sets every gradient to zero (before the first micro-batch of a step).
-  void zero_grad();
+  // Sets every gradient to zero (before the first micro-batch of a step), on the gradients' device.
+  // Errors: the device's.
+  [[nodiscard]] Status zero_grad();
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
   // State for checkpoints: "<param>.momentum_buffer" (sgd), "<param>.exp_avg" and

@@ -66,8 +66,20 @@ class Tensor {
   // that is not [N,C,H,W] with C a multiple of the block.
   [[nodiscard]] Status set_layout(Layout layout);
 
+  // The elements, for host code: a tensor in host memory (device cpu) only. Host code never reads
+  // a device tensor's elements (docs/design.md, section 5): it downloads them (Backend::download).
+  // Calling data<T>() on a tensor of another device is a programming error, and ends the process
+  // with a message naming the tensor's shape and device (a device pointer read on the host would
+  // fault anyway, or worse, read garbage on a simulated device).
   template <typename T>
-  T* data() const { return static_cast<T*>(raw()); }
+  T* data() const {
+    if (device_ != Device::kCpu) host_access_failure();
+    return static_cast<T*>(raw());
+  }
+  // The elements' address on the tensor's own device, for backends and allocators (which know
+  // their device), never dereferenced by host code.
+  template <typename T>
+  T* ptr() const { return static_cast<T*>(raw()); }
   void* raw() const { return storage_ ? static_cast<char*>(storage_->ptr) + offset_bytes_ : nullptr; }
 
   // A view: `shape`'s elements starting `offset` elements into this tensor's, sharing its storage
@@ -83,8 +95,15 @@ class Tensor {
   // The same storage seen with another shape of the same element count. Errors: kInvalidArgument,
   // also for a tensor in a blocked layout.
   [[nodiscard]] Result<Tensor> reshape(const Shape& shape) const;
+  // Copies src's bytes into this tensor's storage on their (common) device, through the storage's
+  // allocator (Allocator::copy_bytes). Errors: kInvalidArgument when shapes, dtypes, layouts or
+  // devices differ; the device's.
+  [[nodiscard]] Status copy_from(const Tensor& src);
   // Sets every element to zero (host tensors only).
   void fill_zero();
+  // Sets every element to zero on any device, through the storage's allocator (Allocator::zero_bytes,
+  // in its stream order). Errors: the device's; no-op for an undefined tensor.
+  [[nodiscard]] Status set_zero();
 
  private:
   struct Storage {
@@ -93,6 +112,7 @@ class Tensor {
     size_t bytes = 0;
     ~Storage();
   };
+  [[noreturn]] void host_access_failure() const;
   std::shared_ptr<Storage> storage_;
   size_t offset_bytes_ = 0;  // where this tensor's elements start in storage_ (views)
   Shape shape_;

@@ -1,0 +1,138 @@
+#!/usr/bin/python3
+"""slide-train on an NVIDIA GPU (ctest label gpu), against the cpu backend on the same run: the
+LC25000 lung subset in sample_data tiled by slide-tile at 48 px. Exits 77 (ctest: skipped) when
+`--backend cuda` cannot start: a build without CUDA, no driver, or no device.
+
+Tolerances: the cuda backend is FP32 without TF32 (cuDNN FMA math, cuBLAS default math), and its
+reductions differ from oneDNN's only in summation order; after one epoch (9 SGD steps) the weights
+agree to 1e-3 of their largest magnitude, and the losses to 1e-4 relative.
+
+Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+from safetensors_io import read_safetensors
+
+TILE = os.environ["SLIDE_TILE"]
+TRAIN = os.environ["SLIDE_TRAIN"]
+SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
+TMP = tempfile.mkdtemp(prefix="slide_train_gpu_")
+STORE = os.path.join(TMP, "lc")
+
+
+def train(out, *extra, backend="cuda"):
+    args = [TRAIN, "--data", STORE, "--out", out, "--epochs", "1", "--batch-size", "32", "--lr", "0.05",
+            "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", backend]
+    return subprocess.run(args + list(extra), capture_output=True, text=True)
+
+
+def weights(out, epoch, name="model"):
+    return read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % epoch, name + ".safetensors"))
+
+
+def history(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(l) for l in f]
+
+
+class TestGpuTrain(unittest.TestCase):
+    def assert_close(self, a, b, what, rel=1e-3):
+        self.assertEqual(sorted(a), sorted(b))
+        for k in a:
+            scale = max(float(np.abs(a[k]).max()), 1e-6)
+            err = float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max())
+            self.assertLessEqual(err, rel * scale, "%s: %s differs by %g (scale %g)" % (what, k, err, scale))
+
+    def test_small_cnn_and_resnet18_epoch_equal_the_cpu_backend(self):
+        for model in ("small", "resnet18"):
+            gpu, cpu = os.path.join(TMP, "gpu_" + model), os.path.join(TMP, "cpu_" + model)
+            r = train(gpu, "--model", model)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("(cuda)", r.stderr)
+            r = train(cpu, "--model", model, backend="cpu")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assert_close(weights(cpu, 1), weights(gpu, 1), model)
+            self.assert_close(weights(cpu, 1, "optimizer"), weights(gpu, 1, "optimizer"), model + " optimizer")
+            hg, hc = history(gpu)[0], history(cpu)[0]
+            self.assertAlmostEqual(hg["train_loss"], hc["train_loss"], delta=1e-4 * abs(hc["train_loss"]))
+
+    def test_killed_gpu_run_resumes_to_the_same_weights_and_moves_to_the_cpu(self):
+        ref = os.path.join(TMP, "gpu_ref")
+        r = train(ref, "--epochs", "3")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = os.path.join(TMP, "gpu_killed")
+        p = subprocess.Popen([TRAIN, "--data", STORE, "--out", out, "--epochs", "3", "--batch-size", "32",
+                              "--lr", "0.05", "--width", "8", "--threads", "4", "--seed", "3", "--schedule",
+                              "constant", "--backend", "cuda"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "checkpoints", "epoch-1-step-0")):
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        r = train(out, "--epochs", "3", "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a, b = weights(ref, 3), weights(out, 3)
+        for k in a:  # deterministic cuDNN algorithms and fixed-order reductions: bit for bit
+            self.assertTrue(np.array_equal(a[k], b[k]), k)
+        # A GPU checkpoint resumes on the CPU.
+        cpu = os.path.join(TMP, "gpu_then_cpu")
+        shutil.copytree(os.path.join(ref), cpu, ignore=shutil.ignore_patterns("writer.lock"))
+        shutil.rmtree(os.path.join(cpu, "checkpoints", "epoch-3-step-0"))
+        shutil.rmtree(os.path.join(cpu, "checkpoints", "epoch-2-step-0"))
+        r = train(cpu, "--epochs", "2", "--resume", backend="cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_close(weights(ref, 2), weights(cpu, 2), "gpu then cpu")
+
+    def test_a_budget_too_small_for_the_batch_recovers_by_micro_batching(self):
+        out = os.path.join(TMP, "gpu_budget")
+        r = train(out, "--memory-budget", "6M", "--width", "16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("out of memory in a step", r.stderr)
+        free = os.path.join(TMP, "gpu_free")
+        r = train(free, "--width", "16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_close(weights(free, 1), weights(out, 1), "micro-batched")
+
+    def test_evaluate_on_the_gpu_equals_the_cpu_engine(self):
+        out = os.path.join(TMP, "gpu_eval_run")
+        r = train(out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        probs = {}
+        for backend in ("cuda", "cpu"):
+            ev = os.path.join(TMP, "gpu_eval_" + backend)
+            r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "checkpoints", "epoch-1-step-0"),
+                                "--data", STORE, "--out", ev, "--backend", backend, "--no-fused"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(ev, "predictions.csv")) as f:
+                probs[backend] = np.array([[float(v) for v in l.split(",")[4:7]] for l in f.read().splitlines()[1:]])
+        self.assertEqual(probs["cuda"].shape, (360, 3))
+        self.assertLess(np.abs(probs["cuda"] - probs["cpu"]).max(), 1e-4)
+
+
+def main():
+    r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", STORE, "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    probe = train(os.path.join(TMP, "probe"))
+    if probe.returncode == 2 and "--backend cuda" in probe.stderr:
+        print("skipped: " + probe.stderr.strip().splitlines()[-1])
+        shutil.rmtree(TMP, ignore_errors=True)
+        sys.exit(77)
+    try:
+        unittest.main(argv=sys.argv)
+    finally:
+        shutil.rmtree(TMP, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -105,8 +105,9 @@ int run_main(int argc, char** argv) {
                                    "ViT-L/16 with layer scale)");
   int vit_heads = 0;
   std::string vit_pool, backend = "cpu";
-  app.add_option("--backend", backend, "Where a ViT runs: cpu (oneDNN), reference, or cuda (builds with CUDA; "
-                                       "CNNs run on the cpu's fused path)")
+  app.add_option("--backend", backend, "Where the encoder runs: cpu (oneDNN; CNNs on the fused inference path), "
+                                       "cuda (GPU 0; built with CUDA), reference, reference-sim (CNNs there on the "
+                                       "training engine's inference forward)")
       ->capture_default_str();
   app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
       ->check(CLI::Range(1, 1024));
@@ -199,17 +200,29 @@ int run_main(int argc, char** argv) {
   } else {
     if (vit_heads > 0 || !vit_pool.empty())
       return fail(slide::core::invalid_argument("--heads and --pool apply to ViTs (--model vit, vit-b16, vit-l16, uni)"));
-    if (backend != "cpu")
-      return fail(slide::core::invalid_argument("--backend " + backend +
-                                                ": CNN embedding runs on the cpu backend's fused path only for now"));
+    // The backend first: one that cannot start (no GPU, a build without CUDA) is a usage error.
+    std::unique_ptr<slide::train::Backend> be;
+    if (backend != "cpu") {
+      auto made = slide::train::make_backend(backend);
+      if (!made.ok()) return fail(slide::core::invalid_argument("--backend " + backend + ": " + made.status().message()));
+      be = std::move(*made);
+    }
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());
     loaded = std::move(*cnn);
-    auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer);
-    if (!extractor.ok()) return fail(extractor.status());
-    loaded.net.reset();  // the extractor holds folded copies of the weights
-    slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
-    encoder = std::move(*extractor);
+    if (be == nullptr) {
+      // cpu: the fused oneDNN path (batch norm folded, ReLU and residual add fused).
+      auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer);
+      if (!extractor.ok()) return fail(extractor.status());
+      loaded.net.reset();  // the extractor holds folded copies of the weights
+      slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
+      encoder = std::move(*extractor);
+    } else {
+      // Any other backend: the engine's inference forward on its device.
+      auto engine = slide::train::EngineEncoder::create(std::move(loaded.net), loaded.layer, std::move(be));
+      if (!engine.ok()) return fail(engine.status().with_context("--backend " + backend));
+      encoder = std::move(*engine);
+    }
   }
   slide::core::log_info("model", {{"model", loaded.model},
                                   {"layer", loaded.layer},

@@ -439,6 +439,41 @@ FeatureExtractor::~FeatureExtractor() = default;
 int64_t FeatureExtractor::feature_dim() const { return impl_->feature_dim; }
 const std::string& FeatureExtractor::layer() const { return impl_->layer; }
 
+Result<std::unique_ptr<EngineEncoder>> EngineEncoder::create(std::unique_ptr<Sequential> model,
+                                                             const std::string& layer, std::unique_ptr<Backend> be) {
+  if (model == nullptr || be == nullptr) return invalid_argument("EngineEncoder: no model or no backend");
+  auto enc = std::unique_ptr<EngineEncoder>(new EngineEncoder());
+  SLIDE_ASSIGN_OR_RETURN(enc->cut_, find_cut(*model, layer));
+  SLIDE_RETURN_IF_ERROR(move_to_device(*be, *model));
+  enc->layer_ = layer;
+  enc->model_ = std::move(model);
+  enc->be_ = std::move(be);
+  // The feature width: one forward of a small zero image (the width does not depend on the size).
+  SLIDE_ASSIGN_OR_RETURN(Tensor probe, Tensor::zeros({1, 3, 64, 64}, DType::kF32, enc->be_->allocator(), "probe image"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor f, engine_features(*enc->be_, *enc->model_, enc->cut_, probe));
+  enc->dim_ = f.dim(1);
+  enc->model_->release();
+  return enc;
+}
+
+Status EngineEncoder::extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) {
+  if (n < 1 || h < 1 || w < 1)
+    return invalid_argument("engine encoder: " + std::to_string(n) + " images of " + std::to_string(h) + "x" +
+                            std::to_string(w) + " px");
+  SLIDE_ASSIGN_OR_RETURN(Tensor host, Tensor::empty({n, 3, h, w}, DType::kF32, cpu_allocator(), "images (host)"));
+  std::memcpy(host.raw(), images, host.bytes());
+  SLIDE_ASSIGN_OR_RETURN(Tensor x, to_device(*be_, host, "images"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor f, engine_features(*be_, *model_, cut_, x));
+  model_->release();
+  if (f.rank() != 2 || f.dim(0) != n || f.dim(1) != dim_)
+    return invalid_argument("engine encoder: layer " + layer_ + " gave features of shape " + shape_string(f.shape()) +
+                            " for " + std::to_string(n) + " images, expected [" + std::to_string(n) + ", " +
+                            std::to_string(dim_) + "]");
+  SLIDE_ASSIGN_OR_RETURN(Tensor out, to_host(*be_, f, "features (host)"));
+  std::memcpy(features, out.raw(), out.bytes());
+  return ok_status();
+}
+
 std::vector<std::string> cut_points(Sequential& model) {
   std::vector<std::string> out;
   for (size_t i = 0; i < model.size(); ++i) {

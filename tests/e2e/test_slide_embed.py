@@ -189,6 +189,47 @@ class TestTorchvision(Base):
             self.assertLess(err, 1e-3, "%s: float16 features vs torchvision: %.3g" % (sid, err))
 
 
+class TestEngine(Base):
+    """CNNs off the cpu backend run the training engine's inference forward on the backend's device:
+    on the simulated device (the device paths without a GPU: model moved once, batches uploaded,
+    features downloaded) the bags equal the host reference backend's bit for bit, and torchvision's."""
+
+    def test_resnet18_on_the_simulated_device_equals_host_and_torchvision(self):
+        import torch
+        torch.set_num_threads(2)
+        store = self.tile("lc64", "--patches", LC, "--tile-size", "64")
+        model, weights = self.random_weights("resnet18", seed=5)
+        ids = ["lung_aca/lungaca1", "lung_n/lungn10", "lung_scc/lungscc100"]
+        feats = {}
+        for backend in ("reference", "reference-sim"):
+            out = os.path.join(self.tmp, "engine_" + backend)
+            r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--slides", ",".join(ids),
+                           "--backend", backend, "--batch-size", "2")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            feats[backend] = {}
+            for sid in ids:
+                with h5py.File(os.path.join(out, bag_name(sid)), "r") as f:
+                    feats[backend][sid] = f["features"][:]
+                    self.assertEqual(f.attrs["layer"], "avgpool")
+        for sid in ids:
+            np.testing.assert_array_equal(feats["reference"][sid], feats["reference-sim"][sid])
+            images, _ = store_tiles(store, sid)
+            want = torch_features(model, "layer4", images)
+            self.assertEqual(feats["reference-sim"][sid].shape, (1, 512))
+            err = rel_err(feats["reference-sim"][sid], want)
+            self.assertLess(err, 1e-4, "%s: engine features vs torchvision: %.3g" % (sid, err))
+
+    def test_cuda_without_a_gpu_is_a_usage_error(self):
+        store = self.tile("lc64b", "--patches", LC, "--tile-size", "64")
+        _, weights = self.random_weights("resnet18", seed=6)
+        r = self.embed(store, os.path.join(self.tmp, "engine_cuda"), "--weights", weights, "--model", "resnet18",
+                       "--backend", "cuda")
+        if r.returncode == 0:
+            self.skipTest("a GPU is present")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--backend cuda", r.stderr)
+
+
 class TestLayout(Base):
     """The documented HDF5 layout, read back with h5py: names, shapes, dtypes, chunking,
     compression, attributes, coordinates from the store, and bags.csv."""

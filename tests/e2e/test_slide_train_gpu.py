@@ -7,7 +7,7 @@ Tolerances: the cuda backend is FP32 without TF32 (cuDNN FMA math, cuBLAS defaul
 reductions differ from oneDNN's only in summation order; after one epoch (9 SGD steps) the weights
 agree to 1e-3 of their largest magnitude, and the losses to 1e-4 relative.
 
-Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
+Environment: SLIDE_TILE, SLIDE_TRAIN, SLIDE_EMBED (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
 """
 import json
 import os
@@ -24,6 +24,7 @@ from safetensors_io import read_safetensors
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
+EMBED = os.environ["SLIDE_EMBED"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 TMP = tempfile.mkdtemp(prefix="slide_train_gpu_")
@@ -118,6 +119,22 @@ class TestGpuTrain(unittest.TestCase):
                 probs[backend] = np.array([[float(v) for v in l.split(",")[4:7]] for l in f.read().splitlines()[1:]])
         self.assertEqual(probs["cuda"].shape, (360, 3))
         self.assertLess(np.abs(probs["cuda"] - probs["cpu"]).max(), 1e-4)
+        # slide-embed with that checkpoint: the engine's forward on the GPU against the fused cpu path.
+        import h5py
+        feats = {}
+        for backend in ("cuda", "cpu"):
+            bags = os.path.join(TMP, "gpu_bags_" + backend)
+            r = subprocess.run([EMBED, STORE, "-o", bags, "--weights", os.path.join(out, "checkpoints", "epoch-1-step-0"),
+                                "--backend", backend, "--slides", "lung_aca/lungaca1,lung_n/lungn10"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            feats[backend] = []
+            for name in sorted(f for f in os.listdir(bags) if f.endswith(".h5")):
+                with h5py.File(os.path.join(bags, name), "r") as f:
+                    feats[backend].append(f["features"][:])
+        self.assertEqual(len(feats["cuda"]), 2)
+        for a, b in zip(feats["cuda"], feats["cpu"]):
+            self.assertLess(float(np.abs(a - b).max()), 1e-4 * max(float(np.abs(b).max()), 1e-6))
 
 
 def main():

@@ -117,6 +117,34 @@ class FeatureExtractor final : public TileEncoder {
   std::unique_ptr<Impl> impl_;
 };
 
+// A CNN cut at a layer on the training engine's inference forward (engine_features: children
+// 0..cut with batch norm's running statistics, then global average pooling of a 4-D output), on
+// any backend: slide-embed's CNN path off the cpu backend (cuda, reference, reference-sim). The
+// model is moved to the backend's device once; each batch is uploaded and its features
+// downloaded. Equal to FeatureExtractor's features up to float summation order (the fold of batch
+// norm into the convolutions changes the rounding). Not thread-safe (one per thread).
+class EngineEncoder final : public TileEncoder {
+ public:
+  // Takes `model` and `be`; the cut is find_cut(layer). The feature width is found by one forward
+  // of a 1 x 3 x 64 x 64 zero image. Errors: find_cut's, move_to_device's, the backend's.
+  [[nodiscard]] static Result<std::unique_ptr<EngineEncoder>> create(std::unique_ptr<Sequential> model,
+                                                                     const std::string& layer,
+                                                                     std::unique_ptr<Backend> be);
+  int64_t feature_dim() const override { return dim_; }
+  const std::string& layer() const override { return layer_; }
+  // As TileEncoder::extract. Errors also: kInvalidArgument for n < 1 or an input too small for the
+  // cut (naming the layer), kResourceExhausted past the device's budget.
+  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
+
+ private:
+  EngineEncoder() = default;
+  std::unique_ptr<Backend> be_;
+  std::unique_ptr<Sequential> model_;
+  size_t cut_ = 0;
+  int64_t dim_ = 0;
+  std::string layer_;
+};
+
 // SHA-256 of a file's bytes (FIPS 180-4, through OpenSSL's libcrypto), lower-case hex.
 // Errors: kNotFound / kPermissionDenied / kInternal naming the path.
 [[nodiscard]] Result<std::string> sha256_file(const std::string& path);

@@ -277,8 +277,16 @@ Result<Tensor> Sequential::backward(Backend& be, const Tensor& dy) {
     if (!r.ok()) return r.status().with_context("layer " + names_[i] + " backward");
     g = std::move(*r);
     layers_[i]->release();  // its saved activations are no longer needed
+    if (backward_hook_ != nullptr) {
+      if (Status s = (*backward_hook_)(*layers_[i]); !s.ok()) return s.with_context("after layer " + names_[i] + " backward");
+    }
   }
   return g;
+}
+
+void Sequential::set_backward_hook(const BackwardHook* hook) {
+  backward_hook_ = hook;
+  for (auto& l : layers_) l->set_backward_hook(hook);
 }
 
 void Sequential::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {

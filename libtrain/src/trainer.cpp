@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <tuple>
+#include <unordered_map>
 
 namespace slide::train {
 
@@ -180,6 +181,24 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   int64_t micro_count = options.accumulate;
   size_t step_first = 0;
   StepTally tally_at_step;
+  // Data-parallel: each gradient bucket's all-reduce starts as soon as backward has finished its
+  // gradients, during the step's last micro-batch (GradientBuckets::gradients_ready).
+  // A layer's parameters, found once per layer: Layer::collect names the parameters as it goes
+  // (relative to the layer it is called on), so the model is collected again at once to put the
+  // names it gives back.
+  std::unordered_map<const Layer*, std::vector<Parameter*>> layer_params;
+  const BackwardHook bucket_hook = [&](Layer& layer) -> Status {
+    auto it = layer_params.find(&layer);
+    if (it == layer_params.end()) {
+      std::vector<Parameter*> own, all;
+      std::vector<Buffer*> buffers;
+      layer.collect("", &own, &buffers);
+      buffers.clear();
+      model.collect("", &all, &buffers);
+      it = layer_params.emplace(&layer, std::move(own)).first;
+    }
+    return buckets->gradients_ready(it->second);
+  };
   for (size_t i = 0; i < plan.size(); ++i) {
     const Micro& mb = plan[i];
     if (mb.first) {
@@ -191,6 +210,11 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       step_first = i;
       tally_at_step = {loss_sum, correct, seen, right};
       SLIDE_RETURN_IF_ERROR(recovery.begin_step());
+    }
+    if (mb.last && buckets != nullptr) {
+      options.comm->set_step(opt.steps());
+      SLIDE_RETURN_IF_ERROR(buckets->start_step(*options.comm, options.cancel != nullptr && options.cancel->load()));
+      model.set_backward_hook(&bucket_hook);
     }
     const Status micro_status = [&]() -> Status {
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
@@ -220,6 +244,14 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     }
     return slide::core::ok_status();
     }();
+    model.set_backward_hook(nullptr);
+    if (!micro_status.ok() && buckets != nullptr) {
+      // A collective already started cannot be taken back: the step cannot be rerun.
+      if (buckets->started_any())
+        return micro_status.with_context("the step's gradient all-reduce had started on every rank; it cannot be "
+                                         "rerun split finer");
+      buckets->cancel_step();
+    }
     if (!micro_status.ok()) {
       // Out of memory inside the step: discard its partial work and rerun it whole with the
       // micro-batches halved (twice as many), which gives the same update (trainer.h).
@@ -256,8 +288,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     }
     if (mb.last) {
       if (buckets != nullptr) {
-        options.comm->set_step(opt.steps());
-        SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->all_reduce(*options.comm, options.cancel != nullptr && options.cancel->load()));
+        SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->finish_step());
       }
       SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
       recovery.end_step(micro_count, static_cast<int64_t>(mb.b - plan[step_first].a));

@@ -3,7 +3,11 @@
 // tests/dist/test_mpi.cpp (label mpi).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "slide/train/communicator.h"
 #include "slide/train/data_parallel.h"
@@ -92,4 +96,88 @@ TEST_CASE("gradient buckets: reverse parameter order, capped size, the stop flag
   CHECK(refused.status().code() == slide::core::StatusCode::kFailedPrecondition);
   params.front()->grad = saved;
   CHECK(GradientBuckets::make(params, cpu_allocator(), 2).status().code() == slide::core::StatusCode::kInvalidArgument);
+}
+
+namespace {
+
+// Records the collectives started, in order; they complete at once (one rank).
+class RecordingComm final : public Communicator {
+ public:
+  RecordingComm() : Communicator(10) {}
+  std::string name() const override { return "recording"; }
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  int local_rank() const override { return 0; }
+  Device device() const override { return Device::kCpu; }
+  Status all_reduce(void*, int64_t, DType, ReduceOp, const std::string& what) override {
+    started.push_back(what);
+    return slide::core::ok_status();
+  }
+  Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void*, int64_t, DType, ReduceOp,
+                                                           const std::string& what) override {
+    started.push_back(what);
+    struct Done final : CollectiveWork {
+      Status wait() override { return slide::core::ok_status(); }
+    };
+    return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());
+  }
+  Status broadcast(void*, size_t, int, const std::string&) override { return slide::core::ok_status(); }
+  Status barrier(const std::string&) override { return slide::core::ok_status(); }
+  Status all_gather(double value, std::vector<double>* out, const std::string&) override {
+    *out = {value};
+    return slide::core::ok_status();
+  }
+  void abort_job(int) override {}
+  std::vector<std::string> started;
+};
+
+}  // namespace
+
+TEST_CASE("gradient buckets overlapped with backward: each starts, in order, once its gradients are done") {
+  auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 1).value();
+  std::vector<Parameter*> params;
+  model->collect("", &params, nullptr);
+  auto buckets = GradientBuckets::make(params, cpu_allocator(), 8192).value();
+  const size_t n = buckets->bucket_count();
+  REQUIRE(n > 2);
+  RecordingComm comm;
+  REQUIRE(buckets->start_step(comm, false).ok());
+  CHECK(buckets->start_step(comm, false).code() == slide::core::StatusCode::kFailedPrecondition);
+  CHECK_FALSE(buckets->started_any());
+  // Backward finishes the parameters in reverse order, the buckets' order: after the last
+  // parameter's gradient the first bucket may start; by the first parameter's, all but none
+  // are left for finish_step.
+  std::vector<size_t> started_after;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    REQUIRE(buckets->gradients_ready({*it, *it}).ok());  // a repeat counts once
+    started_after.push_back(comm.started.size());
+  }
+  CHECK(std::is_sorted(started_after.begin(), started_after.end()));
+  CHECK(started_after.front() <= 1);
+  CHECK(started_after.back() == n);  // every bucket started during "backward"
+  CHECK(buckets->started_any());
+  auto stop = buckets->finish_step();
+  REQUIRE(stop.ok());
+  CHECK_FALSE(*stop);
+  REQUIRE(comm.started.size() == n);
+  for (size_t b = 0; b < n; ++b)
+    CHECK(comm.started[b].find("gradient bucket " + std::to_string(b + 1) + " of " + std::to_string(n)) !=
+          std::string::npos);
+  // Half the parameters done: only the buckets they complete have started; finish_step starts the
+  // rest (a rank without samples, or a layer no container reports).
+  comm.started.clear();
+  REQUIRE(buckets->start_step(comm, true).ok());
+  REQUIRE(buckets->gradients_ready({params.back()}).ok());
+  const size_t early = comm.started.size();
+  CHECK(early <= 1);
+  auto stop2 = buckets->finish_step();
+  REQUIRE(stop2.ok());
+  CHECK(*stop2);
+  CHECK(comm.started.size() == n);
+  CHECK(buckets->finish_step().status().code() == slide::core::StatusCode::kFailedPrecondition);
+  // A step that started nothing can be disarmed and started again (out-of-memory rerun).
+  REQUIRE(buckets->start_step(comm, false).ok());
+  buckets->cancel_step();
+  REQUIRE(buckets->start_step(comm, false).ok());
+  REQUIRE(buckets->finish_step().ok());
 }

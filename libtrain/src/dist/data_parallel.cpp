@@ -35,9 +35,11 @@ Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector
   // From here on each gradient lives in the flat buffer: its tensor becomes a view of its slice
   // (its values copied over), so the all-reduce runs in place, without copies in or out, and the
   // separate gradient tensors are freed (llm.c's one gradient allocation).
-  for (const Bucket& bk : g->buckets_) {
+  for (size_t b = 0; b < g->buckets_.size(); ++b) {
+    const Bucket& bk = g->buckets_[b];
     int64_t at = bk.offset;
     for (Parameter* p : bk.params) {
+      g->index_.emplace(p, std::make_pair(b, g->index_.size()));
       SLIDE_ASSIGN_OR_RETURN(Tensor v, g->flat_.view(at, p->grad.shape()));
       SLIDE_RETURN_IF_ERROR(v.copy_from(p->grad));  // on the gradients' device
       p->grad = std::move(v);
@@ -47,52 +49,102 @@ Result<std::unique_ptr<GradientBuckets>> GradientBuckets::make(const std::vector
   return g;
 }
 
-Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested) {
+Status GradientBuckets::start_step(Communicator& comm, bool stop_requested) {
+  if (comm_ != nullptr) return slide::core::failed_precondition("gradient buckets: a step is already started");
   const auto t0 = std::chrono::steady_clock::now();
+  comm_ = &comm;
   const int64_t n = flat_.numel();
   // Where the all-reduce runs: flat_ itself (host gradients; or device gradients and a
-  // communicator of that device, NCCL), else a host copy (device gradients, MPI).
-  const bool staged = device_ != nullptr && comm.device() != flat_.device();
-  if (staged && !staging_.defined()) {
+  // communicator of that device, NCCL), else a host copy (device gradients, MPI), made whole in
+  // finish_step (no overlap then).
+  staged_ = device_ != nullptr && comm.device() != flat_.device();
+  if (staged_ && !staging_.defined()) {
     SLIDE_ASSIGN_OR_RETURN(staging_, Tensor::empty(flat_.shape(), DType::kF32, cpu_allocator(),
                                                    "flat gradient buffer (host staging)"));
   }
-  if (device_ != nullptr && !staged) {
-    // The stop flag into the device buffer, then every queued op (backward) finished before a
-    // communicator on its own stream reads the buffer.
+  stop_requested_ = stop_requested;
+  if (device_ != nullptr && !staged_) {
+    // The stop flag into the device buffer (ordered before the collectives on the device's stream,
+    // which each launch synchronises).
     SLIDE_ASSIGN_OR_RETURN(Tensor flag, Tensor::empty({1}, DType::kF32, cpu_allocator(), "stop flag"));
     flag.data<float>()[0] = stop_requested ? 1.0f : 0.0f;
     SLIDE_ASSIGN_OR_RETURN(Tensor last, flat_.view(n - 1, {1}));
     SLIDE_RETURN_IF_ERROR(device_->upload(flag, last));
-    SLIDE_RETURN_IF_ERROR(device_->synchronize());
-  } else if (staged) {
-    SLIDE_RETURN_IF_ERROR(device_->download(flat_, staging_));
-    staging_.data<float>()[n - 1] = stop_requested ? 1.0f : 0.0f;
-  } else {
+  } else if (!staged_) {
     flat_.data<float>()[n - 1] = stop_requested ? 1.0f : 0.0f;
   }
+  done_.assign(index_.size(), false);
+  remaining_.clear();
+  for (const Bucket& bk : buckets_) remaining_.push_back(static_cast<int64_t>(bk.params.size()));
+  next_ = 0;
+  work_.clear();
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return slide::core::ok_status();
+}
+
+Status GradientBuckets::launch(size_t b) {
+  const Bucket& bk = buckets_[b];
+  // The gradients are views of flat_ (make()); one that was replaced since would be summed
+  // wrongly in silence, so it is an error.
+  for (Parameter* p : bk.params)
+    if (!p->grad.shares_storage(flat_))
+      return slide::core::failed_precondition("gradient of " + p->name +
+                                              " was replaced after the gradient buckets were made");
+  // Device gradients: the communicator runs on its own stream; everything the backend queued
+  // (backward up to here) finishes first.
+  if (device_ != nullptr && !staged_) SLIDE_RETURN_IF_ERROR(device_->synchronize());
   // The communicator's buffer: a host pointer, or a device one that only the communicator reads.
-  float* flat = staged ? staging_.data<float>() : flat_.ptr<float>();
-  const int64_t n_buckets = static_cast<int64_t>(buckets_.size());
-  std::vector<std::unique_ptr<CollectiveWork>> work;
-  work.reserve(buckets_.size());
-  for (int64_t b = 0; b < n_buckets; ++b) {
-    const Bucket& bk = buckets_[static_cast<size_t>(b)];
-    // The gradients are views of flat_ (make()); one that was replaced since would be summed
-    // wrongly in silence, so it is an error.
-    for (Parameter* p : bk.params)
-      if (!p->grad.shares_storage(flat_))
-        return slide::core::failed_precondition("gradient of " + p->name +
-                                                " was replaced after the gradient buckets were made");
-    SLIDE_ASSIGN_OR_RETURN(auto w, comm.all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,
+  float* flat = staged_ ? staging_.data<float>() : flat_.ptr<float>();
+  SLIDE_ASSIGN_OR_RETURN(auto w, comm_->all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,
                                                          "all-reduce of gradient bucket " + std::to_string(b + 1) +
-                                                             " of " + std::to_string(n_buckets) + " (" +
+                                                             " of " + std::to_string(buckets_.size()) + " (" +
                                                              std::to_string(bk.count) + " floats)"));
-    work.push_back(std::move(w));
+  work_.push_back(std::move(w));
+  return slide::core::ok_status();
+}
+
+Status GradientBuckets::gradients_ready(const std::vector<Parameter*>& params) {
+  if (comm_ == nullptr || staged_) return slide::core::ok_status();  // no step started, or no overlap
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const Parameter* p : params) {
+    const auto it = index_.find(p);
+    if (it == index_.end() || done_[it->second.second]) continue;  // not ours, or already counted
+    done_[it->second.second] = true;
+    --remaining_[it->second.first];
   }
-  for (int64_t b = 0; b < n_buckets; ++b) SLIDE_RETURN_IF_ERROR(work[static_cast<size_t>(b)]->wait());
+  // In bucket order, so that every rank starts the same collectives in the same order.
+  while (next_ < buckets_.size() && remaining_[next_] == 0) {
+    SLIDE_RETURN_IF_ERROR(launch(next_));
+    ++next_;
+  }
+  for (auto& w : work_) SLIDE_RETURN_IF_ERROR(w->progress());
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return slide::core::ok_status();
+}
+
+Result<bool> GradientBuckets::finish_step() {
+  if (comm_ == nullptr) return slide::core::failed_precondition("gradient buckets: finish_step without start_step");
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = flat_.numel();
+  // The step ends here, whatever happens below (an error leaves the gradients undefined).
+  struct EndStep {
+    GradientBuckets* g;
+    ~EndStep() {
+      g->comm_ = nullptr;
+      g->work_.clear();
+    }
+  } end_step{this};
+  if (staged_) {
+    SLIDE_RETURN_IF_ERROR(device_->download(flat_, staging_));
+    staging_.data<float>()[n - 1] = stop_requested_ ? 1.0f : 0.0f;
+  }
+  Status st;
+  for (; next_ < buckets_.size() && st.ok(); ++next_) st = launch(next_);
+  for (auto& w : work_)
+    if (st.ok()) st = w->wait();
+  SLIDE_RETURN_IF_ERROR(st);
   float stop = 0;
-  if (staged) {
+  if (staged_) {
     SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));
     stop = staging_.data<float>()[n - 1];
   } else if (device_ != nullptr) {
@@ -100,10 +152,15 @@ Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested
     SLIDE_ASSIGN_OR_RETURN(Tensor flag, to_host(*device_, last, "stop flag"));
     stop = flag.data<float>()[0];
   } else {
-    stop = flat[n - 1];
+    stop = flat_.data<float>()[n - 1];
   }
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stop > 0.5f;
+}
+
+Result<bool> GradientBuckets::all_reduce(Communicator& comm, bool stop_requested) {
+  SLIDE_RETURN_IF_ERROR(start_step(comm, stop_requested));
+  return finish_step();
 }
 
 Status all_reduce_tallies(Communicator& comm, double* loss_sum, int64_t* correct, std::vector<int64_t>* seen,

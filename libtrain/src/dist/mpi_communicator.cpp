@@ -48,8 +48,10 @@ class MpiWork final : public CollectiveWork {
         average_(average), start_(Clock::now()) {}
   ~MpiWork() override;
   Status wait() override;
+  Status progress() override;
 
  private:
+  void complete();  // the result is in data_: apply the average, mark done
   MpiCommunicator* comm_;
   MPI_Request req_;
   std::string what_;
@@ -195,6 +197,22 @@ Status MpiWork::wait() {
     else
       std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+  complete();
+  return slide::core::ok_status();
+}
+
+Status MpiWork::progress() {
+  if (done_) return slide::core::ok_status();
+  int flag = 0;
+  if (const int rc = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+    done_ = true;
+    return comm_->fail_internal(what_, rc);
+  }
+  if (flag) complete();
+  return slide::core::ok_status();
+}
+
+void MpiWork::complete() {
   done_ = true;
   if (average_ && count_ > 0) {
     const double inv = 1.0 / comm_->world_size();
@@ -203,7 +221,6 @@ Status MpiWork::wait() {
     else
       for (int64_t i = 0; i < count_; ++i) static_cast<double*>(data_)[i] *= inv;
   }
-  return slide::core::ok_status();
 }
 
 }  // namespace

@@ -36,6 +36,11 @@ class CollectiveWork {
   // passed. Errors: kDeadlineExceeded (the message names rank, step and collective), kInternal
   // (the library's error text). Calling it again after success returns OK at once.
   [[nodiscard]] virtual Status wait() = 0;
+  // Lets the library advance the collective without blocking: MPI's non-blocking collectives make
+  // progress only inside MPI calls, so a caller that overlaps them with computation calls this
+  // between pieces of work (one MPI_Test). Others progress on their own: nothing to do. Errors: as
+  // wait() (but never kDeadlineExceeded: only wait() enforces the deadline).
+  [[nodiscard]] virtual Status progress() { return slide::core::ok_status(); }
 };
 
 class Communicator {

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "slide/train/communicator.h"
@@ -53,9 +55,32 @@ class GradientBuckets {
   // (kDeadlineExceeded naming rank, step and bucket); the gradients are then undefined.
   [[nodiscard]] Result<bool> all_reduce(Communicator& comm, bool stop_requested);
 
+  // The same, overlapped with the backward pass of the step's last micro-batch (PyTorch DDP):
+  // start_step arms the buckets; gradients_ready(params), called after each layer's backward with
+  // its parameters (Layer::set_backward_hook), counts them as done (others than the buckets' are
+  // ignored, each counted once) and starts, in bucket
+  // order (every rank starts the same collectives in the same order), each bucket whose
+  // gradients are all done, then lets the ones in flight progress (CollectiveWork::progress);
+  // finish_step starts the rest, waits for every bucket, and says whether any rank asked to stop.
+  // all_reduce(comm, stop) is start_step then finish_step. With device gradients staged through
+  // host memory (a host communicator) nothing starts before finish_step. Errors: as all_reduce;
+  // kFailedPrecondition for start_step twice or finish_step without start_step.
+  [[nodiscard]] Status start_step(Communicator& comm, bool stop_requested);
+  [[nodiscard]] Status gradients_ready(const std::vector<Parameter*>& params);
+  [[nodiscard]] Result<bool> finish_step();
+  // Whether the current step has started a collective: its gradients can no longer be redone
+  // (out-of-memory recovery must not rerun the step).
+  bool started_any() const { return comm_ != nullptr && !work_.empty(); }
+  // Disarms a step that started no collective (before a rerun of the step).
+  void cancel_step() {
+    if (work_.empty()) comm_ = nullptr;
+  }
+
   size_t bucket_count() const { return buckets_.size(); }
   int64_t elements() const { return flat_.numel(); }  // gradient elements + 1 (the stop flag)
-  double seconds() const { return seconds_; }          // wall time spent in all_reduce, total
+  // Wall time the trainer spent in these calls (starting, progressing and waiting for the
+  // collectives), total: the communication that backward did not hide.
+  double seconds() const { return seconds_; }
 
  private:
   struct Bucket {
@@ -66,6 +91,15 @@ class GradientBuckets {
   Backend* device_ = nullptr;  // flat_'s backend when flat_ is not a host tensor
   Tensor staging_;             // host copy of flat_ for a host communicator (made on first use)
   std::vector<Bucket> buckets_;
+  std::unordered_map<const Parameter*, std::pair<size_t, size_t>> index_;  // -> (bucket, ordinal)
+  // The step in progress (between start_step and finish_step).
+  [[nodiscard]] Status launch(size_t bucket);
+  Communicator* comm_ = nullptr;
+  bool staged_ = false, stop_requested_ = false;
+  std::vector<bool> done_;          // per parameter ordinal: its gradient is complete
+  std::vector<int64_t> remaining_;  // per bucket: parameters not yet complete
+  size_t next_ = 0;                 // the next bucket to start
+  std::vector<std::unique_ptr<CollectiveWork>> work_;
   double seconds_ = 0;
 };
 

@@ -106,8 +106,9 @@ int run_main(int argc, char** argv) {
   int vit_heads = 0;
   std::string vit_pool, backend = "cpu";
   app.add_option("--backend", backend, "Where the encoder runs: cpu (oneDNN; CNNs on the fused inference path), "
-                                       "cuda (GPU 0; built with CUDA), reference, reference-sim (CNNs there on the "
-                                       "training engine's inference forward)")
+                                       "cuda (GPU 0; built with CUDA), auto (cuda when a GPU is present, else cpu), "
+                                       "reference, reference-sim (CNNs there on the training engine's inference "
+                                       "forward)")
       ->capture_default_str();
   app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
       ->check(CLI::Range(1, 1024));
@@ -206,6 +207,7 @@ int run_main(int argc, char** argv) {
       auto made = slide::train::make_backend(backend);
       if (!made.ok()) return fail(slide::core::invalid_argument("--backend " + backend + ": " + made.status().message()));
       be = std::move(*made);
+      if (be->name() == "cpu") be.reset();  // auto without a GPU: the fused cpu path
     }
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());

@@ -139,7 +139,7 @@ int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& 
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
   std::vector<float> probs;
   std::unique_ptr<FeatureExtractor> extractor;
-  if (fused && backend == "cpu") {
+  if (fused && (*be)->name() == "cpu") {
     auto ex = FeatureExtractor::create(**model, "fc");
     if (ex.ok()) extractor = std::move(*ex);
     else if (ex.status().code() == slide::core::StatusCode::kUnimplemented)
@@ -296,8 +296,9 @@ int run_main(int argc, char** argv) {
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
   app.add_option("--backend", backend,
-                 "cpu (oneDNN) | cuda (one GPU; built with CUDA) | reference | reference-sim (the reference "
-                 "backend on a simulated device: tests the device paths without a GPU)")
+                 "cpu (oneDNN) | cuda (one GPU; built with CUDA) | auto (cuda when a GPU is present, else cpu) | "
+                 "reference | reference-sim (the reference backend on a simulated device: tests the device paths "
+                 "without a GPU)")
       ->capture_default_str();
   app.add_option("--device", device,
                  "The GPU for --backend cuda (default: the launcher's node-local rank, from mpirun's or srun's "
@@ -549,7 +550,7 @@ int run_main(int argc, char** argv) {
   if (sync_bn && comm->world_size() > 1) run.model->set_batch_norm_sync(comm.get());
   slide::core::log_info("training", {{"ranks", comm->world_size()}, {"dist", comm->name()}, {"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
-                                     {"steps_per_epoch", steps_per_epoch}, {"backend", backend}});
+                                     {"steps_per_epoch", steps_per_epoch}, {"backend", (*be)->name()}});
   for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
     TrainOptions to;
     to.batch_size = batch;

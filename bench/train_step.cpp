@@ -37,15 +37,20 @@ int main(int argc, char** argv) {
     return 1;
   }
   (*net)->set_input_gradient(false);  // as the trainer does: the input is data
+  // On a device backend (cuda, reference-sim) the model, optimizer state and batch live there, as
+  // in slide-train.
+  if (Status s = move_to_device(**be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
+  Allocator& alloc = (*be)->allocator();
   std::vector<Parameter*> params;
   (*net)->collect("", &params, nullptr);
-  auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());
-  Tensor x = *Tensor::empty({batch, 3, size, size}, DType::kF32, cpu_allocator());
-  Tensor y = *Tensor::empty({batch}, DType::kI32, cpu_allocator());
+  auto opt = Optimizer::make(OptimizerConfig{}, params, alloc);
+  Tensor hx = *Tensor::empty({batch, 3, size, size}, DType::kF32, cpu_allocator());
+  Tensor hy = *Tensor::empty({batch}, DType::kI32, cpu_allocator());
   std::mt19937_64 rng(0);
   std::normal_distribution<float> n01;
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = n01(rng);
-  for (int64_t i = 0; i < batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(i % classes);
+  for (int64_t i = 0; i < hx.numel(); ++i) hx.data<float>()[i] = n01(rng);
+  for (int64_t i = 0; i < batch; ++i) hy.data<int32_t>()[i] = static_cast<int32_t>(i % classes);
+  Tensor x = *to_device(**be, hx, "images"), y = *to_device(**be, hy, "labels");
   std::vector<double> times;
   for (int s = 0; s <= steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -55,12 +60,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", logits.status().to_string().c_str());
       return 1;
     }
-    Tensor probs = *Tensor::empty(logits->shape(), DType::kF32, cpu_allocator());
-    Tensor dlogits = *Tensor::empty(logits->shape(), DType::kF32, cpu_allocator());
+    Tensor probs = *Tensor::empty(logits->shape(), DType::kF32, alloc);
+    Tensor dlogits = *Tensor::empty(logits->shape(), DType::kF32, alloc);
     double loss = 0;
     if (!(*be)->softmax_cross_entropy_forward(*logits, y, Tensor(), 0, probs, &loss).ok() ||
         !(*be)->softmax_cross_entropy_backward(probs, y, Tensor(), 0, dlogits).ok() ||
-        !(*net)->backward(**be, dlogits).ok() || !(*opt)->step(**be, 0.01).ok()) {
+        !(*net)->backward(**be, dlogits).ok() || !(*opt)->step(**be, 0.01).ok() || !(*be)->synchronize().ok()) {
       std::fprintf(stderr, "step failed\n");
       return 1;
     }
@@ -71,6 +76,6 @@ int main(int argc, char** argv) {
   const double med = timed[timed.size() / 2];
   std::printf("mode=train model=%s batch=%lld size=%lld images_per_s=%.2f peak_tensor_mb=%zu\n", model.c_str(),
               static_cast<long long>(batch), static_cast<long long>(size), static_cast<double>(batch) / med,
-              cpu_allocator().peak_bytes() >> 20);
+              alloc.peak_bytes() >> 20);
   return 0;
 }

@@ -12,3 +12,6 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDE_WARNINGS_
 cmake --build build -j"$(nproc)"
 ctest --test-dir build -L gpu --output-on-failure
 ctest --test-dir build -R cuda_check --output-on-failure
+# The GPU benchmark: compute-only and end-to-end slide-train, the PyTorch peer when importable,
+# slide-embed (bench/gpu_bench.sh; figures for the notes).
+bench/gpu_bench.sh

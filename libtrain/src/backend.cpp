@@ -25,6 +25,14 @@ constexpr const char* kBuilt = "reference, reference-sim, cpu";
 }  // namespace
 
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device) {
+  if (name == "auto") {
+    // cuda when this build has it and a device answers, else cpu.
+#if defined(SLIDE_WITH_CUDA)
+    if (auto count = cuda::usable_device_count(); count.ok() && *count > 0) return make_backend("cuda", device);
+#endif
+    if (device >= 0) return slide::core::invalid_argument("--device " + std::to_string(device) + ": no CUDA device here");
+    return make_backend("cpu");
+  }
   if (device >= 0 && name != "cuda")
     return slide::core::invalid_argument("--device " + std::to_string(device) + " is for --backend cuda, not " + name);
   if (name == "reference") return make_reference_backend(cpu_allocator());

@@ -242,6 +242,10 @@ TEST_CASE("make_backend: unknown names list what is built") {
   auto d = make_backend("cpu", 0);
   CHECK(d.status().code() == StatusCode::kInvalidArgument);
   CHECK(d.status().message().find("--device 0 is for --backend cuda, not cpu") != std::string::npos);
+  auto a = make_backend("auto");  // cuda where a GPU answers, else cpu
+  REQUIRE(a.ok());
+  CHECK(((*a)->name() == "cpu" || (*a)->name() == "cuda"));
+  if ((*a)->name() == "cpu") CHECK(make_backend("auto", 1).status().code() == StatusCode::kInvalidArgument);
   auto c = make_backend("cuda");
   if (!c.ok())
     CHECK((c.status().code() == StatusCode::kUnavailable || c.status().code() == StatusCode::kNotFound));

@@ -250,6 +250,7 @@ class Backend {
 // The backends this build has: "reference" and "reference-sim" (the reference backend on the
 // simulated device, Device::kSim: for tests of the device paths) always; "cpu" (oneDNN) and
 // "cuda" when built.
+// "auto": cuda when built and a device is present, else cpu (Backend::name() says which).
 // `device` (cuda only; -1: unset) is the GPU to open; unset, the launcher's node-local rank picks it
 // (select_device, device_select.h), else GPU 0.
 // Errors: kNotFound naming the backend and listing the built ones; for cuda, kUnavailable (no

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend_options.h"
 #include "slide/cache/bag.h"
 #include "slide/core/csv.h"
 #include "slide/core/dir_lock.h"
@@ -105,11 +106,10 @@ int run_main(int argc, char** argv) {
                                    "ViT-L/16 with layer scale)");
   int vit_heads = 0;
   std::string vit_pool, backend = "cpu";
-  app.add_option("--backend", backend, "Where the encoder runs: cpu (oneDNN; CNNs on the fused inference path), "
-                                       "cuda (GPU 0; built with CUDA), auto (cuda when a GPU is present, else cpu), "
-                                       "reference, reference-sim (CNNs there on the training engine's inference "
-                                       "forward)")
-      ->capture_default_str();
+  int device = -1;
+  slide::apps::add_backend_options(app, &backend, &device,
+                                   " (CNNs: the fused oneDNN path on cpu, the training engine's inference forward on "
+                                   "the others)");
   app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--pool", vit_pool, "ViT: features from the class token (token, the default), the mean of the patch "
@@ -181,7 +181,7 @@ int run_main(int argc, char** argv) {
   slide::train::EmbedModel loaded;
   if (slide::train::is_vit_preset(model)) {
     if (!layer.empty()) return fail(slide::core::invalid_argument("--layer applies to CNNs; a ViT takes --pool"));
-    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, backend);
+    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, backend, device);
     if (!vit.ok()) return fail(vit.status());
     auto sha = slide::train::sha256_file(weights);
     if (!sha.ok()) return fail(sha.status());
@@ -204,8 +204,8 @@ int run_main(int argc, char** argv) {
     // The backend first: one that cannot start (no GPU, a build without CUDA) is a usage error.
     std::unique_ptr<slide::train::Backend> be;
     if (backend != "cpu") {
-      auto made = slide::train::make_backend(backend);
-      if (!made.ok()) return fail(slide::core::invalid_argument("--backend " + backend + ": " + made.status().message()));
+      auto made = slide::apps::open_backend(backend, device);
+      if (!made.ok()) return fail(made.status());
       be = std::move(*made);
       if (be->name() == "cpu") be.reset();  // auto without a GPU: the fused cpu path
     }

@@ -34,6 +34,7 @@
 #include "slide/train/data_parallel.h"
 #include "slide/train/embed.h"
 #include "slide/train/trainer.h"
+#include "backend_options.h"
 #include "train_common.h"
 #include "slide_train_mil.h"
 #include "slide_train_dist.h"
@@ -78,13 +79,7 @@ Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t 
   return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
 }
 
-// The backend named by --backend (and --device). A device backend that cannot start (a build
-// without CUDA, no driver, no device) is a usage error naming the reason, as is an unknown name.
-Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int device) {
-  auto be = make_backend(name, device);
-  if (!be.ok()) return slide::core::invalid_argument("--backend " + name + ": " + be.status().message());
-  return be;
-}
+using slide::apps::open_backend;
 
 struct Run {
   std::unique_ptr<Sequential> model;
@@ -254,9 +249,7 @@ int run_main(int argc, char** argv) {
                  "Logits through the training engine's forward instead of the fused inference path "
                  "(batch norm folded, ReLU fused; the default on --backend cpu)");
   // The backend of evaluate (also accepted before `evaluate`, as an option of slide-train).
-  eval->add_option("--backend", backend, "cpu (oneDNN) | cuda | reference | reference-sim");
-  eval->add_option("--device", device, "The GPU for --backend cuda (default: the launcher's local rank, else 0)")
-      ->check(CLI::NonNegativeNumber);
+  slide::apps::add_backend_options(*eval, &backend, &device);
   slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
   slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
@@ -295,15 +288,7 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(number_option("val-fraction"));
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
-  app.add_option("--backend", backend,
-                 "cpu (oneDNN) | cuda (one GPU; built with CUDA) | auto (cuda when a GPU is present, else cpu) | "
-                 "reference | reference-sim (the reference backend on a simulated device: tests the device paths "
-                 "without a GPU)")
-      ->capture_default_str();
-  app.add_option("--device", device,
-                 "The GPU for --backend cuda (default: the launcher's node-local rank, from mpirun's or srun's "
-                 "environment, else 0)")
-      ->check(CLI::NonNegativeNumber);
+  slide::apps::add_backend_options(app, &backend, &device);
   app.add_option("--memory-budget", budget,
                  "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
                  "cuda); exceeding it is an error, recovered by smaller micro-batches");

@@ -1,0 +1,34 @@
+// --backend and --device, as slide-train, slide-train evaluate and slide-embed take them, and the
+// backend they name opened with one rule: one that cannot start (an unknown name, a build without
+// CUDA, no driver, no device) is a usage error naming the reason (kInvalidArgument: exit 2).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+
+#include "slide/train/backend.h"
+
+namespace slide::apps {
+
+inline constexpr const char* kBackendHelp =
+    "cpu (oneDNN) | cuda (one GPU; built with CUDA) | auto (cuda when a GPU answers, else cpu) | reference | "
+    "reference-sim (the reference backend on a simulated device: the device paths without a GPU)";
+
+// Adds --backend (into *backend, its default kept) and --device (into *device, -1 when unset) to `app`.
+inline void add_backend_options(CLI::App& app, std::string* backend, int* device, const std::string& extra_help = "") {
+  app.add_option("--backend", *backend, std::string(kBackendHelp) + extra_help)->capture_default_str();
+  app.add_option("--device", *device,
+                 "The GPU for --backend cuda (default: the launcher's node-local rank, from mpirun's or srun's "
+                 "environment, else 0)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(const std::string& name, int device) {
+  auto be = slide::train::make_backend(name, device);
+  if (!be.ok()) return slide::core::invalid_argument("--backend " + name + ": " + be.status().message());
+  return be;
+}
+
+}  // namespace slide::apps

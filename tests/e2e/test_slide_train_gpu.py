@@ -137,6 +137,36 @@ class TestGpuTrain(unittest.TestCase):
             self.assertLess(float(np.abs(a - b).max()), 1e-4 * max(float(np.abs(b).max()), 1e-6))
 
 
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return len([l for l in out.splitlines() if l.strip()])
+
+
+class TestGpuRanks(unittest.TestCase):
+    def test_two_gpus_over_nccl_equal_one_gpu_with_two_micro_batches(self):
+        mpiexec = os.environ.get("SLIDE_MPIEXEC", "")
+        if gpu_count() < 2 or not mpiexec:
+            self.skipTest("needs two GPUs and mpirun (SLIDE_MPIEXEC)")
+        one, two = os.path.join(TMP, "nccl_one"), os.path.join(TMP, "nccl_two")
+        r = train(one, "--epochs", "2", "--accumulate", "2")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
+                "--dist", "nccl"]
+        r = subprocess.run([mpiexec, "-np", "2"] + args, capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("ranks=2", r.stderr)
+        self.assertIn("dist=nccl", r.stderr)
+        a, b = weights(one, 2), weights(two, 2)
+        for k in a:  # the same sums in another order (NCCL's ring): float rounding only
+            scale = max(float(np.abs(a[k]).max()), 1e-6)
+            self.assertLessEqual(float(np.abs(a[k] - b[k]).max()), 1e-4 * scale, k)
+
+
 def main():
     r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", STORE, "-q"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "kernels/formulas.h"
 #include "slide/core/file.h"
 
 namespace slide::train {
@@ -19,12 +20,22 @@ const char* st_dtype(DType t) {
     case DType::kF64: return "F64";
     case DType::kI32: return "I32";
     case DType::kU8: return "U8";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
   }
   return "?";
 }
 
-// The index of the first NaN or inf element of a f32 / f64 tensor, or -1 (other dtypes: -1).
+// The index of the first NaN or inf element of a floating tensor (f32, f64, f16, bf16), or -1
+// (other dtypes: -1).
 int64_t first_non_finite(const Tensor& t) {
+  if (t.dtype() == DType::kF16 || t.dtype() == DType::kBF16) {
+    const uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const float v = t.dtype() == DType::kF16 ? formulas::f16_to_f32(p[i]) : formulas::bf16_to_f32(p[i]);
+      if (!std::isfinite(v)) return i;
+    }
+  }
   if (t.dtype() == DType::kF32) {
     const float* p = t.data<float>();
     for (int64_t i = 0; i < t.numel(); ++i)
@@ -119,7 +130,10 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
       }
       std::memcpy(host.raw(), bytes.data() + base + off[0], t->bytes());
       if (const int64_t bad = first_non_finite(host); bad >= 0) {
-        const double v = host.dtype() == DType::kF32 ? static_cast<double>(host.data<float>()[bad]) : host.data<double>()[bad];
+        const double v = host.dtype() == DType::kF64   ? host.data<double>()[bad]
+                         : host.dtype() == DType::kF32 ? static_cast<double>(host.data<float>()[bad])
+                         : host.dtype() == DType::kF16 ? static_cast<double>(formulas::f16_to_f32(host.data<uint16_t>()[bad]))
+                                                       : static_cast<double>(formulas::bf16_to_f32(host.data<uint16_t>()[bad]));
         std::memset(host.raw(), 0, host.bytes());  // never left holding the file's non-finite values
         return slide::core::data_loss(path + ": tensor '" + name + "' holds " + (std::isnan(v) ? "NaN" : "inf") +
                                       " (element " + std::to_string(bad) + " of " + shape_string(shape) +

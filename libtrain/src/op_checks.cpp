@@ -257,6 +257,24 @@ Result<MatmulDims> validate_matmul(const Tensor& a, bool transpose_a, const Tens
   return d;
 }
 
+Status validate_cast(const Tensor& x, const Tensor& y, DTypes dtypes) {
+  if (!x.defined() || !y.defined() || x.shape() != y.shape())
+    return invalid_argument("cast: x " + (x.defined() ? shape_string(x.shape()) : std::string("undefined")) +
+                            " and y " + (y.defined() ? shape_string(y.shape()) : std::string("undefined")) + " differ");
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"x", &x}, {"y", &y}}) {
+    if (t->device() != dtypes.device)
+      return invalid_argument(std::string("cast: ") + name + " is on " + device_name(t->device()) +
+                              ", this backend's tensors are on " + device_name(dtypes.device));
+    if (t->layout() != Layout::kPlain)
+      return invalid_argument(std::string("cast: ") + name + " is in the " + layout_name(t->layout()) + " layout");
+    const DType d = t->dtype();
+    if (!(d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 || (d == DType::kF64 && dtypes.f64)))
+      return slide::core::unimplemented(std::string("cast: ") + name + " is " + dtype_name(d) +
+                                        "; casts are between f32, f16 and bf16" + (dtypes.f64 ? " (and f64)" : ""));
+  }
+  return ok_status();
+}
+
 // --- Vision Transformer ops ---
 Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                        const Tensor& y, DTypes dtypes) {

@@ -84,6 +84,9 @@ struct MatmulDims {
 
 // Backend::upload / download: `host` a plain tensor in host memory, `dev` a plain tensor on
 // `device`, same shape and dtype; `op` names the transfer in the message.
+// cast: x and y of one shape, plain, on the backend's device, each f32, f16 or bf16 (or f64 where
+// the backend has it).
+[[nodiscard]] Status validate_cast(const Tensor& x, const Tensor& y, DTypes dtypes);
 [[nodiscard]] Status validate_transfer(const char* op, const Tensor& host, const Tensor& dev, Device device);
 
 // --- Vision Transformer ops ---

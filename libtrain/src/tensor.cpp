@@ -14,6 +14,8 @@ size_t dtype_size(DType t) {
     case DType::kF64: return 8;
     case DType::kI32: return 4;
     case DType::kU8: return 1;
+    case DType::kF16: return 2;
+    case DType::kBF16: return 2;
   }
   return 0;
 }
@@ -24,6 +26,8 @@ const char* dtype_name(DType t) {
     case DType::kF64: return "f64";
     case DType::kI32: return "i32";
     case DType::kU8: return "u8";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
   }
   return "?";
 }

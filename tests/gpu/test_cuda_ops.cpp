@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -320,6 +321,35 @@ TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward
   OK(gpu().permute(Q, {2, 0, 3, 1, 4}, PT));
   down(PT, p.f);
   compare("permute", p, 1e-7);
+}
+
+TEST_CASE("cuda vs reference: cast f32 <-> f16 / bf16, bit for bit (the same formulas)") {
+  Pair x = make({100003}, 43, -70000, 70000);  // beyond f16's range at both ends: inf
+  x.f.data<float>()[7] = std::numeric_limits<float>::quiet_NaN();
+  x.f.data<float>()[8] = 1e-7f;  // an f16 subnormal
+  for (DType half : {DType::kF16, DType::kBF16}) {
+    CAPTURE(dtype_name(half));
+    auto want = Tensor::empty(x.f.shape(), half, cpu_allocator(), "want");
+    auto got = Tensor::empty(x.f.shape(), half, cpu_allocator(), "got");
+    auto dev = Tensor::empty(x.f.shape(), half, gpu().allocator(), "device half");
+    REQUIRE(want.ok());
+    REQUIRE(got.ok());
+    REQUIRE(dev.ok());
+    OK(ref().cast(x.f, *want));
+    OK(gpu().cast(up(x.f), *dev));
+    down(*dev, *got);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < x.f.numel(); ++i) differ += want->data<uint16_t>()[i] != got->data<uint16_t>()[i];
+    CHECK(differ == 0);
+    Tensor back = up(x.f);
+    OK(gpu().cast(*dev, back));
+    Pair b = make(x.f.shape());
+    down(back, b.f);
+    auto ref_back = Tensor::empty(x.f.shape(), DType::kF32, cpu_allocator(), "ref back");
+    REQUIRE(ref_back.ok());
+    OK(ref().cast(*want, *ref_back));
+    CHECK(std::memcmp(ref_back->raw(), b.f.raw(), b.f.bytes()) == 0);
+  }
 }
 
 TEST_CASE("cuda vs reference: sum of squares (the optimizer's gradient check), NaN and inf propagate") {

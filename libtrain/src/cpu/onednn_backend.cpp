@@ -417,6 +417,7 @@ class OneDnnBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(plain_f32("gelu_backward", {&x, &dy, &dx}));
     return loops_->gelu_backward(x, dy, dx);
   }
+  Status cast(const Tensor& x, Tensor& y) override { return loops_->cast(x, y); }  // plain tensors only
   Status sum_of_squares(const Tensor& x, double* out) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("sum_of_squares", {&x}));
     return loops_->sum_of_squares(x, out);

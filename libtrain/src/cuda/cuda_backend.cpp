@@ -366,6 +366,14 @@ class CudaBackend final : public Backend {
   Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
     return unary_grad("gelu_backward", UnaryGrad::kGelu, x, dy, dx);
   }
+  Status cast(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_cast(x, y, kDTypes));
+    auto type = [](DType d) {
+      return d == DType::kF16 ? CastType::kF16 : d == DType::kBF16 ? CastType::kBF16 : CastType::kF32;
+    };
+    SLIDE_CUDA_CHECK(launch_cast(x.raw(), type(x.dtype()), y.raw(), type(y.dtype()), x.numel(), st_->stream));
+    return ok_status();
+  }
   Status sum_of_squares(const Tensor& x, double* out) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", x, x, nullptr, kDTypes));
     *out = 0;

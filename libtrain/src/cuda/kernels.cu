@@ -314,6 +314,25 @@ __global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* lab
 }
 
 // --- Vision Transformer ops ---
+__device__ float cast_load(const void* x, CastType t, int64_t i) {
+  switch (t) {
+    case CastType::kF16: return fm::f16_to_f32(static_cast<const uint16_t*>(x)[i]);
+    case CastType::kBF16: return fm::bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+    default: return static_cast<const float*>(x)[i];
+  }
+}
+
+__global__ void cast_kernel(const void* x, CastType from, void* y, CastType to, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    const float v = cast_load(x, from, i);
+    switch (to) {
+      case CastType::kF16: static_cast<uint16_t*>(y)[i] = fm::f32_to_f16(v); break;
+      case CastType::kBF16: static_cast<uint16_t*>(y)[i] = fm::f32_to_bf16(v); break;
+      default: static_cast<float*>(y)[i] = v; break;
+    }
+  }
+}
+
 __global__ void sum_of_squares_partial_kernel(const float* x, int64_t n, double* partial) {
   __shared__ double shared[kBlock];
   double local = 0;
@@ -455,6 +474,9 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
   if (e != cudaSuccess) return e;
   return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sum,
                             dlogits, C, N * C);
+}
+cudaError_t launch_cast(const void* x, CastType from, void* y, CastType to, int64_t n, cudaStream_t stream) {
+  return launch_grid_stride(n, stream, cast_kernel, x, from, y, to, n);
 }
 cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* partial, int64_t blocks, double* out,
                                   cudaStream_t stream) {

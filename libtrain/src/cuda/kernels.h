@@ -74,6 +74,10 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
                                           double smoothing, float* dlogits, double* weight_sum, int* bad_label,
                                           int64_t N, int64_t C, cudaStream_t stream);
 
+// y = x converted between f32, f16 and bf16 (kernels/formulas.h), n elements; storage as the
+// types say (f32: float; f16 / bf16: uint16_t bit patterns).
+enum class CastType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+cudaError_t launch_cast(const void* x, CastType from, void* y, CastType to, int64_t n, cudaStream_t stream);
 // out[0] = sum of x_i^2 over n elements, in double: `blocks` blocks (at most kSumOfSquaresBlocks)
 // write their partial sums to partial[0 .. blocks), then one block adds them (a fixed tree: the
 // same inputs give the same bits on every run). partial holds `blocks` doubles, out one.

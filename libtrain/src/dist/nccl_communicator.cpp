@@ -34,6 +34,8 @@ Result<ncclDataType_t> nccl_type(DType t, const std::string& what) {
     case DType::kF64: return ncclFloat64;
     case DType::kI32: return ncclInt32;
     case DType::kU8: return ncclUint8;
+    case DType::kF16: return ncclFloat16;
+    case DType::kBF16: return ncclBfloat16;
   }
   return slide::core::invalid_argument(what + ": dtype");
 }

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define SLIDE_HD __host__ __device__ inline
@@ -25,6 +26,71 @@
 #endif
 
 namespace slide::train::formulas {
+
+// --- Half precision (backend.h: cast) -------------------------------------------------------------
+// IEEE 754 binary16 (f16: 1 sign, 5 exponent, 10 mantissa bits) and bfloat16 (bf16: the top 16
+// bits of an f32), stored as their bit patterns (uint16_t). Conversions from f32 round to nearest,
+// ties to even (what CUDA's __float2half_rn / __float2bfloat16_rn and PyTorch's .half() /
+// .bfloat16() do); overflow gives inf, NaN stays NaN (quiet); f16 keeps subnormals. Conversions to
+// f32 are exact. The f32 -> f16 path is F. Giesen's float_to_half_fast3_rtne (public domain, 2016):
+// the exponent is rebiased with integer adds, subnormals are rounded by the FPU in one float add.
+
+SLIDE_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+SLIDE_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+SLIDE_HD uint16_t f32_to_f16(float f) {
+  uint32_t x = float_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7FFFFFFFu;
+  uint32_t o;
+  if (x >= 0x47800000u) {  // |f| >= 2^16 (beyond f16's range even after rounding), inf or NaN
+    o = x > 0x7F800000u ? 0x7E00u : 0x7C00u;
+  } else if (x < 0x38800000u) {  // |f| < 2^-14: an f16 subnormal or zero, rounded by one float add
+    const float magic = bits_float(126u << 23);  // 0.5: its ulp is f16's subnormal step, 2^-24
+    o = float_bits(bits_float(x) + magic) - (126u << 23);
+  } else {
+    const uint32_t odd = (x >> 13) & 1u;  // ties to even
+    x += ((15u - 127u) << 23) + 0xFFFu;   // rebias the exponent (wraps as intended), round half down
+    x += odd;
+    o = x >> 13;
+  }
+  return static_cast<uint16_t>(o | sign);
+}
+
+SLIDE_HD float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: mant x 2^-24, exact in f32
+    return bits_float(float_bits(static_cast<float>(mant) * 5.9604644775390625e-8f) | sign);
+  }
+  if (exp == 31) return bits_float(sign | 0x7F800000u | (mant << 13));  // inf, NaN (payload kept)
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+SLIDE_HD uint16_t f32_to_bf16(float f) {
+  uint32_t x = float_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);  // NaN, quiet
+  x += 0x7FFFu + ((x >> 16) & 1u);  // round to nearest, ties to even; a carry may reach inf (overflow)
+  return static_cast<uint16_t>(x >> 16);
+}
+
+SLIDE_HD float bf16_to_f32(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
 // --- Reductions (backend.h: sum_of_squares) -------------------------------------------------------
 // One element's term of the sum of squares, in double (the accumulator's type).

@@ -555,6 +555,32 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  Status cast(const Tensor& x, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_cast(x, y, dtypes_));
+    // Through double: exact for every source (f64 to f32 rounds once, as a static_cast does).
+    auto load = [&](int64_t i) -> double {
+      switch (x.dtype()) {
+        case DType::kF64: return x.ptr<double>()[i];
+        case DType::kF16: return formulas::f16_to_f32(x.ptr<uint16_t>()[i]);
+        case DType::kBF16: return formulas::bf16_to_f32(x.ptr<uint16_t>()[i]);
+        default: return x.ptr<float>()[i];
+      }
+    };
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = load(i);
+      switch (y.dtype()) {
+        case DType::kF64: y.ptr<double>()[i] = v; break;
+        // From f64, round to f32 first: the half formulas take f32 (a double rounding that
+        // cannot change a value that came from f32, f16 or bf16).
+        case DType::kF16: y.ptr<uint16_t>()[i] = formulas::f32_to_f16(static_cast<float>(v)); break;
+        case DType::kBF16: y.ptr<uint16_t>()[i] = formulas::f32_to_bf16(static_cast<float>(v)); break;
+        default: y.ptr<float>()[i] = static_cast<float>(v); break;
+      }
+    }
+    return ok_status();
+  }
+
   Status sum_of_squares(const Tensor& x, double* out) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", x, x, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {

@@ -213,6 +213,11 @@ class Backend {
   [[nodiscard]] virtual Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
     return unimplemented_op("gelu_backward", x, dy, dx);
   }
+  // y = x converted to y's dtype, element by element (same shape; f32, f16, bf16, and f64 on the
+  // reference backend): to f16 / bf16 rounded to nearest, ties to even, overflow to inf, NaN kept
+  // (PyTorch's .half() / .bfloat16()); to f32 exact from f16 / bf16. Formulas:
+  // kernels/formulas.h (f32_to_f16, ...). x and y must not share storage unless the dtypes match.
+  [[nodiscard]] virtual Status cast(const Tensor& x, Tensor& y) { return unimplemented_op("cast", x, y); }
   // *out = sum_i x_i^2 over every element of x (any shape; element order does not matter, so any
   // layout), accumulated in double: the optimizer's check that a gradient is finite (NaN or inf in
   // x makes *out non-finite). A host number: a device backend waits for its result.

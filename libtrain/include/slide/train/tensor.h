@@ -23,8 +23,10 @@
 namespace slide::train {
 
 // kF64 exists for the reference backend's gradient checks (central differences in double).
-// kU8 holds decoded images (the RAM dataset cache).
-enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2, kU8 = 3 };
+// kU8 holds decoded images (the RAM dataset cache). kF16 (IEEE binary16) and kBF16 (bfloat16) are
+// half-precision storage for mixed precision, held as their 16-bit patterns (uint16_t); the
+// `cast` op converts them (kernels/formulas.h: round to nearest, ties to even).
+enum class DType : uint8_t { kF32 = 0, kF64 = 1, kI32 = 2, kU8 = 3, kF16 = 4, kBF16 = 5 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 

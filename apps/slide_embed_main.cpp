@@ -174,6 +174,15 @@ int run_main(int argc, char** argv) {
   opt.tool_version = std::string("slide-embed ") + SLIDE_VERSION;
 
   // One writer per output directory, for the whole run (readers of finished bags need no lock).
+  // The backend before anything is written: one that cannot start (no GPU, a build without CUDA)
+  // is a usage error. cpu (and auto without a GPU) keeps CNNs on the fused path (no backend here).
+  std::unique_ptr<slide::train::Backend> be;
+  if (backend != "cpu") {
+    auto made = slide::apps::open_backend(backend, device);
+    if (!made.ok()) return fail(made.status());
+    be = std::move(*made);
+    if (be->name() == "cpu") be.reset();
+  }
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 
@@ -201,14 +210,6 @@ int run_main(int argc, char** argv) {
   } else {
     if (vit_heads > 0 || !vit_pool.empty())
       return fail(slide::core::invalid_argument("--heads and --pool apply to ViTs (--model vit, vit-b16, vit-l16, uni)"));
-    // The backend first: one that cannot start (no GPU, a build without CUDA) is a usage error.
-    std::unique_ptr<slide::train::Backend> be;
-    if (backend != "cpu") {
-      auto made = slide::apps::open_backend(backend, device);
-      if (!made.ok()) return fail(made.status());
-      be = std::move(*made);
-      if (be->name() == "cpu") be.reset();  // auto without a GPU: the fused cpu path
-    }
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());
     loaded = std::move(*cnn);

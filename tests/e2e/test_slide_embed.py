@@ -222,12 +222,13 @@ class TestEngine(Base):
     def test_cuda_without_a_gpu_is_a_usage_error(self):
         store = self.tile("lc64b", "--patches", LC, "--tile-size", "64")
         _, weights = self.random_weights("resnet18", seed=6)
-        r = self.embed(store, os.path.join(self.tmp, "engine_cuda"), "--weights", weights, "--model", "resnet18",
-                       "--backend", "cuda")
+        out = os.path.join(self.tmp, "engine_cuda")
+        r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--backend", "cuda")
         if r.returncode == 0:
             self.skipTest("a GPU is present")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--backend cuda", r.stderr)
+        self.assertFalse(os.path.exists(out))  # refused before anything is written
 
 
 class TestLayout(Base):

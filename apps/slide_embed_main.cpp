@@ -175,14 +175,10 @@ int run_main(int argc, char** argv) {
 
   // One writer per output directory, for the whole run (readers of finished bags need no lock).
   // The backend before anything is written: one that cannot start (no GPU, a build without CUDA)
-  // is a usage error. cpu (and auto without a GPU) keeps CNNs on the fused path (no backend here).
-  std::unique_ptr<slide::train::Backend> be;
-  if (backend != "cpu") {
-    auto made = slide::apps::open_backend(backend, device);
-    if (!made.ok()) return fail(made.status());
-    be = std::move(*made);
-    if (be->name() == "cpu") be.reset();
-  }
+  // is a usage error.
+  auto opened = slide::apps::open_backend(backend, device);
+  if (!opened.ok()) return fail(opened.status());
+  std::unique_ptr<slide::train::Backend> be = std::move(*opened);
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 
@@ -190,7 +186,7 @@ int run_main(int argc, char** argv) {
   slide::train::EmbedModel loaded;
   if (slide::train::is_vit_preset(model)) {
     if (!layer.empty()) return fail(slide::core::invalid_argument("--layer applies to CNNs; a ViT takes --pool"));
-    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, backend, device);
+    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, std::move(be));
     if (!vit.ok()) return fail(vit.status());
     auto sha = slide::train::sha256_file(weights);
     if (!sha.ok()) return fail(sha.status());
@@ -213,8 +209,9 @@ int run_main(int argc, char** argv) {
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());
     loaded = std::move(*cnn);
-    if (be == nullptr) {
-      // cpu: the fused oneDNN path (batch norm folded, ReLU and residual add fused).
+    if (be->name() == "cpu") {
+      // cpu (also auto without a GPU): the fused oneDNN path (batch norm folded, ReLU and residual
+      // add fused), which needs no backend object.
       auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer);
       if (!extractor.ok()) return fail(extractor.status());
       loaded.net.reset();  // the extractor holds folded copies of the weights

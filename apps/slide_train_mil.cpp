@@ -25,6 +25,7 @@
 #include "slide/tile/tissue.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/mil.h"
+#include "backend_options.h"
 #include "train_common.h"
 
 namespace slide::apps {
@@ -142,6 +143,16 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   return st;
 }
 
+// --backend for attention MIL: opened as the other tools do (backend_options.h), and refused on a
+// device, which MIL does not run on yet (its bags, tallies and attention are read on the host).
+Result<std::unique_ptr<Backend>> open_host_backend(const std::string& name) {
+  SLIDE_ASSIGN_OR_RETURN(auto be, open_backend(name, -1));
+  if (be->device() != Device::kCpu)
+    return slide::core::invalid_argument("--backend " + be->name() +
+                                         ": attention MIL runs on the host backends (cpu, reference) for now");
+  return be;
+}
+
 }  // namespace
 
 void add_mil_options(CLI::App& app, MilOptions* o) {
@@ -203,11 +214,8 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
     cpu_allocator().set_budget_bytes(*b);
   }
-  auto be = make_backend(o.backend);
+  auto be = open_host_backend(o.backend);
   if (!be.ok()) return fail(be.status());
-  if ((*be)->device() != slide::train::Device::kCpu)
-    return fail(slide::core::invalid_argument("--backend " + (*be)->name() +
-                                              ": attention MIL runs on the host backends (cpu, reference) for now"));
   auto ds = BagDataset::open(o.features, o.labels_csv);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   std::vector<size_t> train, val;
@@ -397,11 +405,8 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   auto out_lock = claim_eval_dir(out, overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
-  auto be = make_backend(backend);
+  auto be = open_host_backend(backend);
   if (!be.ok()) return fail(be.status());
-  if ((*be)->device() != slide::train::Device::kCpu)
-    return fail(slide::core::invalid_argument("--backend " + (*be)->name() +
-                                              ": attention MIL runs on the host backends (cpu, reference) for now"));
   auto ds = BagDataset::open(o.features, labels_csv, classes);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   AbmilConfig mc;

@@ -26,15 +26,22 @@ const char* st_dtype(DType t) {
   return "?";
 }
 
+// Element i of a floating host tensor (f32, f64, f16, bf16) as a double.
+double float_element(const Tensor& t, int64_t i) {
+  switch (t.dtype()) {
+    case DType::kF64: return t.data<double>()[i];
+    case DType::kF16: return formulas::f16_to_f32(t.data<uint16_t>()[i]);
+    case DType::kBF16: return formulas::bf16_to_f32(t.data<uint16_t>()[i]);
+    default: return t.data<float>()[i];
+  }
+}
+
 // The index of the first NaN or inf element of a floating tensor (f32, f64, f16, bf16), or -1
 // (other dtypes: -1).
 int64_t first_non_finite(const Tensor& t) {
   if (t.dtype() == DType::kF16 || t.dtype() == DType::kBF16) {
-    const uint16_t* p = t.data<uint16_t>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const float v = t.dtype() == DType::kF16 ? formulas::f16_to_f32(p[i]) : formulas::bf16_to_f32(p[i]);
-      if (!std::isfinite(v)) return i;
-    }
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(float_element(t, i))) return i;
   }
   if (t.dtype() == DType::kF32) {
     const float* p = t.data<float>();
@@ -58,9 +65,7 @@ Status save_safetensors(const std::string& path, const std::vector<NamedTensor>&
   for (const auto& [name, t] : tensors) {
     if (t == nullptr || !t->defined()) return slide::core::invalid_argument(path + ": tensor '" + name + "' is undefined");
     if (!names.insert(name).second) return slide::core::invalid_argument(path + ": duplicate tensor name '" + name + "'");
-    if (t->device() != Device::kCpu && (device == nullptr || device->device() != t->device()))
-      return slide::core::invalid_argument(path + ": tensor '" + name + "' is on " + device_name(t->device()) +
-                                           " and no backend of that device was given to download it");
+    SLIDE_RETURN_IF_ERROR(check_transfer_backend(*t, device, path + ": tensor '" + name + "'"));
     header[name] = {{"dtype", st_dtype(t->dtype())}, {"shape", t->shape()}, {"data_offsets", {offset, offset + t->bytes()}}};
     offset += t->bytes();
   }
@@ -95,9 +100,7 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
   const size_t base = 8 + n;
   for (const auto& [name, t] : into) {
     if (!header.contains(name)) return slide::core::invalid_argument(path + ": no tensor '" + name + "'");
-    if (t->device() != Device::kCpu && (device == nullptr || device->device() != t->device()))
-      return slide::core::invalid_argument(path + ": tensor '" + name + "' is on " + device_name(t->device()) +
-                                           " and no backend of that device was given to upload it");
+    SLIDE_RETURN_IF_ERROR(check_transfer_backend(*t, device, path + ": tensor '" + name + "'"));
     const auto& e = header[name];
     if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
       return slide::core::data_loss(path + ": entry '" + name + "' is malformed");
@@ -130,10 +133,7 @@ Status load_safetensors(const std::string& path, const std::vector<NamedTensor>&
       }
       std::memcpy(host.raw(), bytes.data() + base + off[0], t->bytes());
       if (const int64_t bad = first_non_finite(host); bad >= 0) {
-        const double v = host.dtype() == DType::kF64   ? host.data<double>()[bad]
-                         : host.dtype() == DType::kF32 ? static_cast<double>(host.data<float>()[bad])
-                         : host.dtype() == DType::kF16 ? static_cast<double>(formulas::f16_to_f32(host.data<uint16_t>()[bad]))
-                                                       : static_cast<double>(formulas::bf16_to_f32(host.data<uint16_t>()[bad]));
+        const double v = float_element(host, bad);
         std::memset(host.raw(), 0, host.bytes());  // never left holding the file's non-finite values
         return slide::core::data_loss(path + ": tensor '" + name + "' holds " + (std::isnan(v) ? "NaN" : "inf") +
                                       " (element " + std::to_string(bad) + " of " + shape_string(shape) +

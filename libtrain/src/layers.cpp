@@ -335,12 +335,8 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   // mask depends on its position only, not on how the step is split into micro-batches or ranks.
   // On a device backend it is uploaded (one copy of x's size per Dropout and step; the classifier
   // head's dropout is [N, features], small beside the activations).
-  Tensor host_mask;
-  if (be.device() == Device::kCpu) {
-    SLIDE_ASSIGN_OR_RETURN(host_mask, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout mask"));
-  } else {
-    SLIDE_ASSIGN_OR_RETURN(host_mask, Tensor::empty(x.shape(), x.dtype(), cpu_allocator(), "dropout mask (host)"));
-  }
+  Allocator& host_alloc = be.device() == Device::kCpu ? be.allocator() : cpu_allocator();
+  SLIDE_ASSIGN_OR_RETURN(Tensor host_mask, Tensor::empty(x.shape(), x.dtype(), host_alloc, "dropout mask"));
   std::bernoulli_distribution keep(1.0 - p_);
   const double scale = 1.0 / (1.0 - p_);
   const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;

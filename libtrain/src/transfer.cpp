@@ -39,6 +39,13 @@ Status Backend::download(const Tensor& src, Tensor& host) {
   return slide::core::ok_status();
 }
 
+Status check_transfer_backend(const Tensor& t, const Backend* device, const std::string& what) {
+  if (t.device() == Device::kCpu || (device != nullptr && device->device() == t.device()))
+    return slide::core::ok_status();
+  return slide::core::invalid_argument(what + " is on " + device_name(t.device()) +
+                                       " and no backend of that device was given to copy it");
+}
+
 Result<Tensor> to_host(Backend& be, const Tensor& t, const std::string& what) {
   if (!t.defined() || t.device() == Device::kCpu) return t;
   SLIDE_ASSIGN_OR_RETURN(Tensor host, Tensor::empty(t.shape(), t.dtype(), cpu_allocator(), what));

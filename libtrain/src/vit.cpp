@@ -317,7 +317,8 @@ bool is_vit_preset(const std::string& model) {
 }
 
 Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights, const std::string& preset, int heads,
-                                                     const std::string& pool, const std::string& backend, int device) {
+                                                     const std::string& pool, std::unique_ptr<Backend> be) {
+  if (be == nullptr) return invalid_argument("ViT encoder: no backend");
   if (!is_vit_preset(preset))
     return invalid_argument("unknown ViT preset '" + preset + "' (vit, vit-b16, vit-l16, uni, uni2-h, virchow2)");
   // What each preset is (vit.h, with sources); "vit" takes what the file says.
@@ -359,7 +360,7 @@ Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights,
                               " (use --model vit for another ViT)");
   }
   auto enc = std::unique_ptr<VitEncoder>(new VitEncoder());
-  SLIDE_ASSIGN_OR_RETURN(enc->be_, make_backend(backend, device));
+  enc->be_ = std::move(be);
   SLIDE_ASSIGN_OR_RETURN(enc->vit_, VisionTransformer::create(*enc->be_, c));
   SLIDE_RETURN_IF_ERROR(enc->vit_->load(weights));
   enc->layer_ = c.pool == VitPool::kToken ? "token" : c.pool == VitPool::kMean ? "mean" : "token+mean";

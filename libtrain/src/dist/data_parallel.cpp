@@ -53,7 +53,6 @@ Status GradientBuckets::start_step(Communicator& comm, bool stop_requested) {
   if (comm_ != nullptr) return slide::core::failed_precondition("gradient buckets: a step is already started");
   const auto t0 = std::chrono::steady_clock::now();
   comm_ = &comm;
-  const int64_t n = flat_.numel();
   // Where the all-reduce runs: flat_ itself (host gradients; or device gradients and a
   // communicator of that device, NCCL), else a host copy (device gradients, MPI), made whole in
   // finish_step (no overlap then).
@@ -63,16 +62,7 @@ Status GradientBuckets::start_step(Communicator& comm, bool stop_requested) {
                                                    "flat gradient buffer (host staging)"));
   }
   stop_requested_ = stop_requested;
-  if (device_ != nullptr && !staged_) {
-    // The stop flag into the device buffer (ordered before the collectives on the device's stream,
-    // which each launch synchronises).
-    SLIDE_ASSIGN_OR_RETURN(Tensor flag, Tensor::empty({1}, DType::kF32, cpu_allocator(), "stop flag"));
-    flag.data<float>()[0] = stop_requested ? 1.0f : 0.0f;
-    SLIDE_ASSIGN_OR_RETURN(Tensor last, flat_.view(n - 1, {1}));
-    SLIDE_RETURN_IF_ERROR(device_->upload(flag, last));
-  } else if (!staged_) {
-    flat_.data<float>()[n - 1] = stop_requested ? 1.0f : 0.0f;
-  }
+  if (!staged_) SLIDE_RETURN_IF_ERROR(write_stop_flag());  // staged: after finish_step's download
   done_.assign(index_.size(), false);
   remaining_.clear();
   for (const Bucket& bk : buckets_) remaining_.push_back(static_cast<int64_t>(bk.params.size()));
@@ -80,6 +70,32 @@ Status GradientBuckets::start_step(Communicator& comm, bool stop_requested) {
   work_.clear();
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return slide::core::ok_status();
+}
+
+Tensor& GradientBuckets::reduced() { return staged_ ? staging_ : flat_; }
+
+Status GradientBuckets::write_stop_flag() {
+  Tensor& buf = reduced();
+  const int64_t last = buf.numel() - 1;
+  const float v = stop_requested_ ? 1.0f : 0.0f;
+  if (buf.device() == Device::kCpu) {
+    buf.data<float>()[last] = v;
+    return slide::core::ok_status();
+  }
+  // Into the device buffer, ordered before the collectives (each launch synchronises the backend).
+  SLIDE_ASSIGN_OR_RETURN(Tensor flag, Tensor::empty({1}, DType::kF32, cpu_allocator(), "stop flag"));
+  flag.data<float>()[0] = v;
+  SLIDE_ASSIGN_OR_RETURN(Tensor slot, buf.view(last, {1}));
+  return device_->upload(flag, slot);
+}
+
+Result<float> GradientBuckets::read_stop_flag() {
+  Tensor& buf = reduced();
+  const int64_t last = buf.numel() - 1;
+  if (buf.device() == Device::kCpu) return buf.data<float>()[last];
+  SLIDE_ASSIGN_OR_RETURN(Tensor slot, buf.view(last, {1}));
+  SLIDE_ASSIGN_OR_RETURN(Tensor flag, to_host(*device_, slot, "stop flag"));
+  return flag.data<float>()[0];
 }
 
 Status GradientBuckets::launch(size_t b) {
@@ -94,7 +110,7 @@ Status GradientBuckets::launch(size_t b) {
   // (backward up to here) finishes first.
   if (device_ != nullptr && !staged_) SLIDE_RETURN_IF_ERROR(device_->synchronize());
   // The communicator's buffer: a host pointer, or a device one that only the communicator reads.
-  float* flat = staged_ ? staging_.data<float>() : flat_.ptr<float>();
+  float* flat = reduced().ptr<float>();
   SLIDE_ASSIGN_OR_RETURN(auto w, comm_->all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,
                                                          "all-reduce of gradient bucket " + std::to_string(b + 1) +
                                                              " of " + std::to_string(buckets_.size()) + " (" +
@@ -125,7 +141,6 @@ Status GradientBuckets::gradients_ready(const std::vector<Parameter*>& params) {
 Result<bool> GradientBuckets::finish_step() {
   if (comm_ == nullptr) return slide::core::failed_precondition("gradient buckets: finish_step without start_step");
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t n = flat_.numel();
   // The step ends here, whatever happens below (an error leaves the gradients undefined).
   struct EndStep {
     GradientBuckets* g;
@@ -136,24 +151,15 @@ Result<bool> GradientBuckets::finish_step() {
   } end_step{this};
   if (staged_) {
     SLIDE_RETURN_IF_ERROR(device_->download(flat_, staging_));
-    staging_.data<float>()[n - 1] = stop_requested_ ? 1.0f : 0.0f;
+    SLIDE_RETURN_IF_ERROR(write_stop_flag());
   }
   Status st;
   for (; next_ < buckets_.size() && st.ok(); ++next_) st = launch(next_);
   for (auto& w : work_)
     if (st.ok()) st = w->wait();
   SLIDE_RETURN_IF_ERROR(st);
-  float stop = 0;
-  if (staged_) {
-    SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));
-    stop = staging_.data<float>()[n - 1];
-  } else if (device_ != nullptr) {
-    SLIDE_ASSIGN_OR_RETURN(Tensor last, flat_.view(n - 1, {1}));
-    SLIDE_ASSIGN_OR_RETURN(Tensor flag, to_host(*device_, last, "stop flag"));
-    stop = flag.data<float>()[0];
-  } else {
-    stop = flat_.data<float>()[n - 1];
-  }
+  if (staged_) SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));
+  SLIDE_ASSIGN_OR_RETURN(const float stop, read_stop_flag());
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stop > 0.5f;
 }
@@ -186,9 +192,7 @@ Status broadcast_tensors(Communicator& comm, const std::vector<Tensor*>& tensors
   std::vector<size_t> on_device;
   for (size_t k = 0; k < tensors.size(); ++k) {
     if (tensors[k]->device() == Device::kCpu) continue;
-    if (device == nullptr || device->device() != tensors[k]->device())
-      return slide::core::invalid_argument(what + ": a tensor on " + device_name(tensors[k]->device()) +
-                                           " and no backend of that device to copy it");
+    SLIDE_RETURN_IF_ERROR(check_transfer_backend(*tensors[k], device, what + ": tensor " + std::to_string(k)));
     on_device.push_back(k);
   }
   if (!on_device.empty()) {

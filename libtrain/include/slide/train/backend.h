@@ -243,6 +243,10 @@ class Backend {
 };
 
 // --- Host <-> device helpers (on upload / download) ----------------------------------------------
+// OK when `t` is a host tensor, or `device` is the backend of t's device (so that t can be
+// downloaded or uploaded through it); else kInvalidArgument: "<what> is on <device> and no backend
+// of that device was given to copy it".
+[[nodiscard]] Status check_transfer_backend(const Tensor& t, const Backend* device, const std::string& what);
 // A host copy of `t` (plain, on cpu_allocator()) downloaded from be's device; `t` itself when it
 // is already a host tensor. For host code that reads elements (metrics, checkpoints).
 // Errors: those of download and of the host allocation.

@@ -94,6 +94,11 @@ class GradientBuckets {
   std::unordered_map<const Parameter*, std::pair<size_t, size_t>> index_;  // -> (bucket, ordinal)
   // The step in progress (between start_step and finish_step).
   [[nodiscard]] Status launch(size_t bucket);
+  // The buffer the communicator reduces (flat_, or staging_ when staged_), and the stop flag in
+  // its last element, written and read on whichever device it lives.
+  Tensor& reduced();
+  [[nodiscard]] Status write_stop_flag();
+  [[nodiscard]] Result<float> read_stop_flag();
   Communicator* comm_ = nullptr;
   bool staged_ = false, stop_requested_ = false;
   std::vector<bool> done_;          // per parameter ordinal: its gradient is complete

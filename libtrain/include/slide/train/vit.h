@@ -139,10 +139,10 @@ class VitEncoder final : public TileEncoder {
  public:
   // Errors: kInvalidArgument (unknown preset or pooling, a file that is not that preset's
   // architecture, naming what differs), those of infer_vit_config and VisionTransformer::load.
-  // `backend`: a make_backend name ("cpu", "reference", "cuda", "auto"), `device` its GPU (-1: unset).
+  // The ViT runs on `be` (any backend; the encoder keeps it).
   [[nodiscard]] static Result<std::unique_ptr<VitEncoder>> load(const std::string& weights, const std::string& preset,
                                                                 int heads, const std::string& pool,
-                                                                const std::string& backend = "cpu", int device = -1);
+                                                                std::unique_ptr<Backend> be);
   int64_t feature_dim() const override { return vit_->config().feature_dim(); }
   const std::string& layer() const override { return layer_; }
   int64_t input_size() const override { return vit_->config().image_size; }

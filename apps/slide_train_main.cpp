@@ -37,6 +37,7 @@
 #include "backend_options.h"
 #include "train_common.h"
 #include "slide_train_mil.h"
+#include "slide_train_predict.h"
 #include "slide_train_dist.h"
 #include "slide_train_memory.h"
 #include "slide_train_sweep.h"
@@ -70,15 +71,7 @@ int fail(const Status& s) {
   return code;
 }
 
-Result<std::unique_ptr<Sequential>> make_model(const std::string& name, int64_t classes, int64_t width, uint64_t seed,
-                                               double dropout = 0) {
-  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed, dropout);
-  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed, dropout);
-  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed, dropout);
-  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed, dropout);
-  return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
-}
-
+using slide::apps::make_tile_model;
 using slide::apps::open_backend;
 
 struct Run {
@@ -96,112 +89,6 @@ using slide::apps::write_metrics;
 
 Status save_checkpoint(const std::string& dir, Run& run, Backend& be, const nlohmann::json& state, int keep) {
   return slide::apps::save_checkpoint(dir, run.params, run.buffers, *run.opt, state, keep, &be);
-}
-
-// slide-train evaluate: a checkpoint's model over stores; per-tile and per-slide CSVs, metrics.
-// `fused` (on the cpu backend): logits through embed.h's FeatureExtractor cut at "fc" (batch norm
-// folded into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a
-// model it does not support, the engine's forward in inference mode.
-int run_evaluate(const std::string& checkpoint, const std::vector<std::string>& data, const std::string& labels_csv,
-                 const std::string& out, int64_t batch, int threads, const std::string& backend, int device, bool fused,
-                 bool overwrite) {
-  auto text = slide::core::read_file(checkpoint + "/state.json");
-  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
-  nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
-  if (state.is_discarded())
-    return fail(slide::core::data_loss(checkpoint + "/state.json: not JSON (not a slide-train checkpoint record)"));
-  if (auto s = slide::apps::validate_run_state(checkpoint + "/state.json", state); !s.ok()) return fail(s);
-  auto be = open_backend(backend, device);  // before the output directory is touched
-  if (!be.ok()) return fail(be.status());
-  auto lock = slide::apps::claim_eval_dir(out, overwrite);
-  if (!lock.ok()) return fail(lock.status());
-  const auto classes = state["classes"].get<std::vector<std::string>>();
-  auto ds = TileDataset::open(data, labels_csv);
-  if (!ds.ok()) return fail(ds.status());
-  // The stores may list the classes in another order, or only some of them: labels are matched by name.
-  if (auto s = (*ds)->remap_classes(classes); !s.ok())
-    return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));
-  auto model = make_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
-                          state.value("width", int64_t{16}), 0);
-  if (!model.ok()) return fail(model.status());
-  std::vector<Parameter*> params;
-  std::vector<Buffer*> buffers;
-  (*model)->collect("", &params, &buffers);
-  if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
-  if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + backend));
-  std::vector<size_t> all((*ds)->tiles().size());
-  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
-  std::vector<float> probs;
-  std::unique_ptr<FeatureExtractor> extractor;
-  if (fused && (*be)->name() == "cpu") {
-    auto ex = FeatureExtractor::create(**model, "fc");
-    if (ex.ok()) extractor = std::move(*ex);
-    else if (ex.status().code() == slide::core::StatusCode::kUnimplemented)
-      slide::core::log_debug("fused inference does not support this model; using the engine's forward",
-                             {{"reason", ex.status().to_string()}});
-    else return fail(ex.status());
-  }
-  const LogitsFn logits = [&](const Tensor& images) -> Result<Tensor> {
-    if (extractor != nullptr) return extractor->forward(images, (*be)->allocator());
-    return (*model)->forward(**be, images, false);
-  };
-  auto st = evaluate(**be, logits, **ds, all, batch, &pool, &probs);
-  if (!st.ok()) return fail(st.status());
-  if (auto s = slide::core::make_dirs(out); !s.ok()) return fail(s);
-
-  const size_t k = classes.size();
-  std::string tiles_csv = "slide_id,x_l0,y_l0,label", slides_csv = "slide_id,label,tiles";
-  for (const auto& c : classes) tiles_csv += ",p_" + c, slides_csv += ",mean_p_" + c;
-  tiles_csv += ",predicted\n";
-  slides_csv += ",predicted_by_mean,predicted_by_majority\n";
-  struct SlideAgg {
-    int32_t label = 0;
-    int64_t tiles = 0;
-    std::vector<double> sum;
-    std::vector<int64_t> votes;
-  };
-  std::vector<SlideAgg> slides((*ds)->slide_ids().size());
-  for (size_t i = 0; i < all.size(); ++i) {
-    const TileRef& ref = (*ds)->tiles()[i];
-    slide::tile::TileHeader h;
-    if (auto s = (*ds)->tile_header(i, &h); !s.ok()) return fail(s);
-    const float* p = probs.data() + i * k;
-    const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
-    std::string line = slide::core::csv_quote((*ds)->slide_ids()[ref.slide]) + "," + std::to_string(h.x_l0) + "," +
-                       std::to_string(h.y_l0) + "," + classes[static_cast<size_t>(ref.label)];
-    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
-    tiles_csv += line + "," + classes[pred] + "\n";
-    SlideAgg& a = slides[ref.slide];
-    if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
-    a.label = ref.label;
-    ++a.tiles;
-    for (size_t c = 0; c < k; ++c) a.sum[c] += p[c];
-    ++a.votes[pred];
-  }
-  for (size_t s = 0; s < slides.size(); ++s) {
-    const SlideAgg& a = slides[s];
-    if (a.tiles == 0) continue;
-    std::string line = slide::core::csv_quote((*ds)->slide_ids()[s]) + "," + classes[static_cast<size_t>(a.label)] +
-                       "," + std::to_string(a.tiles);
-    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(a.sum[c] / static_cast<double>(a.tiles));
-    const auto by_mean = static_cast<size_t>(std::max_element(a.sum.begin(), a.sum.end()) - a.sum.begin());
-    const auto by_vote = static_cast<size_t>(std::max_element(a.votes.begin(), a.votes.end()) - a.votes.begin());
-    slides_csv += line + "," + classes[by_mean] + "," + classes[by_vote] + "\n";
-  }
-  const nlohmann::json metrics = {{"tiles", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
-                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
-                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint},
-                                  {"inference", extractor != nullptr ? "fused" : "engine"},
-                                  {"seconds", st->seconds}, {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}};
-  for (auto [name, body] : {std::pair<std::string, std::string>{"/predictions.csv", tiles_csv},
-                            {"/slides.csv", slides_csv}, {"/metrics.json", metrics.dump(2) + "\n"}})
-    if (auto s = slide::core::write_file_atomic(out + name, body); !s.ok()) return fail(s);
-  slide::core::log_info("evaluated", {{"tiles", st->samples}, {"accuracy", st->accuracy},
-                                      {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
-                                      {"inference", extractor != nullptr ? "fused" : "engine"},
-                                      {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
-  return kExitOk;
 }
 
 }  // namespace
@@ -234,8 +121,10 @@ int run_main(int argc, char** argv) {
   auto* eval = app.add_subcommand("evaluate", "A checkpoint's metrics on stores, with per-tile and per-slide CSVs");
   std::string eval_ckpt, eval_out;
   std::vector<std::string> eval_data;
-  eval->add_option("--checkpoint", eval_ckpt, "A checkpoints/epoch-E-step-S directory")->required()
-      ->check(CLI::ExistingDirectory);
+  eval->add_option("--checkpoint", eval_ckpt,
+                   "A checkpoints/epoch-E-step-S directory, or a weights file: a run's best.safetensors or a "
+                   "checkpoint's model.safetensors")
+      ->required()->check(CLI::ExistingPath);
   eval->add_option("--data", eval_data, "Labelled tile stores")->required()->check(CLI::ExistingDirectory);
   eval->add_option("--out", eval_out, "Output directory: predictions.csv, slides.csv, metrics.json")->required();
   std::string eval_labels;
@@ -252,6 +141,32 @@ int run_main(int argc, char** argv) {
   slide::apps::add_backend_options(*eval, &backend, &device);
   slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
   slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
+  // slide-train predict: a tile classifier on stores with or without labels (slide_train_predict.h).
+  slide::apps::TileInferenceOptions pred;
+  auto* predict = app.add_subcommand(
+      "predict", "A checkpoint's per-tile probabilities on new slides (no labels needed): CSVs, per-slide HDF5 and "
+                 "heatmaps; metrics too when every slide has a label");
+  predict->add_option("--checkpoint", pred.checkpoint,
+                      "A checkpoints/epoch-E-step-S directory, or a weights file: a run's best.safetensors or a "
+                      "checkpoint's model.safetensors")
+      ->required()->check(CLI::ExistingPath);
+  predict->add_option("--data", pred.data, "Tile stores, labelled or not")->required()->check(CLI::ExistingDirectory);
+  predict->add_option("--out", pred.out,
+                      "Output directory: predictions.csv, slides.csv, predictions/<slide>.h5, "
+                      "heatmaps/<slide>.<class>.png (metrics.json when every slide has a label)")
+      ->required();
+  predict->add_option("--labels", pred.labels, "CSV with slide_id,label columns (optional: adds metrics)")
+      ->check(CLI::ExistingFile);
+  predict->add_option("--batch-size", pred.batch, "Tiles per forward pass")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  predict->add_option("--threads", pred.threads, "Decode threads")->capture_default_str()->check(CLI::PositiveNumber);
+  predict->add_flag("--overwrite", pred.overwrite,
+                    "Replace an earlier prediction in --out (its CSVs, metrics.json, predictions/ and heatmaps/)");
+  bool predict_no_fused = false, no_heatmaps = false;
+  predict->add_flag("--no-fused", predict_no_fused,
+                    "Logits through the training engine's forward instead of the fused inference path");
+  predict->add_flag("--no-heatmaps", no_heatmaps, "Do not draw the per-class heatmaps");
+  slide::apps::add_backend_options(*predict, &pred.backend, &pred.device);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -348,9 +263,17 @@ int run_main(int argc, char** argv) {
   }
   if (eval->parsed() && !mil_eval.features.empty())
     return slide::apps::run_mil_evaluate(eval_ckpt, mil_eval, eval_labels, eval_out, backend, eval_overwrite);
-  if (eval->parsed())
-    return run_evaluate(eval_ckpt, eval_data, eval_labels, eval_out, batch, threads, backend, device, !no_fused,
-                        eval_overwrite);
+  if (eval->parsed()) {
+    slide::apps::TileInferenceOptions ev;
+    ev.checkpoint = eval_ckpt, ev.data = eval_data, ev.labels = eval_labels, ev.out = eval_out;
+    ev.batch = batch, ev.threads = threads, ev.backend = backend, ev.device = device, ev.fused = !no_fused;
+    ev.overwrite = eval_overwrite;
+    return slide::apps::run_tile_inference(ev, /*predict=*/false);
+  }
+  if (predict->parsed()) {
+    pred.fused = !predict_no_fused, pred.heatmaps = !no_heatmaps;
+    return slide::apps::run_tile_inference(pred, /*predict=*/true);
+  }
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
   if (data.empty() || out.empty()) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
@@ -412,7 +335,7 @@ int run_main(int argc, char** argv) {
   if (classes < 2) return fail(slide::core::invalid_argument("the stores hold fewer than two classes"));
 
   Run run;
-  auto model = make_model(model_name, classes, width, seed, dropout);
+  auto model = make_tile_model(model_name, classes, width, seed, dropout);
   if (!model.ok()) return fail(model.status());
   run.model = std::move(*model);
   // Built and initialised on the host, then moved to the backend's device once.

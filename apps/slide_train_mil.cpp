@@ -20,10 +20,9 @@
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
-#include "slide/tile/slide.h"
 #include "slide/tile/store.h"
-#include "slide/tile/tissue.h"
 #include "slide/train/checkpoint.h"
+#include "slide/train/heatmap.h"
 #include "slide/train/mil.h"
 #include "backend_options.h"
 #include "train_common.h"
@@ -82,18 +81,11 @@ Result<std::map<std::string, std::string>> slide_paths(const std::vector<std::st
 Status write_heatmap(const std::string& png, const std::vector<float>& attention, const std::vector<int32_t>& coords,
                      int64_t tile_l0_px, const std::string& slide_path, int64_t* grid_fallbacks) {
   if (!slide_path.empty()) {
-    auto slide = slide::tile::open_slide(slide_path);
-    if (slide.ok()) {
-      const auto& l0 = (*slide)->properties().levels.at(0);
-      const double ds = std::max({1.0, static_cast<double>(tile_l0_px) / 8.0,
-                                  static_cast<double>(std::max(l0.width, l0.height)) / 4096.0});
-      double dx = 1, dy = 1;
-      auto thumb = slide::tile::make_thumbnail(**slide, ds, &dx, &dy);
-      if (thumb.ok()) return write_attention_overlay(png, attention, coords, tile_l0_px, *thumb, dx, dy);
-      slide::core::log_debug("heatmap over the tile grid", {{"why", thumb.status().to_string()}});
-    } else {
-      slide::core::log_debug("heatmap over the tile grid", {{"why", slide.status().to_string()}});
-    }
+    auto canvas = slide::train::heatmap_canvas(slide_path, tile_l0_px);
+    if (canvas.ok())
+      return write_attention_overlay(png, attention, coords, tile_l0_px, canvas->thumbnail, canvas->downsample_x,
+                                     canvas->downsample_y);
+    slide::core::log_debug("heatmap over the tile grid", {{"why", canvas.status().to_string()}});
     ++*grid_fallbacks;
   }
   return write_attention_heatmap(png, attention, coords, tile_l0_px);

@@ -106,12 +106,23 @@ slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const 
   SLIDE_ASSIGN_OR_RETURN(auto lock, slide::core::DirLock::acquire(out, "output directory"));
   std::string list;
   std::error_code ec;
-  for (const char* f : {"predictions.csv", "slides.csv", "metrics.json"})
+  for (const char* f : {"predictions.csv", "slides.csv", "metrics.json", "predictions", "heatmaps"})
     if (fs::exists(out + "/" + f, ec)) list += (list.empty() ? "" : ", ") + std::string(f);
   if (!list.empty() && !overwrite)
     return slide::core::invalid_argument("--out " + out + " holds an earlier evaluation (" + list +
                                          "): replace it with --overwrite, or use a new --out");
   return lock;
+}
+
+slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(const std::string& name,
+                                                                             int64_t classes, int64_t width,
+                                                                             uint64_t seed, double dropout) {
+  using namespace slide::train;
+  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed, dropout);
+  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed, dropout);
+  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed, dropout);
+  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed, dropout);
+  return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
 }
 
 Status remove_earlier_run(const std::string& out) {

@@ -15,6 +15,7 @@
 #include "slide/core/dir_lock.h"
 #include "slide/core/status.h"
 #include "slide/train/checkpoint.h"
+#include "slide/train/layers.h"
 #include "slide/train/optimizer.h"
 #include "slide/train/trainer.h"
 
@@ -64,6 +65,12 @@ std::vector<std::string> earlier_run_files(const std::string& out);
 // alone: its files are replaced as they are written). Errors: kInternal / kPermissionDenied
 // naming the path.
 [[nodiscard]] slide::core::Status remove_earlier_run(const std::string& out);
+
+// The tile classifier `name` (small | resnet18 | resnet34 | resnet50; train/layers.h) with
+// `classes` outputs, built and initialised (from `seed`) on the host. `width`: the small CNN's
+// first-stage channels. Errors: kInvalidArgument for another name.
+[[nodiscard]] slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(
+    const std::string& name, int64_t classes, int64_t width, uint64_t seed, double dropout = 0);
 
 // --- Checkpoint records -----------------------------------------------------------------------
 // Checks a checkpoint's state.json (already parsed; `file` names it in messages) against the

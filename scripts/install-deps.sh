@@ -10,6 +10,7 @@ packages=(
   libopenslide-dev liblmdb-dev lmdb-utils libtiff-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev
   libcli11-dev nlohmann-json3-dev doctest-dev
   libgeos-dev  # annotations: polygon geometry (libtile/src/annotations.cpp)
+  libcairo2-dev fonts-dejavu-core  # figures: titles, colour bars, axes (libtile/src/figure.cpp)
   libhdf5-dev liblzf-dev libssl-dev libdnnl-dev libopenmpi-dev openmpi-bin
   python3 python3-lmdb python3-openslide python3-numpy python3-pil python3-h5py
   python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer

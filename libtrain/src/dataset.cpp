@@ -76,7 +76,7 @@ std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t se
 }
 
 Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores,
-                                                       const std::string& labels_csv) {
+                                                       const std::string& labels_csv, bool allow_unlabelled) {
   if (stores.empty()) return slide::core::invalid_argument("no tile stores given");
   auto ds = std::unique_ptr<TileDataset>(new TileDataset());
   std::map<std::string, int32_t> class_index;
@@ -108,24 +108,26 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
     }
     for (const auto& rec : reader->slides()) {
       if (rec.tile_count == 0) continue;
-      int32_t label = -1;
+      int32_t label = kNoLabel;
+      const auto row = csv.find(rec.slide_id);
       if (!csv.empty()) {
-        auto it = csv.find(rec.slide_id);
-        if (it == csv.end())
+        if (row != csv.end()) label = class_index.at(row->second.label);
+        else if (!allow_unlabelled)
           return slide::core::invalid_argument(labels_csv + ": no row for slide '" + rec.slide_id + "' of store " +
                                                stores[s]);
-        label = class_index.at(it->second.label);
       } else if (rec.label_index >= 0 && static_cast<size_t>(rec.label_index) < map_label.size()) {
         label = map_label[static_cast<size_t>(rec.label_index)];
-      } else {
+      } else if (!allow_unlabelled) {
         return slide::core::invalid_argument("store " + stores[s] + ": slide '" + rec.slide_id +
                                              "' has no label: tile it from patch folders or a manifest with a label "
                                              "column, or give --labels CSV");
       }
       const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
       ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
+      ds->slide_store_.push_back(static_cast<uint32_t>(s));
+      ds->slide_records_.push_back(rec);
       // Group: the patient's (numbered by first appearance) when the CSV names one, else the slide's own.
-      const std::string patient = csv.empty() ? "" : csv.at(rec.slide_id).patient;
+      const std::string patient = row == csv.end() ? "" : row->second.patient;
       const std::string group_key = patient.empty() ? "\x01slide:" + ds->slide_ids_.back() : "patient:" + patient;
       ds->slide_group_.push_back(
           patient_index.emplace(group_key, static_cast<uint32_t>(patient_index.size())).first->second);
@@ -193,6 +195,10 @@ Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header
   return stores_[ref.store]->read_tile(ref.tile, header, &payload);
 }
 
+bool TileDataset::labelled() const {
+  return std::none_of(tiles_.begin(), tiles_.end(), [](const TileRef& t) { return t.label == kNoLabel; });
+}
+
 Status TileDataset::remap_classes(const std::vector<std::string>& names) {
   std::map<std::string, int32_t> index;
   for (size_t i = 0; i < names.size(); ++i)
@@ -200,7 +206,8 @@ Status TileDataset::remap_classes(const std::vector<std::string>& names) {
       return slide::core::invalid_argument("class list has '" + names[i] + "' twice");
   std::vector<int32_t> to(class_names_.size(), -1);
   std::vector<bool> used(class_names_.size(), false);
-  for (const TileRef& t : tiles_) used[static_cast<size_t>(t.label)] = true;
+  for (const TileRef& t : tiles_)
+    if (t.label != kNoLabel) used[static_cast<size_t>(t.label)] = true;
   for (size_t c = 0; c < class_names_.size(); ++c) {
     auto it = index.find(class_names_[c]);
     if (it != index.end()) to[c] = it->second;
@@ -208,7 +215,8 @@ Status TileDataset::remap_classes(const std::vector<std::string>& names) {
       return slide::core::invalid_argument("class '" + class_names_[c] + "' of the stores is not one of the model's " +
                                            std::to_string(names.size()) + " classes");
   }
-  for (TileRef& t : tiles_) t.label = to[static_cast<size_t>(t.label)];
+  for (TileRef& t : tiles_)
+    if (t.label != kNoLabel) t.label = to[static_cast<size_t>(t.label)];
   class_names_ = names;
   return slide::core::ok_status();
 }

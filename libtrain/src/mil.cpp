@@ -20,6 +20,8 @@
 #include "slide/core/file.h"
 #include "slide/tile/image.h"
 #include "slide/train/dataset.h"
+#include "slide/train/heatmap.h"
+#include "h5_util.h"
 
 namespace slide::train {
 
@@ -447,37 +449,6 @@ Result<Tensor> balanced_bag_weights(const BagDataset& data, const std::vector<si
 
 // --- Attention outputs ----------------------------------------------------------------------------
 
-namespace {
-
-struct H5Id {
-  hid_t id = H5I_INVALID_HID;
-  herr_t (*close)(hid_t) = nullptr;
-  H5Id(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  H5Id(const H5Id&) = delete;
-  H5Id& operator=(const H5Id&) = delete;
-  ~H5Id() {
-    if (id >= 0 && close) close(id);
-  }
-  bool ok() const { return id >= 0; }
-};
-
-Status h5_error(const std::string& path, const std::string& what) {
-  return slide::core::internal_error(path + ": HDF5: " + what);
-}
-
-Status write_string_attr(hid_t loc, const char* name, const std::string& value, const std::string& path) {
-  H5Id type(H5Tcopy(H5T_C_S1), H5Tclose);
-  if (!type.ok() || H5Tset_size(type.id, H5T_VARIABLE) < 0 || H5Tset_cset(type.id, H5T_CSET_UTF8) < 0)
-    return h5_error(path, "string type");
-  H5Id space(H5Screate(H5S_SCALAR), H5Sclose);
-  H5Id attr(H5Acreate2(loc, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  const char* p = value.c_str();
-  if (!attr.ok() || H5Awrite(attr.id, type.id, &p) < 0) return h5_error(path, std::string("attribute ") + name);
-  return ok_status();
-}
-
-}  // namespace
-
 Status write_attention_h5(const std::string& path, const std::string& slide_id, const std::string& label,
                           const std::string& predicted, const std::vector<double>& probabilities,
                           const std::vector<float>& attention, const std::vector<int32_t>& coords) {
@@ -486,33 +457,33 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
                             std::to_string(coords.size() / 2) + " tile coordinates");
   const std::string partial = path + ".partial";
   {
-    H5Id file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
-    if (!file.ok()) return h5_error(partial, "cannot create the file");
+    h5::Id file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    if (!file.ok()) return h5::error(partial, "cannot create the file");
     const auto n = static_cast<hsize_t>(attention.size());
     {
-      H5Id space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-      H5Id ds(H5Dcreate2(file.id, "attention", H5T_IEEE_F32LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      h5::Id space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+      h5::Id ds(H5Dcreate2(file.id, "attention", H5T_IEEE_F32LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
               H5Dclose);
       if (!ds.ok() || H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, attention.data()) < 0)
-        return h5_error(partial, "writing /attention");
+        return h5::error(partial, "writing /attention");
     }
     {
       const hsize_t dims[2] = {n, 2};
-      H5Id space(H5Screate_simple(2, dims, nullptr), H5Sclose);
-      H5Id ds(H5Dcreate2(file.id, "coords", H5T_STD_I32LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+      h5::Id space(H5Screate_simple(2, dims, nullptr), H5Sclose);
+      h5::Id ds(H5Dcreate2(file.id, "coords", H5T_STD_I32LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
       if (!ds.ok() || H5Dwrite(ds.id, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, coords.data()) < 0)
-        return h5_error(partial, "writing /coords");
+        return h5::error(partial, "writing /coords");
     }
-    H5Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
-    SLIDE_RETURN_IF_ERROR(write_string_attr(root.id, "slide_id", slide_id, partial));
-    SLIDE_RETURN_IF_ERROR(write_string_attr(root.id, "label", label, partial));
-    SLIDE_RETURN_IF_ERROR(write_string_attr(root.id, "predicted", predicted, partial));
+    h5::Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
+    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "slide_id", slide_id, partial));
+    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "label", label, partial));
+    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "predicted", predicted, partial));
     const auto k = static_cast<hsize_t>(probabilities.size());
-    H5Id space(H5Screate_simple(1, &k, nullptr), H5Sclose);
-    H5Id attr(H5Acreate2(root.id, "probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+    h5::Id space(H5Screate_simple(1, &k, nullptr), H5Sclose);
+    h5::Id attr(H5Acreate2(root.id, "probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
     if (!attr.ok() || H5Awrite(attr.id, H5T_NATIVE_DOUBLE, probabilities.data()) < 0)
-      return h5_error(partial, "attribute probabilities");
-    if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5_error(partial, "flush");
+      return h5::error(partial, "attribute probabilities");
+    if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5::error(partial, "flush");
   }
   std::error_code ec;
   fs::rename(partial, path, ec);
@@ -520,72 +491,10 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
   return ok_status();
 }
 
-namespace {
-
-// Each tile's attention as its percentile rank within the bag (CLAM's heatmaps normalise
-// attention to percentiles), 0..1.
-std::vector<double> percentiles(const std::vector<float>& attention) {
-  const size_t n = attention.size();
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return attention[a] < attention[b]; });
-  std::vector<double> pct(n, 1.0);
-  for (size_t r = 0; r < n; ++r) pct[order[r]] = n > 1 ? static_cast<double>(r) / static_cast<double>(n - 1) : 1.0;
-  return pct;
-}
-
-// The jet colormap (matplotlib's, piecewise linear): 0 dark blue, 0.5 green-yellow, 1 dark red.
-void jet(double v, uint8_t rgb[3]) {
-  auto ch = [&](double c) {
-    return static_cast<uint8_t>(std::lround(255.0 * std::clamp(1.5 - std::abs(4.0 * v - c), 0.0, 1.0)));
-  };
-  rgb[0] = ch(3.0), rgb[1] = ch(2.0), rgb[2] = ch(1.0);
-}
-
-// The smallest positive step between the tiles' coordinates: the grid's stride in level-0 px.
-int64_t grid_step(const std::vector<int32_t>& coords) {
-  int64_t step = 0;
-  const size_t n = coords.size() / 2;
-  for (size_t axis = 0; axis < 2; ++axis) {
-    std::vector<int32_t> v;
-    for (size_t i = 0; i < n; ++i) v.push_back(coords[2 * i + axis]);
-    std::sort(v.begin(), v.end());
-    for (size_t i = 1; i < v.size(); ++i)
-      if (v[i] > v[i - 1] && (step == 0 || v[i] - v[i - 1] < step)) step = v[i] - v[i - 1];
-  }
-  return step == 0 ? 1 : step;
-}
-
-}  // namespace
-
 Status write_attention_heatmap(const std::string& path, const std::vector<float>& attention,
                                const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px) {
-  const size_t n = attention.size();
-  if (n == 0 || coords.size() != 2 * n || cell_px < 1)
-    return invalid_argument(path + ": " + std::to_string(n) + " attention weights for " +
-                            std::to_string(coords.size() / 2) + " tile coordinates");
-  int64_t x0 = coords[0], y0 = coords[1], x1 = coords[0], y1 = coords[1];
-  for (size_t i = 0; i < n; ++i) {
-    x0 = std::min<int64_t>(x0, coords[2 * i]), x1 = std::max<int64_t>(x1, coords[2 * i]);
-    y0 = std::min<int64_t>(y0, coords[2 * i + 1]), y1 = std::max<int64_t>(y1, coords[2 * i + 1]);
-  }
-  if (tile_l0_px <= 0) tile_l0_px = grid_step(coords);
-  const int64_t cols = (x1 - x0) / tile_l0_px + 1, rows = (y1 - y0) / tile_l0_px + 1;
-  if (cols * rows > int64_t{1} << 24)
-    return invalid_argument(path + ": a tile grid of " + std::to_string(cols) + " x " + std::to_string(rows) +
-                            " cells is too large for a heatmap");
-  const std::vector<double> pct = percentiles(attention);
-  slide::tile::RgbImage img(cols * cell_px, rows * cell_px, 255);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t cx = (coords[2 * i] - x0) / tile_l0_px, cy = (coords[2 * i + 1] - y0) / tile_l0_px;
-    uint8_t rgb[3];
-    jet(pct[i], rgb);
-    for (int64_t y = cy * cell_px; y < (cy + 1) * cell_px; ++y)
-      for (int64_t x = cx * cell_px; x < (cx + 1) * cell_px; ++x) {
-        uint8_t* p = img.row(y) + 3 * x;
-        p[0] = rgb[0], p[1] = rgb[1], p[2] = rgb[2];
-      }
-  }
+  SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img,
+                         draw_tile_grid(percentile_ranks(attention), coords, tile_l0_px, path, cell_px));
   SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
   return slide::core::write_file_atomic(path, png);
 }
@@ -593,28 +502,9 @@ Status write_attention_heatmap(const std::string& path, const std::vector<float>
 Status write_attention_overlay(const std::string& path, const std::vector<float>& attention,
                                const std::vector<int32_t>& coords, int64_t tile_l0_px,
                                const slide::tile::RgbImage& thumbnail, double downsample_x, double downsample_y) {
-  const size_t n = attention.size();
-  if (n == 0 || coords.size() != 2 * n || thumbnail.width < 1 || thumbnail.height < 1 || !(downsample_x > 0) ||
-      !(downsample_y > 0))
-    return invalid_argument(path + ": " + std::to_string(n) + " attention weights for " +
-                            std::to_string(coords.size() / 2) + " tile coordinates over a " +
-                            std::to_string(thumbnail.width) + " x " + std::to_string(thumbnail.height) + " thumbnail");
-  if (tile_l0_px <= 0) tile_l0_px = grid_step(coords);
-  const std::vector<double> pct = percentiles(attention);
-  slide::tile::RgbImage img = thumbnail;
-  for (size_t i = 0; i < n; ++i) {
-    uint8_t rgb[3];
-    jet(pct[i], rgb);
-    const auto px0 = static_cast<int64_t>(std::floor(coords[2 * i] / downsample_x));
-    const auto py0 = static_cast<int64_t>(std::floor(coords[2 * i + 1] / downsample_y));
-    const auto px1 = std::max(px0 + 1, static_cast<int64_t>(std::floor((coords[2 * i] + tile_l0_px) / downsample_x)));
-    const auto py1 = std::max(py0 + 1, static_cast<int64_t>(std::floor((coords[2 * i + 1] + tile_l0_px) / downsample_y)));
-    for (int64_t y = std::max<int64_t>(py0, 0); y < std::min(py1, img.height); ++y)
-      for (int64_t x = std::max<int64_t>(px0, 0); x < std::min(px1, img.width); ++x) {
-        uint8_t* p = img.row(y) + 3 * x;
-        for (int c = 0; c < 3; ++c) p[c] = static_cast<uint8_t>((p[c] + rgb[c] + 1) / 2);
-      }
-  }
+  const HeatmapCanvas canvas{thumbnail, downsample_x, downsample_y};
+  SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img,
+                         draw_tile_overlay(percentile_ranks(attention), coords, tile_l0_px, canvas, path));
   SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
   return slide::core::write_file_atomic(path, png);
 }

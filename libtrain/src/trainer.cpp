@@ -51,16 +51,19 @@ struct Batch {
 
 // Decodes a batch on the host (on `pool`) and, on a device backend, uploads it: one copy per
 // micro-batch, made on the prefetch thread while the previous micro-batch computes.
+// `zero_labels` (predict): every label is written as 0, for tiles that may have none.
 Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
-                   uint64_t seed, slide::core::ThreadPool* pool) {
+                   uint64_t seed, slide::core::ThreadPool* pool, bool zero_labels = false) {
   Batch b;
   if (be.device() == Device::kCpu) {
     SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
+    if (zero_labels) std::fill_n(b.labels.data<int32_t>(), b.labels.numel(), 0);
     b.host_labels = b.labels;
     return b;
   }
   Tensor host_images;
   SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, cpu_allocator(), &host_images, &b.host_labels));
+  if (zero_labels) std::fill_n(b.host_labels.data<int32_t>(), b.host_labels.numel(), 0);
   SLIDE_ASSIGN_OR_RETURN(b.images, to_device(be, host_images, "images"));
   SLIDE_ASSIGN_OR_RETURN(b.labels, to_device(be, b.host_labels, "labels"));
   return b;
@@ -362,9 +365,15 @@ Result<EpochStats> evaluate(Backend& be, Layer& model, const TileDataset& data, 
   return evaluate(be, engine, data, positions, batch_size, pool, probs_out);
 }
 
-Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDataset& data,
-                            const std::vector<size_t>& positions, int64_t batch_size, slide::core::ThreadPool* pool,
-                            std::vector<float>* probs_out) {
+namespace {
+
+// evaluate() and predict(): the batches of `positions` through `logits` and the softmax, in order,
+// no augmentation, with out-of-memory halving. `labelled`: the loss and tallies over the tiles'
+// labels (evaluate); else every label is taken as 0 for the loss op, whose probabilities do not
+// depend on the labels, and the loss and tallies are not kept (predict).
+Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                                   const std::vector<size_t>& positions, int64_t batch_size,
+                                   slide::core::ThreadPool* pool, bool labelled, std::vector<float>* probs_out) {
   if (batch_size < 1) return slide::core::invalid_argument("batch size " + std::to_string(batch_size));
   const auto t0 = std::chrono::steady_clock::now();
   const size_t classes = data.class_names().size();
@@ -377,12 +386,13 @@ Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDatas
   for (size_t start = 0, end = 0; start < positions.size(); start = end) {
     end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
     std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
-    auto batch = load(be, data, idx, Augmentation{}, 0, pool);
+    auto batch = load(be, data, idx, Augmentation{}, 0, pool, /*zero_labels=*/!labelled);
     auto scored = [&]() -> Result<Scored> {
       if (!batch.ok()) return batch.status();
       SLIDE_ASSIGN_OR_RETURN(Tensor z, logits(batch->images));
       if (z.rank() != 2 || z.dim(0) != batch->labels.dim(0) || z.dim(1) != static_cast<int64_t>(classes))
-        return slide::core::invalid_argument("evaluate: logits of shape " + shape_string(z.shape()) + " for " +
+        return slide::core::invalid_argument((labelled ? "evaluate" : "predict") + std::string(": logits of shape ") +
+                                             shape_string(z.shape()) + " for " +
                                              std::to_string(batch->labels.dim(0)) + " images and " +
                                              std::to_string(classes) + " classes");
       SLIDE_ASSIGN_OR_RETURN(Scored sc, score_logits(be, z, *batch, 0.0));
@@ -399,18 +409,38 @@ Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDatas
     }
     if (!scored.ok()) return scored.status();
     const Scored& sc = *scored;
-    loss_sum += sc.loss * static_cast<double>(end - start);
-    tally(sc.host_probs, sc.host_labels, &seen, &right, &correct);
     all_probs.insert(all_probs.end(), sc.host_probs.data<float>(), sc.host_probs.data<float>() + sc.host_probs.numel());
-    all_labels.insert(all_labels.end(), sc.host_labels.data<int32_t>(),
-                      sc.host_labels.data<int32_t>() + sc.host_labels.numel());
+    if (labelled) {
+      loss_sum += sc.loss * static_cast<double>(end - start);
+      tally(sc.host_probs, sc.host_labels, &seen, &right, &correct);
+      all_labels.insert(all_labels.end(), sc.host_labels.data<int32_t>(),
+                        sc.host_labels.data<int32_t>() + sc.host_labels.numel());
+    }
     st.samples += static_cast<int64_t>(end - start);
     ++st.steps;
   }
   finish(&st, loss_sum, correct, seen, right, t0);
-  st.roc_auc = macro_roc_auc(all_probs, all_labels, static_cast<int64_t>(classes));
+  if (labelled) st.roc_auc = macro_roc_auc(all_probs, all_labels, static_cast<int64_t>(classes));
   if (probs_out != nullptr) *probs_out = std::move(all_probs);
   return st;
+}
+
+}  // namespace
+
+Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                            const std::vector<size_t>& positions, int64_t batch_size, slide::core::ThreadPool* pool,
+                            std::vector<float>* probs_out) {
+  for (size_t p : positions)
+    if (data.tiles().at(p).label == kNoLabel)
+      return slide::core::invalid_argument("evaluate: slide '" + data.slide_ids()[data.tiles()[p].slide] +
+                                           "' has no label (predict needs none)");
+  return score_positions(be, logits, data, positions, batch_size, pool, true, probs_out);
+}
+
+Result<EpochStats> predict(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                           const std::vector<size_t>& positions, int64_t batch_size, slide::core::ThreadPool* pool,
+                           std::vector<float>* probs) {
+  return score_positions(be, logits, data, positions, batch_size, pool, false, probs);
 }
 
 }  // namespace slide::train

@@ -38,8 +38,8 @@ class Base(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def train(self, out, *extra, **kw):
-        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", "6", "--batch-size", "32", "--lr", "0.05",
+    def train(self, out, *extra, epochs=6, **kw):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
                 "--width", "8", "--threads", "2", "--seed", "3"] + list(extra)
         return subprocess.run(args, capture_output=True, text=True, **kw)
 
@@ -318,6 +318,167 @@ class TestEvaluateRemap(Base):
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("class 'stroma' of the stores is not one of the model's 3 classes", r.stderr)
+
+
+class TestPredict(Base):
+    """slide-train predict on a real slide tiled without labels: per-tile probabilities, per-slide HDF5
+    and heatmaps; the same probabilities as evaluate's; metrics when labels are given."""
+
+    def test_predict_on_an_unlabelled_slide_equals_evaluate(self):
+        import h5py
+        from PIL import Image
+        out = os.path.join(self.tmp, "run")
+        r = self.train(out, epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        cmu = os.path.join(self.tmp, "cmu")
+        r = subprocess.run([TILE, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "2",
+                            "--tile-size", "48", "-o", cmu, "-q"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        classes = ["lung_aca", "lung_n", "lung_scc"]
+
+        def csv_rows(path):
+            with open(path) as f:
+                return [l.rstrip("\n").split(",") for l in f]
+
+        # evaluate needs labels: the unlabelled store is refused, naming the slide.
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data", cmu,
+                            "--out", os.path.join(self.tmp, "ev-nolabel")], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("'CMU-1-Small-Region' has no label", r.stderr)
+        # predict needs none. The checkpoint as a run's best.safetensors.
+        pred = os.path.join(self.tmp, "pred")
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", os.path.join(out, "best.safetensors"), "--data", cmu,
+                            "--out", pred], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(pred, "metrics.json")))  # no labels, no metrics
+        rows = csv_rows(os.path.join(pred, "predictions.csv"))
+        self.assertEqual(rows[0], ["slide_id", "x_l0", "y_l0", "label", "p_lung_aca", "p_lung_n", "p_lung_scc",
+                                   "predicted"])
+        info = subprocess.run([TILE, "info", cmu], capture_output=True, text=True).stdout
+        n = len(rows) - 1
+        self.assertIn(str(n), info)
+        self.assertGreater(n, 20)
+        probs = np.array([[float(v) for v in row[4:7]] for row in rows[1:]])
+        self.assertTrue(np.allclose(probs.sum(axis=1), 1.0, atol=1e-4))
+        self.assertTrue(all(row[3] == "" for row in rows[1:]))
+        self.assertTrue(all(row[7] == classes[int(np.argmax(p))] for p, row in zip(probs, rows[1:])))
+        # The per-slide file: the same probabilities (full float precision) and coordinates.
+        with h5py.File(os.path.join(pred, "predictions", "CMU-1-Small-Region.h5"), "r") as f:
+            self.assertEqual(f["probs"].shape, (n, 3))
+            self.assertEqual(f["probs"].dtype, np.float32)
+            self.assertLess(np.abs(f["probs"][:] - probs).max(), 1e-6)
+            self.assertTrue(np.array_equal(f["coords"][:], np.array([[int(r[1]), int(r[2])] for r in rows[1:]])))
+            self.assertEqual(int(f["coords"].attrs["patch_size"]), 48)
+            l0 = int(f["coords"].attrs["patch_size_level0"])
+            self.assertAlmostEqual(l0, 48 * 2 / 0.499, delta=2)  # CMU-1's level 0 is 0.499 um/px
+            self.assertEqual(json.loads(f.attrs["classes"]), classes)
+            self.assertEqual(f.attrs["slide_id"], "CMU-1-Small-Region")
+            self.assertEqual(f.attrs["label"], "")
+            mean = f.attrs["mean_probabilities"]
+            self.assertLess(np.abs(mean - probs.mean(axis=0)).max(), 1e-5)
+            self.assertEqual(f.attrs["predicted_by_mean"], classes[int(np.argmax(mean))])
+        slides = csv_rows(os.path.join(pred, "slides.csv"))
+        self.assertEqual(slides[0][-2:], ["predictions_file", "heatmaps"])
+        self.assertEqual(slides[1][-2], "predictions/CMU-1-Small-Region.h5")
+        maps = slides[1][-1].split(";")
+        self.assertEqual(maps, ["heatmaps/CMU-1-Small-Region.%s.png" % c for c in classes])
+        # Each heatmap: the slide's thumbnail (aspect ratio kept, 1024 px on the longer side) with the
+        # title band and colour bar; the tiles tinted by the class's probability on an absolute scale.
+        import openslide
+        with openslide.OpenSlide(os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")) as sl:
+            w0, h0 = sl.dimensions
+        checked = 0
+        for c, m in enumerate(maps):
+            with Image.open(os.path.join(pred, m)) as im:
+                a = np.asarray(im.convert("RGB")).astype(int)
+            th, tw = a.shape[0] - 28, a.shape[1] - 110
+            self.assertAlmostEqual(max(th, tw), 1024, delta=4)
+            self.assertAlmostEqual(w0 / tw, h0 / th, delta=0.02 * w0 / tw)
+            ds = w0 / tw
+            # The centre of the most and least probable tiles: the red and blue ends of jet, blended
+            # half and half with the slide.
+            hi, lo = int(np.argmax(probs[:, c])), int(np.argmin(probs[:, c]))
+            def centre(i):
+                x = int((int(rows[i + 1][1]) + l0 / 2) / ds)
+                y = int((int(rows[i + 1][2]) + l0 / 2) / ds) + 28
+                return a[y - 2:y + 3, x - 2:x + 3].reshape(-1, 3).mean(axis=0)
+            if probs[hi, c] > 0.9:
+                r_, g_, b_ = centre(hi)
+                self.assertGreater(r_, b_ + 40, (m, hi))
+            if probs[lo, c] < 0.1:
+                r_, g_, b_ = centre(lo)
+                self.assertGreater(b_, r_ + 20, (m, lo))
+            checked += (probs[hi, c] > 0.9) + (probs[lo, c] < 0.1)
+
+        self.assertGreaterEqual(checked, 2)  # at least one confident tile each way was looked at
+        # The same probabilities as evaluate's, given the slide's label (same batches, same ops).
+        labels = os.path.join(self.tmp, "cmu-labels.csv")
+        with open(labels, "w") as f:
+            f.write("slide_id,label\nCMU-1-Small-Region,lung_n\n")
+        ev = os.path.join(self.tmp, "ev-cmu")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data", cmu,
+                            "--labels", labels, "--out", ev], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ev_rows = csv_rows(os.path.join(ev, "predictions.csv"))
+        self.assertEqual([r_[:3] + r_[4:] for r_ in ev_rows], [r_[:3] + r_[4:] for r_ in rows])
+        self.assertTrue(all(r_[3] == "lung_n" for r_ in ev_rows[1:]))
+        # predict with labels: metrics too, equal to evaluate's.
+        pred2 = os.path.join(self.tmp, "pred-labelled")
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", os.path.join(out, "best.safetensors"), "--data", cmu,
+                            "--labels", labels, "--out", pred2, "--no-heatmaps"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "metrics.json")) as f1, open(os.path.join(pred2, "metrics.json")) as f2:
+            m1, m2 = json.load(f1), json.load(f2)
+        for key in ("tiles", "loss", "accuracy", "balanced_accuracy", "recall", "roc_auc"):
+            self.assertEqual(m1[key], m2[key], key)
+        self.assertFalse(os.path.exists(os.path.join(pred2, "heatmaps")))
+        self.assertTrue(os.path.exists(os.path.join(pred2, "predictions", "CMU-1-Small-Region.h5")))
+
+    def test_checkpoint_forms_patch_heatmaps_and_output_safety(self):
+        from PIL import Image
+        out = os.path.join(self.tmp, "run2")
+        r = self.train(out, epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ckpt = os.path.join(out, "checkpoints", "epoch-1-step-0")
+        # A directory and its model.safetensors give the same predictions; a labelled store adds metrics.
+        outs = []
+        for i, form in enumerate((ckpt, os.path.join(ckpt, "model.safetensors"))):
+            p = os.path.join(self.tmp, "p%d" % i)
+            r = subprocess.run([TRAIN, "predict", "--checkpoint", form, "--data", self.store, "--out", p,
+                                "--threads", "2"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(p, "predictions.csv")) as f:
+                outs.append(f.read())
+        self.assertEqual(outs[0], outs[1])
+        p = os.path.join(self.tmp, "p0")
+        with open(os.path.join(p, "metrics.json")) as f:
+            self.assertGreater(json.load(f)["tiles"], 0)
+        # Patch images are not slides: each heatmap is one grid cell beside its colour bar.
+        maps = sorted(os.listdir(os.path.join(p, "heatmaps")))
+        self.assertEqual(len(maps), 360 * 3)
+        with Image.open(os.path.join(p, "heatmaps", maps[0])) as im:
+            self.assertEqual(im.size[1], 28 + 200)
+        # A weights file with no model description beside it is refused, naming what to give.
+        lone = os.path.join(self.tmp, "lone")
+        os.makedirs(lone)
+        shutil.copy(os.path.join(ckpt, "model.safetensors"), lone)
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", os.path.join(lone, "model.safetensors"), "--data",
+                            self.store, "--out", os.path.join(self.tmp, "p-lone")], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("needs its model's description", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "p-lone")))
+        # An earlier prediction is not replaced without --overwrite; with it, stale files go.
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", self.store, "--out", p],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("holds an earlier evaluation", r.stderr)
+        stale = os.path.join(p, "predictions", "gone.h5")
+        open(stale, "w").close()
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", self.store, "--out", p, "--overwrite",
+                            "--no-heatmaps"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(stale))
+        self.assertFalse(os.path.exists(os.path.join(p, "heatmaps")))
 
 
 class TestAugment(unittest.TestCase):

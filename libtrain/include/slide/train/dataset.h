@@ -39,10 +39,13 @@ struct SlideLabelRow {
 // validation. Returns is_val per group.
 std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed);
 
+// TileRef::label of a tile without one (TileDataset::open with allow_unlabelled).
+inline constexpr int32_t kNoLabel = -1;
+
 struct TileRef {
   uint32_t store = 0;
   uint64_t tile = 0;     // index in its store
-  int32_t label = 0;     // index into class_names()
+  int32_t label = 0;     // index into class_names(), or kNoLabel
   uint32_t slide = 0;    // index into slide_ids()
 };
 
@@ -58,8 +61,17 @@ class TileDataset {
   // store's; classes are the CSV's distinct labels in sorted order. Errors also: kNotFound (no such file), kInvalidArgument
   // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
   // row.
+  //
+  // With `allow_unlabelled` (prediction on new slides), a slide without a label (in the store, or
+  // without a row in `labels_csv`) is listed with label kNoLabel instead of being an error;
+  // labelled() then tells whether every tile has one. load_batch writes kNoLabel for such tiles:
+  // only label-free uses (trainer.h's predict) may take them.
   [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores,
-                                                                 const std::string& labels_csv = "");
+                                                                 const std::string& labels_csv = "",
+                                                                 bool allow_unlabelled = false);
+
+  // Whether every tile has a label (always true unless opened with allow_unlabelled).
+  bool labelled() const;
 
   const std::vector<std::string>& class_names() const { return class_names_; }
   // Re-indexes the labels onto `names` (a model's class list, e.g. a checkpoint's), matching by
@@ -68,6 +80,11 @@ class TileDataset {
   // naming the first class of the stores that `names` lacks, or a duplicate in `names`.
   [[nodiscard]] Status remap_classes(const std::vector<std::string>& names);
   const std::vector<std::string>& slide_ids() const { return slide_ids_; }  // "store:slide_id"
+  // Slide `slide` (an index into slide_ids()): its store's index in the stores given to open(),
+  // and its record in that store (the plain slide id, the source path, resolutions).
+  uint32_t slide_store(uint32_t slide) const { return slide_store_.at(slide); }
+  const slide::tile::SlideRecord& slide_record(uint32_t slide) const { return slide_records_.at(slide); }
+  const std::string& store_dir(uint32_t store) const { return store_dirs_.at(store); }
   const std::vector<TileRef>& tiles() const { return tiles_; }
   int64_t tile_size_px() const { return tile_size_; }
 
@@ -111,6 +128,8 @@ class TileDataset {
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores_;
   std::vector<std::string> class_names_, slide_ids_;
   std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its own
+  std::vector<uint32_t> slide_store_;  // per slide: its store's index
+  std::vector<slide::tile::SlideRecord> slide_records_;  // per slide: its store's record
   Tensor cache_;                       // u8 [tiles, S, S, 3] when cached in RAM
 
   // Tile `position` as S x S RGB into `rgb` (from the cache, or read and decoded).

@@ -90,10 +90,19 @@ using LogitsFn = std::function<Result<Tensor>(const Tensor& images)>;
 // evaluate() with the logits from `logits` instead of the engine's forward (e.g. the fused
 // inference path of embed.h, FeatureExtractor::logits): the same loading, loss, metrics,
 // out-of-memory halving and `probs_out`. Errors: kInvalidArgument (batch_size < 1, logits that
-// are not [N,classes]), and those of the data, `logits` and the backend.
+// are not [N,classes], a tile without a label), and those of the data, `logits` and the backend.
 [[nodiscard]] Result<EpochStats> evaluate(Backend& be, const LogitsFn& logits, const TileDataset& data,
                                           const std::vector<size_t>& positions, int64_t batch_size,
                                           slide::core::ThreadPool* pool, std::vector<float>* probs_out = nullptr);
+
+// The softmax probabilities of `logits` over `positions`, in order, no augmentation: evaluate()'s
+// loading, batching and out-of-memory halving, so the same batch size gives bit-identical
+// probabilities, but no labels are needed (tiles without one, TileDataset kNoLabel, are allowed).
+// `probs`: positions.size() x classes, row-major. The returned stats carry samples, steps and
+// seconds only. Errors: those of evaluate() save labels.
+[[nodiscard]] Result<EpochStats> predict(Backend& be, const LogitsFn& logits, const TileDataset& data,
+                                         const std::vector<size_t>& positions, int64_t batch_size,
+                                         slide::core::ThreadPool* pool, std::vector<float>* probs);
 
 // sklearn's class_weight="balanced" (sklearn.utils.class_weight.compute_class_weight): for labels
 // in [0, classes), n / (classes x n_c) for each class c present, 0 for a class with none; a

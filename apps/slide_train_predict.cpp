@@ -1,0 +1,242 @@
+// slide-train evaluate and predict for tile classifiers (slide_train_predict.h).
+#include "slide_train_predict.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "slide/core/csv.h"
+#include "slide/core/file.h"
+#include "slide/core/file_name.h"
+#include "slide/core/log.h"
+#include "slide/core/thread_pool.h"
+#include "slide/tile/store.h"
+#include "slide/train/checkpoint.h"
+#include "slide/train/embed.h"
+#include "slide/train/heatmap.h"
+#include "slide/train/predict.h"
+#include "slide/train/trainer.h"
+#include "backend_options.h"
+#include "train_common.h"
+
+namespace slide::apps {
+
+namespace {
+
+namespace fs = std::filesystem;
+using slide::core::Status;
+using namespace slide::train;
+
+int fail(const Status& s) {
+  slide::core::log_error(s.to_string());
+  return s.code() == slide::core::StatusCode::kInvalidArgument || s.code() == slide::core::StatusCode::kNotFound ? 2
+                                                                                                                : 1;
+}
+
+// A checkpoint as given: its weights file and the state.json that describes its model.
+struct ResolvedCheckpoint {
+  std::string weights, state_file;
+};
+
+// A checkpoint directory (model.safetensors + state.json), a weights file inside one, or a run's
+// best.safetensors (described by the newest complete checkpoint of the run's checkpoints/).
+Result<ResolvedCheckpoint> resolve_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return ResolvedCheckpoint{path + "/model.safetensors", path + "/state.json"};
+  const fs::path file(path);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  if (fs::exists(dir / "state.json", ec)) return ResolvedCheckpoint{path, (dir / "state.json").string()};
+  const auto checkpoints = list_checkpoints((dir / "checkpoints").string());
+  if (!checkpoints.empty()) return ResolvedCheckpoint{path, (checkpoints.back() / "state.json").string()};
+  return slide::core::invalid_argument(
+      "--checkpoint " + path +
+      ": a weights file needs its model's description: give a checkpoints/epoch-E-step-S directory, its "
+      "model.safetensors, or a run's best.safetensors (next to the run's checkpoints/)");
+}
+
+// The store's record of a slide's tile geometry: the tile side in level-0 px.
+int32_t tile_size_l0(const slide::tile::SlideRecord& rec, int64_t tile_size_px) {
+  return rec.source_mpp_um > 0 && rec.tile_mpp_um > 0
+             ? static_cast<int32_t>(std::lround(static_cast<double>(tile_size_px) * rec.tile_mpp_um / rec.source_mpp_um))
+             : static_cast<int32_t>(tile_size_px);
+}
+
+}  // namespace
+
+int run_tile_inference(const TileInferenceOptions& o, bool predict) {
+  const char* mode = predict ? "predict" : "evaluate";
+  auto ck = resolve_checkpoint(o.checkpoint);
+  if (!ck.ok()) return fail(ck.status());
+  auto text = slide::core::read_file(ck->state_file);
+  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
+  nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
+  if (state.is_discarded())
+    return fail(slide::core::data_loss(ck->state_file + ": not JSON (not a slide-train checkpoint record)"));
+  if (auto s = validate_run_state(ck->state_file, state); !s.ok()) return fail(s);
+  auto be = open_backend(o.backend, o.device);  // before the output directory is touched
+  if (!be.ok()) return fail(be.status());
+  auto lock = claim_eval_dir(o.out, o.overwrite);
+  if (!lock.ok()) return fail(lock.status());
+  const auto classes = state["classes"].get<std::vector<std::string>>();
+  auto ds = TileDataset::open(o.data, o.labels, /*allow_unlabelled=*/predict);
+  if (!ds.ok()) return fail(ds.status());
+  // The stores may list the classes in another order, or only some of them: labels are matched by name.
+  if (auto s = (*ds)->remap_classes(classes); !s.ok())
+    return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));
+  auto model = make_tile_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
+                               state.value("width", int64_t{16}), 0);
+  if (!model.ok()) return fail(model.status());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  if (auto s = load_safetensors(ck->weights, named(params, buffers)); !s.ok()) return fail(s);
+  if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + o.backend));
+  std::vector<size_t> all((*ds)->tiles().size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, o.threads)));
+  std::vector<float> probs;
+  // The fused path (cpu): logits through embed.h's FeatureExtractor cut at "fc" (batch norm folded
+  // into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a model it
+  // does not support, the engine's forward in inference mode.
+  std::unique_ptr<FeatureExtractor> extractor;
+  if (o.fused && (*be)->name() == "cpu") {
+    auto ex = FeatureExtractor::create(**model, "fc");
+    if (ex.ok()) extractor = std::move(*ex);
+    else if (ex.status().code() == slide::core::StatusCode::kUnimplemented)
+      slide::core::log_debug("fused inference does not support this model; using the engine's forward",
+                             {{"reason", ex.status().to_string()}});
+    else return fail(ex.status());
+  }
+  const LogitsFn logits = [&](const Tensor& images) -> Result<Tensor> {
+    if (extractor != nullptr) return extractor->forward(images, (*be)->allocator());
+    return (*model)->forward(**be, images, false);
+  };
+  // Metrics when every tile has a label (evaluate refuses a slide without one); probabilities
+  // only otherwise. Both give the same probabilities for the same batch size.
+  const bool labelled = (*ds)->labelled();
+  auto st = labelled ? evaluate(**be, logits, **ds, all, o.batch, &pool, &probs)
+                     : slide::train::predict(**be, logits, **ds, all, o.batch, &pool, &probs);
+  if (!st.ok()) return fail(st.status());
+  if (auto s = slide::core::make_dirs(o.out); !s.ok()) return fail(s);
+  if (o.overwrite)  // an earlier prediction's per-slide files (slides that are gone must not stay)
+    for (const char* d : {"predictions", "heatmaps"}) {
+      std::error_code ec;
+      fs::remove_all(o.out + "/" + d, ec);
+      if (ec) return fail(slide::core::errno_status(ec.value(), "--overwrite: remove " + o.out + "/" + d));
+    }
+
+  const size_t k = classes.size();
+  const int64_t S = (*ds)->tile_size_px();
+  std::string tiles_csv = "slide_id,x_l0,y_l0,label", slides_csv = "slide_id,label,tiles";
+  for (const auto& c : classes) tiles_csv += ",p_" + c, slides_csv += ",mean_p_" + c;
+  tiles_csv += ",predicted\n";
+  slides_csv += predict ? ",predicted_by_mean,predicted_by_majority,predictions_file,heatmaps\n"
+                        : ",predicted_by_mean,predicted_by_majority\n";
+  struct SlideAgg {
+    int32_t label = kNoLabel;
+    std::vector<size_t> tiles;  // positions, in tile order
+    std::vector<double> sum;
+    std::vector<int64_t> votes;
+  };
+  auto class_name = [&](int32_t label) { return label == kNoLabel ? std::string() : classes[static_cast<size_t>(label)]; };
+  std::vector<SlideAgg> slides((*ds)->slide_ids().size());
+  std::vector<int32_t> xy(2 * all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    const TileRef& ref = (*ds)->tiles()[i];
+    slide::tile::TileHeader h;
+    if (auto s = (*ds)->tile_header(i, &h); !s.ok()) return fail(s);
+    xy[2 * i] = static_cast<int32_t>(h.x_l0), xy[2 * i + 1] = static_cast<int32_t>(h.y_l0);
+    const float* p = probs.data() + i * k;
+    const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
+    std::string line = slide::core::csv_quote((*ds)->slide_ids()[ref.slide]) + "," + std::to_string(h.x_l0) + "," +
+                       std::to_string(h.y_l0) + "," + slide::core::csv_quote(class_name(ref.label));
+    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
+    tiles_csv += line + "," + classes[pred] + "\n";
+    SlideAgg& a = slides[ref.slide];
+    if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
+    a.label = ref.label;
+    a.tiles.push_back(i);
+    for (size_t c = 0; c < k; ++c) a.sum[c] += p[c];
+    ++a.votes[pred];
+  }
+  int64_t grid_fallbacks = 0;
+  for (uint32_t s = 0; s < slides.size(); ++s) {
+    const SlideAgg& a = slides[s];
+    if (a.tiles.empty()) continue;
+    std::string line = slide::core::csv_quote((*ds)->slide_ids()[s]) + "," + slide::core::csv_quote(class_name(a.label)) +
+                       "," + std::to_string(a.tiles.size());
+    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(a.sum[c] / static_cast<double>(a.tiles.size()));
+    const auto by_mean = static_cast<size_t>(std::max_element(a.sum.begin(), a.sum.end()) - a.sum.begin());
+    const auto by_vote = static_cast<size_t>(std::max_element(a.votes.begin(), a.votes.end()) - a.votes.begin());
+    line += "," + classes[by_mean] + "," + classes[by_vote];
+    if (predict) {
+      // The slide's own files: its tiles' probabilities and coordinates, and a heatmap per class.
+      const slide::tile::SlideRecord& rec = (*ds)->slide_record(s);
+      SlidePredictions sp;
+      sp.slide_id = rec.slide_id;
+      sp.label = class_name(a.label);
+      sp.classes = classes;
+      sp.checkpoint = ck->weights;
+      sp.tile_size_px = static_cast<int32_t>(S);
+      sp.tile_size_l0_px = tile_size_l0(rec, S);
+      sp.mpp_um = rec.tile_mpp_um;
+      for (size_t i : a.tiles) {
+        sp.probs.insert(sp.probs.end(), probs.begin() + static_cast<long>(i * k), probs.begin() + static_cast<long>((i + 1) * k));
+        sp.coords.push_back(xy[2 * i]), sp.coords.push_back(xy[2 * i + 1]);
+      }
+      // Slides of different stores may share an id: the second store's files get its index.
+      const uint32_t store = (*ds)->slide_store(s);
+      const std::string stem = slide::core::slide_file_stem(rec.slide_id) + (store > 0 ? "@" + std::to_string(store) : "");
+      const std::string h5 = "predictions/" + stem + ".h5";
+      if (auto st2 = slide::core::make_dirs(o.out + "/predictions"); !st2.ok()) return fail(st2);
+      if (auto st2 = write_predictions_h5(o.out + "/" + h5, sp); !st2.ok()) return fail(st2);
+      std::string maps;
+      if (o.heatmaps) {
+        if (auto st2 = slide::core::make_dirs(o.out + "/heatmaps"); !st2.ok()) return fail(st2);
+        auto canvas = rec.vendor == "patch" ? Result<HeatmapCanvas>(slide::core::invalid_argument("a patch image"))
+                                            : heatmap_canvas(rec.path, sp.tile_size_l0_px, 1024);
+        if (!canvas.ok()) {
+          slide::core::log_debug("heatmap over the tile grid", {{"slide", rec.slide_id}, {"why", canvas.status().to_string()}});
+          ++grid_fallbacks;
+        }
+        auto files = write_class_heatmaps(o.out + "/heatmaps/" + stem, sp, canvas.ok() ? &*canvas : nullptr);
+        if (!files.ok()) return fail(files.status());
+        for (const auto& f : *files) maps += (maps.empty() ? "" : ";") + ("heatmaps/" + f);
+      }
+      line += "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(maps);
+    }
+    slides_csv += line + "\n";
+  }
+  if (grid_fallbacks > 0)
+    slide::core::log_info("heatmaps over the tile grid for slides whose file could not be opened (patch images, "
+                          "moved slides; their ids at debug level)",
+                          {{"slides", grid_fallbacks}});
+  nlohmann::json metrics = {{"tiles", st->samples}, {"classes", classes}, {"checkpoint", ck->weights},
+                            {"inference", extractor != nullptr ? "fused" : "engine"},
+                            {"seconds", st->seconds}, {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}};
+  if (labelled) {
+    metrics["loss"] = st->loss, metrics["accuracy"] = st->accuracy;
+    metrics["balanced_accuracy"] = st->balanced_accuracy, metrics["recall"] = st->recall;
+    metrics["roc_auc"] = st->roc_auc;
+  }
+  std::vector<std::pair<std::string, std::string>> files = {{"/predictions.csv", tiles_csv}, {"/slides.csv", slides_csv}};
+  if (labelled) files.push_back({"/metrics.json", metrics.dump(2) + "\n"});
+  for (const auto& [name, body] : files)
+    if (auto s = slide::core::write_file_atomic(o.out + name, body); !s.ok()) return fail(s);
+  if (labelled)
+    slide::core::log_info(mode, {{"tiles", st->samples}, {"accuracy", st->accuracy},
+                                 {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
+                                 {"inference", extractor != nullptr ? "fused" : "engine"},
+                                 {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
+  else
+    slide::core::log_info(mode, {{"tiles", st->samples}, {"slides", static_cast<int64_t>(slides.size())},
+                                 {"labels", "none: no metrics"},
+                                 {"inference", extractor != nullptr ? "fused" : "engine"},
+                                 {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
+  return 0;
+}
+
+}  // namespace slide::apps

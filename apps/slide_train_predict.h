@@ -1,0 +1,44 @@
+// slide-train evaluate and predict for tile classifiers (the MIL versions: slide_train_mil.h).
+//
+//   slide-train evaluate --checkpoint CK --data STORE... --out DIR     labelled stores: metrics
+//   slide-train predict  --checkpoint CK --data STORE... --out DIR     any stores: no labels needed
+//
+// CK is a checkpoint directory (checkpoints/epoch-E-step-S) or a weights file: a run's
+// best.safetensors (its model is described by the run's newest checkpoint's state.json) or a
+// checkpoint's model.safetensors.
+//
+// Both write, atomically, predictions.csv (per tile: slide_id, level-0 x and y, label (empty when
+// none), p_<class>..., predicted) and slides.csv (per slide: label, tiles, mean_p_<class>...,
+// predicted_by_mean, predicted_by_majority), and metrics.json when every tile has a label
+// (evaluate requires labels: a slide without one is exit 2). predict also writes, per slide,
+// predictions/<stem>.h5 (slide/train/predict.h: /probs, /coords) and, unless --no-heatmaps,
+// heatmaps/<stem>.<class>.png, one per class, over the slide's thumbnail (over the tile grid when
+// the slide file cannot be opened); slides.csv then names them. <stem> is slide_file_stem of the
+// slide id (libcore/file_name.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace slide::apps {
+
+struct TileInferenceOptions {
+  std::string checkpoint;         // a checkpoint directory or a .safetensors file (above)
+  std::vector<std::string> data;  // tile stores
+  std::string labels;             // a slide_id,label CSV (optional)
+  std::string out;
+  int64_t batch = 32;
+  int threads = 1;                // decode threads
+  std::string backend = "cpu";
+  int device = -1;
+  bool fused = true;              // the fused inference path on cpu (embed.h's FeatureExtractor)
+  bool overwrite = false;
+  bool heatmaps = true;           // predict: per-class heatmaps
+};
+
+// Runs evaluate (`predict` false) or predict; returns the process exit code (0 ok, 1 failed, 2 usage
+// or bad input), having logged the error.
+int run_tile_inference(const TileInferenceOptions& options, bool predict);
+
+}  // namespace slide::apps

@@ -1,0 +1,38 @@
+// Figures: what a reader needs beside the pixels (titles, colour bars with labelled ticks), drawn
+// with cairo (Debian's libcairo2-dev, its image surfaces and toy text API; font "DejaVu Sans",
+// Debian's fonts-dejavu-core, which fontconfig finds) on RgbImage.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "slide/core/status.h"
+#include "slide/tile/image.h"
+
+namespace slide::tile {
+
+using core::Result;
+
+// The jet colormap (matplotlib's "jet", piecewise linear): 0 dark blue, 0.5 green-yellow, 1 dark
+// red; v is clamped to [0, 1].
+void jet_colour(double v, uint8_t rgb[3]);
+
+// A vertical colour bar: the jet colormap from `low` (bottom) to `high` (top), `ticks` (>= 2)
+// evenly spaced labelled ticks (printf "%g" of the value, then `unit`), and `scale` written under
+// the bar in small type (e.g. "absolute" or "percentile within the slide"), so the scale is stated
+// on the image.
+struct ColourBar {
+  std::string title;   // one line above the image, e.g. "p(tumor): slide-1"
+  double low = 0, high = 1;
+  std::string unit;    // appended to each tick label, e.g. "%"
+  std::string scale;   // e.g. "probability, absolute scale"
+  int ticks = 5;
+};
+
+// `image` with a 28-px title band above it and a 110-px panel at its right holding the colour bar
+// (at least 200 px tall: a smaller image is padded with white below; at least as wide as the
+// title, padded with white at the right). The image's pixels are copied unchanged, at (0, 28). Errors: kInvalidArgument (an empty image, ticks < 2, low/high not finite),
+// kInternal naming the cairo call and cairo's status string.
+[[nodiscard]] Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar);
+
+}  // namespace slide::tile

@@ -1,0 +1,142 @@
+#include "slide/tile/figure.h"
+
+#include <cairo.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+namespace slide::tile {
+
+namespace {
+
+using core::Status;
+
+constexpr int kTitleBand = 28;    // px above the image
+constexpr int kPanel = 110;       // px at its right
+constexpr int kMinHeight = 200;   // the bar's panel, at least
+constexpr const char* kFont = "DejaVu Sans";
+
+Status cairo_failed(const char* what, cairo_status_t st) {
+  return core::internal_error(std::string("cairo: ") + what + ": " + cairo_status_to_string(st));
+}
+
+}  // namespace
+
+void jet_colour(double v, uint8_t rgb[3]) {
+  v = std::clamp(std::isfinite(v) ? v : 0.0, 0.0, 1.0);
+  auto ch = [&](double c) {
+    return static_cast<uint8_t>(std::lround(255.0 * std::clamp(1.5 - std::abs(4.0 * v - c), 0.0, 1.0)));
+  };
+  rgb[0] = ch(3.0), rgb[1] = ch(2.0), rgb[2] = ch(1.0);
+}
+
+Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
+  if (image.width < 1 || image.height < 1 || bar.ticks < 2 || !std::isfinite(bar.low) || !std::isfinite(bar.high))
+    return core::invalid_argument("colour bar: an image of " + std::to_string(image.width) + " x " +
+                                  std::to_string(image.height) + " px, " + std::to_string(bar.ticks) + " ticks");
+  // The title's width, measured on a scratch surface: the figure is at least that wide.
+  double title_px = 0;
+  {
+    std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> scratch(
+        cairo_image_surface_create(CAIRO_FORMAT_RGB24, 1, 1), cairo_surface_destroy);
+    std::unique_ptr<cairo_t, decltype(&cairo_destroy)> m(cairo_create(scratch.get()), cairo_destroy);
+    cairo_select_font_face(m.get(), kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+    cairo_set_font_size(m.get(), 14);
+    cairo_text_extents_t ext;
+    cairo_text_extents(m.get(), bar.title.c_str(), &ext);
+    if (auto st = cairo_status(m.get()); st != CAIRO_STATUS_SUCCESS) return cairo_failed("measuring the title", st);
+    title_px = ext.x_advance;
+  }
+  const int64_t W = std::max<int64_t>(image.width + kPanel, static_cast<int64_t>(std::ceil(title_px)) + 12);
+  const int64_t H = kTitleBand + std::max<int64_t>(image.height, kMinHeight);
+  if (W > 32767 || H > 32767) return core::invalid_argument("colour bar: the figure would exceed cairo's 32767 px");
+  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
+      cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)), cairo_surface_destroy);
+  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS)
+    return cairo_failed("image surface", st);
+  // The image's pixels, copied into the surface (RGB24: one native-endian uint32 0x00RRGGBB a pixel).
+  cairo_surface_flush(surface.get());
+  unsigned char* data = cairo_image_surface_get_data(surface.get());
+  const int stride = cairo_image_surface_get_stride(surface.get());
+  for (int64_t y = 0; y < H; ++y) {
+    auto* row = reinterpret_cast<uint32_t*>(data + y * stride);
+    std::fill(row, row + W, 0x00FFFFFFu);
+    const int64_t iy = y - kTitleBand;
+    if (iy < 0 || iy >= image.height) continue;
+    const uint8_t* src = image.row(iy);
+    for (int64_t x = 0; x < image.width; ++x)
+      row[x] = (uint32_t{src[3 * x]} << 16) | (uint32_t{src[3 * x + 1]} << 8) | uint32_t{src[3 * x + 2]};
+  }
+  cairo_surface_mark_dirty(surface.get());
+  std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
+  cairo_t* c = cr.get();
+  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+  // Title.
+  cairo_set_source_rgb(c, 0, 0, 0);
+  cairo_set_font_size(c, 14);
+  cairo_move_to(c, 6, 19);
+  cairo_show_text(c, bar.title.c_str());
+  // The bar: 18 px wide, from the image's top to its bottom (or kMinHeight), high at the top.
+  const double bx = static_cast<double>(image.width) + 14, bw = 18, by = kTitleBand + 8;
+  const double bh = static_cast<double>(H - kTitleBand) - 16 - 40;  // room for the scale's note
+  cairo_pattern_t* grad = cairo_pattern_create_linear(0, by + bh, 0, by);
+  for (int i = 0; i <= 16; ++i) {
+    uint8_t rgb[3];
+    jet_colour(i / 16.0, rgb);
+    cairo_pattern_add_color_stop_rgb(grad, i / 16.0, rgb[0] / 255.0, rgb[1] / 255.0, rgb[2] / 255.0);
+  }
+  cairo_rectangle(c, bx, by, bw, bh);
+  cairo_set_source(c, grad);
+  cairo_fill_preserve(c);
+  cairo_pattern_destroy(grad);
+  cairo_set_source_rgb(c, 0, 0, 0);
+  cairo_set_line_width(c, 1);
+  cairo_stroke(c);
+  // Ticks and their labels.
+  cairo_set_font_size(c, 11);
+  for (int t = 0; t < bar.ticks; ++t) {
+    const double f = t / static_cast<double>(bar.ticks - 1);
+    const double y = std::round(by + bh - f * bh) + 0.5;
+    cairo_move_to(c, bx + bw, y);
+    cairo_line_to(c, bx + bw + 5, y);
+    cairo_stroke(c);
+    char label[64];
+    std::snprintf(label, sizeof label, "%g%s", bar.low + f * (bar.high - bar.low), bar.unit.c_str());
+    cairo_move_to(c, bx + bw + 8, y + 4);
+    cairo_show_text(c, label);
+  }
+  // The scale's note, under the bar, wrapped at spaces to the panel's width.
+  cairo_set_font_size(c, 9);
+  std::string line, rest = bar.scale;
+  double ny = by + bh + 14;
+  while (!rest.empty() && ny < static_cast<double>(H) - 2) {
+    size_t cut = rest.size();
+    cairo_text_extents_t ext;
+    while (true) {
+      cairo_text_extents(c, rest.substr(0, cut).c_str(), &ext);
+      if (ext.x_advance <= kPanel - 8 || cut <= 1) break;
+      const size_t space = rest.rfind(' ', cut - 1);
+      cut = space == std::string::npos || space == 0 ? cut - 1 : space;
+    }
+    cairo_move_to(c, static_cast<double>(image.width) + 6, ny);
+    cairo_show_text(c, rest.substr(0, cut).c_str());
+    rest = rest.substr(std::min(rest.size(), cut + (cut < rest.size() && rest[cut] == ' ' ? 1 : 0)));
+    ny += 11;
+  }
+  if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
+  cairo_surface_flush(surface.get());
+  RgbImage out(W, H);
+  for (int64_t y = 0; y < H; ++y) {
+    const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);
+    uint8_t* dst = out.row(y);
+    for (int64_t x = 0; x < W; ++x)
+      dst[3 * x] = static_cast<uint8_t>(row[x] >> 16), dst[3 * x + 1] = static_cast<uint8_t>(row[x] >> 8),
+      dst[3 * x + 2] = static_cast<uint8_t>(row[x]);
+  }
+  return out;
+}
+
+}  // namespace slide::tile

@@ -1,0 +1,108 @@
+#include "slide/train/heatmap.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "slide/tile/figure.h"
+#include "slide/tile/slide.h"
+#include "slide/tile/tissue.h"
+
+namespace slide::train {
+
+using slide::core::invalid_argument;
+using slide::tile::RgbImage;
+
+std::vector<double> percentile_ranks(const std::vector<float>& values) {
+  const size_t n = values.size();
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return values[a] < values[b]; });
+  std::vector<double> pct(n, 1.0);
+  for (size_t r = 0; r < n; ++r) pct[order[r]] = n > 1 ? static_cast<double>(r) / static_cast<double>(n - 1) : 1.0;
+  return pct;
+}
+
+int64_t coords_grid_step(const std::vector<int32_t>& coords) {
+  int64_t step = 0;
+  const size_t n = coords.size() / 2;
+  for (size_t axis = 0; axis < 2; ++axis) {
+    std::vector<int32_t> v;
+    for (size_t i = 0; i < n; ++i) v.push_back(coords[2 * i + axis]);
+    std::sort(v.begin(), v.end());
+    for (size_t i = 1; i < v.size(); ++i)
+      if (v[i] > v[i - 1] && (step == 0 || v[i] - v[i - 1] < step)) step = v[i] - v[i - 1];
+  }
+  return step == 0 ? 1 : step;
+}
+
+Result<HeatmapCanvas> heatmap_canvas(const std::string& slide_path, int64_t tile_l0_px, int64_t min_long_side_px) {
+  SLIDE_ASSIGN_OR_RETURN(auto slide, slide::tile::open_slide(slide_path));
+  const auto& l0 = slide->properties().levels.at(0);
+  const auto longest = static_cast<double>(std::max(l0.width, l0.height));
+  double ds = static_cast<double>(tile_l0_px) / 8.0;
+  if (min_long_side_px > 0) ds = std::min(ds, longest / static_cast<double>(min_long_side_px));
+  ds = std::max({1.0, ds, longest / 4096.0});
+  HeatmapCanvas c;
+  SLIDE_ASSIGN_OR_RETURN(c.thumbnail, slide::tile::make_thumbnail(*slide, ds, &c.downsample_x, &c.downsample_y));
+  return c;
+}
+
+Result<RgbImage> draw_tile_grid(const std::vector<double>& values, const std::vector<int32_t>& coords,
+                                int64_t tile_l0_px, const std::string& what, int cell_px) {
+  const size_t n = values.size();
+  if (n == 0 || coords.size() != 2 * n || cell_px < 1)
+    return invalid_argument(what + ": " + std::to_string(n) + " values for " + std::to_string(coords.size() / 2) +
+                            " tile coordinates");
+  int64_t x0 = coords[0], y0 = coords[1], x1 = coords[0], y1 = coords[1];
+  for (size_t i = 0; i < n; ++i) {
+    x0 = std::min<int64_t>(x0, coords[2 * i]), x1 = std::max<int64_t>(x1, coords[2 * i]);
+    y0 = std::min<int64_t>(y0, coords[2 * i + 1]), y1 = std::max<int64_t>(y1, coords[2 * i + 1]);
+  }
+  if (tile_l0_px <= 0) tile_l0_px = coords_grid_step(coords);
+  const int64_t cols = (x1 - x0) / tile_l0_px + 1, rows = (y1 - y0) / tile_l0_px + 1;
+  if (cols * rows > int64_t{1} << 24)
+    return invalid_argument(what + ": a tile grid of " + std::to_string(cols) + " x " + std::to_string(rows) +
+                            " cells is too large for a heatmap");
+  RgbImage img(cols * cell_px, rows * cell_px, 255);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t cx = (coords[2 * i] - x0) / tile_l0_px, cy = (coords[2 * i + 1] - y0) / tile_l0_px;
+    uint8_t rgb[3];
+    slide::tile::jet_colour(values[i], rgb);
+    for (int64_t y = cy * cell_px; y < (cy + 1) * cell_px; ++y)
+      for (int64_t x = cx * cell_px; x < (cx + 1) * cell_px; ++x) {
+        uint8_t* p = img.row(y) + 3 * x;
+        p[0] = rgb[0], p[1] = rgb[1], p[2] = rgb[2];
+      }
+  }
+  return img;
+}
+
+Result<RgbImage> draw_tile_overlay(const std::vector<double>& values, const std::vector<int32_t>& coords,
+                                   int64_t tile_l0_px, const HeatmapCanvas& canvas, const std::string& what) {
+  const size_t n = values.size();
+  const RgbImage& thumb = canvas.thumbnail;
+  const double dx = canvas.downsample_x, dy = canvas.downsample_y;
+  if (n == 0 || coords.size() != 2 * n || thumb.width < 1 || thumb.height < 1 || !(dx > 0) || !(dy > 0))
+    return invalid_argument(what + ": " + std::to_string(n) + " values for " + std::to_string(coords.size() / 2) +
+                            " tile coordinates over a " + std::to_string(thumb.width) + " x " +
+                            std::to_string(thumb.height) + " thumbnail");
+  if (tile_l0_px <= 0) tile_l0_px = coords_grid_step(coords);
+  RgbImage img = thumb;
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t rgb[3];
+    slide::tile::jet_colour(values[i], rgb);
+    const auto px0 = static_cast<int64_t>(std::floor(coords[2 * i] / dx));
+    const auto py0 = static_cast<int64_t>(std::floor(coords[2 * i + 1] / dy));
+    const auto px1 = std::max(px0 + 1, static_cast<int64_t>(std::floor((coords[2 * i] + tile_l0_px) / dx)));
+    const auto py1 = std::max(py0 + 1, static_cast<int64_t>(std::floor((coords[2 * i + 1] + tile_l0_px) / dy)));
+    for (int64_t y = std::max<int64_t>(py0, 0); y < std::min(py1, img.height); ++y)
+      for (int64_t x = std::max<int64_t>(px0, 0); x < std::min(px1, img.width); ++x) {
+        uint8_t* p = img.row(y) + 3 * x;
+        for (int c = 0; c < 3; ++c) p[c] = static_cast<uint8_t>((p[c] + rgb[c] + 1) / 2);
+      }
+  }
+  return img;
+}
+
+}  // namespace slide::train

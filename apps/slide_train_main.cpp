@@ -33,6 +33,7 @@
 #include "slide/train/checkpoint.h"
 #include "slide/train/data_parallel.h"
 #include "slide/train/embed.h"
+#include "slide/train/fine_tune.h"
 #include "slide/train/trainer.h"
 #include "backend_options.h"
 #include "train_common.h"
@@ -233,6 +234,20 @@ int run_main(int argc, char** argv) {
   app.add_option("--best-metric", best_metric,
                  "Validation metric that picks best.safetensors: balanced_accuracy | accuracy | roc_auc | loss")
       ->capture_default_str()->check(CLI::IsMember({"balanced_accuracy", "accuracy", "roc_auc", "loss"}));
+  // Fine-tuning (slide/train/fine_tune.h).
+  std::string init_weights, freeze_until;
+  double lr_backbone = -1;  // unset: the backbone at --lr
+  app.add_option("--init", init_weights,
+                 "Start from these weights (torchvision-named safetensors: ImageNet weights converted by "
+                 "scripts/convert_torchvision_weights.py, a slidestream checkpoint or best.safetensors, a pathology "
+                 "checkpoint); the classifier (fc) is replaced when its class count differs")
+      ->check(CLI::ExistingFile);
+  app.add_option("--freeze", freeze_until,
+                 "Freeze the model's layers up to and including this one (torchvision names: conv1, bn1, layer1, "
+                 "..., layer4; the small CNN's indices): their parameters are not updated");
+  app.add_option("--lr-backbone", lr_backbone,
+                 "Peak learning rate of every layer but the classifier (default: --lr), on the same schedule")
+      ->check(number_option("lr-backbone"));
   double dropout = 0;
   app.add_option("--dropout", dropout, "Dropout probability before the classifier (0 = none)")->capture_default_str()
       ->check(number_option("dropout"));
@@ -338,6 +353,19 @@ int run_main(int argc, char** argv) {
   auto model = make_tile_model(model_name, classes, width, seed, dropout);
   if (!model.ok()) return fail(model.status());
   run.model = std::move(*model);
+  if (!init_weights.empty()) {  // on the host, before the move to the device
+    std::vector<Parameter*> host_params;
+    std::vector<Buffer*> host_buffers;
+    run.model->collect("", &host_params, &host_buffers);
+    auto report = load_initial_weights(init_weights, host_params, host_buffers, "fc");
+    if (!report.ok()) return fail(report.status());
+    slide::core::log_info("initial weights", {{"file", init_weights}, {"loaded", static_cast<int64_t>(report->loaded.size())},
+                                              {"ignored", static_cast<int64_t>(report->ignored.size())}});
+    if (!report->kept.empty())
+      slide::core::log_info("classifier replaced: the file's has another class count; trained from a fresh "
+                            "initialisation",
+                            {{"classes", classes}, {"tensors", static_cast<int64_t>(report->kept.size())}});
+  }
   // Built and initialised on the host, then moved to the backend's device once.
   if (auto s = move_to_device(**be, *run.model); !s.ok()) return fail(s.with_context("model to " + backend));
   run.model->collect("", &run.params, &run.buffers);
@@ -346,7 +374,17 @@ int run_main(int argc, char** argv) {
   oc.momentum = momentum;
   oc.nesterov = nesterov;
   oc.weight_decay = weight_decay;
-  auto opt = Optimizer::make(oc, run.params, (*be)->allocator());
+  if (lr_backbone >= 0 && !(lr > 0))
+    return fail(slide::core::invalid_argument("--lr-backbone is a rate relative to --lr's schedule: give --lr > 0"));
+  auto param_options = fine_tune_options(*run.model, run.params, freeze_until, "fc",
+                                         lr_backbone >= 0 ? lr_backbone / lr : 1.0);
+  if (!param_options.ok()) return fail(param_options.status());
+  if (!freeze_until.empty())
+    slide::core::log_info("frozen", {{"through", freeze_until},
+                                     {"parameters", static_cast<int64_t>(std::count_if(
+                                                        param_options->begin(), param_options->end(),
+                                                        [](const ParameterOptions& p) { return p.frozen; }))}});
+  auto opt = Optimizer::make(oc, run.params, (*be)->allocator(), *param_options);
   if (!opt.ok()) return fail(opt.status());
   run.opt = std::move(*opt);
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
@@ -418,13 +456,17 @@ int run_main(int argc, char** argv) {
                           {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}};
   // What changes the math of a run: --resume refuses a run whose options differ (epochs aside).
-  const nlohmann::json config = {{"model", model_name}, {"width", width}, {"dropout", dropout}, {"optimizer", optimizer},
+  nlohmann::json config = {{"model", model_name}, {"width", width}, {"dropout", dropout}, {"optimizer", optimizer},
                      {"lr", lr}, {"momentum", momentum}, {"nesterov", nesterov}, {"weight_decay", weight_decay},
                      {"schedule", schedule}, {"warmup_epochs", warmup_epochs}, {"label_smoothing", smoothing},
                      {"batch_size", batch}, {"seed", seed}, {"class_weights", class_weights},
                      {"val_fraction", val_fraction}, {"labels", labels_csv}, {"augment", !no_augment},
                      {"color_jitter", color_jitter}, {"random_resized_crop", crop_min_scale},
                      {"best_metric", best_metric}};
+  // Fine-tuning options, recorded when given (a run without them keeps its config as before).
+  if (!init_weights.empty()) config["init"] = init_weights;
+  if (!freeze_until.empty()) config["freeze"] = freeze_until;
+  if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   state["config"] = config;
   if (resume && writer) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);

@@ -7,7 +7,15 @@
 namespace slide::train {
 
 Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config, std::vector<Parameter*> params,
-                                                   Allocator& alloc) {
+                                                   Allocator& alloc, std::vector<ParameterOptions> options) {
+  if (options.empty()) options.resize(params.size());
+  if (options.size() != params.size())
+    return slide::core::invalid_argument("optimizer: " + std::to_string(options.size()) + " parameter options for " +
+                                         std::to_string(params.size()) + " parameters");
+  for (size_t i = 0; i < options.size(); ++i)
+    if (!(options[i].lr_scale >= 0) || !std::isfinite(options[i].lr_scale))
+      return slide::core::invalid_argument("optimizer: learning-rate scale of " + params[i]->name +
+                                           " is not a finite number >= 0");
   if (config.name != "sgd" && config.name != "adamw")
     return slide::core::invalid_argument("optimizer '" + config.name + "' is not one of sgd, adamw");
   // Written so that NaN fails every test.
@@ -21,8 +29,11 @@ Result<std::unique_ptr<Optimizer>> Optimizer::make(const OptimizerConfig& config
   auto opt = std::unique_ptr<Optimizer>(new Optimizer());
   opt->config_ = config;
   opt->params_ = std::move(params);
+  opt->options_ = std::move(options);
   const bool sgd = config.name == "sgd";
-  for (Parameter* p : opt->params_) {
+  for (size_t i = 0; i < opt->params_.size(); ++i) {
+    Parameter* p = opt->params_[i];
+    if (opt->options_[i].frozen) continue;
     if (sgd && config.momentum > 0) {
       Buffer b{p->name + ".momentum_buffer", Tensor()};
       SLIDE_ASSIGN_OR_RETURN(b.value, Tensor::zeros(p->value.shape(), p->value.dtype(), alloc, b.name));
@@ -48,8 +59,9 @@ Status Optimizer::step(Backend& be, double lr) {
   // number per parameter back to the host), the first non-finite one named.
   std::string where;
   double sq = 0;
-  for (const Parameter* p : params_) {
-    if (!p->grad.defined()) continue;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter* p = params_[i];
+    if (!p->grad.defined() || options_[i].frozen) continue;
     double one = 0;
     SLIDE_RETURN_IF_ERROR(be.sum_of_squares(p->grad, &one).with_context("gradient check of " + p->name));
     if (!std::isfinite(one) && where.empty()) where = p->name;
@@ -63,18 +75,23 @@ Status Optimizer::step(Backend& be, double lr) {
   }
   const bool first = steps_ == 0;
   ++steps_;
+  size_t k = 0;  // the state of the k-th trainable parameter
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (options_[i].frozen) continue;
     Parameter& p = *params_[i];
+    // The scale 1 case multiplies by 1.0: the same bits as before per-parameter scales existed.
+    const double lr_i = lr * options_[i].lr_scale;
     Status s;
     if (config_.name == "sgd") {
       Tensor none;
-      Tensor& buf = state_a_.empty() ? none : state_a_[i].value;
-      s = be.sgd_update(p.value, p.grad, buf, lr, config_.momentum, config_.dampening, config_.weight_decay,
+      Tensor& buf = state_a_.empty() ? none : state_a_[k].value;
+      s = be.sgd_update(p.value, p.grad, buf, lr_i, config_.momentum, config_.dampening, config_.weight_decay,
                         config_.nesterov, first);
     } else {
-      s = be.adamw_update(p.value, p.grad, state_a_[i].value, state_b_[i].value, lr, config_.beta1, config_.beta2,
+      s = be.adamw_update(p.value, p.grad, state_a_[k].value, state_b_[k].value, lr_i, config_.beta1, config_.beta2,
                           config_.eps, config_.weight_decay, steps_);
     }
+    ++k;
     if (!s.ok()) return s.with_context("update of " + p.name);
   }
   return slide::core::ok_status();

@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 
-_DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32}
+_DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32, "I64": np.int64}
 
 
 def read_safetensors(path):
@@ -25,7 +25,7 @@ def read_safetensors(path):
 
 
 def write_safetensors(path, tensors):
-    """Writes {name: numpy array} (float32, float64 or int32); the header padded to 8 bytes."""
+    """Writes {name: numpy array} (float32, float64, int32 or int64); the header padded to 8 bytes."""
     header, blobs, offset = {}, [], 0
     names = {np.dtype(v): k for k, v in _DTYPES.items()}
     for name, a in tensors.items():

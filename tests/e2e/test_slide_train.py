@@ -38,8 +38,9 @@ class Base(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def train(self, out, *extra, epochs=6, **kw):
-        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
+    def train(self, out, *extra, epochs=6, batch=32, lr=0.05, **kw):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", str(batch),
+                "--lr", str(lr),
                 "--width", "8", "--threads", "2", "--seed", "3"] + list(extra)
         return subprocess.run(args, capture_output=True, text=True, **kw)
 
@@ -479,6 +480,92 @@ class TestPredict(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertFalse(os.path.exists(stale))
         self.assertFalse(os.path.exists(os.path.join(p, "heatmaps")))
+
+
+class TestFineTune(Base):
+    """--init from torchvision-named weights (made by torchvision here), the classifier replaced for
+    another class count, --freeze and --lr-backbone."""
+
+    def test_init_starts_from_exactly_those_weights(self):
+        import torch
+        import torchvision
+        from PIL import Image
+        torch.set_num_threads(2)
+        torch.manual_seed(0)
+        classes = ["lung_aca", "lung_n", "lung_scc"]
+        m = torchvision.models.resnet18(num_classes=3)
+        state = {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}  # num_batches_tracked too
+        init = os.path.join(self.tmp, "init3.safetensors")
+        write_safetensors(init, state)
+        # One step over all 360 tiles (batch 360, no augmentation) at learning rate 0: the epoch's
+        # training loss is the loss of the initial weights on the stored tiles, in training mode.
+        out = os.path.join(self.tmp, "ft0")
+        r = self.train(out, "--model", "resnet18", "--init", init, "--val-fraction", "0", "--no-augment", epochs=1,
+                       batch=360, lr=0)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("initial weights", r.stderr)
+        self.assertNotIn("classifier replaced", r.stderr)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            ours = json.loads(f.readline())["train_loss"]
+        tiles = os.path.join(self.tmp, "tiles")
+        r = subprocess.run([TILE, "export", self.store, "-o", tiles, "--index", "0-359"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        files = sorted(os.listdir(tiles))
+        self.assertEqual(len(files), 360)
+        mean = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+        std = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+        x = np.stack([(np.asarray(Image.open(os.path.join(tiles, f)).convert("RGB"), dtype=np.float32) / 255 - mean) / std
+                      for f in files]).transpose(0, 3, 1, 2)
+        y = [next(i for i, c in enumerate(classes) if f.startswith(c + "_")) for f in files]
+        m.train()
+        with torch.no_grad():
+            want = torch.nn.functional.cross_entropy(m(torch.from_numpy(np.ascontiguousarray(x))), torch.tensor(y)).item()
+        print("first-step loss over 360 tiles: ours %.7f, PyTorch %.7f" % (ours, want), file=sys.stderr)
+        self.assertAlmostEqual(ours, want, delta=1e-4 * max(1.0, abs(want)))
+        # Every weight is the file's, bit for bit (lr 0 moves nothing).
+        got = read_safetensors(os.path.join(out, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+        for k, v in state.items():
+            if k.endswith("weight") or k.endswith("bias"):
+                self.assertTrue(np.array_equal(got[k], v), k)
+
+        # ImageNet-shaped weights (1000 classes): the classifier is replaced and trained from scratch;
+        # --freeze layer3 keeps conv1..layer3 bit for bit; --lr-backbone moves layer4 more slowly.
+        m1000 = torchvision.models.resnet18(num_classes=1000)
+        s1000 = {k: v.detach().numpy().copy() for k, v in m1000.state_dict().items()}
+        init1000 = os.path.join(self.tmp, "init1000.safetensors")
+        write_safetensors(init1000, s1000)
+        out = os.path.join(self.tmp, "ft1")
+        r = self.train(out, "--model", "resnet18", "--init", init1000, "--freeze", "layer3", "--lr-backbone", "0.005",
+                       "--val-fraction", "0", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("classifier replaced", r.stderr)
+        got = read_safetensors(os.path.join(out, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+        self.assertEqual(got["fc.weight"].shape, (3, 512))
+        for k, v in s1000.items():
+            if not (k.endswith("weight") or k.endswith("bias")) or k.startswith("fc."):
+                continue
+            same = np.array_equal(got[k], v)
+            self.assertEqual(same, not k.startswith("layer4."), k)
+        with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            config = json.load(f)["config"]
+        self.assertEqual((config["init"], config["freeze"], config["lr_backbone"]), (init1000, "layer3", 0.005))
+        # No optimizer state for the frozen layers.
+        opt = read_safetensors(os.path.join(out, "checkpoints", "epoch-1-step-0", "optimizer.safetensors"))
+        self.assertFalse(any(k.startswith(("conv1.", "layer1.", "layer3.")) for k in opt))
+        self.assertTrue(any(k.startswith("layer4.") for k in opt))
+
+        # Bad input: another architecture, an unknown layer, the classifier frozen.
+        m34 = torchvision.models.resnet34(num_classes=3)
+        init34 = os.path.join(self.tmp, "init34.safetensors")
+        write_safetensors(init34, {k: v.detach().numpy() for k, v in m34.state_dict().items()})
+        for extra, msg in ((["--init", init34], "which this model lacks"),
+                           (["--init", init, "--freeze", "layer9"], "not one of the model's layers"),
+                           (["--freeze", "fc"], "would freeze the classifier"),
+                           (["--lr-backbone", "0.01"], "give --lr > 0")):
+            r = self.train(os.path.join(self.tmp, "bad"), "--model", "resnet18", *extra, epochs=1,
+                           lr=0 if "--lr-backbone" in extra else 0.05)
+            self.assertEqual(r.returncode, 2, (extra, r.stderr))
+            self.assertIn(msg, r.stderr)
 
 
 class TestAugment(unittest.TestCase):

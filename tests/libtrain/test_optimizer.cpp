@@ -6,6 +6,13 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "slide/train/checkpoint.h"
+#include "slide/train/fine_tune.h"
 #include "slide/train/optimizer.h"
 #include "slide/train/trainer.h"
 #include "test_util.h"
@@ -107,6 +114,53 @@ TEST_CASE("optimizer: bad configurations are refused; zero_grad") {
   CHECK(at(p.grad, 0) == 0.0);
 }
 
+TEST_CASE("optimizer: per-parameter options (fine-tuning): a frozen parameter keeps its value and has no state; "
+          "lr_scale multiplies the rate") {
+  auto be = must_make("reference");
+  for (const char* name : {"sgd", "adamw"}) {
+    CAPTURE(name);
+    Parameter frozen = param({1.0, 2.0}, DType::kF64), half = param({1.0, 2.0}, DType::kF64),
+              full = param({1.0, 2.0}, DType::kF64);
+    frozen.name = "frozen", half.name = "half", full.name = "full";
+    OptimizerConfig c;
+    c.name = name;
+    c.momentum = 0.9;
+    c.weight_decay = 0;
+    auto opt = Optimizer::make(c, {&frozen, &half, &full}, cpu_allocator(), {{true, 1.0}, {false, 0.5}, {false, 1.0}});
+    REQUIRE(opt.ok());
+    // State for the two trainable parameters only, under their names.
+    for (Buffer* b : (*opt)->state()) CHECK(b->name.rfind("frozen", 0) == std::string::npos);
+    CHECK((*opt)->state().size() == (std::string(name) == "sgd" ? 2u : 4u));
+    for (Parameter* p : {&frozen, &half, &full}) set_grad(*p, {0.5, -1.0});
+    REQUIRE((*opt)->step(*be, 0.1).ok());
+    CHECK(at(frozen.value, 0) == 1.0);
+    CHECK(at(frozen.value, 1) == 2.0);
+    if (std::string(name) == "sgd") {
+      // First step: the momentum buffer is the gradient; p -= lr x scale x g.
+      CHECK(at(full.value, 0) == doctest::Approx(1.0 - 0.1 * 0.5).epsilon(1e-15));
+      CHECK(at(half.value, 0) == doctest::Approx(1.0 - 0.05 * 0.5).epsilon(1e-15));
+      CHECK(at(half.value, 1) == doctest::Approx(2.0 + 0.05 * 1.0).epsilon(1e-15));
+    } else {
+      // AdamW's first step moves each element by lr x scale (m_hat / sqrt(v_hat) = sign(g)).
+      CHECK(at(full.value, 0) == doctest::Approx(1.0 - 0.1).epsilon(1e-7));
+      CHECK(at(half.value, 0) == doctest::Approx(1.0 - 0.05).epsilon(1e-7));
+      CHECK(at(half.value, 1) == doctest::Approx(2.0 + 0.05).epsilon(1e-7));
+    }
+    // A frozen parameter's gradient is still zeroed; a NaN in it is not the optimizer's concern.
+    set_grad(frozen, {NAN, 1.0});
+    REQUIRE((*opt)->step(*be, 0.1).ok());
+    REQUIRE((*opt)->zero_grad().ok());
+    CHECK(at(frozen.grad, 1) == 0.0);
+    CHECK(at(frozen.value, 0) == 1.0);
+  }
+  Parameter p = param({1.0}, DType::kF64);
+  OptimizerConfig c;
+  CHECK(Optimizer::make(c, {&p}, cpu_allocator(), {{false, 1.0}, {false, 1.0}}).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(Optimizer::make(c, {&p}, cpu_allocator(), {{false, NAN}}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(Optimizer::make(c, {&p}, cpu_allocator(), {{false, -1.0}}).status().code() == StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("optimizer: out-of-range or non-finite hyper-parameters are refused as PyTorch's (issue 20)") {
   Parameter p = param({1.0}, DType::kF64);
   for (auto bad : std::vector<void (*)(OptimizerConfig&)>{
@@ -190,4 +244,66 @@ TEST_CASE("macro ROC AUC: Mann-Whitney by hand, ties count half, undefined class
   std::vector<float> p3{0.9f, 0.05f, 0.05f, 0.2f, 0.7f, 0.1f};
   CHECK(macro_roc_auc(p3, {0, 1}, 3) == doctest::Approx(1.0));
   CHECK(macro_roc_auc({1.0f, 1.0f}, {0, 0}, 1) == -1.0);
+}
+
+TEST_CASE("fine-tuning: initial weights by name, the classifier replaced for another class count, another "
+          "architecture refused; freezing and the backbone's rate by layer") {
+  const std::string dir = std::filesystem::temp_directory_path() / ("slide_finetune_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto a = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 4, /*seed=*/1);
+  auto b = make_small_cnn(cpu_allocator(), DType::kF32, 3, 5, 4, /*seed=*/2);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  std::vector<Parameter*> pa, pb;
+  std::vector<Buffer*> ba, bb;
+  (*a)->collect("", &pa, &ba);
+  (*b)->collect("", &pb, &bb);
+  std::vector<NamedTensor> saved;
+  for (Parameter* p : pa) saved.push_back({p->name, &p->value});
+  for (Buffer* x : ba) saved.push_back({x->name, &x->value});
+  Tensor extra = *Tensor::zeros({2}, DType::kF32, cpu_allocator());
+  std::vector<NamedTensor> with_head = saved;
+  with_head.push_back({"projection.weight", &extra});  // another model's head: ignored
+  REQUIRE(save_safetensors(dir + "/a.safetensors", with_head).ok());
+  auto report = load_initial_weights(dir + "/a.safetensors", pb, bb, "fc");
+  REQUIRE(report.ok());
+  CHECK(report->kept == std::vector<std::string>{"fc.weight", "fc.bias"});
+  CHECK(report->ignored == std::vector<std::string>{"projection.weight"});
+  CHECK(report->loaded.size() == pb.size() + bb.size() - 2);
+  for (size_t i = 0; i < pb.size(); ++i) {
+    CAPTURE(pb[i]->name);
+    const bool head = pb[i]->name.rfind("fc.", 0) == 0;
+    const bool same = std::equal(pb[i]->value.data<float>(), pb[i]->value.data<float>() + pb[i]->value.numel(),
+                                 pa[i]->value.data<float>());
+    CHECK((head ? pb[i]->value.dim(0) == 5 : same));
+  }
+  // A tensor under one of the model's layers that the model lacks: another architecture.
+  std::vector<NamedTensor> deeper = saved;
+  deeper.push_back({"0.extra", &extra});
+  REQUIRE(save_safetensors(dir + "/deeper.safetensors", deeper).ok());
+  auto refused = load_initial_weights(dir + "/deeper.safetensors", pb, bb, "fc");
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK(refused.status().message().find("'0.extra'") != std::string::npos);
+  // A model tensor the file lacks (not the head's): refused, naming it.
+  std::vector<NamedTensor> missing(saved.begin() + 1, saved.end());
+  REQUIRE(save_safetensors(dir + "/missing.safetensors", missing).ok());
+  auto lacks = load_initial_weights(dir + "/missing.safetensors", pb, bb, "fc");
+  CHECK(lacks.status().code() == StatusCode::kInvalidArgument);
+  CHECK(lacks.status().message().find("has no tensor '" + saved[0].name + "'") != std::string::npos);
+
+  // Freezing through the second top-level layer; the backbone at half the rate.
+  Sequential& model = **b;
+  REQUIRE(model.size() > 3);
+  const std::string through = model.name_at(1);
+  auto opts = fine_tune_options(model, pb, through, "fc", 0.5);
+  REQUIRE(opts.ok());
+  for (size_t i = 0; i < pb.size(); ++i) {
+    CAPTURE(pb[i]->name);
+    const std::string child = pb[i]->name.substr(0, pb[i]->name.find('.'));
+    CHECK((*opts)[i].frozen == (child == model.name_at(0) || child == model.name_at(1)));
+    CHECK((*opts)[i].lr_scale == (child == "fc" ? 1.0 : 0.5));
+  }
+  CHECK(fine_tune_options(model, pb, "nope", "fc", 1).status().code() == StatusCode::kInvalidArgument);
+  CHECK(fine_tune_options(model, pb, "fc", "fc", 1).status().code() == StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
 }

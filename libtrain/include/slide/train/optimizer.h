@@ -21,16 +21,27 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adamw
 };
 
+// One parameter's options (fine_tune.h): a frozen parameter is never updated and has no optimizer
+// state (its gradient is still zeroed by zero_grad); lr_scale multiplies the step's learning rate
+// for it (PyTorch's parameter groups with their own lr: lr_group = lr_scale x the schedule's lr).
+struct ParameterOptions {
+  bool frozen = false;
+  double lr_scale = 1.0;
+};
+
 class Optimizer {
  public:
   // State tensors (momentum buffers, Adam moments) are allocated from `alloc` now, so an
   // optimizer that does not fit the budget fails here, before training starts.
   // Errors: kInvalidArgument (unknown name; a hyper-parameter out of PyTorch's range or not
   // finite: momentum and betas in [0, 1), weight decay >= 0, dampening in [0, 1], eps > 0),
-  // the allocator's.
+  // the allocator's. `options`: one per parameter (empty: none frozen, every lr_scale 1); also
+  // kInvalidArgument when its size differs from params' or an lr_scale is not finite and >= 0.
   [[nodiscard]] static Result<std::unique_ptr<Optimizer>> make(const OptimizerConfig& config,
-                                                               std::vector<Parameter*> params, Allocator& alloc);
-  // One update of every parameter from its gradient at learning rate `lr`. Checks first that
+                                                               std::vector<Parameter*> params, Allocator& alloc,
+                                                               std::vector<ParameterOptions> options = {});
+  // One update of every parameter that is not frozen from its gradient at learning rate `lr`
+  // (times its lr_scale). Checks first that
   // `lr` is finite and >= 0 and that the gradient is finite (the sum of squared gradient
   // elements of each parameter, Backend::sum_of_squares, on the gradients' device: one pass over
   // the gradients and one number per parameter back to the host); otherwise nothing is updated.
@@ -43,13 +54,14 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
   // State for checkpoints: "<param>.momentum_buffer" (sgd), "<param>.exp_avg" and
-  // "<param>.exp_avg_sq" (adamw), as in PyTorch's optimizer state dict.
+  // "<param>.exp_avg_sq" (adamw), as in PyTorch's optimizer state dict; none for a frozen parameter.
   std::vector<Buffer*> state();
 
  private:
   OptimizerConfig config_;
   std::vector<Parameter*> params_;
-  std::vector<Buffer> state_a_, state_b_;  // momentum buffers, or exp_avg / exp_avg_sq
+  std::vector<ParameterOptions> options_;  // one per parameter
+  std::vector<Buffer> state_a_, state_b_;  // momentum buffers, or exp_avg / exp_avg_sq; trainable parameters in order
   int64_t steps_ = 0;
 };
 

@@ -103,9 +103,10 @@ int run_info(const std::string& store_dir, bool json) {
   std::printf("slides       %zu complete, %llu tiles\n", slides.size(),
               static_cast<unsigned long long>((*reader)->tile_count()));
   std::printf("labels      ");
-  if (meta.label_names.empty()) std::printf(" (none)");
+  if (meta.label_names.empty()) std::printf(" none (unlabelled tiles: slide-train predict takes them)");
   for (const auto& [idx, n] : per_label) {
-    std::string name = idx < 0 ? "(none)" : meta.label_names.at(static_cast<size_t>(idx));
+    if (meta.label_names.empty()) break;
+    std::string name = idx < 0 ? "unlabelled" : meta.label_names.at(static_cast<size_t>(idx));
     std::printf(" %s=%llu", name.c_str(), static_cast<unsigned long long>(n));
   }
   std::printf("\n\n%6s  %-40s %-12s %8s %6s %9s %7s %s\n", "index", "slide", "label", "tiles", "level", "tile_mpp",
@@ -341,8 +342,24 @@ int run_main(int argc, char** argv) {
   slide::apps::install_interrupt_handlers("\ninterrupt: finishing the current transaction (Ctrl-C again to stop now)\n");
   auto summary = slide::tile::run_tiling(*collected, out_store, opt);
   if (!summary.ok()) return fail(summary.status());
-  std::string table = slide::tile::format_summary(*summary);
-  std::fputs(table.c_str(), stderr);
+  if (slide::core::log_json()) {
+    // One record per slide worth a look and one for the totals, instead of the table.
+    for (const auto& o : summary->slides) {
+      if (o.kind == slide::tile::SlideOutcomeKind::kFailed)
+        slide::core::log_warn("slide failed", {{"slide", o.slide_id}, {"error", o.error.to_string()}});
+      else if (o.kind == slide::tile::SlideOutcomeKind::kZeroTiles)
+        slide::core::log_warn("slide has zero tiles", {{"slide", o.slide_id}});
+    }
+    slide::core::log_info("summary", {{"tiled", summary->count(slide::tile::SlideOutcomeKind::kTiled)},
+                                      {"already_complete", summary->count(slide::tile::SlideOutcomeKind::kAlreadyComplete)},
+                                      {"zero_tiles", summary->count(slide::tile::SlideOutcomeKind::kZeroTiles)},
+                                      {"failed", summary->count(slide::tile::SlideOutcomeKind::kFailed)},
+                                      {"tiles_written", summary->tiles_written}, {"seconds", summary->seconds},
+                                      {"interrupted", summary->cancelled ? "yes" : "no"}});
+  } else {
+    std::string table = slide::tile::format_summary(*summary, quiet);
+    std::fputs(table.c_str(), stderr);
+  }
   if (summary->cancelled) return kExitInterrupted;
   if (summary->count(slide::tile::SlideOutcomeKind::kFailed) > 0) return kExitSomeFailed;
   return kExitOk;

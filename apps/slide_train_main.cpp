@@ -290,7 +290,7 @@ int run_main(int argc, char** argv) {
     return slide::apps::run_tile_inference(pred, /*predict=*/true);
   }
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
-  if (data.empty() || out.empty()) {
+  if (data.empty() || (out.empty() && !memory.dry_run)) {  // a dry run writes nothing: --out optional
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
     return kExitUsage;
   }
@@ -454,7 +454,10 @@ int run_main(int argc, char** argv) {
   nlohmann::json state = {{"epoch", 0}, {"step_in_epoch", 0}, {"optimizer_steps", 0}, {"model", model_name},
                           {"width", width}, {"dropout", dropout}, {"epochs", epochs},
                           {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
-                          {"best_val_balanced_accuracy", -1.0}};
+                          {"best_val_balanced_accuracy", -1.0},
+                          // The tiles the model was trained on: evaluate and predict warn on others.
+                          {"tile_size_px", (*ds)->tile_size_px()},
+                          {"tile_mpp_um", (*ds)->slide_record((*ds)->tiles()[train.front()].slide).tile_mpp_um}};
   // What changes the math of a run: --resume refuses a run whose options differ (epochs aside).
   nlohmann::json config = {{"model", model_name}, {"width", width}, {"dropout", dropout}, {"optimizer", optimizer},
                      {"lr", lr}, {"momentum", momentum}, {"nesterov", nesterov}, {"weight_decay", weight_decay},
@@ -559,8 +562,9 @@ int run_main(int argc, char** argv) {
     // A resumed epoch's train figures cover only the steps run after the resume.
     state["history"].push_back({{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                 {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
-                                {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc},
-                                {"val_recall", v.recall}, {"lr", lr_now},
+                                {"val_balanced_accuracy", v.balanced_accuracy},
+                                {"val_roc_auc", slide::apps::metric_or_null(v.roc_auc)},
+                                {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now},
                                 {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
@@ -580,7 +584,10 @@ int run_main(int argc, char** argv) {
                                     {"images_per_s", st->samples / st->seconds},
                                     {"all_reduce_s", st->all_reduce_seconds}});
   }
-  if (writer)
+  if (writer && slide::core::log_json())
+    slide::core::log_info("peak tensor memory", {{"bytes", (*be)->allocator().peak_bytes()},
+                                                 {"device", device_name((*be)->device())}});
+  else if (writer)
     std::fprintf(stderr, "peak tensor memory: %zu bytes (%s)\n", (*be)->allocator().peak_bytes(),
                  device_name((*be)->device()));
   return kExitOk;

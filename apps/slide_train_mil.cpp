@@ -124,7 +124,7 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     // The full slide id (quoted as RFC 4180 where needed); file names follow slide_file_stem.
     std::string line = slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," +
                        classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
-    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
+    for (size_t c = 0; c < k; ++c) line += "," + slide::apps::probability_text(p[c]);
     csv += line + "," + classes[pred] + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
@@ -346,8 +346,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     // A resumed epoch's train figures cover only the steps run after the resume.
     state["history"].push_back({{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                 {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
-                                {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc},
-                                {"val_recall", v.recall}, {"lr", lr_now}, {"seconds", st->seconds + v.seconds},
+                                {"val_balanced_accuracy", v.balanced_accuracy},
+                                {"val_roc_auc", slide::apps::metric_or_null(v.roc_auc)},
+                                {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now}, {"seconds", st->seconds + v.seconds},
                                 {"bags_per_s", st->seconds > 0 ? static_cast<double>(st->samples) / st->seconds : 0.0}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
@@ -369,7 +370,10 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
       return fail(s.status().with_context("attention outputs"));
     slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(split.size())}});
   }
-  std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+  if (slide::core::log_json())
+    slide::core::log_info("peak tensor memory", {{"bytes", cpu_allocator().peak_bytes()}, {"device", "cpu"}});
+  else
+    std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
   return kExitOk;
 }
 
@@ -420,8 +424,9 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch, o.slide_stores);
   if (!st.ok()) return fail(st.status());
   const nlohmann::json metrics = {{"bags", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
-                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
-                                  {"recall", st->recall}, {"classes", classes}, {"checkpoint", checkpoint}};
+                                  {"balanced_accuracy", st->balanced_accuracy},
+                                  {"roc_auc", slide::apps::metric_or_null(st->roc_auc)},
+                                  {"recall", slide::apps::metrics_or_null(st->recall)}, {"classes", classes}, {"checkpoint", checkpoint}};
   if (auto s = slide::core::write_file_atomic(out + "/metrics.json", metrics.dump(2) + "\n"); !s.ok()) return fail(s);
   slide::core::log_info("evaluated", {{"bags", st->samples}, {"accuracy", st->accuracy},
                                       {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});

@@ -2,6 +2,7 @@
 #include "slide_train_predict.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -64,6 +65,26 @@ int32_t tile_size_l0(const slide::tile::SlideRecord& rec, int64_t tile_size_px) 
              : static_cast<int32_t>(tile_size_px);
 }
 
+// A model meets tiles of another size or resolution than it was trained on (state.json's
+// tile_size_px and tile_mpp_um, recorded since this version): the predictions are still made,
+// with a warning, since a CNN takes any size but its features are tied to the scale it learned.
+void warn_on_other_tiles(const nlohmann::json& state, const TileDataset& ds) {
+  if (state.contains("tile_size_px") && state["tile_size_px"].is_number_integer() &&
+      state["tile_size_px"].get<int64_t>() != ds.tile_size_px())
+    slide::core::log_warn("the model was trained on tiles of another size: predictions may be poor",
+                          {{"trained_px", state["tile_size_px"].get<int64_t>()}, {"these_px", ds.tile_size_px()}});
+  if (!state.contains("tile_mpp_um") || !state["tile_mpp_um"].is_number()) return;
+  const double trained = state["tile_mpp_um"].get<double>();
+  for (uint32_t s = 0; s < ds.slide_ids().size() && trained > 0; ++s) {
+    const double mpp = ds.slide_record(s).tile_mpp_um;
+    if (mpp > 0 && std::abs(mpp - trained) > 0.01 * trained) {
+      slide::core::log_warn("the model was trained on tiles of another resolution: predictions may be poor",
+                            {{"trained_um_per_px", trained}, {"slide", ds.slide_ids()[s]}, {"um_per_px", mpp}});
+      return;  // once
+    }
+  }
+}
+
 }  // namespace
 
 int run_tile_inference(const TileInferenceOptions& o, bool predict) {
@@ -86,6 +107,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   // The stores may list the classes in another order, or only some of them: labels are matched by name.
   if (auto s = (*ds)->remap_classes(classes); !s.ok())
     return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));
+  warn_on_other_tiles(state, **ds);
   auto model = make_tile_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
                                state.value("width", int64_t{16}), 0);
   if (!model.ok()) return fail(model.status());
@@ -153,7 +175,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
     std::string line = slide::core::csv_quote((*ds)->slide_ids()[ref.slide]) + "," + std::to_string(h.x_l0) + "," +
                        std::to_string(h.y_l0) + "," + slide::core::csv_quote(class_name(ref.label));
-    for (size_t c = 0; c < k; ++c) line += "," + std::to_string(p[c]);
+    for (size_t c = 0; c < k; ++c) line += "," + probability_text(p[c]);
     tiles_csv += line + "," + classes[pred] + "\n";
     SlideAgg& a = slides[ref.slide];
     if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
@@ -219,8 +241,8 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
                             {"seconds", st->seconds}, {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}};
   if (labelled) {
     metrics["loss"] = st->loss, metrics["accuracy"] = st->accuracy;
-    metrics["balanced_accuracy"] = st->balanced_accuracy, metrics["recall"] = st->recall;
-    metrics["roc_auc"] = st->roc_auc;
+    metrics["balanced_accuracy"] = st->balanced_accuracy, metrics["recall"] = metrics_or_null(st->recall);
+    metrics["roc_auc"] = metric_or_null(st->roc_auc);
   }
   std::vector<std::pair<std::string, std::string>> files = {{"/predictions.csv", tiles_csv}, {"/slides.csv", slides_csv}};
   if (labelled) files.push_back({"/metrics.json", metrics.dump(2) + "\n"});

@@ -3,6 +3,7 @@
 #include "train_common.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -125,6 +126,21 @@ slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(c
   return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
 }
 
+nlohmann::json metric_or_null(double value) { return value < 0 ? nlohmann::json(nullptr) : nlohmann::json(value); }
+
+nlohmann::json metrics_or_null(const std::vector<double>& values) {
+  nlohmann::json out = nlohmann::json::array();
+  for (double v : values) out.push_back(metric_or_null(v));
+  return out;
+}
+
+std::string probability_text(float p) {
+  p = std::clamp(p, 0.0f, 1.0f);
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, p);
+  return std::string(buf, r.ptr);
+}
+
 Status remove_earlier_run(const std::string& out) {
   std::vector<std::string> paths;
   for (const char* d : kRunDirs) paths.push_back(out + "/" + d);
@@ -153,10 +169,12 @@ class StateCheck {
     if (v == nullptr || !v->is_number_integer() || v->get<int64_t>() < min)
       fail(name, v, "an integer >= " + std::to_string(min));
   }
-  void number(const nlohmann::json& j, const std::string& key, const std::string& name, bool optional = false) {
+  // `nullable`: null (an undefined metric) is allowed too.
+  void number(const nlohmann::json& j, const std::string& key, const std::string& name, bool optional = false,
+              bool nullable = false) {
     if (!status_.ok() || (optional && !j.contains(key))) return;
     const nlohmann::json* v = j.contains(key) ? &j[key] : nullptr;
-    if (v == nullptr || !v->is_number()) fail(name, v, "a number");
+    if (v == nullptr || !(v->is_number() || (nullable && v->is_null()))) fail(name, v, nullable ? "a number or null" : "a number");
   }
   void string(const nlohmann::json& j, const std::string& key, const std::string& name, bool optional = false) {
     if (!status_.ok() || (optional && !j.contains(key))) return;
@@ -215,7 +233,7 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
       c.integer(h[i], "epoch", at + ".epoch", 1);
       for (const char* key : {"train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_balanced_accuracy",
                               "val_roc_auc", "lr", "seconds"})
-        c.number(h[i], key, at + "." + key);
+        c.number(h[i], key, at + "." + key, false, std::string(key) == "val_roc_auc");
     }
   }
   c.number(s, "best_val_balanced_accuracy", "best_val_balanced_accuracy", true);
@@ -325,11 +343,13 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,val_roc_auc,lr,seconds\n";
   for (const auto& h : history) {
     jsonl += h.dump() + "\n";
-    char line[256];
-    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6g,%.3f\n", h["epoch"].get<long>(),
+    char line[256], auc[32] = "";  // an undefined ROC AUC (null) is an empty cell
+    if (h["val_roc_auc"].is_number() && h["val_roc_auc"].get<double>() >= 0)
+      std::snprintf(auc, sizeof auc, "%.6f", h["val_roc_auc"].get<double>());
+    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%s,%.6g,%.3f\n", h["epoch"].get<long>(),
                   h["train_loss"].get<double>(), h["train_accuracy"].get<double>(), h["val_loss"].get<double>(),
-                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(),
-                  h["val_roc_auc"].get<double>(), h["lr"].get<double>(), h["seconds"].get<double>());
+                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(), auc,
+                  h["lr"].get<double>(), h["seconds"].get<double>());
     csv += line;
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));

@@ -72,6 +72,15 @@ std::vector<std::string> earlier_run_files(const std::string& out);
 [[nodiscard]] slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(
     const std::string& name, int64_t classes, int64_t width, uint64_t seed, double dropout = 0);
 
+// --- Metric values -----------------------------------------------------------------------
+// A metric that may be undefined (ROC AUC without both classes, a class's recall without samples;
+// EpochStats marks them -1) as JSON: null when undefined, else the number.
+nlohmann::json metric_or_null(double value);
+nlohmann::json metrics_or_null(const std::vector<double>& values);
+// A probability for a CSV: clamped to [0, 1] (a softmax's float rounding can exceed 1 by an ulp),
+// in the shortest text that reads back to the same float (std::to_chars).
+std::string probability_text(float p);
+
 // --- Checkpoint records -----------------------------------------------------------------------
 // Checks a checkpoint's state.json (already parsed; `file` names it in messages) against the
 // record save_checkpoint writes, before any field is used: epoch, step_in_epoch,

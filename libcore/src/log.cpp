@@ -80,7 +80,8 @@ void log(LogLevel level, std::string_view message, std::initializer_list<LogFiel
                   tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
     line = std::string("{\"ts\":\"") + ts + "\",\"level\":\"" + level_name(level) + "\",\"msg\":\"" +
            json_escape(message) + "\"";
-    for (const auto& f : fields) line += ",\"" + json_escape(f.key) + "\":\"" + json_escape(f.value) + "\"";
+    for (const auto& f : fields)
+      line += ",\"" + json_escape(f.key) + "\":" + (f.json.empty() ? "\"" + json_escape(f.value) + "\"" : f.json);
     line += "}\n";
   } else {
     std::snprintf(ts, sizeof ts, "%02d:%02d:%02d", tm.tm_hour, tm.tm_min, tm.tm_sec);

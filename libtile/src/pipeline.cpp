@@ -620,15 +620,16 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
   return summary;
 }
 
-std::string format_summary(const RunSummary& summary) {
+std::string format_summary(const RunSummary& summary, bool quiet) {
   std::ostringstream os;
-  int shown = 0;
+  int shown = 0, notables = 0;
   const int kMaxLines = 50;
   for (const auto& o : summary.slides) {
     if (o.kind == SlideOutcomeKind::kNotInShard) continue;
     // Patch runs have thousands of one-tile "slides": list only the ones worth a look.
     bool notable = o.kind == SlideOutcomeKind::kFailed || o.kind == SlideOutcomeKind::kZeroTiles;
-    if (!notable && shown >= kMaxLines) continue;
+    notables += notable;
+    if (!notable && (quiet || shown >= kMaxLines)) continue;
     ++shown;
     const char* what = "tiled";
     switch (o.kind) {
@@ -645,8 +646,9 @@ std::string format_summary(const RunSummary& summary) {
     if (o.kind == SlideOutcomeKind::kFailed) os << "  " << o.error.to_string();
     os << "\n";
   }
+  if (quiet && notables == 0) return os.str();
   int listed = static_cast<int>(summary.slides.size());
-  if (shown < listed) os << "  ... (" << (listed - shown) << " more, all tiled or already complete)\n";
+  if (shown < listed && !quiet) os << "  ... (" << (listed - shown) << " more, all tiled or already complete)\n";
   os << "summary: " << summary.count(SlideOutcomeKind::kTiled) << " tiled, "
      << summary.count(SlideOutcomeKind::kAlreadyComplete) << " already complete, "
      << summary.count(SlideOutcomeKind::kZeroTiles) << " with zero tiles, " << summary.count(SlideOutcomeKind::kFailed)

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
 
 #include "kernels/formulas.h"
 #include "slide/core/file.h"
@@ -88,9 +89,26 @@ Status save_safetensors(const std::string& path, const std::vector<NamedTensor>&
   }
   return slide::core::write_file_atomic(path, out);
 }
+namespace {
+
+// A PyTorch file given where safetensors are expected (torch.save's zip archive, "PK\x03\x04", or
+// a bare pickle, protocol 2+ opcode 0x80): kInvalidArgument naming the conversion script.
+// `first` holds the file's first bytes (up to 8). Else ok.
+Status refuse_pytorch_file(const std::string& path, std::string_view first) {
+  const bool zip = first.substr(0, 4) == std::string_view("PK\x03\x04", 4);
+  const bool pickle = !first.empty() && static_cast<uint8_t>(first[0]) == 0x80;
+  if (!zip && !pickle) return slide::core::ok_status();
+  return slide::core::invalid_argument(
+      path + ": a PyTorch " + (zip ? "archive (torch.save)" : "pickle") +
+      ", not safetensors: convert it once with /usr/bin/python3 scripts/convert_torchvision_weights.py " + path +
+      " OUT.safetensors --model MODEL (it never runs the pickle's code; see the README's Security section)");
+}
+
+}  // namespace
 
 Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into, Backend* device) {
   SLIDE_ASSIGN_OR_RETURN(std::string bytes, slide::core::read_file(path));
+  SLIDE_RETURN_IF_ERROR(refuse_pytorch_file(path, std::string_view(bytes).substr(0, 8)));
   if (bytes.size() < 8) return slide::core::data_loss(path + ": shorter than a safetensors header");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[static_cast<size_t>(i)])} << (8 * i);
@@ -155,7 +173,12 @@ Result<std::map<std::string, Shape>> read_safetensors_shapes(const std::string& 
   if (f == nullptr) return slide::core::errno_status(errno, "open " + path);
   auto close = [&] { std::fclose(f); };
   uint8_t len_bytes[8];
-  if (std::fread(len_bytes, 1, 8, f) != 8) {
+  const size_t first = std::fread(len_bytes, 1, 8, f);
+  if (auto s = refuse_pytorch_file(path, std::string_view(reinterpret_cast<const char*>(len_bytes), first)); !s.ok()) {
+    close();
+    return s;
+  }
+  if (first != 8) {
     close();
     return slide::core::data_loss(path + ": not a safetensors file (shorter than its 8-byte header length)");
   }

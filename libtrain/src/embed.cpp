@@ -593,25 +593,6 @@ Result<std::string> sha256_file(const std::string& path) {
   return hex;
 }
 
-namespace {
-
-// The shape of one tensor in a safetensors header, or empty when absent.
-Result<std::vector<int64_t>> safetensors_shape(const std::string& path, const std::string& name) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return slide::core::not_found(path + ": no such file");
-  uint64_t n = 0;
-  in.read(reinterpret_cast<char*>(&n), 8);
-  if (!in || n > (uint64_t{100} << 20)) return slide::core::data_loss(path + ": not a safetensors file");
-  std::string header(n, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(n));
-  auto j = nlohmann::json::parse(header, nullptr, false);
-  if (!in || j.is_discarded() || !j.is_object()) return slide::core::data_loss(path + ": corrupt safetensors header");
-  if (!j.contains(name) || !j[name].contains("shape")) return std::vector<int64_t>{};
-  return j[name]["shape"].get<std::vector<int64_t>>();
-}
-
-}  // namespace
-
 Result<EmbedModel> load_embed_model(const std::string& weights, const std::string& model, const std::string& layer) {
   std::error_code ec;
   EmbedModel out;
@@ -632,8 +613,9 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
     if (model.empty()) return invalid_argument("--model is needed with a safetensors file (resnet18, resnet34, resnet50)");
     out.model = model;
     out.weights_path = weights;
-    SLIDE_ASSIGN_OR_RETURN(auto fc, safetensors_shape(weights, "fc.weight"));
-    if (fc.size() == 2) classes = fc[0];
+    SLIDE_ASSIGN_OR_RETURN(const auto shapes, read_safetensors_shapes(weights));
+    const auto fc = shapes.find("fc.weight");
+    if (fc != shapes.end() && fc->second.size() == 2) classes = fc->second[0];
   }
   Result<std::unique_ptr<Sequential>> net = invalid_argument("model '" + out.model +
                                                              "' is not one of resnet18, resnet34, resnet50, small");
@@ -857,7 +839,10 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     attrs.tool_version = opt.tool_version;
     Open& op = open[j];
     op.start = clock::now();
-    auto w = slide::cache::BagWriter::create(outcomes[j].bag_path, D, attrs, opt.bag);
+    // Chunks no larger than the bag: a 20-tile bag is not padded to a 256-row chunk on disk.
+    slide::cache::BagWriterOptions bag_options = opt.bag;
+    bag_options.chunk_rows = std::clamp<int64_t>(static_cast<int64_t>(rec.tile_count), 1, opt.bag.chunk_rows);
+    auto w = slide::cache::BagWriter::create(outcomes[j].bag_path, D, attrs, bag_options);
     if (!w.ok()) {
       note_space(w.status());
       return fail_slide(j, w.status());

@@ -584,6 +584,7 @@ class TestSlides(Base):
 
 # A small, quick store for the tests below: CMU at 2 um/px, every tile kept (a few dozen tiles).
 SMALL = [CMU, "--mpp", "2.0", "--min-tissue", "0", "-q"]
+SMALL_TABLE = SMALL[:-1]  # without -q: the per-slide table and the summary line (-q prints them only on failures)
 
 
 class TestWriterLock(Base):
@@ -613,7 +614,7 @@ class TestWriterLock(Base):
             fcntl.flock(f, fcntl.LOCK_UN)
         self.assertIsNone(store_diff(dump(store), before))
         # Released: the next writer runs (and finds the slide complete).
-        r = run(SMALL + ["-o", store])
+        r = run(SMALL_TABLE + ["-o", store])
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("1 already complete", r.stderr)
         self.assertIsNone(store_diff(dump(store), before))
@@ -831,7 +832,7 @@ class TestSettings(Base):
                 self.assertTrue(txn.delete(k, db=db))
         env.close()
         before = dump(store)
-        r = run(SMALL + ["-o", store])  # the defaults: accepted, nothing written
+        r = run(SMALL_TABLE + ["-o", store])  # the defaults: accepted, nothing written
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("1 already complete", r.stderr)
         self.assertIsNone(store_diff(dump(store), before))

@@ -309,7 +309,7 @@ class TestEvaluateRemap(Base):
         self.assertEqual({row[3] for row in rows[1:]}, {"lung_n", "lung_scc"})
         with open(os.path.join(ev, "metrics.json")) as f:
             metrics = json.load(f)
-        self.assertEqual(metrics["recall"][0], -1)  # no lung_aca tile
+        self.assertIsNone(metrics["recall"][0])  # no lung_aca tile: undefined, null
         self.assertGreater(metrics["accuracy"], 0.5)
         # A class the checkpoint does not know is named.
         os.rename(os.path.join(sub, "lung_n"), os.path.join(sub, "stroma"))
@@ -566,6 +566,71 @@ class TestFineTune(Base):
                            lr=0 if "--lr-backbone" in extra else 0.05)
             self.assertEqual(r.returncode, 2, (extra, r.stderr))
             self.assertIn(msg, r.stderr)
+
+
+class TestRoughEdges(Base):
+    """What a new user hit (issue 15 item 5): quiet means quiet, --log-json is JSON with numbers,
+    --dry-run needs no --out, a .pth names the converter, other tiles are warned about, an
+    unlabelled store says so, probabilities never exceed 1."""
+
+    def test_logs_and_messages(self):
+        # slide-tile -q on 360 patches: nothing on stderr; --log-json: JSON records only.
+        store = os.path.join(self.tmp, "q")
+        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", store, "-q"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stderr, "")
+        r = subprocess.run([TILE, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "2",
+                            "--tile-size", "48", "-o", os.path.join(self.tmp, "cmu-json"), "--log-json"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        records = [json.loads(l) for l in r.stderr.splitlines() if l.strip()]  # every line is JSON
+        summary = [x for x in records if x["msg"] == "summary"][0]
+        self.assertEqual(summary["tiled"], 1)
+        self.assertIsInstance(summary["tiles_written"], int)
+        self.assertIsInstance(summary["seconds"], float)
+        info = subprocess.run([TILE, "info", os.path.join(self.tmp, "cmu-json")], capture_output=True, text=True).stdout
+        self.assertIn("none (unlabelled", info)
+        self.assertNotIn("(none)", info)
+        # slide-train --log-json: JSON lines only, numbers as numbers.
+        out = os.path.join(self.tmp, "json-run")
+        r = self.train(out, "--log-json", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        records = [json.loads(l) for l in r.stderr.splitlines() if l.strip()]
+        epoch = [x for x in records if x["msg"] == "epoch"][0]
+        self.assertIsInstance(epoch["train_loss"], float)
+        self.assertIsInstance(epoch["epoch"], int)
+        peak = [x for x in records if x["msg"] == "peak tensor memory"][0]
+        self.assertIsInstance(peak["bytes"], int)
+        # The model's tile geometry is recorded; predict warns on other tiles.
+        with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            state = json.load(f)
+        self.assertEqual(state["tile_size_px"], 48)
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
+                            os.path.join(self.tmp, "cmu-json"), "--out", os.path.join(self.tmp, "json-pred")],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("another resolution", r.stderr)  # patches carry no resolution: nothing to compare
+        with open(os.path.join(self.tmp, "json-pred", "predictions.csv")) as f:
+            probs = [float(v) for l in f.read().splitlines()[1:] for v in l.split(",")[4:7]]
+        self.assertTrue(all(0 <= p <= 1 for p in probs))
+        big = os.path.join(self.tmp, "big")
+        self.assertEqual(subprocess.run([TILE, "--patches", LC, "--tile-size", "64", "-o", big, "-q"]).returncode, 0)
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", os.path.join(out, "best.safetensors"), "--data", big,
+                            "--out", os.path.join(self.tmp, "big-pred"), "--no-heatmaps"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("trained on tiles of another size", r.stderr)
+        # --dry-run needs no --out.
+        r = subprocess.run([TRAIN, "--data", self.store, "--model", "resnet18", "--batch-size", "64", "--dry-run"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # A PyTorch file where safetensors are expected names the converter.
+        import torch
+        pth = os.path.join(self.tmp, "w.pth")
+        torch.save({"conv1.weight": torch.zeros(2)}, pth)
+        r = self.train(os.path.join(self.tmp, "pth-run"), "--model", "resnet18", "--init", pth, epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("convert_torchvision_weights.py", r.stderr)
+        self.assertIn("w.pth", r.stderr)
 
 
 class TestAugment(unittest.TestCase):

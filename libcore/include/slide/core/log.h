@@ -3,22 +3,42 @@
 // is written with one write(2) under a mutex, so lines from worker threads never interleave.
 #pragma once
 
+#include <charconv>
+#include <cmath>
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace slide::core {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 
+// A record's field. A number is written as std::to_string's text on human lines and as a JSON
+// number (the shortest form that reads back to the same value, std::to_chars) with --log-json;
+// NaN and infinity, which JSON lacks, as null.
 struct LogField {
   std::string key;
-  std::string value;
+  std::string value;  // the human text
+  std::string json;   // a JSON literal for numbers; empty for strings (written quoted)
   LogField(std::string k, std::string v) : key(std::move(k)), value(std::move(v)) {}
   LogField(std::string k, const char* v) : key(std::move(k)), value(v) {}
   template <typename N, typename = decltype(std::to_string(N{}))>
-  LogField(std::string k, N n) : key(std::move(k)), value(std::to_string(n)) {}
+  LogField(std::string k, N n) : key(std::move(k)), value(std::to_string(n)), json(json_number(n)) {}
+
+ private:
+  template <typename N>
+  static std::string json_number(N n) {
+    if constexpr (std::is_floating_point_v<N>) {
+      if (!std::isfinite(n)) return "null";
+      char buf[64];
+      const auto r = std::to_chars(buf, buf + sizeof buf, n);
+      return std::string(buf, r.ptr);
+    } else {
+      return std::to_string(n);
+    }
+  }
 };
 
 // Process-wide settings; set them once at start-up (apps/), before worker threads exist.

@@ -122,6 +122,8 @@ struct RunSummary {
                                             const TileJobOptions& options);
 
 // Human-readable summary table (one line per slide, then totals).
-std::string format_summary(const RunSummary& summary);
+// `quiet` (slide-tile -q): only the failed and zero-tile slides, and the summary line when there
+// is any (an empty string otherwise).
+std::string format_summary(const RunSummary& summary, bool quiet = false);
 
 }  // namespace slide::tile

@@ -193,8 +193,10 @@ int run_main(int argc, char** argv) {
       ->check(number_option("label-smoothing"));
   std::string cache = "auto";
   app.add_option("--cache", cache,
-                 "ram: decode the dataset once and keep it in memory; none; auto: ram when it fits in half of the "
-                 "memory budget left (or of the available memory)")
+                 "device: decode the dataset once and keep it on the backend's device, where batches are gathered, "
+                 "augmented and normalised (a host backend: as ram); ram: keep it in host memory; none: stream from "
+                 "the stores; auto: device, then ram, when it fits beside the training step in what is left of "
+                 "the budget (or of the free memory)")
       ->capture_default_str();
   std::string class_weights = "none";
   app.add_option("--class-weights", class_weights,
@@ -405,14 +407,39 @@ int run_main(int argc, char** argv) {
   if (schedule != "cosine" && schedule != "step" && schedule != "constant")
     return fail(slide::core::invalid_argument("schedule '" + schedule + "' is not one of cosine, step, constant"));
 
-  if (cache != "auto" && cache != "ram" && cache != "none")
-    return fail(slide::core::invalid_argument("--cache '" + cache + "' is not one of auto, ram, none"));
+  if (cache != "auto" && cache != "device" && cache != "ram" && cache != "none")
+    return fail(slide::core::invalid_argument("--cache '" + cache + "' is not one of auto, device, ram, none"));
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
-  if (cache != "none") {
+  const bool device_backend = (*be)->device() != Device::kCpu;
+  if (cache == "device" && !device_backend) {
+    slide::core::log_info("--cache device on a host backend: the RAM cache is its device cache", {{"backend", backend}});
+    cache = "ram";
+  }
+  bool on_device = false;
+  if (device_backend && (cache == "device" || cache == "auto")) {
+    // The device's budget left (or its free memory), as --cache auto weighs RAM below.
+    Allocator& dev = (*be)->allocator();
+    auto free_bytes = (*be)->available_memory_bytes();
+    if (!free_bytes.ok()) return fail(free_bytes.status());
+    const size_t left = dev.budget_bytes() == Allocator::kUnlimited
+                            ? *free_bytes
+                            : std::min(*free_bytes, dev.budget_bytes() - std::min(dev.budget_bytes(), dev.current_bytes()));
+    if (cache == "device" || slide::apps::dataset_fits((*ds)->decoded_bytes(), left, *memory_plan, "on the device")) {
+      if (auto s = (*ds)->cache_on_device(**be, &pool); !s.ok()) {
+        if (cache == "device") return fail(s.with_context("--cache device"));
+        slide::core::log_warn("dataset not cached on the device", {{"why", s.to_string()}});
+      } else {
+        on_device = true;
+        slide::core::log_info("dataset cached on the device: batches are gathered, augmented and normalised there",
+                              {{"bytes", static_cast<int64_t>((*ds)->decoded_bytes())}, {"device", device_name((*be)->device())}});
+      }
+    }
+  }
+  if (cache != "none" && !on_device) {
     const size_t budget_left = cpu_allocator().budget_bytes() == Allocator::kUnlimited
                                    ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE))
                                    : cpu_allocator().budget_bytes() - cpu_allocator().current_bytes();
-    if (cache == "ram" || slide::apps::dataset_fits_in_ram((*ds)->decoded_bytes(), budget_left, *memory_plan)) {
+    if (cache == "ram" || slide::apps::dataset_fits((*ds)->decoded_bytes(), budget_left, *memory_plan, "in RAM")) {
       if (auto s = (*ds)->cache_in_ram(&pool, cpu_allocator()); !s.ok()) {
         if (cache == "ram") return fail(s.with_context("--cache ram"));
         slide::core::log_warn("dataset not cached in RAM", {{"why", s.to_string()}});

@@ -84,12 +84,12 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   return d;
 }
 
-bool dataset_fits_in_ram(size_t decoded_bytes, size_t budget_left_bytes, const MemoryDecision& d) {
+bool dataset_fits(size_t decoded_bytes, size_t budget_left_bytes, const MemoryDecision& d, const std::string& where) {
   const size_t usable = budget_left_bytes - budget_left_bytes / 10;
   const bool fits = decoded_bytes + d.step_bytes <= usable;
-  slide::core::log_info(fits ? "--cache auto: the decoded dataset fits beside the training step: kept in RAM"
-                             : "--cache auto: the decoded dataset does not fit beside the training step: streamed "
-                               "with a one-micro-batch prefetch",
+  slide::core::log_info(fits ? "--cache auto: the decoded dataset fits beside the training step: kept " + where
+                             : "--cache auto: the decoded dataset does not fit beside the training step " + where +
+                                   (where == "in RAM" ? ": streamed with a one-micro-batch prefetch" : ""),
                         {{"dataset", format_bytes(decoded_bytes)}, {"step", format_bytes(d.step_bytes)},
                          {"budget_left", format_bytes(budget_left_bytes)}});
   return fits;

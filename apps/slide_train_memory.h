@@ -42,9 +42,9 @@ struct MemoryDecision {
     int64_t classes, const std::string& optimizer, double momentum, const std::string& backend_name, int64_t limit,
     int64_t* batch, int64_t* accumulate);
 
-// --cache auto: keep the decoded dataset in RAM when it fits beside the training step within
-// what is left of the budget, with a tenth of it spare (oneDNN's own buffers, rounding): logs the
-// choice and the figures either way.
-bool dataset_fits_in_ram(size_t decoded_bytes, size_t budget_left_bytes, const MemoryDecision& decision);
+// --cache auto: keep the decoded dataset `where` ("on the device", "in RAM") when it fits beside
+// the training step within what is left of that memory's budget, with a tenth of it spare
+// (oneDNN's and cuDNN's own buffers, rounding): logs the choice and the figures either way.
+bool dataset_fits(size_t decoded_bytes, size_t budget_left_bytes, const MemoryDecision& decision, const std::string& where);
 
 }  // namespace slide::apps

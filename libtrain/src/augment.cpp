@@ -1,5 +1,7 @@
 #include "slide/train/augment.h"
 
+#include "kernels/formulas.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -7,41 +9,11 @@ namespace slide::train {
 
 namespace {
 
-float clamp01(float v) { return std::min(1.0f, std::max(0.0f, v)); }
-
-// torchvision's rgb_to_grayscale for float images (its coefficients: 0.2989, 0.587, 0.114).
-float gray(const float* p) { return 0.2989f * p[0] + 0.587f * p[1] + 0.114f * p[2]; }
+using formulas::clamp01;
+using formulas::gray;
 
 float uniform(std::mt19937_64& rng, float lo, float hi) {
   return std::uniform_real_distribution<float>(lo, hi)(rng);
-}
-
-// torchvision's _rgb2hsv, _hsv2rgb (transforms/_functional_tensor.py), per pixel.
-void rgb_to_hsv(const float* rgb, float* hsv) {
-  const float r = rgb[0], g = rgb[1], b = rgb[2];
-  const float maxc = std::max({r, g, b}), minc = std::min({r, g, b});
-  const bool eqc = maxc == minc;
-  const float cr = maxc - minc;
-  const float s = cr / (eqc ? 1.0f : maxc);
-  const float div = eqc ? 1.0f : cr;
-  const float rc = (maxc - r) / div, gc = (maxc - g) / div, bc = (maxc - b) / div;
-  float h;
-  if (maxc == r) h = bc - gc;
-  else if (maxc == g) h = 2.0f + rc - bc;
-  else h = 4.0f + gc - rc;
-  hsv[0] = std::fmod(h / 6.0f + 1.0f, 1.0f);
-  hsv[1] = s;
-  hsv[2] = maxc;
-}
-
-void hsv_to_rgb(const float* hsv, float* rgb) {
-  const float h = hsv[0], s = hsv[1], v = hsv[2];
-  const float i_f = std::floor(h * 6.0f);
-  const float f = h * 6.0f - i_f;
-  const int i = ((static_cast<int>(i_f) % 6) + 6) % 6;
-  const float p = clamp01(v * (1.0f - s)), q = clamp01(v * (1.0f - s * f)), t = clamp01(v * (1.0f - s * (1.0f - f)));
-  const float r[6] = {v, q, p, p, t, v}, g[6] = {t, v, v, q, p, p}, b[6] = {p, p, t, v, v, q};
-  rgb[0] = r[i], rgb[1] = g[i], rgb[2] = b[i];
 }
 
 }  // namespace
@@ -56,28 +28,18 @@ JitterFactors draw_jitter(const Augmentation& aug, std::mt19937_64& rng) {
 }
 
 void apply_jitter(const JitterFactors& f, float* hwc, int64_t n) {
+  // Per pixel the order is brightness, contrast, saturation, hue; contrast needs the mean grey of
+  // the whole image after brightness, hence two passes.
   if (f.brightness != 1)
-    for (int64_t i = 0; i < 3 * n; ++i) hwc[i] = clamp01(f.brightness * hwc[i]);
+    for (int64_t i = 0; i < n; ++i) formulas::jitter_brightness(hwc + 3 * i, f.brightness);
+  float mean = 0;
   if (f.contrast != 1) {
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) sum += gray(hwc + 3 * i);
-    const auto mean = static_cast<float>(sum / static_cast<double>(std::max<int64_t>(1, n)));
-    for (int64_t i = 0; i < 3 * n; ++i) hwc[i] = clamp01(f.contrast * hwc[i] + (1 - f.contrast) * mean);
+    mean = static_cast<float>(sum / static_cast<double>(std::max<int64_t>(1, n)));
   }
-  if (f.saturation != 1)
-    for (int64_t i = 0; i < n; ++i) {
-      float* p = hwc + 3 * i;
-      const float g = gray(p);
-      for (int c = 0; c < 3; ++c) p[c] = clamp01(f.saturation * p[c] + (1 - f.saturation) * g);
-    }
-  if (f.hue != 0)
-    for (int64_t i = 0; i < n; ++i) {
-      float hsv[3];
-      rgb_to_hsv(hwc + 3 * i, hsv);
-      hsv[0] = std::fmod(hsv[0] + f.hue, 1.0f);
-      if (hsv[0] < 0) hsv[0] += 1.0f;  // Python's % is non-negative for a positive divisor
-      hsv_to_rgb(hsv, hwc + 3 * i);
-    }
+  if (f.contrast != 1 || f.saturation != 1 || f.hue != 0)
+    for (int64_t i = 0; i < n; ++i) formulas::jitter_rest(hwc + 3 * i, f.contrast, mean, f.saturation, f.hue);
 }
 
 CropBox draw_crop(int64_t size, float min_scale, std::mt19937_64& rng) {
@@ -98,31 +60,65 @@ CropBox draw_crop(int64_t size, float min_scale, std::mt19937_64& rng) {
 }
 
 void resize_crop(const float* src, int64_t size, const CropBox& box, float* dst) {
-  // PyTorch's area_pixel_compute_source_index for linear modes: (d + 0.5) * scale - 0.5, >= 0.
-  auto source = [size](int64_t d, int64_t extent, int64_t* i0, int64_t* i1, float* frac) {
-    const double s = static_cast<double>(extent) / static_cast<double>(size);
-    const double v = std::max(0.0, (static_cast<double>(d) + 0.5) * s - 0.5);
-    *i0 = std::min(static_cast<int64_t>(v), extent - 1);
-    *i1 = std::min(*i0 + 1, extent - 1);
-    *frac = static_cast<float>(v - static_cast<double>(*i0));
-  };
-  for (int64_t y = 0; y < size; ++y) {
-    int64_t y0, y1;
-    float fy;
-    source(y, box.h, &y0, &y1, &fy);
-    for (int64_t x = 0; x < size; ++x) {
-      int64_t x0, x1;
-      float fx;
-      source(x, box.w, &x0, &x1, &fx);
-      const float* p00 = src + 3 * ((box.y + y0) * size + box.x + x0);
-      const float* p01 = src + 3 * ((box.y + y0) * size + box.x + x1);
-      const float* p10 = src + 3 * ((box.y + y1) * size + box.x + x0);
-      const float* p11 = src + 3 * ((box.y + y1) * size + box.x + x1);
-      float* o = dst + 3 * (y * size + x);
-      for (int c = 0; c < 3; ++c)
-        o[c] = (1 - fy) * ((1 - fx) * p00[c] + fx * p01[c]) + fy * ((1 - fx) * p10[c] + fx * p11[c]);
-    }
+  const formulas::FloatPixel pixel{src, size};
+  for (int64_t y = 0; y < size; ++y)
+    for (int64_t x = 0; x < size; ++x)
+      formulas::resample_crop(pixel, size, box.x, box.y, box.w, box.h, y, x, dst + 3 * (y * size + x));
+}
+
+AugmentRecord draw_augment(const Augmentation& aug, uint64_t seed, uint64_t position, int64_t size) {
+  AugmentRecord r;
+  if (!aug.any()) return r;
+  // Flip and rotation are drawn first, so a flips-only recipe draws what it always drew.
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + position);
+  const uint64_t fr = rng();
+  r.flip = aug.flips_rotations ? static_cast<int32_t>(fr & 1) : 0;
+  r.rot = aug.flips_rotations ? static_cast<int32_t>((fr >> 1) & 3) : 0;
+  if (aug.random_crop()) {
+    const CropBox box = draw_crop(size, aug.crop_min_scale, rng);
+    r.crop = 1;
+    r.crop_x = static_cast<int32_t>(box.x), r.crop_y = static_cast<int32_t>(box.y);
+    r.crop_w = static_cast<int32_t>(box.w), r.crop_h = static_cast<int32_t>(box.h);
   }
+  if (aug.color_jitter()) {
+    const JitterFactors f = draw_jitter(aug, rng);
+    r.brightness = f.brightness, r.contrast = f.contrast, r.saturation = f.saturation, r.hue = f.hue;
+  }
+  return r;
+}
+
+bool is_identity(const AugmentRecord& r) {
+  return !r.crop && r.flip == 0 && r.rot == 0 && r.brightness == 1 && r.contrast == 1 && r.saturation == 1 &&
+         r.hue == 0;
+}
+
+void augment_image(const uint8_t* rgb, int64_t size, const AugmentRecord& r, float* chw, float* scratch) {
+  const int64_t n = size * size;
+  if (is_identity(r)) {  // evaluation: straight from the bytes, no working copy
+    for (int64_t y = 0; y < size; ++y)
+      for (int64_t x = 0; x < size; ++x) {
+        const uint8_t* p = rgb + 3 * (y * size + x);
+        for (int c = 0; c < 3; ++c) chw[(c * size + y) * size + x] = formulas::imagenet_normalize(p[c] / 255.0f, c);
+      }
+    return;
+  }
+  float* hwc = scratch;
+  if (r.crop) {
+    const formulas::U8Pixel pixel{rgb, size};
+    for (int64_t y = 0; y < size; ++y)
+      for (int64_t x = 0; x < size; ++x)
+        formulas::resample_crop(pixel, size, r.crop_x, r.crop_y, r.crop_w, r.crop_h, y, x, hwc + 3 * (y * size + x));
+  } else {
+    for (int64_t k = 0; k < 3 * n; ++k) hwc[k] = rgb[k] / 255.0f;
+  }
+  apply_jitter(JitterFactors{r.brightness, r.contrast, r.saturation, r.hue}, hwc, n);
+  for (int64_t y = 0; y < size; ++y)
+    for (int64_t x = 0; x < size; ++x) {
+      int64_t sy, sx;
+      formulas::flip_rotate_source(y, x, size, r.flip, r.rot, &sy, &sx);
+      const float* p = hwc + 3 * (sy * size + sx);
+      for (int c = 0; c < 3; ++c) chw[(c * size + y) * size + x] = formulas::imagenet_normalize(p[c], c);
+    }
 }
 
 }  // namespace slide::train

@@ -14,6 +14,7 @@
 
 namespace slide::train {
 
+
 namespace {
 
 #if defined(SLIDE_WITH_CUDA)

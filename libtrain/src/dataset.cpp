@@ -12,16 +12,9 @@
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/tile/image.h"
+#include "op_checks.h"
 
 namespace slide::train {
-
-namespace {
-
-// torchvision's ImageNet normalisation (dataset.h; slide-embed uses the same constants).
-constexpr const float (&kMean)[3] = kImageNetMean;
-constexpr const float (&kStd)[3] = kImageNetStd;
-
-}  // namespace
 
 using CsvRow = SlideLabelRow;
 
@@ -189,6 +182,42 @@ Status TileDataset::cache_in_ram(slide::core::ThreadPool* pool, Allocator& alloc
   return slide::core::ok_status();
 }
 
+Status TileDataset::cache_on_device(Backend& be, slide::core::ThreadPool* pool) {
+  if (be.device() == Device::kCpu)
+    return slide::core::invalid_argument("--cache device: the " + be.name() +
+                                         " backend computes in host memory; the RAM cache is its device cache");
+  const bool had_ram_cache = cached();
+  if (!had_ram_cache) SLIDE_RETURN_IF_ERROR(cache_in_ram(pool, cpu_allocator()));
+  auto uploaded = to_device(be, cache_, "decoded dataset (device cache)");
+  if (!had_ram_cache) cache_ = Tensor();  // the host copy goes; reads go to the stores again
+  if (!uploaded.ok()) return uploaded.status();
+  device_cache_ = std::move(*uploaded);
+  return slide::core::ok_status();
+}
+
+Status TileDataset::load_batch_on_device(Backend& be, const std::vector<size_t>& positions, const Augmentation& aug,
+                                         uint64_t seed, Tensor* images, Tensor* host_labels) const {
+  if (!device_cache_.defined() || device_cache_.device() != be.device())
+    return slide::core::failed_precondition("load_batch_on_device: the dataset is not cached on " +
+                                            std::string(device_name(be.device())));
+  const auto n = static_cast<int64_t>(positions.size());
+  const int64_t S = tile_size_, N = static_cast<int64_t>(tiles_.size());
+  constexpr auto kRecord = static_cast<int64_t>(sizeof(AugmentRecord));
+  SLIDE_ASSIGN_OR_RETURN(*host_labels, Tensor::empty({n}, DType::kI32, cpu_allocator(), "label batch"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor records, Tensor::empty({n, kRecord}, DType::kU8, cpu_allocator(), "augment records"));
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t position = positions[static_cast<size_t>(i)];
+    host_labels->data<int32_t>()[i] = tiles_.at(position).label;
+    AugmentRecord r = draw_augment(aug, seed, position, S);
+    r.index = static_cast<int64_t>(position);
+    SLIDE_RETURN_IF_ERROR(detail::validate_augment_record(r, N, S));  // before it reaches a kernel
+    std::memcpy(records.data<uint8_t>() + i * kRecord, &r, sizeof r);
+  }
+  SLIDE_ASSIGN_OR_RETURN(Tensor device_records, to_device(be, records, "augment records"));
+  SLIDE_ASSIGN_OR_RETURN(*images, Tensor::empty({n, 3, S, S}, DType::kF32, be.allocator(), "image batch"));
+  return be.gather_augment(device_cache_, device_records, *images);
+}
+
 Status TileDataset::tile_header(size_t position, slide::tile::TileHeader* header) const {
   const TileRef& ref = tiles_.at(position);
   std::vector<uint8_t> payload;
@@ -244,38 +273,10 @@ Status TileDataset::load_batch(const std::vector<size_t>& positions, const Augme
     labels->data<int32_t>()[i] = ref.label;
     slide::tile::RgbImage img(S, S);
     SLIDE_RETURN_IF_ERROR(decode_tile(positions[static_cast<size_t>(i)], img.pixels.data()));
-    float* dst = out + i * 3 * S * S;
-    if (!aug.any()) {
-      for (int64_t y = 0; y < S; ++y)
-        for (int64_t x = 0; x < S; ++x) {
-          const uint8_t* p = img.pixels.data() + 3 * (y * S + x);
-          for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] / 255.0f - kMean[c]) / kStd[c];
-        }
-      return slide::core::ok_status();
-    }
-    // Flip and rotation are drawn first, so a flips-only recipe draws what it always drew.
-    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + positions[static_cast<size_t>(i)]);
-    const uint64_t fr = rng();
-    const int flip = aug.flips_rotations ? static_cast<int>(fr & 1) : 0;
-    const int rot = aug.flips_rotations ? static_cast<int>((fr >> 1) & 3) : 0;
-    std::vector<float> hwc(static_cast<size_t>(3 * S * S)), tmp;
-    for (size_t k = 0; k < hwc.size(); ++k) hwc[k] = img.pixels[k] / 255.0f;
-    if (aug.random_crop()) {
-      tmp.resize(hwc.size());
-      resize_crop(hwc.data(), S, draw_crop(S, aug.crop_min_scale, rng), tmp.data());
-      hwc.swap(tmp);
-    }
-    if (aug.color_jitter()) apply_jitter(draw_jitter(aug, rng), hwc.data(), S * S);
-    for (int64_t y = 0; y < S; ++y)
-      for (int64_t x = 0; x < S; ++x) {
-        // Output (y, x) takes source (sy, sx): rotate by rot x 90 degrees, then flip horizontally.
-        int64_t xx = flip ? S - 1 - x : x, sy = y, sx = xx;
-        if (rot == 1) sy = S - 1 - xx, sx = y;
-        else if (rot == 2) sy = S - 1 - y, sx = S - 1 - xx;
-        else if (rot == 3) sy = xx, sx = S - 1 - y;
-        const float* p = hwc.data() + 3 * (sy * S + sx);
-        for (int c = 0; c < 3; ++c) dst[(c * S + y) * S + x] = (p[c] - kMean[c]) / kStd[c];
-      }
+    // The draws, then the per-pixel arithmetic shared with Backend::gather_augment (augment.h).
+    const AugmentRecord r = draw_augment(aug, seed, positions[static_cast<size_t>(i)], S);
+    std::vector<float> scratch(is_identity(r) ? 0 : static_cast<size_t>(3 * S * S));
+    augment_image(img.pixels.data(), S, r, out + i * 3 * S * S, scratch.data());
     return slide::core::ok_status();
   };
   if (pool == nullptr || pool->size() < 2) {

@@ -275,6 +275,48 @@ Status validate_cast(const Tensor& x, const Tensor& y, DTypes dtypes) {
   return ok_status();
 }
 
+Result<int64_t> validate_gather_augment(const Tensor& tiles, const Tensor& records, const Tensor& images,
+                                        DTypes dtypes) {
+  const auto shapes = [&] {
+    return "gather_augment: tiles " + (tiles.defined() ? shape_string(tiles.shape()) : std::string("undefined")) +
+           ", records " + (records.defined() ? shape_string(records.shape()) : std::string("undefined")) +
+           ", images " + (images.defined() ? shape_string(images.shape()) : std::string("undefined"));
+  };
+  if (!tiles.defined() || !records.defined() || !images.defined() || tiles.rank() != 4 || tiles.dim(3) != 3 ||
+      tiles.dim(1) != tiles.dim(2) || records.rank() != 2 ||
+      records.dim(1) != static_cast<int64_t>(sizeof(AugmentRecord)) || images.rank() != 4 ||
+      images.dim(0) != records.dim(0) || images.dim(1) != 3 || images.dim(2) != tiles.dim(1) ||
+      images.dim(3) != tiles.dim(2))
+    return invalid_argument(shapes() + ": expected [N,S,S,3], [B," + std::to_string(sizeof(AugmentRecord)) +
+                            "] and [B,3,S,S]");
+  if (tiles.dtype() != DType::kU8 || records.dtype() != DType::kU8 || images.dtype() != DType::kF32)
+    return invalid_argument(shapes() + ": tiles and records are u8, images f32");
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"tiles", &tiles}, {"records", &records},
+                         {"images", &images}}) {
+    if (t->device() != dtypes.device)
+      return invalid_argument(std::string("gather_augment: ") + name + " is on " + device_name(t->device()) +
+                              ", this backend's tensors are on " + device_name(dtypes.device));
+    if (t->layout() != Layout::kPlain)
+      return invalid_argument(std::string("gather_augment: ") + name + " is in the " + layout_name(t->layout()) +
+                              " layout");
+  }
+  return images.dim(0);
+}
+
+Status validate_augment_record(const AugmentRecord& r, int64_t n, int64_t size) {
+  if (r.index < 0 || r.index >= n)
+    return invalid_argument("gather_augment: tile index " + std::to_string(r.index) + " outside [0, " +
+                            std::to_string(n) + ")");
+  if (r.crop && (r.crop_w < 1 || r.crop_h < 1 || r.crop_x < 0 || r.crop_y < 0 || r.crop_x + r.crop_w > size ||
+                 r.crop_y + r.crop_h > size))
+    return invalid_argument("gather_augment: crop box (" + std::to_string(r.crop_x) + ", " + std::to_string(r.crop_y) +
+                            ", " + std::to_string(r.crop_w) + " x " + std::to_string(r.crop_h) + ") outside a " +
+                            std::to_string(size) + "-px tile");
+  if (r.flip < 0 || r.flip > 1 || r.rot < 0 || r.rot > 3)
+    return invalid_argument("gather_augment: flip " + std::to_string(r.flip) + ", rotation " + std::to_string(r.rot));
+  return ok_status();
+}
+
 // --- Vision Transformer ops ---
 Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                        const Tensor& y, DTypes dtypes) {

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "slide/train/augment.h"
 #include "slide/train/backend.h"
 
 namespace slide::train::detail {
@@ -87,6 +88,12 @@ struct MatmulDims {
 // cast: x and y of one shape, plain, on the backend's device, each f32, f16 or bf16 (or f64 where
 // the backend has it).
 [[nodiscard]] Status validate_cast(const Tensor& x, const Tensor& y, DTypes dtypes);
+// gather_augment's shapes: tiles u8 [N,S,S,3], records u8 [B, sizeof(AugmentRecord)], images f32
+// [B,3,S,S], plain, on the backend's device. Returns B.
+[[nodiscard]] Result<int64_t> validate_gather_augment(const Tensor& tiles, const Tensor& records, const Tensor& images,
+                                                      DTypes dtypes);
+// A record's index in [0, n) and its crop box inside an S x S tile (host-readable records).
+[[nodiscard]] Status validate_augment_record(const AugmentRecord& r, int64_t n, int64_t size);
 [[nodiscard]] Status validate_transfer(const char* op, const Tensor& host, const Tensor& dev, Device device);
 
 // --- Vision Transformer ops ---

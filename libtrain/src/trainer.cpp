@@ -50,7 +50,8 @@ struct Batch {
 };
 
 // Decodes a batch on the host (on `pool`) and, on a device backend, uploads it: one copy per
-// micro-batch, made on the prefetch thread while the previous micro-batch computes.
+// micro-batch, made on the prefetch thread while the previous micro-batch computes. With the
+// dataset cached on the device (--cache device), the batch is gathered and augmented there.
 // `zero_labels` (predict): every label is written as 0, for tiles that may have none.
 Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
                    uint64_t seed, slide::core::ThreadPool* pool, bool zero_labels = false) {
@@ -59,6 +60,13 @@ Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_
     SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
     if (zero_labels) std::fill_n(b.labels.data<int32_t>(), b.labels.numel(), 0);
     b.host_labels = b.labels;
+    return b;
+  }
+  if (data.device_cached()) {
+    // --cache device: the tiles are on the device; only the draws (records) and labels go up.
+    SLIDE_RETURN_IF_ERROR(data.load_batch_on_device(be, idx, augment, seed, &b.images, &b.host_labels));
+    if (zero_labels) std::fill_n(b.host_labels.data<int32_t>(), b.host_labels.numel(), 0);
+    SLIDE_ASSIGN_OR_RETURN(b.labels, to_device(be, b.host_labels, "labels"));
     return b;
   }
   Tensor host_images;

@@ -1,13 +1,22 @@
 // The one door between host code and a backend's device: Backend::upload / download (the
-// host backends' byte copies; also where Backend's vtable is emitted), the transfer check every
+// host backends' byte copies, available_memory_bytes; also where Backend's vtable is emitted), the transfer check every
 // backend shares, and to_host / to_device. Apart from backend.cpp so that the checkpoint code
 // (and its fuzz target) needs no backend implementation.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "op_checks.h"
 #include "slide/train/backend.h"
 
 namespace slide::train {
+
+Result<size_t> Backend::available_memory_bytes() {
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages < 0 || page < 0) return slide::core::errno_status(errno, "sysconf(_SC_AVPHYS_PAGES)");
+  return static_cast<size_t>(pages) * static_cast<size_t>(page);
+}
 
 namespace detail {
 

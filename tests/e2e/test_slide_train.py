@@ -275,6 +275,23 @@ class TestDevice(Base):
         self.assertEqual(outs["reference"], outs["reference-sim"])
         self.assertEqual(len(outs["reference"].splitlines()), 361)
 
+    def test_cache_device_equals_the_host_run(self):
+        # --cache device: the decoded dataset on the (simulated) device, batches gathered, cropped,
+        # jittered, flipped and normalised there from the host's draws: the host run's weights.
+        extra = ("--color-jitter", "0.2,0.2,0.2,0.05", "--random-resized-crop", "0.5")
+        host, sim = os.path.join(self.tmp, "cache_host"), os.path.join(self.tmp, "cache_sim")
+        r = self.run3(host, "reference", 2, "--cache", "ram", *extra)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.run3(sim, "reference-sim", 2, "--cache", "device", *extra)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("dataset cached on the device", r.stderr)
+        for name in ("model", "optimizer"):
+            self.assert_same(self.weights(host, 2, name), self.weights(sim, 2, name), name)
+        # On a host backend the RAM cache is the device cache.
+        r = self.run3(os.path.join(self.tmp, "cache_host_dev"), "reference", 1, "--cache", "device")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("the RAM cache is its device cache", r.stderr)
+
     def test_cuda_without_a_gpu_is_a_usage_error_that_writes_nothing(self):
         out = os.path.join(self.tmp, "dev_cuda")
         r = self.train(out, "--backend", "cuda")

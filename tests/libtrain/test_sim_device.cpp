@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -66,7 +68,8 @@ struct RunResult {
 // class weights and 2 micro-batches per step, then an evaluation: on `be`, whose device the model
 // and optimizer state are moved to as the app does. `budget` (bytes above what is live once the
 // model is built) limits be's allocator.
-RunResult train_run(Backend& be, size_t budget = Allocator::kUnlimited, int64_t accumulate = 2) {
+RunResult train_run(Backend& be, size_t budget = Allocator::kUnlimited, int64_t accumulate = 2,
+                    const TileDataset& data = lung(), bool jitter_and_crop = false) {
   auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 5, 0.25);
   REQUIRE(model.ok());
   REQUIRE((*model)->size() > 0);
@@ -83,7 +86,7 @@ RunResult train_run(Backend& be, size_t budget = Allocator::kUnlimited, int64_t 
   auto opt = Optimizer::make(oc, params, be.allocator());
   REQUIRE(opt.ok());
   std::vector<size_t> train, val;
-  for (size_t i = 0; i < lung().tiles().size(); ++i) (i % 5 == 0 ? val : train).push_back(i);
+  for (size_t i = 0; i < data.tiles().size(); ++i) (i % 5 == 0 ? val : train).push_back(i);
   train.resize(96);
   auto weights = balanced_weights({0, 1, 1, 2, 2, 2}, 3, cpu_allocator());  // host weights, as the app makes them
   REQUIRE(weights.ok());
@@ -94,6 +97,10 @@ RunResult train_run(Backend& be, size_t budget = Allocator::kUnlimited, int64_t 
   to.class_weights = *weights;
   to.augment.flips_rotations = true;
   to.augment.brightness = 0.2f;
+  if (jitter_and_crop) {
+    to.augment.contrast = 0.3f, to.augment.saturation = 0.3f, to.augment.hue = 0.1f;
+    to.augment.crop_min_scale = 0.5f;
+  }
   Schedule sched;
   sched.base_lr = 0.05;
   sched.total_steps = 8;
@@ -102,12 +109,12 @@ RunResult train_run(Backend& be, size_t budget = Allocator::kUnlimited, int64_t 
   const size_t live = be.allocator().current_bytes();
   if (budget != Allocator::kUnlimited) be.allocator().set_budget_bytes(live + budget);
   for (int e = 0; e < 2; ++e) {
-    auto st = train_epoch(be, **model, **opt, sched, lung(), train, to, 40 + static_cast<uint64_t>(e), &pool);
+    auto st = train_epoch(be, **model, **opt, sched, data, train, to, 40 + static_cast<uint64_t>(e), &pool);
     REQUIRE_MESSAGE(st.ok(), st.status().to_string());
     r.epochs.push_back(*st);
   }
   be.allocator().set_budget_bytes(Allocator::kUnlimited);
-  auto v = evaluate(be, **model, lung(), val, 32, &pool, &r.val_probs);
+  auto v = evaluate(be, **model, data, val, 32, &pool, &r.val_probs);
   REQUIRE_MESSAGE(v.ok(), v.status().to_string());
   r.val = *v;
   r.state = state_of(be, **model);
@@ -294,6 +301,71 @@ TEST_CASE("sim device: checkpoints download on save and upload on load; a device
   REQUIRE(load_safetensors(file, named, sim.get()).ok());
   CHECK(state_of(*ref, **host_model) == state_of(*sim, **model));
   std::filesystem::remove_all(dir);
+}
+
+
+TEST_CASE("sim device: gather_augment on a dataset cached on the device makes load_batch's pixels bit for bit") {
+  auto sim = backend("reference-sim");
+  auto data = testing::tile_lc25000(16, "sim_device_gather");
+  REQUIRE(!data->device_cached());
+  const Status cached = data->cache_on_device(*sim, nullptr);
+  REQUIRE_MESSAGE(cached.ok(), cached.to_string());
+  CHECK(data->device_cached());
+  CHECK(!data->cached());  // the host copy made for the upload is gone
+  Augmentation aug;
+  aug.flips_rotations = true;
+  aug.brightness = 0.3f, aug.contrast = 0.3f, aug.saturation = 0.3f, aug.hue = 0.1f;
+  aug.crop_min_scale = 0.4f;
+  const std::vector<size_t> positions = {0, 7, 7, 100, 359, 42, 3};
+  for (const Augmentation& a : {aug, Augmentation{}}) {
+    for (uint64_t seed : {1u, 99u}) {
+      Tensor host_images, host_labels, dev_images, dev_labels;
+      REQUIRE(data->load_batch(positions, a, seed, nullptr, cpu_allocator(), &host_images, &host_labels).ok());
+      const Status s = data->load_batch_on_device(*sim, positions, a, seed, &dev_images, &dev_labels);
+      REQUIRE_MESSAGE(s.ok(), s.to_string());
+      CHECK(dev_images.device() == Device::kSim);
+      CHECK(dev_labels.device() == Device::kCpu);
+      auto back = to_host(*sim, dev_images);
+      REQUIRE(back.ok());
+      REQUIRE(back->numel() == host_images.numel());
+      CHECK(std::equal(host_images.data<float>(), host_images.data<float>() + host_images.numel(),
+                       back->data<float>()));
+      CHECK(std::equal(host_labels.data<int32_t>(), host_labels.data<int32_t>() + host_labels.numel(),
+                       dev_labels.data<int32_t>()));
+    }
+  }
+  // A host backend has no device cache; the op refuses a record outside the dataset.
+  auto host = backend("reference");
+  CHECK(data->cache_on_device(*host, nullptr).code() == slide::core::StatusCode::kInvalidArgument);
+  auto tiles = Tensor::zeros({2, 4, 4, 3}, DType::kU8, sim->allocator());
+  auto rec_host = Tensor::zeros({1, static_cast<int64_t>(sizeof(AugmentRecord))}, DType::kU8, cpu_allocator());
+  REQUIRE(tiles.ok());
+  REQUIRE(rec_host.ok());
+  AugmentRecord bad;
+  bad.index = 2;
+  std::memcpy(rec_host->data<uint8_t>(), &bad, sizeof bad);
+  auto rec = to_device(*sim, *rec_host);
+  auto images = Tensor::empty({1, 3, 4, 4}, DType::kF32, sim->allocator());
+  REQUIRE(rec.ok());
+  REQUIRE(images.ok());
+  const Status refused = sim->gather_augment(*tiles, *rec, *images);
+  CHECK(refused.code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("tile index 2 outside [0, 2)") != std::string::npos);
+  bad.index = 1, bad.crop = 1, bad.crop_x = 2, bad.crop_w = 3, bad.crop_h = 1;
+  std::memcpy(rec_host->data<uint8_t>(), &bad, sizeof bad);
+  rec = to_device(*sim, *rec_host);
+  REQUIRE(rec.ok());
+  CHECK(sim->gather_augment(*tiles, *rec, *images).code() == slide::core::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("sim device: training with the dataset cached on the device (--cache device) equals the host run") {
+  auto host = backend("reference");
+  auto sim = backend("reference-sim");
+  auto data = testing::tile_lc25000(16, "sim_device_cache");
+  const RunResult a = train_run(*host, Allocator::kUnlimited, 2, *data, true);
+  REQUIRE(data->cache_on_device(*sim, nullptr).ok());
+  const RunResult b = train_run(*sim, Allocator::kUnlimited, 2, *data, true);
+  check_same(a, b);
 }
 
 TEST_SUITE_END();

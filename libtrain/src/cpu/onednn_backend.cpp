@@ -418,6 +418,9 @@ class OneDnnBackend final : public Backend {
     return loops_->gelu_backward(x, dy, dx);
   }
   Status cast(const Tensor& x, Tensor& y) override { return loops_->cast(x, y); }  // plain tensors only
+  Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
+    return loops_->gather_augment(tiles, records, images);
+  }
   Status sum_of_squares(const Tensor& x, double* out) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("sum_of_squares", {&x}));
     return loops_->sum_of_squares(x, out);

@@ -219,6 +219,13 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
 
+  Result<size_t> available_memory_bytes() override {
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
+    size_t free_bytes = 0, total_bytes = 0;
+    SLIDE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return free_bytes;  // (blocks our caching allocator holds unused are not counted: a lower bound)
+  }
+
   // --- Convolution ---
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
@@ -372,6 +379,14 @@ class CudaBackend final : public Backend {
       return d == DType::kF16 ? CastType::kF16 : d == DType::kBF16 ? CastType::kBF16 : CastType::kF32;
     };
     SLIDE_CUDA_CHECK(launch_cast(x.raw(), type(x.dtype()), y.raw(), type(y.dtype()), x.numel(), st_->stream));
+    return ok_status();
+  }
+  Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
+    SLIDE_ASSIGN_OR_RETURN(const int64_t B, detail::validate_gather_augment(tiles, records, images, kDTypes));
+    // Records are checked on the host before upload (TileDataset); the kernel writes NaN for a bad index.
+    SLIDE_CUDA_CHECK(launch_gather_augment(tiles.ptr<uint8_t>(), tiles.dim(0), tiles.dim(1),
+                                           reinterpret_cast<const AugmentRecord*>(records.ptr<uint8_t>()), B,
+                                           images.ptr<float>(), st_->stream));
     return ok_status();
   }
   Status sum_of_squares(const Tensor& x, double* out) override {

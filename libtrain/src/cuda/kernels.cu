@@ -380,6 +380,52 @@ __global__ void permute_kernel(const float* x, float* y, int64_t n, PermuteGeome
   }
 }
 
+// --- Training batches from a dataset on the device (Backend::gather_augment) ---
+// Pixel (y, x) of the record's crop (or the tile), as u8 / 255, after brightness: the CPU's values
+// before the contrast mean (augment.cpp, augment_image).
+__device__ void cropped_pixel(const uint8_t* tile, int64_t S, const AugmentRecord& r, int64_t y, int64_t x,
+                              float p[3]) {
+  const fm::U8Pixel pixel{tile, S};
+  if (r.crop) {
+    fm::resample_crop(pixel, S, r.crop_x, r.crop_y, r.crop_w, r.crop_h, y, x, p);
+  } else {
+    for (int c = 0; c < 3; ++c) p[c] = pixel(y, x, c);
+  }
+  if (r.brightness != 1) fm::jitter_brightness(p, r.brightness);
+}
+
+__global__ void gather_augment_kernel(const uint8_t* tiles, int64_t N, int64_t S, const AugmentRecord* records,
+                                      float* images) {
+  __shared__ double shared[kBlock];
+  const AugmentRecord r = records[blockIdx.x];
+  float* out = images + static_cast<int64_t>(blockIdx.x) * 3 * S * S;
+  const int64_t n = S * S;
+  if (r.index < 0 || r.index >= N) {  // never after the host's check; loud if it happens
+    for (int64_t i = threadIdx.x; i < 3 * n; i += blockDim.x) out[i] = nanf("");
+    return;
+  }
+  const uint8_t* tile = tiles + r.index * 3 * n;
+  float mean = 0;
+  if (r.contrast != 1) {  // the same branch for every thread of the block
+    double local = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      float p[3];
+      cropped_pixel(tile, S, r, i / S, i % S, p);
+      local += fm::gray(p);
+    }
+    mean = static_cast<float>(block_sum(local, shared) / static_cast<double>(n));
+  }
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t y = i / S, x = i % S;
+    int64_t sy, sx;
+    fm::flip_rotate_source(y, x, S, r.flip, r.rot, &sy, &sx);
+    float p[3];
+    cropped_pixel(tile, S, r, sy, sx, p);
+    fm::jitter_rest(p, r.contrast, mean, r.saturation, r.hue);
+    for (int c = 0; c < 3; ++c) out[(c * S + y) * S + x] = fm::imagenet_normalize(p[c], c);
+  }
+}
+
 // --- Optimizers ---
 __global__ void sgd_kernel(float* param, const float* grad, float* buf, int64_t n, double lr, double momentum,
                            double dampening, double weight_decay, bool nesterov, bool first_step) {
@@ -506,6 +552,11 @@ cudaError_t launch_adamw_update(float* param, const float* grad, float* m, float
                                 cudaStream_t stream) {
   return launch_grid_stride(n, stream, adamw_kernel, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, c1,
                             c2);
+}
+
+cudaError_t launch_gather_augment(const uint8_t* tiles, int64_t N, int64_t S, const AugmentRecord* records, int64_t B,
+                                  float* images, cudaStream_t stream) {
+  return launch_per_block(B, stream, gather_augment_kernel, tiles, N, S, records, images);
 }
 
 }  // namespace slide::train::cuda

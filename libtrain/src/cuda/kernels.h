@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "slide/train/augment.h"
+
 namespace slide::train::cuda {
 
 enum class Unary { kRelu, kTanh, kSigmoid, kGelu };
@@ -105,5 +107,12 @@ cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_b
 cudaError_t launch_adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                                 double beta1, double beta2, double eps, double weight_decay, double c1, double c2,
                                 cudaStream_t stream);
+
+// Backend::gather_augment: one block per image b of B, images [B, 3, S, S] from tiles [N, S, S, 3]
+// u8 and `records` (B AugmentRecords, 8-byte aligned). The crop and brightness are computed twice
+// per pixel (once for the image's mean grey, once for the output) instead of stored. An index
+// outside [0, N) gives an image of NaN (the host checks the records before they are uploaded).
+cudaError_t launch_gather_augment(const uint8_t* tiles, int64_t N, int64_t S, const AugmentRecord* records, int64_t B,
+                                  float* images, cudaStream_t stream);
 
 }  // namespace slide::train::cuda

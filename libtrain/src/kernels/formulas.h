@@ -7,8 +7,8 @@
 // step against PyTorch) exercises the code a GPU runs, as llm.c keeps train_gpt2.c and
 // train_gpt2.cu name for name.
 //
-// Rules for this file: no state, no allocation, no library calls other than <cmath>'s exp, sqrt
-// and pow (which CUDA provides in device code); T is the storage type (float or double), and the
+// Rules for this file: no state, no allocation, no library calls other than <cmath>'s exp, sqrt,
+// pow, fmod and floor (which CUDA provides in device code); T is the storage type (float or double), and the
 // arithmetic is written exactly as the reference loops always did (double accumulation where they
 // used it), so that moving a formula here never changes a bit on the CPU. On the GPU, nvcc fuses
 // a * b + c into an FMA unless compiled with -fmad=false, so the cuda backend's results may differ
@@ -238,6 +238,127 @@ SLIDE_HD void adamw_step(T& p, T g, T& m, T& v, double lr, double beta1, double 
   v = static_cast<T>(vi);
   const double decayed = double(p) * (1 - lr * weight_decay);
   p = static_cast<T>(decayed - lr * (mi / c.c1) / (std::sqrt(vi / c.c2) + eps));
+}
+
+// --- Augmentation and normalisation of uint8 tiles (augment.h; TileDataset::load_batch and
+// Backend::gather_augment) ------------------------------------------------------------------------
+// An image is S x S interleaved RGB; pixel values are u8 / 255 in [0, 1]. The order per image is
+// torchvision's, as augment.h states: crop (resampled bilinearly), then brightness, contrast
+// (against the mean grey of the whole image after brightness), saturation and hue, each clamped to
+// [0, 1], then the flip and rotation, then ImageNet's normalisation.
+
+SLIDE_HD float clamp01(float v) { return v < 0.0f ? 0.0f : (v > 1.0f ? 1.0f : v); }
+
+// torchvision's rgb_to_grayscale for float images (its coefficients: 0.2989, 0.587, 0.114).
+SLIDE_HD float gray(const float* p) { return 0.2989f * p[0] + 0.587f * p[1] + 0.114f * p[2]; }
+
+// torchvision's _rgb2hsv and _hsv2rgb (transforms/_functional_tensor.py), per pixel.
+SLIDE_HD void rgb_to_hsv(const float* rgb, float* hsv) {
+  const float r = rgb[0], g = rgb[1], b = rgb[2];
+  float maxc = r, minc = r;
+  if (maxc < g) maxc = g;
+  if (maxc < b) maxc = b;
+  if (g < minc) minc = g;
+  if (b < minc) minc = b;
+  const bool eqc = maxc == minc;
+  const float cr = maxc - minc;
+  const float s = cr / (eqc ? 1.0f : maxc);
+  const float div = eqc ? 1.0f : cr;
+  const float rc = (maxc - r) / div, gc = (maxc - g) / div, bc = (maxc - b) / div;
+  float h;
+  if (maxc == r) h = bc - gc;
+  else if (maxc == g) h = 2.0f + rc - bc;
+  else h = 4.0f + gc - rc;
+  hsv[0] = std::fmod(h / 6.0f + 1.0f, 1.0f);
+  hsv[1] = s;
+  hsv[2] = maxc;
+}
+
+SLIDE_HD void hsv_to_rgb(const float* hsv, float* rgb) {
+  const float h = hsv[0], s = hsv[1], v = hsv[2];
+  const float i_f = std::floor(h * 6.0f);
+  const float f = h * 6.0f - i_f;
+  const int i = ((static_cast<int>(i_f) % 6) + 6) % 6;
+  const float p = clamp01(v * (1.0f - s)), q = clamp01(v * (1.0f - s * f)), t = clamp01(v * (1.0f - s * (1.0f - f)));
+  const float r[6] = {v, q, p, p, t, v}, g[6] = {t, v, v, q, p, p}, b[6] = {p, p, t, v, v, q};
+  rgb[0] = r[i], rgb[1] = g[i], rgb[2] = b[i];
+}
+
+// PyTorch's area_pixel_compute_source_index for linear modes (align_corners=False): output index d
+// of `size` samples over `extent` source pixels reads source i0 and i1 with weight frac on i1.
+SLIDE_HD void crop_source(int64_t d, int64_t extent, int64_t size, int64_t* i0, int64_t* i1, float* frac) {
+  const double s = static_cast<double>(extent) / static_cast<double>(size);
+  double v = (static_cast<double>(d) + 0.5) * s - 0.5;
+  if (v < 0.0) v = 0.0;
+  *i0 = static_cast<int64_t>(v);
+  if (*i0 > extent - 1) *i0 = extent - 1;
+  *i1 = *i0 + 1 < extent - 1 ? *i0 + 1 : extent - 1;
+  *frac = static_cast<float>(v - static_cast<double>(*i0));
+}
+
+// Output pixel (y, x) of the box (bx, by, bw, bh) of an S x S image resized to S x S, bilinear;
+// `pixel(yy, xx, c)` gives the source's channel c in [0, 1].
+template <typename Pixel>
+SLIDE_HD void resample_crop(const Pixel& pixel, int64_t size, int64_t bx, int64_t by, int64_t bw, int64_t bh,
+                            int64_t y, int64_t x, float out[3]) {
+  int64_t y0, y1, x0, x1;
+  float fy, fx;
+  crop_source(y, bh, size, &y0, &y1, &fy);
+  crop_source(x, bw, size, &x0, &x1, &fx);
+  for (int c = 0; c < 3; ++c)
+    out[c] = (1 - fy) * ((1 - fx) * pixel(by + y0, bx + x0, c) + fx * pixel(by + y0, bx + x1, c)) +
+             fy * ((1 - fx) * pixel(by + y1, bx + x0, c) + fx * pixel(by + y1, bx + x1, c));
+}
+
+// The source pixels resample_crop reads: an S x S u8 tile (as u8 / 255) or an S x S float image.
+struct U8Pixel {
+  const uint8_t* tile;
+  int64_t size;
+  SLIDE_HD float operator()(int64_t y, int64_t x, int c) const { return tile[3 * (y * size + x) + c] / 255.0f; }
+};
+struct FloatPixel {
+  const float* image;
+  int64_t size;
+  SLIDE_HD float operator()(int64_t y, int64_t x, int c) const { return image[3 * (y * size + x) + c]; }
+};
+
+// Brightness: x * f, clamped.
+SLIDE_HD void jitter_brightness(float* p, float f) {
+  for (int c = 0; c < 3; ++c) p[c] = clamp01(f * p[c]);
+}
+
+// Contrast against the image's mean grey `mean` (after brightness), then saturation, then hue (a
+// rotation by `hue` turns of the HSV circle), each skipped at its identity (1, 1, 0) and clamped.
+SLIDE_HD void jitter_rest(float* p, float contrast, float mean, float saturation, float hue) {
+  if (contrast != 1)
+    for (int c = 0; c < 3; ++c) p[c] = clamp01(contrast * p[c] + (1 - contrast) * mean);
+  if (saturation != 1) {
+    const float g = gray(p);
+    for (int c = 0; c < 3; ++c) p[c] = clamp01(saturation * p[c] + (1 - saturation) * g);
+  }
+  if (hue != 0) {
+    float hsv[3];
+    rgb_to_hsv(p, hsv);
+    hsv[0] = std::fmod(hsv[0] + hue, 1.0f);
+    if (hsv[0] < 0) hsv[0] += 1.0f;  // Python's % is non-negative for a positive divisor
+    hsv_to_rgb(hsv, p);
+  }
+}
+
+// Output (y, x) of an S x S image rotated by rot x 90 degrees, then flipped horizontally (flip 1),
+// takes source pixel (*sy, *sx).
+SLIDE_HD void flip_rotate_source(int64_t y, int64_t x, int64_t size, int flip, int rot, int64_t* sy, int64_t* sx) {
+  const int64_t xx = flip ? size - 1 - x : x;
+  *sy = y, *sx = xx;
+  if (rot == 1) *sy = size - 1 - xx, *sx = y;
+  else if (rot == 2) *sy = size - 1 - y, *sx = size - 1 - xx;
+  else if (rot == 3) *sy = xx, *sx = size - 1 - y;
+}
+
+// torchvision's ImageNet normalisation of channel c (dataset.h: kImageNetMean, kImageNetStd).
+SLIDE_HD float imagenet_normalize(float v, int c) {
+  const float mean[3] = {0.485f, 0.456f, 0.406f}, stdev[3] = {0.229f, 0.224f, 0.225f};
+  return (v - mean[c]) / stdev[c];
 }
 
 }  // namespace slide::train::formulas

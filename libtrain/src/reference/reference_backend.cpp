@@ -555,6 +555,21 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
+    SLIDE_ASSIGN_OR_RETURN(const int64_t B, detail::validate_gather_augment(tiles, records, images, dtypes_));
+    const int64_t N = tiles.dim(0), S = tiles.dim(1);
+    // The very function TileDataset::load_batch calls per image (augment.cpp).
+    std::vector<float> scratch(static_cast<size_t>(3 * S * S));
+    for (int64_t b = 0; b < B; ++b) {
+      AugmentRecord r;
+      std::memcpy(&r, records.ptr<uint8_t>() + b * static_cast<int64_t>(sizeof r), sizeof r);
+      SLIDE_RETURN_IF_ERROR(detail::validate_augment_record(r, N, S));
+      augment_image(tiles.ptr<uint8_t>() + r.index * 3 * S * S, S, r, images.ptr<float>() + b * 3 * S * S,
+                    scratch.data());
+    }
+    return ok_status();
+  }
+
   Status cast(const Tensor& x, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_cast(x, y, dtypes_));
     // Through double: exact for every source (f64 to f32 rounds once, as a static_cast does).

@@ -55,4 +55,32 @@ CropBox draw_crop(int64_t size, float min_scale, std::mt19937_64& rng);
 // interpolation, half-pixel centres (align_corners=False), no antialiasing.
 void resize_crop(const float* src, int64_t size, const CropBox& box, float* dst);
 
+// One image of a batch as drawn on the host: which tile, and everything random about its
+// augmentation. The records of a batch, uploaded as bytes, tell Backend::gather_augment what to do
+// on the device, so a batch augmented there has the draws it has on the host. Plain data: the
+// layout is shared by the host and the CUDA kernels.
+struct AugmentRecord {
+  int64_t index = 0;                   // the tile's row in the decoded dataset [N, S, S, 3]
+  int32_t flip = 0, rot = 0;           // horizontal flip (0 or 1), then rotation by rot x 90 degrees
+  int32_t crop = 0;                    // 1: resample the box below (RandomResizedCrop)
+  int32_t crop_x = 0, crop_y = 0, crop_w = 0, crop_h = 0;
+  int32_t padding = 0;                 // explicit, so that every byte of a record is defined
+  float brightness = 1, contrast = 1, saturation = 1, hue = 0;  // JitterFactors
+};
+static_assert(sizeof(AugmentRecord) == 56 && alignof(AugmentRecord) == 8,
+              "AugmentRecord is shared with device code: keep its layout");
+
+// The draws of tile `position` (TileDataset positions) for batch seed `seed` and S x S tiles: a
+// generator seeded by (seed, position) draws the flip and rotation (when aug.flips_rotations),
+// then the crop box (aug.random_crop()), then the jitter factors (aug.color_jitter()). `index` is
+// left 0 for the caller.
+AugmentRecord draw_augment(const Augmentation& aug, uint64_t seed, uint64_t position, int64_t size);
+
+// Tile `rgb` (S x S x 3 uint8) augmented as `r` says and normalised with ImageNet's mean and std
+// into `chw` (3 x S x S floats), the per-pixel arithmetic of kernels/formulas.h (which the CUDA
+// kernels share). `scratch`: 3 x S x S floats of working space (unused, and may be null, when
+// is_identity(r)).
+bool is_identity(const AugmentRecord& r);
+void augment_image(const uint8_t* rgb, int64_t size, const AugmentRecord& r, float* chw, float* scratch);
+
 }  // namespace slide::train

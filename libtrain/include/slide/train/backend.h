@@ -64,6 +64,11 @@ class Backend {
   // completion before returning: nothing to wait for. Errors: the device's.
   [[nodiscard]] virtual Status synchronize() { return slide::core::ok_status(); }
 
+  // Bytes the device could still give, before any budget: the host's available memory
+  // (sysconf's available pages) for backends in host memory, the GPU's free memory
+  // (cudaMemGetInfo) on cuda. For choices such as --cache auto. Errors: the device's.
+  [[nodiscard]] virtual Result<size_t> available_memory_bytes();
+
   // --- Layout ------------------------------------------------------------------------------------
   // x in the plain layout: x itself when it is plain, else a reordered copy (same shape and
   // dtype) from this backend's allocator. For host code that reads elements (synchronised batch
@@ -223,6 +228,19 @@ class Backend {
   // x makes *out non-finite). A host number: a device backend waits for its result.
   [[nodiscard]] virtual Status sum_of_squares(const Tensor& x, double* out) {
     return unimplemented_op("sum_of_squares", x, out);
+  }
+  // A training batch from a dataset held on this backend's device (--cache device): images[B,3,S,S]
+  // f32 (overwritten) = for each record b, tile records[b].index of tiles[N,S,S,3] u8, augmented
+  // as the record says (augment.h: the crop resampled bilinearly, brightness, contrast against
+  // the image's mean grey, saturation, hue, then flip and rotation) and normalised with ImageNet's
+  // mean and std: the pixels TileDataset::load_batch makes on the host, from the per-pixel formulas
+  // it shares (kernels/formulas.h). records: u8 [B, sizeof(AugmentRecord)] on the device, as
+  // draw_augment made them. The contrast mean is summed in double in another order on a GPU, so
+  // cuda may differ from the host in the last bits. Errors: kInvalidArgument (shapes, dtypes,
+  // layouts, devices; on host-readable devices also a record's index outside [0, N) or a crop box
+  // outside the tile), kUnimplemented.
+  [[nodiscard]] virtual Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) {
+    return unimplemented_op("gather_augment", tiles, records, images);
   }
   // y = alpha x, any shape; y may be x (attention's 1 / sqrt(head dim)).
   [[nodiscard]] virtual Status scale(const Tensor& x, double alpha, Tensor& y) {

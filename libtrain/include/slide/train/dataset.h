@@ -15,6 +15,7 @@
 #include "slide/core/thread_pool.h"
 #include "slide/tile/store.h"
 #include "slide/train/augment.h"
+#include "slide/train/backend.h"
 #include "slide/train/tensor.h"
 
 namespace slide::train {
@@ -96,6 +97,21 @@ class TileDataset {
   size_t decoded_bytes() const { return tiles_.size() * static_cast<size_t>(3 * tile_size_ * tile_size_); }
   bool cached() const { return cache_.defined(); }
 
+  // --cache device: every tile decoded (on `pool`) and uploaded once to be's device, u8 [N,S,S,3]
+  // from be.allocator(); the host copy is freed afterwards unless cache_in_ram made it before.
+  // Then load_batch_on_device makes batches there. Errors: kInvalidArgument for a host backend
+  // (device cpu: use cache_in_ram), kResourceExhausted when it does not fit the device's budget
+  // (the caller may go on without it), and those of decoding and the upload.
+  [[nodiscard]] Status cache_on_device(Backend& be, slide::core::ThreadPool* pool);
+  bool device_cached() const { return device_cache_.defined(); }
+  // load_batch's images on the device of the backend that cache_on_device used: the draws made on
+  // the host (draw_augment: the same as load_batch's for the same seed), checked and uploaded as
+  // records, then Backend::gather_augment. images [N,3,S,S] f32 from be.allocator();
+  // host_labels [N] i32 on the host. Errors: kFailedPrecondition without cache_on_device or with
+  // another device, the backend's, the allocators'.
+  [[nodiscard]] Status load_batch_on_device(Backend& be, const std::vector<size_t>& positions, const Augmentation& aug,
+                                            uint64_t seed, Tensor* images, Tensor* host_labels) const;
+
   // The record header of tile `position` (level-0 x, y, size, label). Errors: the store's.
   [[nodiscard]] Status tile_header(size_t position, slide::tile::TileHeader* header) const;
 
@@ -131,6 +147,7 @@ class TileDataset {
   std::vector<uint32_t> slide_store_;  // per slide: its store's index
   std::vector<slide::tile::SlideRecord> slide_records_;  // per slide: its store's record
   Tensor cache_;                       // u8 [tiles, S, S, 3] when cached in RAM
+  Tensor device_cache_;                // u8 [tiles, S, S, 3] on a device (cache_on_device)
 
   // Tile `position` as S x S RGB into `rgb` (from the cache, or read and decoded).
   [[nodiscard]] Status decode_tile(size_t position, uint8_t* rgb) const;

@@ -96,6 +96,11 @@ int run_main(int argc, char** argv) {
                  "Output directory for the bags (<slide file stem>.h5: the slide id, made safe as a file name), "
                  "bags.csv and writer.lock (created; one slide-embed writes it at a time)")
       ->required();
+  app.add_option("--layout", opt.layout,
+                 "flat: bags and bags.csv in --out, /coords in TRIDENT's convention; clam: CLAM's DATA_DIR layout, "
+                 "bags in OUT/h5_files/ with /coords in CLAM's convention (patch_level, patch_size at that level) "
+                 "and OUT/dataset.csv (case_id,slide_id,label)")
+      ->capture_default_str()->check(CLI::IsMember({"flat", "clam"}));
   app.add_option("--weights", weights,
                  "A slide-train checkpoint directory (checkpoints/epoch-E-step-S), or a safetensors file with "
                  "torchvision names (scripts/convert_torchvision_weights.py makes one from a .pth)")

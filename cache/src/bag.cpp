@@ -536,9 +536,19 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
                     write_attr_string(root, "tool_version", attributes.tool_version),
                     write_attr_scalar(root, "format_version", H5T_STD_I32LE, H5T_NATIVE_INT32, kBagFormatVersion),
                     write_attr_scalar(impl->coords.get(), "patch_size", H5T_STD_I32LE, H5T_NATIVE_INT32,
-                                      attributes.tile_size_px),
+                                      attributes.patch_size > 0 ? attributes.patch_size : attributes.tile_size_px),
                     write_attr_scalar(impl->coords.get(), "patch_size_level0", H5T_STD_I32LE, H5T_NATIVE_INT32, size_l0),
-                    write_attr_scalar(impl->coords.get(), "patch_level", H5T_STD_I32LE, H5T_NATIVE_INT32, 0)}) {
+                    write_attr_scalar(impl->coords.get(), "patch_level", H5T_STD_I32LE, H5T_NATIVE_INT32,
+                                      attributes.patch_level),
+                    write_attr_scalar(impl->coords.get(), "level0_magnification", H5T_STD_I32LE, H5T_NATIVE_INT32,
+                                      attributes.level0_magnification),
+                    write_attr_scalar(impl->coords.get(), "target_magnification", H5T_STD_I32LE, H5T_NATIVE_INT32,
+                                      attributes.target_magnification),
+                    write_attr_scalar(impl->coords.get(), "overlap", H5T_STD_I32LE, H5T_NATIVE_INT32, attributes.overlap),
+                    write_attr_scalar(impl->coords.get(), "level0_width", H5T_STD_I64LE, H5T_NATIVE_INT64,
+                                      attributes.level0_width),
+                    write_attr_scalar(impl->coords.get(), "level0_height", H5T_STD_I64LE, H5T_NATIVE_INT64,
+                                      attributes.level0_height)}) {
     if (!st.ok()) return cleanup(st);
   }
   impl->feature_buf.reserve(static_cast<size_t>(options.chunk_rows * feature_dim));

@@ -24,6 +24,7 @@
 #include "slide/core/thread_pool.h"
 #include "slide/tile/image.h"
 #include "slide/tile/store.h"
+#include "slide/core/csv.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/dataset.h"
 
@@ -724,12 +725,16 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   for (const auto& id : wanted) {
     if (found.count(id) == 0) return invalid_argument("slide '" + id + "' is in none of the stores");
   }
-  SLIDE_RETURN_IF_ERROR_CTX(slide::core::make_dirs(opt.out_dir), "--out");
-  // A slide's bag: <out>/<bag_file_name(id)>, or a complete bag of an earlier version under the
+  if (opt.layout != "flat" && opt.layout != "clam")
+    return invalid_argument("layout '" + opt.layout + "' is not one of flat, clam");
+  const bool clam = opt.layout == "clam";
+  const std::string bag_dir = clam ? opt.out_dir + "/h5_files" : opt.out_dir;  // CLAM's DATA_DIR/h5_files
+  SLIDE_RETURN_IF_ERROR_CTX(slide::core::make_dirs(bag_dir), "--out");
+  // A slide's bag: <bag dir>/<bag_file_name(id)>, or a complete bag of an earlier version under the
   // legacy name when it holds this slide (its slide_id attribute), so that a rerun skips it.
   auto bag_path_of = [&](const std::string& slide_id) {
-    const std::string path = opt.out_dir + "/" + slide::cache::bag_file_name(slide_id);
-    const std::string legacy = opt.out_dir + "/" + slide::cache::legacy_bag_file_name(slide_id);
+    const std::string path = bag_dir + "/" + slide::cache::bag_file_name(slide_id);
+    const std::string legacy = bag_dir + "/" + slide::cache::legacy_bag_file_name(slide_id);
     std::error_code ec;
     if (legacy == path || std::filesystem::exists(path, ec) || !std::filesystem::exists(legacy, ec)) return path;
     auto r = slide::cache::BagReader::open(legacy);
@@ -833,6 +838,15 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     attrs.tile_size_l0_px = rec.source_mpp_um > 0 && rec.tile_mpp_um > 0
                                 ? static_cast<int32_t>(std::lround(S * rec.tile_mpp_um / rec.source_mpp_um))
                                 : static_cast<int32_t>(S);
+    // /coords: CLAM's patch_level and patch_size (the tile's side at the level read) with --layout
+    // clam, TRIDENT's otherwise; TRIDENT's magnifications (10 / mpp: 0.25 um/px is 40x) and size.
+    if (clam) {
+      attrs.patch_level = rec.level;
+      attrs.patch_size = static_cast<int32_t>(std::lround(attrs.tile_size_l0_px / std::max(1.0, rec.downsample)));
+    }
+    if (rec.source_mpp_um > 0) attrs.level0_magnification = static_cast<int32_t>(std::lround(10.0 / rec.source_mpp_um));
+    if (rec.tile_mpp_um > 0) attrs.target_magnification = static_cast<int32_t>(std::lround(10.0 / rec.tile_mpp_um));
+    attrs.level0_width = rec.width_l0, attrs.level0_height = rec.height_l0;
     attrs.model = model.model;
     attrs.layer = extractor.layer();
     attrs.weights_sha256 = model.weights_sha256;
@@ -980,9 +994,18 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   progress.finish();
 
   std::vector<slide::core::Status> bad;
-  SLIDE_ASSIGN_OR_RETURN(auto bags, slide::cache::list_bags(opt.out_dir, true, &bad));
+  SLIDE_ASSIGN_OR_RETURN(auto bags, slide::cache::list_bags(bag_dir, true, &bad));
   for (const auto& s : bad) slide::core::log_warn("not a readable bag, left out of bags.csv: " + s.message());
-  const Status manifest = slide::cache::write_manifest(opt.out_dir, bags);
+  Status manifest = slide::cache::write_manifest(bag_dir, bags);
+  if (manifest.ok() && clam) {
+    // CLAM's dataset CSV (case_id, slide_id, label), its slide_id the bag's file stem.
+    std::string csv = "case_id,slide_id,label\n";
+    for (const auto& b : bags)
+      csv += slide::core::csv_quote(b.attributes.slide_id) + "," +
+             slide::core::csv_quote(std::filesystem::path(b.path).stem().string()) + "," +
+             slide::core::csv_quote(b.attributes.label) + "\n";
+    manifest = slide::core::write_file_atomic(opt.out_dir + "/dataset.csv", csv);
+  }
   if (!out_of_space.ok()) {
     if (!manifest.ok()) slide::core::log_warn("bags.csv not written: " + manifest.to_string());
     return out_of_space.with_context("stopped: no space left for bags in " + opt.out_dir +

@@ -312,6 +312,61 @@ class TestLayout(Base):
         self.assertIn("holds a small", r.stderr)
 
 
+class TestClamLayout(Base):
+    """--layout clam is CLAM's DATA_DIR (h5_files/, a dataset CSV) with CLAM's /coords convention;
+    the default layout carries TRIDENT's attributes. Each reader's re-read of a tile, re-implemented
+    from their code (CLAM: datasets/dataset_h5.py Whole_Slide_Bag_FP, read_region(coord,
+    patch_level, (patch_size, patch_size)); TRIDENT: patches read at level 0 over patch_size_level0
+    pixels and resized to patch_size), must give the stored tile's region."""
+
+    def test_clam_and_trident_rereads_give_the_tiles(self):
+        import openslide
+        slide = os.path.join(SLIDES, "TCGA-CR-7395-01A-01-TS1.svs")
+        sid = "TCGA-CR-7395-01A-01-TS1"
+        store = self.tile("clam_store", slide, "--mpp", "2", "--source-mpp", "0.5", "--tile-size", "64")
+        _, weights = self.random_weights("resnet18")
+        clam, flat = os.path.join(self.tmp, "clam"), os.path.join(self.tmp, "flat")
+        for out, layout in ((clam, "clam"), (flat, "flat")):
+            r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--layer", "layer1",
+                           "--layout", layout)
+            self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(clam)), ["dataset.csv", "h5_files", "writer.lock"])
+        self.assertEqual(csv_rows(os.path.join(clam, "dataset.csv")), [{"case_id": sid, "slide_id": sid, "label": ""}])
+        self.assertEqual([x["slide_id"] for x in csv_rows(os.path.join(clam, "h5_files", "bags.csv"))], [sid])
+        tiles, coords = store_tiles(store, sid)
+        with h5py.File(os.path.join(clam, "h5_files", sid + ".h5"), "r") as f, \
+                h5py.File(os.path.join(flat, sid + ".h5"), "r") as g:
+            np.testing.assert_array_equal(f["features"][:], g["features"][:])
+            np.testing.assert_array_equal(f["coords"][:], coords)
+            c, t = dict(f["coords"].attrs), dict(g["coords"].attrs)
+        level, size, size0 = int(c["patch_level"]), int(c["patch_size"]), int(c["patch_size_level0"])
+        self.assertEqual((int(t["patch_level"]), int(t["patch_size"])), (0, 64))  # TRIDENT's convention
+        self.assertEqual(size0, 256)  # 64 px at 2 um/px over 0.5 um/px
+        for a in (c, t):
+            self.assertEqual((int(a["level0_magnification"]), int(a["target_magnification"]), int(a["overlap"])),
+                             (20, 5, 0))
+        with openslide.OpenSlide(slide) as sl:
+            self.assertEqual((int(t["level0_width"]), int(t["level0_height"])), sl.dimensions)
+            self.assertGreater(level, 0)  # read from a reduced level: the case CLAM's convention is about
+            self.assertAlmostEqual(size * sl.level_downsamples[level], size0, delta=sl.level_downsamples[level])
+            errs = {"CLAM": [], "TRIDENT": [], "patch_level 0 with the tile's size": []}
+            for i in range(len(coords)):
+                x, y = int(coords[i][0]), int(coords[i][1])
+                reads = {"CLAM": sl.read_region((x, y), level, (size, size)),
+                         "TRIDENT": sl.read_region((x, y), 0, (size0, size0)),
+                         "patch_level 0 with the tile's size": sl.read_region((x, y), 0, (64, 64))}
+                for name, img in reads.items():
+                    img = img.convert("RGB").resize((64, 64), Image.BILINEAR)
+                    errs[name].append(np.abs(np.asarray(img, dtype=np.float64) - tiles[i]).mean())
+        mean = {k: float(np.mean(v)) for k, v in errs.items()}
+        print("mean |re-read - stored tile| per pixel (0..255):", mean, file=sys.stderr)
+        self.assertLess(mean["CLAM"], 8, mean)
+        self.assertLess(mean["TRIDENT"], 8, mean)
+        # Reading the tile's pixel size at level 0 (what patch_level 0 with patch_size 64 would
+        # mean to CLAM) covers a sixteenth of the tile: far off.
+        self.assertGreater(mean["patch_level 0 with the tile's size"], 2 * mean["CLAM"], mean)
+
+
 class TwoSlides(Base):
     """A store of two real slides (CMU-1 and TCGA) at 64 px tiles, and random ResNet-18 weights."""
 

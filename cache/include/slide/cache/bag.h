@@ -11,9 +11,13 @@
 //               Debian's liblzf; other C readers need an LZF filter plugin).
 //   /coords     N x 2 dataset, int32 (H5T_STD_I32LE), chunked the same: row i is the level-0 x and
 //               y, in pixels, of tile i's top-left corner. Row i of /coords is row i of /features.
-//               Attributes (as CLAM's patch files): patch_size (int32, tile size in px at the tile
-//               resolution), patch_size_level0 (int32, the tile's side in level-0 px),
-//               patch_level (int32, always 0: coordinates are in the level-0 frame).
+//               Attributes: patch_size_level0 (int32, the tile's side in level-0 px); patch_level
+//               and patch_size (int32) in TRIDENT's convention by default (0, and the tile's side
+//               at the tile resolution) or CLAM's with slide-embed --layout clam (the level read,
+//               and the tile's side at that level: CLAM's read_region(coord, patch_level,
+//               (patch_size, patch_size)) covers the tile); TRIDENT's level0_magnification and
+//               target_magnification (int32, 10 / mpp rounded; 0 unknown), overlap (int32, 0),
+//               level0_width and level0_height (int64). Coordinates are always level-0.
 //   attributes on the root group "/" (scalars; strings are variable-length UTF-8):
 //     slide_id        string   the store's slide id
 //     label           string   the store's slide label ("" when the store has none)
@@ -81,6 +85,17 @@ struct BagAttributes {
   std::string layer;
   std::string weights_sha256;
   std::string tool_version;
+  // /coords' patch_level and patch_size. TRIDENT's convention (the default): patch_level 0 and
+  // patch_size the tile's side at the tile resolution (patch_size 0 here: tile_size_px). CLAM's
+  // (slide-embed --layout clam): patch_level the pyramid level the tiles were read from and
+  // patch_size the tile's side at that level, so that CLAM's read_region(coord, patch_level,
+  // (patch_size, patch_size)) covers the tile.
+  int32_t patch_level = 0;
+  int32_t patch_size = 0;
+  // TRIDENT's other /coords attributes (0 when unknown): magnifications as 10 / mpp, rounded
+  // (0.25 um/px is 40x), the tiles' overlap in px, and the slide's level-0 size.
+  int32_t level0_magnification = 0, target_magnification = 0, overlap = 0;
+  int64_t level0_width = 0, level0_height = 0;
 };
 
 struct BagWriterOptions {

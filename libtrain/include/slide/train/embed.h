@@ -153,6 +153,11 @@ struct EmbedOptions {
   std::vector<std::string> stores;     // slide-tile store directories
   std::vector<std::string> slide_ids;  // restrict to these ids (empty: every slide)
   std::string out_dir;                 // bags: <out_dir>/<bag_file_name(slide_id)>, and bags.csv
+  // "flat" (the default: bags and bags.csv in out_dir, /coords in TRIDENT's convention) or "clam":
+  // CLAM's layout, bags and bags.csv in <out_dir>/h5_files/, /coords in CLAM's convention
+  // (slide/cache/bag.h), and <out_dir>/dataset.csv (case_id,slide_id,label: CLAM's dataset CSV;
+  // case_id is the slide id, slide_id the bag's file stem, which CLAM appends ".h5" to).
+  std::string layout = "flat";
   int64_t batch = 32;                  // tiles per forward pass
   int decode_threads = 2;              // JPEG decode workers (run one batch ahead of compute)
   slide::cache::BagWriterOptions bag;  // dtype, compression, chunk rows

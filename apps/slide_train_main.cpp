@@ -116,6 +116,11 @@ int run_main(int argc, char** argv) {
   std::string labels_csv;
   app.add_option("--labels", labels_csv, "CSV with slide_id,label columns: slide labels instead of the stores'")
       ->check(CLI::ExistingFile);
+  std::vector<std::string> test_data;
+  app.add_option("--test-data", test_data,
+                 "Held-out test stores, never used for model choice: after the last epoch the model of "
+                 "best.safetensors is evaluated on them into OUT/test/ (as slide-train evaluate)")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--val-data", val_data, "Validation stores (default: --val-fraction of the slides, split by slide)")
       ->check(CLI::ExistingDirectory);
   app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv");
@@ -205,6 +210,14 @@ int run_main(int argc, char** argv) {
   app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation, in [0, 1)")
       ->capture_default_str()->check(number_option("val-fraction"));
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
+  int folds = 0, fold = -1;
+  app.add_option("--folds", folds,
+                 "K-fold cross-validation by patient (a labels CSV's patient or case_id column) or slide: alone, runs "
+                 "the K folds as a sweep (one process each, OUT/trials/tNNN) and writes per-fold and mean +- sd "
+                 "metrics to OUT/results.json; with --fold, trains that fold")
+      ->check(CLI::Range(2, 1000));
+  app.add_option("--fold", fold, "With --folds K: the fold (0..K-1) that is validation; the others train")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", threads, "Decode threads")->capture_default_str();
   slide::apps::add_backend_options(app, &backend, &device);
   app.add_option("--memory-budget", budget,
@@ -215,7 +228,7 @@ int run_main(int argc, char** argv) {
   bool overwrite = false;
   app.add_flag("--overwrite", overwrite,
                "Replace the earlier run in --out: removes its checkpoints/, metrics.jsonl, metrics.csv, curves.png, "
-               "best.safetensors and attention/ before training starts (without it or --resume, an --out holding "
+               "best.safetensors, attention/ and test/ before training starts (without it or --resume, an --out holding "
                "a run is refused)");
   app.add_flag("--no-augment", no_augment, "No flips or rotations");
   slide::apps::MilOptions mil;  // --features: attention MIL on feature bags (slide_train_mil.cpp)
@@ -292,6 +305,32 @@ int run_main(int argc, char** argv) {
     return slide::apps::run_tile_inference(pred, /*predict=*/true);
   }
   if (!mil.features.empty()) return slide::apps::run_mil_training(app, mil, &g_cancel);
+  if (fold >= 0 && folds == 0)
+    return fail(slide::core::invalid_argument("--fold needs --folds K (the number of folds)"));
+  if (folds > 0 && !val_data.empty())
+    return fail(slide::core::invalid_argument("--folds splits --data into folds; --val-data is a fixed split"));
+  if (folds > 0 && fold >= folds)
+    return fail(slide::core::invalid_argument("--fold " + std::to_string(fold) + " of --folds " + std::to_string(folds)));
+  if (folds > 0 && fold < 0 && !memory.dry_run) {
+    // The cross-validation driver: every other option goes to each fold's process.
+    if (out.empty()) return fail(slide::core::invalid_argument("--folds needs --out (the cross-validation directory)"));
+    slide::apps::CrossValidationOptions cv;
+    cv.folds = folds;
+    cv.out = out;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      const auto eq = a.find('=');
+      const std::string key = a.substr(0, eq);
+      if (key == "--out" || key == "--folds") {
+        if (eq == std::string::npos) ++i;  // and its value
+        continue;
+      }
+      if (key == "--resume" || key == "--overwrite") continue;  // the sweep decides per fold
+      cv.common.push_back(a);
+    }
+    std::error_code ec;
+    return slide::apps::run_cross_validation(cv, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
+  }
   if (data.empty() || (out.empty() && !memory.dry_run)) {  // a dry run writes nothing: --out optional
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
     return kExitUsage;
@@ -341,7 +380,9 @@ int run_main(int argc, char** argv) {
   auto ds = TileDataset::open(all, labels_csv);
   if (!ds.ok()) return fail(ds.status());
   std::vector<size_t> train, val;
-  if (val_data.empty()) {
+  if (folds > 0) {
+    if (auto s = (*ds)->split_fold(folds, std::max(fold, 0), seed, &train, &val); !s.ok()) return fail(s);
+  } else if (val_data.empty()) {
     (*ds)->split_by_slide(val_fraction, seed, &train, &val);
   } else {
     for (size_t i = 0; i < (*ds)->tiles().size(); ++i)
@@ -496,6 +537,7 @@ int run_main(int argc, char** argv) {
   // Fine-tuning options, recorded when given (a run without them keeps its config as before).
   if (!init_weights.empty()) config["init"] = init_weights;
   if (!freeze_until.empty()) config["freeze"] = freeze_until;
+  if (folds > 0) config["folds"] = folds, config["fold"] = std::max(fold, 0);
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   state["config"] = config;
   if (resume && writer) {
@@ -610,6 +652,18 @@ int run_main(int argc, char** argv) {
                                     {"val_roc_auc", v.roc_auc},
                                     {"images_per_s", st->samples / st->seconds},
                                     {"all_reduce_s", st->all_reduce_seconds}});
+  }
+  if (writer && !test_data.empty()) {
+    // The held-out test set, once, with the weights validation chose (else the last checkpoint's).
+    slide::apps::TileInferenceOptions test;
+    std::error_code ec;
+    test.checkpoint = fs::exists(out + "/best.safetensors", ec) ? out + "/best.safetensors"
+                                                                 : list_checkpoints(ckpt_dir).back().string();
+    test.data = test_data, test.labels = labels_csv, test.out = out + "/test";
+    test.batch = (batch + accumulate - 1) / accumulate, test.threads = threads;
+    test.backend = backend, test.device = device, test.overwrite = true;
+    slide::core::log_info("test set", {{"weights", test.checkpoint}, {"out", test.out}});
+    if (const int code = slide::apps::run_tile_inference(test, /*predict=*/false); code != kExitOk) return code;
   }
   if (writer && slide::core::log_json())
     slide::core::log_info("peak tensor memory", {{"bytes", (*be)->allocator().peak_bytes()},

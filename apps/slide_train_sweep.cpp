@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -228,6 +229,13 @@ CLI::App* add_sweep_command(CLI::App& app, SweepOptions* o) {
   return sweep;
 }
 
+namespace {
+
+int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const std::string& self,
+               const std::atomic<bool>* cancel);
+
+}  // namespace
+
 int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<bool>* cancel) {
   auto text = slide::core::read_file(o.grid);
   if (!text.ok()) {
@@ -254,6 +262,14 @@ int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<
         slide::core::log_error(o.grid + ": trial " + trial_id(i) + ": " + why);
         return kExitUsage;
       }
+  return run_trials(o, &*trials, self, cancel);
+}
+
+namespace {
+
+// The sweep's trials, each its own slide-train process (the grid already read and checked).
+int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const std::string& self,
+               const std::atomic<bool>* cancel) {
   for (size_t i = 0; i < o.common.size(); ++i) {
     const std::string& a = o.common[i];
     if (a.rfind("--", 0) != 0) continue;
@@ -417,6 +433,79 @@ int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<
                                                         : std::string("none")}});
   if (interrupted) return kExitInterrupted;
   return ok == n ? kExitOk : kExitSomeFailed;
+}
+
+}  // namespace
+
+int run_cross_validation(const CrossValidationOptions& cv, const std::string& self, const std::atomic<bool>* cancel) {
+  SweepOptions o;
+  o.out = cv.out;
+  o.parallel = cv.parallel;
+  o.common = cv.common;
+  o.common.insert(o.common.end(), {"--folds", std::to_string(cv.folds)});
+  std::vector<Trial> trials;
+  for (int k = 0; k < cv.folds; ++k) trials.push_back({{"fold", std::to_string(k)}});
+  const int code = run_trials(o, &trials, self, cancel);
+  if (code == kExitUsage || code == kExitInterrupted) return code;
+  // Per fold: the validation metrics of its best epoch (by validation balanced accuracy, the
+  // epoch its best.safetensors holds by default); then their mean and sample standard deviation.
+  nlohmann::json per_fold = nlohmann::json::array();
+  std::map<std::string, std::vector<double>> values;
+  const char* keys[] = {"val_balanced_accuracy", "val_accuracy", "val_roc_auc", "val_loss"};
+  for (int k = 0; k < cv.folds; ++k) {
+    std::ifstream f(cv.out + "/trials/" + trial_id(static_cast<size_t>(k)) + "/metrics.jsonl");
+    std::string line;
+    nlohmann::json best;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("val_balanced_accuracy") || !j["val_balanced_accuracy"].is_number()) continue;
+      if (!best.is_object() || j["val_balanced_accuracy"].get<double>() > best["val_balanced_accuracy"].get<double>())
+        best = j;
+    }
+    nlohmann::json row = {{"fold", k}, {"trial", trial_id(static_cast<size_t>(k))}};
+    if (best.is_object()) {
+      row["epoch"] = best["epoch"];
+      for (const char* key : keys) {
+        row[key] = best.contains(key) ? best[key] : nlohmann::json(nullptr);
+        if (row[key].is_number()) values[key].push_back(row[key].get<double>());
+      }
+    }
+    per_fold.push_back(row);
+  }
+  nlohmann::json mean = nlohmann::json::object(), sd = nlohmann::json::object();
+  for (const char* key : keys) {
+    const auto& v = values[key];
+    if (v.empty()) {
+      mean[key] = nullptr, sd[key] = nullptr;
+      continue;
+    }
+    double m = 0;
+    for (double x : v) m += x;
+    m /= static_cast<double>(v.size());
+    double ss = 0;
+    for (double x : v) ss += (x - m) * (x - m);
+    mean[key] = m;
+    sd[key] = v.size() > 1 ? nlohmann::json(std::sqrt(ss / static_cast<double>(v.size() - 1))) : nlohmann::json(nullptr);
+  }
+  auto doc = slide::core::read_file(cv.out + "/results.json");
+  nlohmann::json results = doc.ok() ? nlohmann::json::parse(*doc, nullptr, false) : nlohmann::json::object();
+  if (!results.is_object()) results = nlohmann::json::object();
+  results["cross_validation"] = {{"folds", cv.folds},
+                                 {"complete_folds", static_cast<int64_t>(values["val_balanced_accuracy"].size())},
+                                 {"split", "by patient when the labels CSV has a patient (or case_id) column, else by slide"},
+                                 {"per_fold", per_fold}, {"mean", mean}, {"sd", sd}};
+  if (auto s = slide::core::write_file_atomic(cv.out + "/results.json", results.dump(2) + "\n"); !s.ok()) {
+    slide::core::log_error(s.to_string());
+    return kExitFailed;
+  }
+  slide::core::log_info("cross-validation", {{"folds", cv.folds},
+                                             {"mean_val_balanced_accuracy", mean["val_balanced_accuracy"].is_number()
+                                                                               ? mean["val_balanced_accuracy"].get<double>()
+                                                                               : -1.0},
+                                             {"sd", sd["val_balanced_accuracy"].is_number()
+                                                        ? sd["val_balanced_accuracy"].get<double>()
+                                                        : -1.0}});
+  return code;
 }
 
 }  // namespace slide::apps

@@ -47,4 +47,18 @@ CLI::App* add_sweep_command(CLI::App& app, SweepOptions* options);
 // code above. `cancel` (Ctrl-C) stops launching trials; running ones get SIGINT themselves.
 int run_sweep(const SweepOptions& options, const std::string& self, const std::atomic<bool>* cancel);
 
+// slide-train --folds K (without --fold): K-fold cross-validation as a sweep of K trials, trial k
+// the run `self COMMON --folds K --fold k --out OUT/trials/tNNN` (one process per fold, resumable
+// like a sweep). Afterwards results.json gains "cross_validation": per fold the validation metrics
+// of its best epoch (by balanced accuracy), their mean and sample standard deviation. Exit codes
+// as run_sweep's.
+struct CrossValidationOptions {
+  int folds = 0;
+  std::string out;
+  int parallel = 1;
+  std::vector<std::string> common;  // every other option of the command line (not --out, --folds)
+};
+int run_cross_validation(const CrossValidationOptions& options, const std::string& self,
+                         const std::atomic<bool>* cancel);
+
 }  // namespace slide::apps

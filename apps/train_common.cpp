@@ -74,7 +74,7 @@ CLI::Validator number_option(const std::string& option) {
 namespace {
 
 constexpr const char* kRunFiles[] = {"metrics.jsonl", "metrics.csv", "curves.png", "best.safetensors"};
-constexpr const char* kRunDirs[] = {"checkpoints", "attention"};
+constexpr const char* kRunDirs[] = {"checkpoints", "attention", "test"};
 
 }  // namespace
 

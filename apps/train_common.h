@@ -40,7 +40,7 @@ CLI::Validator number_option(const std::string& option);
 // --- Output directories -----------------------------------------------------------------------
 // The files and folders an earlier training run leaves in --out (train_common.cpp's list:
 // checkpoints/ when it holds anything, metrics.jsonl, metrics.csv, curves.png, best.safetensors,
-// attention/), by name, those present. writer.lock, and a sweep's log.txt, pid and result.json,
+// attention/, test/), by name, those present. writer.lock, and a sweep's log.txt, pid and result.json,
 // are not a run's files.
 std::vector<std::string> earlier_run_files(const std::string& out);
 

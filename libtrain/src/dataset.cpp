@@ -32,7 +32,7 @@ Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::st
       for (size_t i = 0; i < f.size(); ++i) {
         if (f[i] == "slide_id") id_col = static_cast<int64_t>(i);
         if (f[i] == "label") label_col = static_cast<int64_t>(i);
-        if (f[i] == "patient") patient_col = static_cast<int64_t>(i);
+        if (f[i] == "patient" || f[i] == "case_id") patient_col = static_cast<int64_t>(i);  // CLAM's name
       }
       if (id_col < 0 || label_col < 0)
         return slide::core::invalid_argument(path + ":" + std::to_string(line_no) +
@@ -258,6 +258,33 @@ void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector
   train->clear();
   val->clear();
   for (size_t i = 0; i < tiles_.size(); ++i) (is_val[slide_group_[tiles_[i].slide]] ? val : train)->push_back(i);
+}
+
+uint32_t TileDataset::groups() const {
+  uint32_t groups = 0;
+  for (uint32_t g : slide_group_) groups = std::max(groups, g + 1);
+  return groups;
+}
+
+Status TileDataset::split_fold(int folds, int fold, uint64_t seed, std::vector<size_t>* train,
+                               std::vector<size_t>* val) const {
+  const uint32_t n = groups();
+  if (folds < 2 || fold < 0 || fold >= folds)
+    return slide::core::invalid_argument("fold " + std::to_string(fold) + " of " + std::to_string(folds) +
+                                         ": need 2 or more folds and 0 <= fold < folds");
+  if (n < static_cast<uint32_t>(folds))
+    return slide::core::invalid_argument(std::to_string(folds) + " folds over " + std::to_string(n) +
+                                         " groups (patients or slides): at least one group per fold");
+  std::vector<uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int> fold_of(n);
+  for (uint32_t k = 0; k < n; ++k) fold_of[order[k]] = static_cast<int>(k % static_cast<uint32_t>(folds));
+  train->clear();
+  val->clear();
+  for (size_t i = 0; i < tiles_.size(); ++i) (fold_of[slide_group_[tiles_[i].slide]] == fold ? val : train)->push_back(i);
+  return slide::core::ok_status();
 }
 
 Status TileDataset::load_batch(const std::vector<size_t>& positions, const Augmentation& aug, uint64_t seed,

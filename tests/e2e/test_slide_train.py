@@ -650,6 +650,66 @@ class TestRoughEdges(Base):
         self.assertIn("w.pth", r.stderr)
 
 
+class TestCrossValidation(Base):
+    """--folds K: one process per fold through the sweep, grouped by case (a labels CSV's case_id
+    column), per-fold and mean +- sd metrics in results.json; resumable like a sweep."""
+
+    def test_three_folds_by_case(self):
+        classes = {"lung_aca": "lungaca", "lung_n": "lungn", "lung_scc": "lungscc"}
+        rows = ["slide_id,label,case_id"]
+        for c, stem in classes.items():
+            for i in range(1, 121):  # 4 patches per case: 90 cases
+                rows.append("%s/%s%d,%s,%s-%d" % (c, stem, i, c, c, i // 4))
+        labels = os.path.join(self.tmp, "cases.csv")
+        with open(labels, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        out = os.path.join(self.tmp, "cv")
+        r = self.train(out, "--labels", labels, "--folds", "3", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "results.json")) as f:
+            res = json.load(f)
+        cv = res["cross_validation"]
+        self.assertEqual((cv["folds"], cv["complete_folds"]), (3, 3))
+        self.assertEqual([p["fold"] for p in cv["per_fold"]], [0, 1, 2])
+        bal = [p["val_balanced_accuracy"] for p in cv["per_fold"]]
+        self.assertAlmostEqual(cv["mean"]["val_balanced_accuracy"], float(np.mean(bal)), places=9)
+        self.assertAlmostEqual(cv["sd"]["val_balanced_accuracy"], float(np.std(bal, ddof=1)), places=9)
+        for k in range(3):
+            with open(os.path.join(out, "trials", "t%03d" % k, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+                config = json.load(f)["config"]
+            self.assertEqual((config["folds"], config["fold"]), (3, k))
+        # A rerun finds every fold done and only rewrites the summary.
+        r = self.train(out, "--labels", labels, "--folds", "3", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("already_done=3", r.stderr)
+        # Bad combinations are usage errors.
+        r = self.train(os.path.join(self.tmp, "cv-bad"), "--fold", "1", epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--fold needs --folds", r.stderr)
+
+    def test_held_out_test_data_is_evaluated_with_the_best_weights(self):
+        out = os.path.join(self.tmp, "with-test")
+        r = self.train(out, "--test-data", self.store, epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("test set", r.stderr)
+        # The same files as slide-train evaluate on best.safetensors.
+        ev = os.path.join(self.tmp, "with-test-eval")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
+                            self.store, "--out", ev], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for name in ("predictions.csv", "slides.csv"):
+            with open(os.path.join(out, "test", name)) as f, open(os.path.join(ev, name)) as g:
+                self.assertEqual(f.read(), g.read(), name)
+        with open(os.path.join(out, "test", "metrics.json")) as f, open(os.path.join(ev, "metrics.json")) as g:
+            a, b = json.load(f), json.load(g)
+        for key in ("tiles", "loss", "accuracy", "balanced_accuracy", "roc_auc", "recall"):
+            self.assertEqual(a[key], b[key], key)
+        # --overwrite removes it with the rest of the run.
+        r = self.train(out, "--overwrite", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(out, "test")))
+
+
 class TestAugment(unittest.TestCase):
     """Our colour jitter and resized crop against torchvision.transforms.functional on a real
     LC25000 patch: the same factors and box give the same pixels."""

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 
@@ -72,6 +73,33 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
     for (size_t p : tr) train_patients.insert((*by_patient)->tiles()[p].slide % 12);
     CHECK(val_patients.size() == 3);
     for (size_t p : val_patients) CHECK(train_patients.count(p) == 0);
+
+    // K-fold cross-validation by patient (the CSV's column also read as CLAM's case_id): over the
+    // 5 folds every patient is validated exactly once and never trains in its own fold.
+    std::string cases = csv;
+    cases.replace(cases.find("patient"), 7, "case_id");
+    REQUIRE(slide::core::write_file_atomic(dir + "/cases.csv", cases).ok());
+    auto by_case = TileDataset::open({store}, dir + "/cases.csv");
+    REQUIRE(by_case.ok());
+    CHECK((*by_case)->groups() == 12);
+    std::map<size_t, int> validated;  // patient -> folds validating it
+    size_t val_tiles = 0;
+    for (int k = 0; k < 5; ++k) {
+      REQUIRE((*by_case)->split_fold(5, k, 7, &tr, &va).ok());
+      CHECK(tr.size() + va.size() == 360);
+      std::set<size_t> vp, tp;
+      for (size_t p : va) vp.insert((*by_case)->tiles()[p].slide % 12);
+      for (size_t p : tr) tp.insert((*by_case)->tiles()[p].slide % 12);
+      for (size_t p : vp) CHECK(tp.count(p) == 0);
+      for (size_t p : vp) ++validated[p];
+      CHECK((vp.size() == 2 || vp.size() == 3));  // 12 patients dealt into 5 folds
+      val_tiles += va.size();
+    }
+    CHECK(val_tiles == 360);
+    CHECK(validated.size() == 12);
+    for (const auto& [p, n] : validated) CHECK(n == 1);
+    CHECK((*by_case)->split_fold(13, 0, 7, &tr, &va).code() == slide::core::StatusCode::kInvalidArgument);
+    CHECK((*by_case)->split_fold(5, 5, 7, &tr, &va).code() == slide::core::StatusCode::kInvalidArgument);
   }
 
   auto be = make_backend("cpu");

@@ -30,7 +30,8 @@ struct SlideLabelRow {
   std::string label, patient;
 };
 // slide_id -> row, from a CSV whose header names `slide_id` and `label` columns, optionally
-// `patient` (other columns ignored; the manifest dialect, slide/core/csv.h). Shared by tile and
+// `patient` (or `case_id`, CLAM's name for it; other columns ignored; the manifest dialect,
+// slide/core/csv.h). Shared by tile and
 // bag (MIL) datasets. Errors: kNotFound (no such file), kInvalidArgument naming the file and line
 // (no such header, a missing field, a duplicate slide id).
 [[nodiscard]] Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path);
@@ -120,6 +121,15 @@ class TileDataset {
   // groups) (at least one when val_fraction > 0 and there are two groups or more) go to
   // validation.
   void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
+
+  // K-fold cross-validation over the same groups (patients when the labels CSV names them, else
+  // slides): the groups shuffled with `seed` and dealt round-robin into `folds` folds; fold `fold`
+  // is validation, the rest training. Over fold = 0..folds-1 every group is validated exactly
+  // once. Errors: kInvalidArgument (folds < 2, fold outside [0, folds), fewer groups than folds).
+  [[nodiscard]] Status split_fold(int folds, int fold, uint64_t seed, std::vector<size_t>* train,
+                                  std::vector<size_t>* val) const;
+  // The number of split groups (patients, or slides).
+  uint32_t groups() const;
 
   // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
   // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. Each image

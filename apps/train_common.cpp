@@ -11,6 +11,7 @@
 
 #include "slide/core/file.h"
 #include "slide/core/log.h"
+#include "slide/tile/figure.h"
 #include "slide/tile/image.h"
 
 namespace slide::apps {
@@ -301,40 +302,26 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
 }
 
 Status write_curves_png(const std::string& out, const nlohmann::json& history) {
-  constexpr int64_t W = 640, H = 360, M = 20;
-  slide::tile::RgbImage img(W, H, 255);
-  auto put = [&](int64_t x, int64_t y, const uint8_t c[3]) {
-    if (x < 0 || y < 0 || x >= W || y >= H) return;
-    uint8_t* p = img.row(y) + 3 * x;
-    p[0] = c[0], p[1] = c[1], p[2] = c[2];
-  };
-  const uint8_t grid[3] = {225, 225, 225}, axis[3] = {0, 0, 0};
-  for (int k = 0; k <= 10; ++k)
-    for (int64_t x = M; x < W - M; ++x) put(x, H - M - (H - 2 * M) * k / 10, k == 0 ? axis : grid);
-  for (int64_t y = M; y < H - M; ++y) put(M, y, axis);
-  const size_t n = history.size();
-  if (n == 0) return slide::core::ok_status();
-  double max_loss = 1e-12;
-  for (const auto& h : history)
-    max_loss = std::max({max_loss, h["train_loss"].get<double>(), h["val_loss"].get<double>()});
-  auto px = [&](size_t i) { return M + (n == 1 ? 0 : (W - 2 * M) * static_cast<int64_t>(i) / static_cast<int64_t>(n - 1)); };
-  auto py = [&](double v) { return H - M - static_cast<int64_t>(std::lround(std::clamp(v, 0.0, 1.0) * (H - 2 * M))); };
-  auto line = [&](const char* key, double scale, const uint8_t c[3]) {
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t x0 = px(i), y0 = py(history[i][key].get<double>() / scale);
-      for (int64_t dy = -2; dy <= 2; ++dy)
-        for (int64_t dx = -2; dx <= 2; ++dx) put(x0 + dx, y0 + dy, c);  // a dot per epoch
-      if (i + 1 == n) break;
-      const int64_t x1 = px(i + 1), y1 = py(history[i + 1][key].get<double>() / scale);
-      const int64_t steps = std::max<int64_t>({1, std::abs(x1 - x0), std::abs(y1 - y0)});
-      for (int64_t t = 0; t <= steps; ++t) put(x0 + (x1 - x0) * t / steps, y0 + (y1 - y0) * t / steps, c);
-    }
-  };
+  // Two panels drawn with cairo (slide/tile/figure.h): losses, and validation accuracies.
   const uint8_t blue[3] = {31, 119, 180}, orange[3] = {255, 127, 14}, green[3] = {44, 160, 44}, red[3] = {214, 39, 40};
-  line("train_loss", max_loss, blue);
-  line("val_loss", max_loss, orange);
-  line("val_accuracy", 1.0, green);
-  line("val_balanced_accuracy", 1.0, red);
+  auto series = [&](const char* name, const char* key, const uint8_t rgb[3]) {
+    slide::tile::Series s;
+    s.name = name;
+    std::copy(rgb, rgb + 3, s.rgb);
+    for (const auto& h : history) {
+      s.x.push_back(h["epoch"].get<double>());
+      s.y.push_back(h.contains(key) && h[key].is_number() ? h[key].get<double>() : NAN);
+    }
+    return s;
+  };
+  slide::tile::Panel loss{"Loss", "epoch", "cross-entropy", {series("train", "train_loss", blue),
+                                                              series("validation", "val_loss", orange)}};
+  slide::tile::Panel acc{"Validation accuracy", "epoch", "fraction correct",
+                         {series("accuracy", "val_accuracy", green), series("balanced accuracy", "val_balanced_accuracy", red)}};
+  acc.y_min = 0, acc.y_max = 1;
+  SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img,
+                         slide::tile::draw_line_charts("Training curves (" + std::to_string(history.size()) + " epochs)",
+                                                       {loss, acc}));
   SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
   return slide::core::write_file_atomic(out + "/curves.png", png);
 }

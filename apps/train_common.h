@@ -127,9 +127,10 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
                                                   slide::train::Optimizer& opt, const nlohmann::json& state, int keep,
                                                   slide::train::Backend* device = nullptr);
 
-// curves.png: the learning curves, 640 x 360, epochs along x. Train loss (blue) and validation
-// loss (orange) scaled to the largest loss; validation accuracy (green) and balanced accuracy
-// (red) on 0..1. Light grid lines at tenths; no text (the numbers are in metrics.csv).
+// curves.png: the learning curves, 960 x 392, a title over two panels with axes, labelled ticks,
+// axis labels and legends (drawn with cairo, slide/tile/figure.h): "Loss" (train blue, validation
+// orange) and "Validation accuracy" on 0..1 (accuracy green, balanced accuracy red), epochs along
+// x, a dot per epoch. A missing value (null) leaves a gap.
 [[nodiscard]] slide::core::Status write_curves_png(const std::string& out, const nlohmann::json& history);
 
 // metrics.jsonl and metrics.csv, rewritten whole (atomically) from the history (per epoch:

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <numbers>
 
 namespace slide::tile {
 
@@ -128,6 +129,166 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
   }
   if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
   cairo_surface_flush(surface.get());
+  RgbImage out(W, H);
+  for (int64_t y = 0; y < H; ++y) {
+    const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);
+    uint8_t* dst = out.row(y);
+    for (int64_t x = 0; x < W; ++x)
+      dst[3 * x] = static_cast<uint8_t>(row[x] >> 16), dst[3 * x + 1] = static_cast<uint8_t>(row[x] >> 8),
+      dst[3 * x + 2] = static_cast<uint8_t>(row[x]);
+  }
+  return out;
+}
+
+namespace {
+
+// Round tick positions over [lo, hi]: a step of 1, 2 or 5 x 10^k giving about `want` ticks.
+std::vector<double> nice_ticks(double lo, double hi, int want, bool integer) {
+  if (!(hi > lo)) hi = lo + 1;
+  double raw = (hi - lo) / std::max(1, want);
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  double step = mag;
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (m * mag >= raw) {
+      step = m * mag;
+      break;
+    }
+  if (integer) step = std::max(1.0, std::round(step));
+  std::vector<double> ticks;
+  for (double t = std::ceil(lo / step - 1e-9) * step; t <= hi + 1e-9 * step; t += step) ticks.push_back(t);
+  return ticks;
+}
+
+std::string tick_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", std::abs(v) < 1e-12 ? 0.0 : v);
+  return buf;
+}
+
+}  // namespace
+
+Result<RgbImage> draw_line_charts(const std::string& title, const std::vector<Panel>& panels, int64_t panel_w,
+                                  int64_t panel_h) {
+  if (panels.empty() || panel_w < 200 || panel_h < 150)
+    return core::invalid_argument("line charts: " + std::to_string(panels.size()) + " panels of " +
+                                  std::to_string(panel_w) + " x " + std::to_string(panel_h) + " px");
+  for (const Panel& p : panels)
+    for (const Series& s : p.series)
+      if (s.x.size() != s.y.size())
+        return core::invalid_argument("line charts: series '" + s.name + "' has " + std::to_string(s.x.size()) +
+                                      " x and " + std::to_string(s.y.size()) + " y values");
+  constexpr int kTitle = 32;
+  const int64_t W = panel_w * static_cast<int64_t>(panels.size()), H = kTitle + panel_h;
+  if (W > 32767 || H > 32767) return core::invalid_argument("line charts: the figure would exceed cairo's 32767 px");
+  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
+      cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)), cairo_surface_destroy);
+  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS) return cairo_failed("image surface", st);
+  std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
+  cairo_t* c = cr.get();
+  cairo_set_source_rgb(c, 1, 1, 1);
+  cairo_paint(c);
+  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+  auto text_at = [&](double x, double y, const std::string& t, double size, double align) {
+    cairo_set_font_size(c, size);
+    cairo_text_extents_t e;
+    cairo_text_extents(c, t.c_str(), &e);
+    cairo_move_to(c, x - align * e.x_advance, y);
+    cairo_show_text(c, t.c_str());
+  };
+  cairo_set_source_rgb(c, 0, 0, 0);
+  text_at(static_cast<double>(W) / 2, 22, title, 15, 0.5);
+  for (size_t k = 0; k < panels.size(); ++k) {
+    const Panel& p = panels[k];
+    // The plot area inside the panel: room for tick labels and axis labels left and below.
+    const double x0 = static_cast<double>(panel_w) * static_cast<double>(k) + 62, x1 = x0 + static_cast<double>(panel_w) - 82;
+    const double y0 = kTitle + 28, y1 = static_cast<double>(H) - 48;
+    double xmin = INFINITY, xmax = -INFINITY, ymin = 0, ymax = -INFINITY;
+    for (const Series& s : p.series)
+      for (size_t i = 0; i < s.x.size(); ++i) {
+        xmin = std::min(xmin, s.x[i]), xmax = std::max(xmax, s.x[i]);
+        if (std::isfinite(s.y[i])) ymin = std::min(ymin, s.y[i]), ymax = std::max(ymax, s.y[i]);
+      }
+    if (!std::isfinite(xmin)) xmin = 0, xmax = 1;
+    if (xmax <= xmin) xmax = xmin + 1;
+    if (!std::isfinite(ymax) || ymax <= ymin) ymax = ymin + 1;
+    if (std::isfinite(p.y_min)) ymin = p.y_min;
+    if (std::isfinite(p.y_max)) ymax = p.y_max;
+    const std::vector<double> yt = nice_ticks(ymin, ymax, 5, false), xt = nice_ticks(xmin, xmax, 6, p.integer_x);
+    ymax = std::max(ymax, yt.back());
+    auto X = [&](double v) { return x0 + (v - xmin) / (xmax - xmin) * (x1 - x0); };
+    auto Y = [&](double v) { return y1 - (v - ymin) / (ymax - ymin) * (y1 - y0); };
+    // Grid, axes, ticks and their labels.
+    cairo_set_line_width(c, 1);
+    for (double t : yt) {
+      cairo_set_source_rgb(c, 0.88, 0.88, 0.88);
+      cairo_move_to(c, x0, std::round(Y(t)) + 0.5);
+      cairo_line_to(c, x1, std::round(Y(t)) + 0.5);
+      cairo_stroke(c);
+      cairo_set_source_rgb(c, 0, 0, 0);
+      text_at(x0 - 6, Y(t) + 4, tick_text(t), 11, 1.0);
+    }
+    for (double t : xt) {
+      if (t < xmin - 1e-9 || t > xmax + 1e-9) continue;
+      cairo_set_source_rgb(c, 0, 0, 0);
+      cairo_move_to(c, std::round(X(t)) + 0.5, y1);
+      cairo_line_to(c, std::round(X(t)) + 0.5, y1 + 5);
+      cairo_stroke(c);
+      text_at(X(t), y1 + 18, tick_text(t), 11, 0.5);
+    }
+    cairo_set_source_rgb(c, 0, 0, 0);
+    cairo_rectangle(c, x0 + 0.5, y0 + 0.5, x1 - x0, y1 - y0);
+    cairo_stroke(c);
+    text_at((x0 + x1) / 2, y0 - 10, p.title, 13, 0.5);
+    text_at((x0 + x1) / 2, static_cast<double>(H) - 12, p.x_label, 12, 0.5);
+    cairo_save(c);
+    cairo_translate(c, x0 - 44, (y0 + y1) / 2);
+    cairo_rotate(c, -std::numbers::pi / 2);
+    text_at(0, 0, p.y_label, 12, 0.5);
+    cairo_restore(c);
+    // The series: a line, then a filled dot per point.
+    for (const Series& s : p.series) {
+      cairo_set_source_rgb(c, s.rgb[0] / 255.0, s.rgb[1] / 255.0, s.rgb[2] / 255.0);
+      cairo_set_line_width(c, 2);
+      bool pen = false;
+      for (size_t i = 0; i < s.x.size(); ++i) {
+        if (!std::isfinite(s.y[i])) {
+          pen = false;
+          continue;
+        }
+        if (pen) cairo_line_to(c, X(s.x[i]), Y(s.y[i]));
+        else cairo_move_to(c, X(s.x[i]), Y(s.y[i]));
+        pen = true;
+      }
+      cairo_stroke(c);
+      for (size_t i = 0; i < s.x.size(); ++i) {
+        if (!std::isfinite(s.y[i])) continue;
+        cairo_arc(c, X(s.x[i]), Y(s.y[i]), 4, 0, 2 * std::numbers::pi);
+        cairo_fill(c);
+      }
+    }
+    // The legend, top right inside the plot, on white so that the lines under it do not hide it.
+    if (!p.series.empty()) {
+      cairo_rectangle(c, x1 - 156, y0 + 4, 150, 16.0 * static_cast<double>(p.series.size()) + 4);
+      cairo_set_source_rgb(c, 1, 1, 1);
+      cairo_fill_preserve(c);
+      cairo_set_source_rgb(c, 0.7, 0.7, 0.7);
+      cairo_set_line_width(c, 1);
+      cairo_stroke(c);
+    }
+    double ly = y0 + 16;
+    for (const Series& s : p.series) {
+      cairo_set_source_rgb(c, s.rgb[0] / 255.0, s.rgb[1] / 255.0, s.rgb[2] / 255.0);
+      cairo_rectangle(c, x1 - 150, ly - 8, 16, 8);
+      cairo_fill(c);
+      cairo_set_source_rgb(c, 0, 0, 0);
+      text_at(x1 - 128, ly, s.name, 11, 0);
+      ly += 16;
+    }
+  }
+  if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
+  cairo_surface_flush(surface.get());
+  const unsigned char* data = cairo_image_surface_get_data(surface.get());
+  const int stride = cairo_image_surface_get_stride(surface.get());
   RgbImage out(W, H);
   for (int64_t y = 0; y < H; ++y) {
     const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);

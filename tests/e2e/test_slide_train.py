@@ -62,9 +62,17 @@ class TestTrain(Base):
         self.assertEqual(len(csv), 7)
         from PIL import Image
         with Image.open(os.path.join(out, "curves.png")) as im:
-            self.assertEqual(im.size, (640, 360))
+            self.assertEqual(im.size, (960, 392))  # two 480 x 360 panels under a title band
+            a = np.asarray(im.convert("RGB"))
             colors = {c for _, c in im.convert("RGB").getcolors(1 << 16)}
             self.assertTrue({(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)} <= colors)
+            # Loss on the left panel, accuracies on the right; text (ticks, labels, title) in black.
+            def has(rgb, x0, x1):
+                return bool((a[:, x0:x1] == rgb).all(axis=2).any())
+            self.assertTrue(has((31, 119, 180), 0, 480) and has((255, 127, 14), 0, 480))
+            self.assertTrue(has((44, 160, 44), 480, 960) and has((214, 39, 40), 480, 960))
+            self.assertFalse(has((44, 160, 44), 0, 480))
+            self.assertGreater(int((a[:32] < 80).all(axis=2).sum()), 100)  # the title's glyphs
         # best.safetensors is the epoch with the best validation balanced accuracy (the default --best-metric).
         with open(os.path.join(out, "checkpoints", "epoch-6-step-0", "state.json")) as f:
             state = json.load(f)

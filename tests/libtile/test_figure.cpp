@@ -97,3 +97,42 @@ TEST_CASE("a colour bar refuses an empty image, fewer than two ticks and a non-f
   bar.high = INFINITY;
   CHECK(slide::tile::add_colour_bar(RgbImage(4, 4), bar).status().code() == StatusCode::kInvalidArgument);
 }
+
+TEST_CASE("line charts: panels side by side, each series' colour in its panel only, text drawn; errors") {
+  slide::tile::Series a, b, c;
+  a.name = "train", b.name = "validation", c.name = "accuracy";
+  a.rgb[0] = 31, a.rgb[1] = 119, a.rgb[2] = 180;
+  b.rgb[0] = 255, b.rgb[1] = 127, b.rgb[2] = 14;
+  c.rgb[0] = 44, c.rgb[1] = 160, c.rgb[2] = 44;
+  a.x = b.x = c.x = {1, 2, 3, 4};
+  a.y = {1.2, 0.8, 0.5, 0.4};
+  b.y = {1.5, NAN, 0.9, 0.7};  // a gap
+  c.y = {0.5, 0.6, 0.8, 0.9};
+  slide::tile::Panel left{"Loss", "epoch", "cross-entropy", {a, b}};
+  slide::tile::Panel right{"Accuracy", "epoch", "fraction", {c}};
+  right.y_min = 0, right.y_max = 1;
+  auto fig = slide::tile::draw_line_charts("Curves", {left, right}, 300, 200);
+  REQUIRE(fig.ok());
+  CHECK(fig->width == 600);
+  CHECK(fig->height == 232);
+  auto count = [&](int r, int g, int bl, int64_t x0, int64_t x1) {
+    int64_t n = 0;
+    for (int64_t y = 0; y < fig->height; ++y)
+      for (int64_t x = x0; x < x1; ++x) n += pixel(*fig, x, y) == std::make_tuple(r, g, bl);
+    return n;
+  };
+  CHECK(count(31, 119, 180, 0, 300) > 20);  // dots (filled, exact colour) and the legend swatch
+  CHECK(count(255, 127, 14, 0, 300) > 20);
+  CHECK(count(44, 160, 44, 300, 600) > 20);
+  CHECK(count(44, 160, 44, 0, 300) == 0);
+  CHECK(count(31, 119, 180, 300, 600) == 0);
+  int64_t dark = 0;
+  for (int64_t y = 0; y < 32; ++y)
+    for (int64_t x = 0; x < fig->width; ++x) dark += std::get<0>(pixel(*fig, x, y)) < 80;
+  CHECK(dark > 30);  // the title
+  CHECK(slide::tile::draw_line_charts("x", {}, 300, 200).status().code() == StatusCode::kInvalidArgument);
+  CHECK(slide::tile::draw_line_charts("x", {left}, 100, 200).status().code() == StatusCode::kInvalidArgument);
+  slide::tile::Panel bad{"bad", "x", "y", {a}};
+  bad.series[0].y.pop_back();
+  CHECK(slide::tile::draw_line_charts("x", {bad}).status().code() == StatusCode::kInvalidArgument);
+}

@@ -3,8 +3,10 @@
 // Debian's fonts-dejavu-core, which fontconfig finds) on RgbImage.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "slide/core/status.h"
 #include "slide/tile/image.h"
@@ -34,5 +36,24 @@ struct ColourBar {
 // title, padded with white at the right). The image's pixels are copied unchanged, at (0, 28). Errors: kInvalidArgument (an empty image, ticks < 2, low/high not finite),
 // kInternal naming the cairo call and cairo's status string.
 [[nodiscard]] Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar);
+
+// Line charts (training curves): panels side by side under one title, each with axes, ticks at
+// round numbers (1, 2 or 5 x 10^k) labelled, axis labels, grid lines and a legend; each series a
+// line with a filled dot per point. A point whose y is not finite is left out (a gap).
+struct Series {
+  std::string name;
+  uint8_t rgb[3] = {0, 0, 0};
+  std::vector<double> x, y;
+};
+struct Panel {
+  std::string title, x_label, y_label;
+  std::vector<Series> series;
+  double y_min = NAN, y_max = NAN;  // NaN: from the data (with 0 included)
+  bool integer_x = true;            // x ticks at whole numbers (epochs)
+};
+// A figure `panel_w` x `panel_h` px per panel plus a 32-px title band. Errors: kInvalidArgument
+// (no panels, panels under 200 x 150 px, a series whose x and y sizes differ), kInternal from cairo.
+[[nodiscard]] Result<RgbImage> draw_line_charts(const std::string& title, const std::vector<Panel>& panels,
+                                                int64_t panel_w = 480, int64_t panel_h = 360);
 
 }  // namespace slide::tile

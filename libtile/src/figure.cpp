@@ -24,6 +24,22 @@ Status cairo_failed(const char* what, cairo_status_t st) {
   return core::internal_error(std::string("cairo: ") + what + ": " + cairo_status_to_string(st));
 }
 
+// An RGB24 image surface's pixels (one native-endian uint32 0x00RRGGBB a pixel) as an RgbImage.
+RgbImage to_image(cairo_surface_t* surface) {
+  cairo_surface_flush(surface);
+  const unsigned char* data = cairo_image_surface_get_data(surface);
+  const int stride = cairo_image_surface_get_stride(surface);
+  RgbImage out(cairo_image_surface_get_width(surface), cairo_image_surface_get_height(surface));
+  for (int64_t y = 0; y < out.height; ++y) {
+    const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);
+    uint8_t* dst = out.row(y);
+    for (int64_t x = 0; x < out.width; ++x)
+      dst[3 * x] = static_cast<uint8_t>(row[x] >> 16), dst[3 * x + 1] = static_cast<uint8_t>(row[x] >> 8),
+      dst[3 * x + 2] = static_cast<uint8_t>(row[x]);
+  }
+  return out;
+}
+
 }  // namespace
 
 void jet_colour(double v, uint8_t rgb[3]) {
@@ -128,16 +144,7 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
     ny += 11;
   }
   if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
-  cairo_surface_flush(surface.get());
-  RgbImage out(W, H);
-  for (int64_t y = 0; y < H; ++y) {
-    const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);
-    uint8_t* dst = out.row(y);
-    for (int64_t x = 0; x < W; ++x)
-      dst[3 * x] = static_cast<uint8_t>(row[x] >> 16), dst[3 * x + 1] = static_cast<uint8_t>(row[x] >> 8),
-      dst[3 * x + 2] = static_cast<uint8_t>(row[x]);
-  }
-  return out;
+  return to_image(surface.get());
 }
 
 namespace {
@@ -286,18 +293,7 @@ Result<RgbImage> draw_line_charts(const std::string& title, const std::vector<Pa
     }
   }
   if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
-  cairo_surface_flush(surface.get());
-  const unsigned char* data = cairo_image_surface_get_data(surface.get());
-  const int stride = cairo_image_surface_get_stride(surface.get());
-  RgbImage out(W, H);
-  for (int64_t y = 0; y < H; ++y) {
-    const auto* row = reinterpret_cast<const uint32_t*>(data + y * stride);
-    uint8_t* dst = out.row(y);
-    for (int64_t x = 0; x < W; ++x)
-      dst[3 * x] = static_cast<uint8_t>(row[x] >> 16), dst[3 * x + 1] = static_cast<uint8_t>(row[x] >> 8),
-      dst[3 * x + 2] = static_cast<uint8_t>(row[x]);
-  }
-  return out;
+  return to_image(surface.get());
 }
 
 }  // namespace slide::tile

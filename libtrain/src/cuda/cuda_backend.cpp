@@ -384,6 +384,8 @@ class CudaBackend final : public Backend {
   Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
     SLIDE_ASSIGN_OR_RETURN(const int64_t B, detail::validate_gather_augment(tiles, records, images, kDTypes));
     // Records are checked on the host before upload (TileDataset); the kernel writes NaN for a bad index.
+    // Called from the trainer's prefetch thread: that thread's current device must be ours.
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(launch_gather_augment(tiles.ptr<uint8_t>(), tiles.dim(0), tiles.dim(1),
                                            reinterpret_cast<const AugmentRecord*>(records.ptr<uint8_t>()), B,
                                            images.ptr<float>(), st_->stream));

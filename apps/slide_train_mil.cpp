@@ -76,19 +76,22 @@ Result<std::map<std::string, std::string>> slide_paths(const std::vector<std::st
 }
 
 // The heatmap of one bag: over its slide's thumbnail when the slide file is known and opens
-// (about 8 thumbnail px per tile, the longer side at most 4096 px), else over the tile grid.
+// (1024 px on the longer side, or about 8 thumbnail px per tile when that is finer, at most 4096
+// px), else over the tile grid; titled with the slide id, with a colour bar stating the scale.
 // `grid_fallbacks` counts the known slides that could not be drawn (e.g. patch images).
 Status write_heatmap(const std::string& png, const std::vector<float>& attention, const std::vector<int32_t>& coords,
-                     int64_t tile_l0_px, const std::string& slide_path, int64_t* grid_fallbacks) {
+                     int64_t tile_l0_px, const std::string& slide_path, const std::string& slide_id,
+                     int64_t* grid_fallbacks) {
+  const std::string title = "attention: " + slide_id;
   if (!slide_path.empty()) {
-    auto canvas = slide::train::heatmap_canvas(slide_path, tile_l0_px);
+    auto canvas = slide::train::heatmap_canvas(slide_path, tile_l0_px, 1024);
     if (canvas.ok())
       return write_attention_overlay(png, attention, coords, tile_l0_px, canvas->thumbnail, canvas->downsample_x,
-                                     canvas->downsample_y);
+                                     canvas->downsample_y, title);
     slide::core::log_debug("heatmap over the tile grid", {{"why", canvas.status().to_string()}});
     ++*grid_fallbacks;
   }
-  return write_attention_heatmap(png, attention, coords, tile_l0_px);
+  return write_attention_heatmap(png, attention, coords, tile_l0_px, 8, title);
 }
 
 // The final model over every bag: per-bag attention file and heatmap, and predictions.csv.
@@ -120,7 +123,7 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
     SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes.tile_size_l0_px,
-                                        path == paths.end() ? "" : path->second, &grid_fallbacks));
+                                        path == paths.end() ? "" : path->second, bag.slide_id, &grid_fallbacks));
     // The full slide id (quoted as RFC 4180 where needed); file names follow slide_file_stem.
     std::string line = slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," +
                        classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);

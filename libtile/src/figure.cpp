@@ -54,20 +54,7 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
   if (image.width < 1 || image.height < 1 || bar.ticks < 2 || !std::isfinite(bar.low) || !std::isfinite(bar.high))
     return core::invalid_argument("colour bar: an image of " + std::to_string(image.width) + " x " +
                                   std::to_string(image.height) + " px, " + std::to_string(bar.ticks) + " ticks");
-  // The title's width, measured on a scratch surface: the figure is at least that wide.
-  double title_px = 0;
-  {
-    std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> scratch(
-        cairo_image_surface_create(CAIRO_FORMAT_RGB24, 1, 1), cairo_surface_destroy);
-    std::unique_ptr<cairo_t, decltype(&cairo_destroy)> m(cairo_create(scratch.get()), cairo_destroy);
-    cairo_select_font_face(m.get(), kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
-    cairo_set_font_size(m.get(), 14);
-    cairo_text_extents_t ext;
-    cairo_text_extents(m.get(), bar.title.c_str(), &ext);
-    if (auto st = cairo_status(m.get()); st != CAIRO_STATUS_SUCCESS) return cairo_failed("measuring the title", st);
-    title_px = ext.x_advance;
-  }
-  const int64_t W = std::max<int64_t>(image.width + kPanel, static_cast<int64_t>(std::ceil(title_px)) + 12);
+  const int64_t W = image.width + kPanel;
   const int64_t H = kTitleBand + std::max<int64_t>(image.height, kMinHeight);
   if (W > 32767 || H > 32767) return core::invalid_argument("colour bar: the figure would exceed cairo's 32767 px");
   std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
@@ -91,9 +78,13 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
   std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
   cairo_t* c = cr.get();
   cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
-  // Title.
+  // Title: 14 px, smaller (down to 7 px) when it would not fit the figure's width.
   cairo_set_source_rgb(c, 0, 0, 0);
   cairo_set_font_size(c, 14);
+  cairo_text_extents_t title_ext;
+  cairo_text_extents(c, bar.title.c_str(), &title_ext);
+  if (title_ext.x_advance > static_cast<double>(W) - 12)
+    cairo_set_font_size(c, std::max(7.0, 14.0 * (static_cast<double>(W) - 12) / title_ext.x_advance));
   cairo_move_to(c, 6, 19);
   cairo_show_text(c, bar.title.c_str());
   // The bar: 18 px wide, from the image's top to its bottom (or kMinHeight), high at the top.

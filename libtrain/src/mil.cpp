@@ -18,6 +18,7 @@
 
 #include "slide/cache/bag.h"
 #include "slide/core/file.h"
+#include "slide/tile/figure.h"
 #include "slide/tile/image.h"
 #include "slide/train/dataset.h"
 #include "slide/train/heatmap.h"
@@ -491,22 +492,38 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
   return ok_status();
 }
 
+namespace {
+
+// The attention map with its title and a colour bar stating the percentile scale, as a PNG file.
+Status write_attention_figure(const std::string& path, const slide::tile::RgbImage& map, const std::string& title) {
+  slide::tile::ColourBar bar;
+  bar.title = title;
+  bar.low = 0, bar.high = 100, bar.unit = "%";
+  bar.scale = "attention percentile within the slide (CLAM's scale)";
+  auto figure = slide::tile::add_colour_bar(map, bar);
+  if (!figure.ok()) return figure.status().with_context(path);
+  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(*figure));
+  return slide::core::write_file_atomic(path, png);
+}
+
+}  // namespace
+
 Status write_attention_heatmap(const std::string& path, const std::vector<float>& attention,
-                               const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px) {
+                               const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px,
+                               const std::string& title) {
   SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img,
                          draw_tile_grid(percentile_ranks(attention), coords, tile_l0_px, path, cell_px));
-  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
-  return slide::core::write_file_atomic(path, png);
+  return write_attention_figure(path, img, title);
 }
 
 Status write_attention_overlay(const std::string& path, const std::vector<float>& attention,
                                const std::vector<int32_t>& coords, int64_t tile_l0_px,
-                               const slide::tile::RgbImage& thumbnail, double downsample_x, double downsample_y) {
+                               const slide::tile::RgbImage& thumbnail, double downsample_x, double downsample_y,
+                               const std::string& title) {
   const HeatmapCanvas canvas{thumbnail, downsample_x, downsample_y};
   SLIDE_ASSIGN_OR_RETURN(slide::tile::RgbImage img,
                          draw_tile_overlay(percentile_ranks(attention), coords, tile_l0_px, canvas, path));
-  SLIDE_ASSIGN_OR_RETURN(std::vector<uint8_t> png, slide::tile::encode_png(img));
-  return slide::core::write_file_atomic(path, png);
+  return write_attention_figure(path, img, title);
 }
 
 }  // namespace slide::train

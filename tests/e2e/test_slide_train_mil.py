@@ -182,11 +182,12 @@ class TestLearns(Base):
                 self.assertEqual(f.attrs["slide_id"], sid)
                 self.assertEqual(f.attrs["predicted"], row[7])
             with Image.open(os.path.join(att, row[9])) as im:
-                self.assertEqual(im.size, (COLS * 8, (BAG_TILES // COLS) * 8))  # one 8-px cell per tile
+                # One 8-px cell per tile under the 28-px title band, beside the colour bar's panel.
+                self.assertEqual(im.size, (COLS * 8 + 110, 28 + max((BAG_TILES // COLS) * 8, 200)))
                 px = im.convert("RGB")
                 # The most attended tile is the reddest cell (jet colormap over attention ranks).
                 top = int(np.argmax(a))
-                r_, g_, b_ = px.getpixel(((top % COLS) * 8 + 4, (top // COLS) * 8 + 4))
+                r_, g_, b_ = px.getpixel(((top % COLS) * 8 + 4, 28 + (top // COLS) * 8 + 4))
                 self.assertGreater(r_, 100)
                 self.assertLess(b_, 60)
         self.assertFalse([n for n in os.listdir(att) if n.endswith(".partial")])
@@ -512,8 +513,9 @@ class TestPipeline(unittest.TestCase):
         with Image.open(os.path.join(att, "CMU-1-Small-Region.png")) as im:
             cols = (coords[:, 0].max() - coords[:, 0].min()) // step + 1
             rows_ = (coords[:, 1].max() - coords[:, 1].min()) // step + 1
-            self.assertEqual(im.size, (cols * 8, rows_ * 8))
-            a = np.asarray(im.convert("RGB")).reshape(-1, 3)
+            # The map (8 px a tile) under a 28-px title band, beside a 110-px colour bar panel.
+            self.assertEqual(im.size, (cols * 8 + 110, 28 + max(rows_ * 8, 200)))
+            a = np.asarray(im.convert("RGB"))[28:28 + rows_ * 8, :cols * 8].reshape(-1, 3)
             self.assertEqual((a != 255).any(axis=1).sum(), len(coords) * 64)  # one coloured cell per tile
         # With the tile stores, the heatmap is drawn over the slide's thumbnail (evaluate, as training does).
         ev = os.path.join(tmp, "eval")
@@ -525,12 +527,12 @@ class TestPipeline(unittest.TestCase):
         with openslide.OpenSlide(os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")) as sl:
             w0, h0 = sl.dimensions
         with Image.open(os.path.join(ev, "CMU-1-Small-Region.png")) as im:
-            ds = w0 / im.size[0]
-            self.assertAlmostEqual(h0 / im.size[1], ds, delta=0.02 * ds)  # the whole slide, its aspect ratio
-            self.assertAlmostEqual(ds, step / 8, delta=0.1 * ds)          # about 8 px per tile
+            ds = w0 / (im.size[0] - 110)  # the thumbnail, then the colour bar's panel
+            self.assertAlmostEqual(im.size[1] - 28, h0 / ds, delta=2)    # the whole slide, its aspect ratio
+            self.assertAlmostEqual(max(w0, h0) / ds, 1024, delta=2)      # 1024 px on the longer side
             self.assertGreater(len(im.convert("RGB").getcolors(1 << 20)), 1000)  # the slide's pixels, tinted
         with Image.open(os.path.join(ev, slide_file_stem("lung_n/lungn1") + ".png")) as im:
-            self.assertEqual(im.size, (8, 8))  # a patch: one grid cell
+            self.assertEqual(im.size, (8 + 110, 28 + 200))  # a patch: one grid cell, and the bar
 
 
 if __name__ == "__main__":

@@ -501,11 +501,11 @@ TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals
   REQUIRE(bytes.ok());
   auto img = slide::tile::decode_png(std::vector<uint8_t>(bytes->begin(), bytes->end()));
   REQUIRE(img.ok());
-  CHECK(img->width == 4 * 8);
-  CHECK(img->height == 2 * 8);
-  const uint8_t* hot = img->row(4) + 3 * (3 * 8 + 4);   // the most attended tile: dark red
-  const uint8_t* cold = img->row(12) + 3 * 4;           // the least: dark blue
-  const uint8_t* none = img->row(12) + 3 * (3 * 8 + 4);  // no tile there: white
+  CHECK(img->width == 4 * 8 + 110);  // the map, then the colour bar's panel
+  CHECK(img->height == 28 + 200);    // the title band, then the map (padded to the bar's height)
+  const uint8_t* hot = img->row(28 + 4) + 3 * (3 * 8 + 4);   // the most attended tile: dark red
+  const uint8_t* cold = img->row(28 + 12) + 3 * 4;           // the least: dark blue
+  const uint8_t* none = img->row(28 + 12) + 3 * (3 * 8 + 4);  // no tile there: white
   CHECK(hot[0] > 100);
   CHECK(hot[2] < 50);
   CHECK(cold[2] > 100);

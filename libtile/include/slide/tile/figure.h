@@ -32,8 +32,9 @@ struct ColourBar {
 };
 
 // `image` with a 28-px title band above it and a 110-px panel at its right holding the colour bar
-// (at least 200 px tall: a smaller image is padded with white below; at least as wide as the
-// title, padded with white at the right). The image's pixels are copied unchanged, at (0, 28). Errors: kInvalidArgument (an empty image, ticks < 2, low/high not finite),
+// (at least 200 px tall: a smaller image is padded with white below): (image.width + 110) x
+// (28 + max(image.height, 200)) px. The title's type shrinks (to 7 px) to fit the width. The
+// image's pixels are copied unchanged, at (0, 28). Errors: kInvalidArgument (an empty image, ticks < 2, low/high not finite),
 // kInternal naming the cairo call and cairo's status string.
 [[nodiscard]] Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar);
 

@@ -177,19 +177,22 @@ struct MilTrainOptions {
 // An attention heatmap PNG over the tile grid: each tile at its /coords position (tile side
 // `tile_l0_px` level-0 px; 0: the smallest non-zero coordinate step) drawn as a cell of `cell_px`
 // pixels, coloured by its attention rank within the bag (low blue -> high red, the jet colormap
-// of CLAM's heatmaps, percentile-normalised as CLAM does); background white. Written atomically.
+// of CLAM's heatmaps, percentile-normalised as CLAM does); background white; `title` above it and
+// a colour bar stating the scale (0-100 %, the percentile within the slide) at its right
+// (slide/tile/figure.h add_colour_bar: the map at (0, 28)). Written atomically.
 // Errors: kInvalidArgument (sizes disagree, an empty bag), the PNG encoder's and the file's.
 [[nodiscard]] Status write_attention_heatmap(const std::string& path, const std::vector<float>& attention,
-                                             const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px = 8);
+                                             const std::vector<int32_t>& coords, int64_t tile_l0_px, int cell_px = 8,
+                                             const std::string& title = "attention");
 
 // The same heatmap over a slide's thumbnail (`thumbnail`, whose pixel is downsample_x x
 // downsample_y level-0 px): each tile's level-0 rectangle (side `tile_l0_px`; 0: the grid step
-// as above) blended half and half with its colour; the rest of the slide as it is. Written
-// atomically. Errors: kInvalidArgument (sizes disagree, an empty bag or thumbnail), the PNG
-// encoder's and the file's.
+// as above) blended half and half with its colour; the rest of the slide as it is; the title and
+// colour bar as above. Written atomically. Errors: kInvalidArgument (sizes disagree, an empty bag
+// or thumbnail), the PNG encoder's and the file's.
 [[nodiscard]] Status write_attention_overlay(const std::string& path, const std::vector<float>& attention,
                                              const std::vector<int32_t>& coords, int64_t tile_l0_px,
                                              const slide::tile::RgbImage& thumbnail, double downsample_x,
-                                             double downsample_y);
+                                             double downsample_y, const std::string& title = "attention");
 
 }  // namespace slide::train

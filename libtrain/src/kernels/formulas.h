@@ -296,8 +296,18 @@ SLIDE_HD void crop_source(int64_t d, int64_t extent, int64_t size, int64_t* i0, 
   *frac = static_cast<float>(v - static_cast<double>(*i0));
 }
 
-// Output pixel (y, x) of the box (bx, by, bw, bh) of an S x S image resized to S x S, bilinear;
-// `pixel(yy, xx, c)` gives the source's channel c in [0, 1].
+// The bilinear blend of source rows y0, y1 (weight fy on y1) and columns x0, x1 (fx on x1) of the
+// box's origin (bx, by); `pixel(yy, xx, c)` gives the source's channel c in [0, 1].
+template <typename Pixel>
+SLIDE_HD void resample_at(const Pixel& pixel, int64_t bx, int64_t by, int64_t y0, int64_t y1, float fy, int64_t x0,
+                          int64_t x1, float fx, float out[3]) {
+  for (int c = 0; c < 3; ++c)
+    out[c] = (1 - fy) * ((1 - fx) * pixel(by + y0, bx + x0, c) + fx * pixel(by + y0, bx + x1, c)) +
+             fy * ((1 - fx) * pixel(by + y1, bx + x0, c) + fx * pixel(by + y1, bx + x1, c));
+}
+
+// Output pixel (y, x) of the box (bx, by, bw, bh) of an S x S image resized to S x S, bilinear
+// (crop_source for each axis, then resample_at; host loops hoist the row's crop_source).
 template <typename Pixel>
 SLIDE_HD void resample_crop(const Pixel& pixel, int64_t size, int64_t bx, int64_t by, int64_t bw, int64_t bh,
                             int64_t y, int64_t x, float out[3]) {
@@ -305,9 +315,7 @@ SLIDE_HD void resample_crop(const Pixel& pixel, int64_t size, int64_t bx, int64_
   float fy, fx;
   crop_source(y, bh, size, &y0, &y1, &fy);
   crop_source(x, bw, size, &x0, &x1, &fx);
-  for (int c = 0; c < 3; ++c)
-    out[c] = (1 - fy) * ((1 - fx) * pixel(by + y0, bx + x0, c) + fx * pixel(by + y0, bx + x1, c)) +
-             fy * ((1 - fx) * pixel(by + y1, bx + x0, c) + fx * pixel(by + y1, bx + x1, c));
+  resample_at(pixel, bx, by, y0, y1, fy, x0, x1, fx, out);
 }
 
 // The source pixels resample_crop reads: an S x S u8 tile (as u8 / 255) or an S x S float image.
@@ -327,22 +335,31 @@ SLIDE_HD void jitter_brightness(float* p, float f) {
   for (int c = 0; c < 3; ++c) p[c] = clamp01(f * p[c]);
 }
 
-// Contrast against the image's mean grey `mean` (after brightness), then saturation, then hue (a
-// rotation by `hue` turns of the HSV circle), each skipped at its identity (1, 1, 0) and clamped.
+// Contrast against the image's mean grey `mean` (after brightness), clamped.
+SLIDE_HD void jitter_contrast(float* p, float f, float mean) {
+  for (int c = 0; c < 3; ++c) p[c] = clamp01(f * p[c] + (1 - f) * mean);
+}
+// Saturation against the pixel's own grey, clamped.
+SLIDE_HD void jitter_saturation(float* p, float f) {
+  const float g = gray(p);
+  for (int c = 0; c < 3; ++c) p[c] = clamp01(f * p[c] + (1 - f) * g);
+}
+// Hue: the HSV hue rotated by `shift` turns.
+SLIDE_HD void jitter_hue(float* p, float shift) {
+  float hsv[3];
+  rgb_to_hsv(p, hsv);
+  hsv[0] = std::fmod(hsv[0] + shift, 1.0f);
+  if (hsv[0] < 0) hsv[0] += 1.0f;  // Python's % is non-negative for a positive divisor
+  hsv_to_rgb(hsv, p);
+}
+
+// Contrast, then saturation, then hue, each skipped at its identity (1, 1, 0): one pixel's whole
+// jitter after brightness (the GPU's order; the host runs each as a pass over the image, which
+// gives every pixel the same sequence).
 SLIDE_HD void jitter_rest(float* p, float contrast, float mean, float saturation, float hue) {
-  if (contrast != 1)
-    for (int c = 0; c < 3; ++c) p[c] = clamp01(contrast * p[c] + (1 - contrast) * mean);
-  if (saturation != 1) {
-    const float g = gray(p);
-    for (int c = 0; c < 3; ++c) p[c] = clamp01(saturation * p[c] + (1 - saturation) * g);
-  }
-  if (hue != 0) {
-    float hsv[3];
-    rgb_to_hsv(p, hsv);
-    hsv[0] = std::fmod(hsv[0] + hue, 1.0f);
-    if (hsv[0] < 0) hsv[0] += 1.0f;  // Python's % is non-negative for a positive divisor
-    hsv_to_rgb(hsv, p);
-  }
+  if (contrast != 1) jitter_contrast(p, contrast, mean);
+  if (saturation != 1) jitter_saturation(p, saturation);
+  if (hue != 0) jitter_hue(p, hue);
 }
 
 // Output (y, x) of an S x S image rotated by rot x 90 degrees, then flipped horizontally (flip 1),
@@ -357,8 +374,8 @@ SLIDE_HD void flip_rotate_source(int64_t y, int64_t x, int64_t size, int flip, i
 
 // torchvision's ImageNet normalisation of channel c (dataset.h: kImageNetMean, kImageNetStd).
 SLIDE_HD float imagenet_normalize(float v, int c) {
-  const float mean[3] = {0.485f, 0.456f, 0.406f}, stdev[3] = {0.229f, 0.224f, 0.225f};
-  return (v - mean[c]) / stdev[c];
+  // Selects rather than a local array: no array to materialise per pixel in host loops.
+  return c == 0 ? (v - 0.485f) / 0.229f : c == 1 ? (v - 0.456f) / 0.224f : (v - 0.406f) / 0.225f;
 }
 
 }  // namespace slide::train::formulas

@@ -231,9 +231,11 @@ int run_main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->excludes(mpp_opt);
   app.add_option("--source-mpp", source_mpp, "Level-0 um/px for slides whose metadata has none")->check(CLI::PositiveNumber);
-  app.add_option("--tile-size", opt.grid.tile_size_px, "Tile side, pixels at the target resolution")
-      ->capture_default_str()
-      ->check(CLI::Range(8, 8192));
+  auto* tile_size_opt = app.add_option("--tile-size", opt.grid.tile_size_px,
+                                       "Tile side, pixels at the target resolution (patch folders alone: the patches' "
+                                       "own size when they all share one)")
+                            ->capture_default_str()
+                            ->check(CLI::Range(8, 8192));
   app.add_option("--stride", opt.grid.stride_px, "Distance between tile origins, pixels (default: tile size; smaller overlaps)")
       ->check(CLI::Range(1, 8192));
   app.add_option("--min-tissue", opt.grid.min_tissue, "Keep a tile when at least this fraction of it is tissue (0..1; 0 keeps all)")
@@ -332,6 +334,32 @@ int run_main(int argc, char** argv) {
 
   auto collected = slide::tile::collect_inputs(inputs, manifests, patch_dirs);
   if (!collected.ok()) return fail(collected.status());
+  if (tile_size_opt->count() == 0 && !collected->empty() &&
+      std::all_of(collected->begin(), collected->end(), [](const auto& s) { return s.is_patch; })) {
+    // Patch folders alone, no --tile-size: the patches' own size when they all share one (each
+    // patch is centre-cropped to a square of its shorter side, then scaled to the tile size).
+    int64_t common = -1;
+    for (const auto& s : *collected) {
+      auto size = slide::tile::read_image_size(s.path);
+      if (!size.ok()) {  // the patch fails with that error when it is tiled; no default from it
+        common = 0;
+        break;
+      }
+      const int64_t side = std::min(size->width, size->height);
+      if (common != -1 && side != common) {
+        common = 0;
+        break;
+      }
+      common = side;
+    }
+    if (common >= 8 && common <= 8192) {
+      opt.grid.tile_size_px = static_cast<int>(common);
+      slide::core::log_info("--tile-size from the patches: they all share one size", {{"tile_size_px", common}});
+    } else {
+      slide::core::log_info("patches of several sizes: --tile-size keeps its default; give it to choose",
+                            {{"tile_size_px", opt.grid.tile_size_px}});
+    }
+  }
   if (opt.grid.target_mpp_um == 0) {
     bool any_wsi = std::any_of(collected->begin(), collected->end(), [](const auto& s) { return !s.is_patch; });
     if (any_wsi) {

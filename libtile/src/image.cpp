@@ -497,4 +497,53 @@ void resample_area(const RgbImage& src, double x0, double y0, double scale, RgbI
   detail::resample_area_xy(src, 0, x0, y0, scale, scale, src.height, dst, 0, dst->height);
 }
 
+Result<ImageSize> read_image_size(const std::string& path) {
+  const std::string ext = lower_extension(path);
+  if (ext == ".tif" || ext == ".tiff") {
+    FdCloser fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+    if (fd.fd < 0) return core::errno_status(errno, path);
+    TiffMessages messages;
+    std::unique_ptr<TIFFOpenOptions, TiffOptionsDeleter> opts(TIFFOpenOptionsAlloc());
+    if (opts == nullptr) return core::internal_error(path + ": TIFFOpenOptionsAlloc failed");
+    TIFFOpenOptionsSetErrorHandlerExtR(opts.get(), tiff_error_handler, &messages);
+    TIFFOpenOptionsSetWarningHandlerExtR(opts.get(), tiff_warning_handler, nullptr);
+    std::unique_ptr<TIFF, TiffCloser> tif(TIFFFdOpenExt(fd.fd, path.c_str(), "rm", opts.get()));
+    if (tif == nullptr)
+      return core::data_loss(path + ": not a readable TIFF" +
+                             (messages.first_error[0] != '\0' ? std::string(": ") + messages.first_error : ""));
+    fd.fd = -1;  // TIFFClose closes it
+    uint32_t width = 0, height = 0;
+    TIFFGetField(tif.get(), TIFFTAG_IMAGEWIDTH, &width);
+    TIFFGetField(tif.get(), TIFFTAG_IMAGELENGTH, &height);
+    if (width < 1 || height < 1) return core::data_loss(path + ": TIFF without a size");
+    return ImageSize{width, height};
+  }
+  const bool jpeg = ext == ".jpg" || ext == ".jpeg";
+  if (!jpeg && ext != ".png")
+    return core::invalid_argument(path + ": unknown image extension '" + ext + "' (expected .jpg, .jpeg, .png, .tif, .tiff)");
+  SLIDE_ASSIGN_OR_RETURN(std::string bytes, core::read_file(path));
+  const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (jpeg) {
+    tjhandle tj = thread_decompressor();
+    if (tj == nullptr) return core::internal_error(std::string("tjInitDecompress: ") + tjGetErrorStr2(nullptr));
+    int width = 0, height = 0, subsamp = 0, colorspace = 0;
+    if (bytes.empty() || tjDecompressHeader3(tj, b, static_cast<unsigned long>(bytes.size()), &width, &height, &subsamp,
+                                             &colorspace) != 0) {
+      Status s = core::data_loss(path + ": JPEG header: " + (bytes.empty() ? "empty file" : tjGetErrorStr2(tj)));
+      thread_decompressor(true);
+      return s;
+    }
+    return ImageSize{width, height};
+  }
+  // PNG: the 8-byte signature, then the IHDR chunk (length, "IHDR", big-endian width and height).
+  static const uint8_t kSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (bytes.size() < 24 || std::memcmp(b, kSignature, 8) != 0 || std::memcmp(b + 12, "IHDR", 4) != 0)
+    return core::data_loss(path + ": not a PNG (no signature and IHDR chunk)");
+  auto be32 = [&](size_t at) {
+    return (uint32_t{b[at]} << 24) | (uint32_t{b[at + 1]} << 16) | (uint32_t{b[at + 2]} << 8) | uint32_t{b[at + 3]};
+  };
+  if (be32(16) < 1 || be32(20) < 1) return core::data_loss(path + ": PNG without a size");
+  return ImageSize{be32(16), be32(20)};
+}
+
 }  // namespace slide::tile

@@ -376,6 +376,26 @@ class TestStoreErrors(Base):
 
 
 class TestPatches(Base):
+    def test_tile_size_defaults_to_the_patches_own_size(self):
+        # 150-px Kather patches with no --tile-size: 150-px tiles (the default 256 would refuse them:
+        # patches are never upsampled); a folder of mixed sizes keeps the default and says so.
+        store = self.path("k150")
+        r = run(["--patches", os.path.join(SAMPLE, "patches", "kather2016-samples"), "-o", store])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("--tile-size from the patches", r.stderr)
+        j = info(store)
+        self.assertEqual((j["tile_size_px"], j["tile_count"]), (150, 24))
+        mixed = self.path("mixed")
+        for cls, src in (("a", os.path.join(SAMPLE, "patches", "kather2016-samples", "01_TUMOR")),
+                         ("b", os.path.join(SAMPLE, "patches", "lc25000-lung-subset", "lung_n"))):
+            os.makedirs(os.path.join(mixed, cls))
+            for name in sorted(os.listdir(src))[:2]:
+                shutil.copy(os.path.join(src, name), os.path.join(mixed, cls, name))
+        r = run(["--patches", mixed, "-o", self.path("mixed-store")])
+        self.assertIn("patches of several sizes", r.stderr)
+        self.assertEqual(r.returncode, 3, r.stderr)  # 256 px: the 150- and 224-px patches are refused
+        self.assertIn("upsampling is refused", r.stderr)
+
     def test_kather_patch_folder(self):
         store = self.path("k")
         r = run(["--patches", os.path.join(SAMPLE, "patches", "kather2016-samples"), "--tile-size", "128", "-o", store])

@@ -256,3 +256,33 @@ TEST_CASE("test_image: resample_area scale 1.5 with fractional weights") {
   slide::tile::resample_area(src, 2, 2, 2.0, &one);
   CHECK(channel(one, 2) == std::vector<int>{90});
 }
+
+TEST_CASE("read_image_size: the header's size for TIFF, JPEG and PNG, as read_image_file decodes them") {
+  auto tiff = slide::tile::read_image_size(kKather);
+  REQUIRE(tiff.ok());
+  CHECK((tiff->width == 150 && tiff->height == 150));
+  RgbImage img(37, 21, 90);
+  auto jpeg = slide::tile::encode_jpeg(img.pixels.data(), 37, 21, 90);
+  auto png = slide::tile::encode_png(img);
+  REQUIRE(jpeg.ok());
+  REQUIRE(png.ok());
+  const std::string j = temp_path("size.jpg"), p = temp_path("size.png"), bad = temp_path("bad.png");
+  REQUIRE(slide::core::write_file_atomic(j, *jpeg).ok());
+  REQUIRE(slide::core::write_file_atomic(p, *png).ok());
+  REQUIRE(slide::core::write_file_atomic(bad, std::string("not a png at all, but long enough")).ok());
+  for (const std::string& path : {j, p}) {
+    CAPTURE(path);
+    auto size = slide::tile::read_image_size(path);
+    auto full = slide::tile::read_image_file(path);
+    REQUIRE(size.ok());
+    REQUIRE(full.ok());
+    CHECK((size->width == full->width && size->height == full->height));
+    CHECK((size->width == 37 && size->height == 21));
+  }
+  CHECK(slide::tile::read_image_size(bad).status().code() == StatusCode::kDataLoss);
+  CHECK(slide::tile::read_image_size(temp_path("missing.jpg")).status().code() == StatusCode::kNotFound);
+  CHECK(slide::tile::read_image_size(temp_path("x.bmp")).status().code() == StatusCode::kInvalidArgument);
+  std::remove(j.c_str());
+  std::remove(p.c_str());
+  std::remove(bad.c_str());
+}

@@ -54,6 +54,14 @@ struct RgbImage {
 // kInvalidArgument (unknown extension), kDataLoss (corrupt).
 [[nodiscard]] Result<RgbImage> read_image_file(const std::string& path);
 
+// The width and height of the image file `path` (read_image_file's formats) from its header only:
+// TurboJPEG's header parse, PNG's IHDR chunk, libtiff's tags. Errors: as read_image_file's (the
+// file, the extension, a header that is not its format's, naming the file).
+struct ImageSize {
+  int64_t width = 0, height = 0;
+};
+[[nodiscard]] Result<ImageSize> read_image_size(const std::string& path);
+
 // Area (box) resampling, the same as OpenCV's INTER_AREA: each destination pixel is the mean of
 // the source area it covers, with fractional weights at the edges. The destination pixel (i, j)
 // covers source x in [x0 + i * scale, x0 + (i + 1) * scale) (and likewise y), where x0, y0 are

@@ -335,22 +335,28 @@ struct FdCloser {
   }
 };
 
-Result<RgbImage> read_tiff_file(const std::string& path) {
-  // Opening the descriptor ourselves gives an errno for the Status (kNotFound and so on) and
-  // keeps libtiff from reporting the failure through its global handler.
+// `path` opened by libtiff, its errors collected in *messages (which must outlive the handle).
+// Opening the descriptor ourselves gives an errno for the Status (kNotFound and so on) and keeps
+// libtiff from reporting the failure through its global handler.
+Result<std::unique_ptr<TIFF, TiffCloser>> open_tiff(const std::string& path, TiffMessages* messages) {
   FdCloser fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (fd.fd < 0) return core::errno_status(errno, path);
-  TiffMessages messages;
   std::unique_ptr<TIFFOpenOptions, TiffOptionsDeleter> opts(TIFFOpenOptionsAlloc());
   if (opts == nullptr) return core::internal_error(path + ": TIFFOpenOptionsAlloc failed");
-  TIFFOpenOptionsSetErrorHandlerExtR(opts.get(), tiff_error_handler, &messages);
+  TIFFOpenOptionsSetErrorHandlerExtR(opts.get(), tiff_error_handler, messages);
   TIFFOpenOptionsSetWarningHandlerExtR(opts.get(), tiff_warning_handler, nullptr);
   // TIFFClose closes the descriptor it was given.
   std::unique_ptr<TIFF, TiffCloser> tif(TIFFFdOpenExt(fd.fd, path.c_str(), "rm", opts.get()));
   if (tif == nullptr)
     return core::data_loss(path + ": not a readable TIFF" +
-                           (messages.first_error[0] != '\0' ? std::string(": ") + messages.first_error : ""));
+                           (messages->first_error[0] != '\0' ? std::string(": ") + messages->first_error : ""));
   fd.fd = -1;
+  return tif;
+}
+
+Result<RgbImage> read_tiff_file(const std::string& path) {
+  TiffMessages messages;
+  SLIDE_ASSIGN_OR_RETURN(auto tif, open_tiff(path, &messages));
   uint32_t width = 0, height = 0;
   TIFFGetField(tif.get(), TIFFTAG_IMAGEWIDTH, &width);
   TIFFGetField(tif.get(), TIFFTAG_IMAGELENGTH, &height);
@@ -500,18 +506,8 @@ void resample_area(const RgbImage& src, double x0, double y0, double scale, RgbI
 Result<ImageSize> read_image_size(const std::string& path) {
   const std::string ext = lower_extension(path);
   if (ext == ".tif" || ext == ".tiff") {
-    FdCloser fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-    if (fd.fd < 0) return core::errno_status(errno, path);
     TiffMessages messages;
-    std::unique_ptr<TIFFOpenOptions, TiffOptionsDeleter> opts(TIFFOpenOptionsAlloc());
-    if (opts == nullptr) return core::internal_error(path + ": TIFFOpenOptionsAlloc failed");
-    TIFFOpenOptionsSetErrorHandlerExtR(opts.get(), tiff_error_handler, &messages);
-    TIFFOpenOptionsSetWarningHandlerExtR(opts.get(), tiff_warning_handler, nullptr);
-    std::unique_ptr<TIFF, TiffCloser> tif(TIFFFdOpenExt(fd.fd, path.c_str(), "rm", opts.get()));
-    if (tif == nullptr)
-      return core::data_loss(path + ": not a readable TIFF" +
-                             (messages.first_error[0] != '\0' ? std::string(": ") + messages.first_error : ""));
-    fd.fd = -1;  // TIFFClose closes it
+    SLIDE_ASSIGN_OR_RETURN(auto tif, open_tiff(path, &messages));
     uint32_t width = 0, height = 0;
     TIFFGetField(tif.get(), TIFFTAG_IMAGEWIDTH, &width);
     TIFFGetField(tif.get(), TIFFTAG_IMAGELENGTH, &height);

@@ -121,6 +121,12 @@ int run_main(int argc, char** argv) {
                  "Held-out test stores, never used for model choice: after the last epoch the model of "
                  "best.safetensors is evaluated on them into OUT/test/ (as slide-train evaluate)")
       ->check(CLI::ExistingDirectory);
+  double test_fraction = 0;
+  app.add_option("--test-fraction", test_fraction,
+                 "Fraction of the patients (or slides) of --data held out as a test set before the validation split "
+                 "(or the folds): never trained on nor used for model choice; evaluated with best.safetensors at "
+                 "the end into OUT/test/")
+      ->check(slide::apps::number_option("test-fraction"));
   app.add_option("--val-data", val_data, "Validation stores (default: --val-fraction of the slides, split by slide)")
       ->check(CLI::ExistingDirectory);
   app.add_option("--out", out, "Output directory: checkpoints/, best.safetensors, metrics.jsonl, metrics.csv");
@@ -143,6 +149,12 @@ int run_main(int argc, char** argv) {
   eval->add_flag("--no-fused", no_fused,
                  "Logits through the training engine's forward instead of the fused inference path "
                  "(batch norm folded, ReLU fused; the default on --backend cpu)");
+  double eval_test_fraction = 0;
+  uint64_t eval_seed = 0;
+  eval->add_option("--test-fraction", eval_test_fraction,
+                   "Only the test set a run with this --test-fraction and --seed held out of these stores")
+      ->check(slide::apps::number_option("test-fraction"));
+  eval->add_option("--seed", eval_seed, "The --seed of that run (with --test-fraction)")->capture_default_str();
   // The backend of evaluate (also accepted before `evaluate`, as an option of slide-train).
   slide::apps::add_backend_options(*eval, &backend, &device);
   slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
@@ -298,6 +310,7 @@ int run_main(int argc, char** argv) {
     ev.checkpoint = eval_ckpt, ev.data = eval_data, ev.labels = eval_labels, ev.out = eval_out;
     ev.batch = batch, ev.threads = threads, ev.backend = backend, ev.device = device, ev.fused = !no_fused;
     ev.overwrite = eval_overwrite;
+    ev.test_fraction = eval_test_fraction, ev.seed = eval_seed;
     return slide::apps::run_tile_inference(ev, /*predict=*/false);
   }
   if (predict->parsed()) {
@@ -379,7 +392,15 @@ int run_main(int argc, char** argv) {
   all.insert(all.end(), val_data.begin(), val_data.end());
   auto ds = TileDataset::open(all, labels_csv);
   if (!ds.ok()) return fail(ds.status());
-  std::vector<size_t> train, val;
+  std::vector<size_t> train, val, held_out;
+  if (test_fraction > 0) {
+    if (!val_data.empty() || !test_data.empty())
+      return fail(slide::core::invalid_argument("--test-fraction holds out part of --data; not with --val-data or "
+                                                "--test-data"));
+    (*ds)->hold_out(test_fraction, seed, &held_out);
+    if (held_out.empty()) return fail(slide::core::invalid_argument("--test-fraction holds out no slide"));
+    slide::core::log_info("test set held out", {{"tiles", static_cast<int64_t>(held_out.size())}});
+  }
   if (folds > 0) {
     if (auto s = (*ds)->split_fold(folds, std::max(fold, 0), seed, &train, &val); !s.ok()) return fail(s);
   } else if (val_data.empty()) {
@@ -538,6 +559,7 @@ int run_main(int argc, char** argv) {
   if (!init_weights.empty()) config["init"] = init_weights;
   if (!freeze_until.empty()) config["freeze"] = freeze_until;
   if (folds > 0) config["folds"] = folds, config["fold"] = std::max(fold, 0);
+  if (test_fraction > 0) config["test_fraction"] = test_fraction;
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   state["config"] = config;
   if (resume && writer) {
@@ -653,13 +675,14 @@ int run_main(int argc, char** argv) {
                                     {"images_per_s", st->samples / st->seconds},
                                     {"all_reduce_s", st->all_reduce_seconds}});
   }
-  if (writer && !test_data.empty()) {
+  if (writer && (!test_data.empty() || test_fraction > 0)) {
     // The held-out test set, once, with the weights validation chose (else the last checkpoint's).
     slide::apps::TileInferenceOptions test;
     std::error_code ec;
     test.checkpoint = fs::exists(out + "/best.safetensors", ec) ? out + "/best.safetensors"
                                                                  : list_checkpoints(ckpt_dir).back().string();
-    test.data = test_data, test.labels = labels_csv, test.out = out + "/test";
+    test.data = test_fraction > 0 ? data : test_data, test.labels = labels_csv, test.out = out + "/test";
+    test.test_fraction = test_fraction, test.seed = seed;
     test.batch = (batch + accumulate - 1) / accumulate, test.threads = threads;
     test.backend = backend, test.device = device, test.overwrite = true;
     slide::core::log_info("test set", {{"weights", test.checkpoint}, {"out", test.out}});

@@ -118,6 +118,11 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + o.backend));
   std::vector<size_t> all((*ds)->tiles().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  if (o.test_fraction > 0) {  // the training run's held-out test set, found again
+    (*ds)->hold_out(o.test_fraction, o.seed, &all);
+    if (all.empty()) return fail(slide::core::invalid_argument("--test-fraction " + std::to_string(o.test_fraction) +
+                                                              " holds out no slide of these stores"));
+  }
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, o.threads)));
   std::vector<float> probs;
   // The fused path (cpu): logits through embed.h's FeatureExtractor cut at "fc" (batch norm folded
@@ -166,10 +171,10 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   auto class_name = [&](int32_t label) { return label == kNoLabel ? std::string() : classes[static_cast<size_t>(label)]; };
   std::vector<SlideAgg> slides((*ds)->slide_ids().size());
   std::vector<int32_t> xy(2 * all.size());
-  for (size_t i = 0; i < all.size(); ++i) {
-    const TileRef& ref = (*ds)->tiles()[i];
+  for (size_t i = 0; i < all.size(); ++i) {  // row i of probs is tile all[i]
+    const TileRef& ref = (*ds)->tiles()[all[i]];
     slide::tile::TileHeader h;
-    if (auto s = (*ds)->tile_header(i, &h); !s.ok()) return fail(s);
+    if (auto s = (*ds)->tile_header(all[i], &h); !s.ok()) return fail(s);
     xy[2 * i] = static_cast<int32_t>(h.x_l0), xy[2 * i + 1] = static_cast<int32_t>(h.y_l0);
     const float* p = probs.data() + i * k;
     const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);

@@ -35,6 +35,10 @@ struct TileInferenceOptions {
   bool fused = true;              // the fused inference path on cpu (embed.h's FeatureExtractor)
   bool overwrite = false;
   bool heatmaps = true;           // predict: per-class heatmaps
+  // > 0: only the tiles slide-train --test-fraction held out of these stores (TileDataset::hold_out
+  // with the same fraction and seed), not every tile.
+  double test_fraction = 0;
+  uint64_t seed = 0;
 };
 
 // Runs evaluate (`predict` false) or predict; returns the process exit code (0 ok, 1 failed, 2 usage

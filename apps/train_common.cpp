@@ -38,6 +38,8 @@ const std::map<std::string, NumberRule>& number_rules() {
       {"momentum", {0, 1, false, true, false, "in [0, 1)"}},
       {"label-smoothing", {0, 1, false, true, false, "in [0, 1)"}},
       {"val-fraction", {0, 1, false, true, false, "in [0, 1)"}},
+      {"test-fraction", {0, 1, false, true, false, "in [0, 1)"}},
+      {"lr-backbone", {0, kInf, false, true, false, "a finite number >= 0"}},
       {"dropout", {0, 0.95, false, false, false, "in [0, 0.95]"}},
       {"mil-dropout", {0, 0.99, false, false, false, "in [0, 0.99]"}},
       {"random-resized-crop", {0.01, 1, false, false, false, "in [0.01, 1]"}},

@@ -250,14 +250,35 @@ Status TileDataset::remap_classes(const std::vector<std::string>& names) {
   return slide::core::ok_status();
 }
 
+std::vector<uint32_t> TileDataset::kept_groups() const {
+  std::vector<uint32_t> kept;
+  for (uint32_t g = 0; g < groups(); ++g)
+    if (held_out_.empty() || !held_out_[g]) kept.push_back(g);
+  return kept;
+}
+
 void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
                                  std::vector<size_t>* val) const {
-  uint32_t groups = 0;
-  for (uint32_t g : slide_group_) groups = std::max(groups, g + 1);
-  const std::vector<bool> is_val = split_groups(groups, val_fraction, seed);
+  // Over the groups not held out (all of them without hold_out: the split it always was).
+  const std::vector<uint32_t> kept = kept_groups();
+  const std::vector<bool> kept_is_val = split_groups(static_cast<uint32_t>(kept.size()), val_fraction, seed);
+  std::vector<int> role(groups(), -1);  // -1 held out, 0 train, 1 validation
+  for (size_t k = 0; k < kept.size(); ++k) role[kept[k]] = kept_is_val[k] ? 1 : 0;
   train->clear();
   val->clear();
-  for (size_t i = 0; i < tiles_.size(); ++i) (is_val[slide_group_[tiles_[i].slide]] ? val : train)->push_back(i);
+  for (size_t i = 0; i < tiles_.size(); ++i) {
+    const int r = role[slide_group_[tiles_[i].slide]];
+    if (r >= 0) (r == 1 ? val : train)->push_back(i);
+  }
+}
+
+void TileDataset::hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test) {
+  // A stream of its own (seed salted), so that the held-out groups do not follow the validation
+  // split's draw.
+  held_out_ = split_groups(groups(), test_fraction, seed ^ 0x7E57F00Dull);
+  test->clear();
+  for (size_t i = 0; i < tiles_.size(); ++i)
+    if (held_out_[slide_group_[tiles_[i].slide]]) test->push_back(i);
 }
 
 uint32_t TileDataset::groups() const {
@@ -268,7 +289,8 @@ uint32_t TileDataset::groups() const {
 
 Status TileDataset::split_fold(int folds, int fold, uint64_t seed, std::vector<size_t>* train,
                                std::vector<size_t>* val) const {
-  const uint32_t n = groups();
+  const std::vector<uint32_t> kept = kept_groups();
+  const auto n = static_cast<uint32_t>(kept.size());
   if (folds < 2 || fold < 0 || fold >= folds)
     return slide::core::invalid_argument("fold " + std::to_string(fold) + " of " + std::to_string(folds) +
                                          ": need 2 or more folds and 0 <= fold < folds");
@@ -279,11 +301,14 @@ Status TileDataset::split_fold(int folds, int fold, uint64_t seed, std::vector<s
   std::iota(order.begin(), order.end(), 0u);
   std::mt19937_64 rng(seed);
   std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int> fold_of(n);
-  for (uint32_t k = 0; k < n; ++k) fold_of[order[k]] = static_cast<int>(k % static_cast<uint32_t>(folds));
+  std::vector<int> fold_of(groups(), -1);  // -1: held out
+  for (uint32_t k = 0; k < n; ++k) fold_of[kept[order[k]]] = static_cast<int>(k % static_cast<uint32_t>(folds));
   train->clear();
   val->clear();
-  for (size_t i = 0; i < tiles_.size(); ++i) (fold_of[slide_group_[tiles_[i].slide]] == fold ? val : train)->push_back(i);
+  for (size_t i = 0; i < tiles_.size(); ++i) {
+    const int f = fold_of[slide_group_[tiles_[i].slide]];
+    if (f >= 0) (f == fold ? val : train)->push_back(i);
+  }
   return slide::core::ok_status();
 }
 

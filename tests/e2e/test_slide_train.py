@@ -5,6 +5,7 @@ slide-tile (run by ctest, one class per test).
 Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
 """
 import json
+import re
 import os
 import shutil
 import signal
@@ -694,6 +695,46 @@ class TestCrossValidation(Base):
         r = self.train(os.path.join(self.tmp, "cv-bad"), "--fold", "1", epochs=1)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--fold needs --folds", r.stderr)
+
+    def test_test_fraction_holds_out_cases_and_evaluates_them(self):
+        classes = {"lung_aca": "lungaca", "lung_n": "lungn", "lung_scc": "lungscc"}
+        rows = ["slide_id,label,case_id"]
+        for c, stem in classes.items():
+            for i in range(1, 121):
+                rows.append("%s/%s%d,%s,%s-%d" % (c, stem, i, c, c, i // 4))
+        labels = os.path.join(self.tmp, "cases-tf.csv")
+        with open(labels, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        case_of = {r.split(",")[0]: r.split(",")[2] for r in rows[1:]}
+        out = os.path.join(self.tmp, "test-fraction")
+        r = self.train(out, "--labels", labels, "--test-fraction", "0.2", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "test", "predictions.csv")) as f:
+            test_rows = [l.split(",") for l in f.read().splitlines()[1:]]
+        test_cases = {case_of[row[0].split(":", 1)[1]] for row in test_rows}
+        all_cases = set(case_of.values())
+        self.assertEqual(len(test_cases), round(0.2 * len(all_cases)))  # whole cases: 19 of 93
+        self.assertEqual(len(test_rows), sum(1 for c in case_of.values() if c in test_cases))  # every patch of each
+        trained = [l for l in r.stderr.splitlines() if "train_tiles=" in l][0]
+        n_train = int(re.search(r"train_tiles=(\d+)", trained).group(1))
+        n_val = int(re.search(r"val_tiles=(\d+)", trained).group(1))
+        self.assertEqual(n_train + n_val + len(test_rows), 360)
+        with open(os.path.join(out, "test", "metrics.json")) as f:
+            self.assertEqual(json.load(f)["tiles"], len(test_rows))
+        # evaluate finds the same test set again from the run's stores, labels, fraction and seed: the
+        # held-out run's own evaluation, reproduced from its options.
+        with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertEqual(json.load(f)["config"]["test_fraction"], 0.2)
+        ev = os.path.join(self.tmp, "tf-eval")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
+                            self.store, "--labels", labels, "--test-fraction", "0.2", "--seed", "3", "--out", ev],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "test", "predictions.csv")) as f, open(os.path.join(ev, "predictions.csv")) as g:
+            self.assertEqual(f.read(), g.read())
+        r = self.train(os.path.join(self.tmp, "tf-bad"), "--test-fraction", "0.2", "--test-data", self.store,
+                       epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
 
     def test_held_out_test_data_is_evaluated_with_the_best_weights(self):
         out = os.path.join(self.tmp, "with-test")

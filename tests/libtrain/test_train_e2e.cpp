@@ -100,6 +100,26 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
     for (const auto& [p, n] : validated) CHECK(n == 1);
     CHECK((*by_case)->split_fold(13, 0, 7, &tr, &va).code() == slide::core::StatusCode::kInvalidArgument);
     CHECK((*by_case)->split_fold(5, 5, 7, &tr, &va).code() == slide::core::StatusCode::kInvalidArgument);
+
+    // A held-out test set (--test-fraction 0.25: 3 of the 12 patients): no later split touches it.
+    std::vector<size_t> test;
+    (*by_case)->hold_out(0.25, 7, &test);
+    std::set<size_t> test_patients;
+    for (size_t p : test) test_patients.insert((*by_case)->tiles()[p].slide % 12);
+    CHECK(test_patients.size() == 3);
+    CHECK(test.size() == 90);
+    (*by_case)->split_by_slide(0.25, 7, &tr, &va);
+    CHECK(tr.size() + va.size() == 270);
+    std::set<size_t> seen;
+    for (size_t p : tr) seen.insert((*by_case)->tiles()[p].slide % 12);
+    for (size_t p : va) seen.insert((*by_case)->tiles()[p].slide % 12);
+    CHECK(seen.size() == 9);
+    for (size_t p : test_patients) CHECK(seen.count(p) == 0);
+    for (int k = 0; k < 3; ++k) {
+      REQUIRE((*by_case)->split_fold(3, k, 7, &tr, &va).ok());
+      CHECK(tr.size() + va.size() == 270);
+      for (size_t p : va) CHECK(test_patients.count((*by_case)->tiles()[p].slide % 12) == 0);
+    }
   }
 
   auto be = make_backend("cpu");

@@ -131,6 +131,12 @@ class TileDataset {
   // The number of split groups (patients, or slides).
   uint32_t groups() const;
 
+  // A held-out test set (--test-fraction): round(test_fraction x groups) groups (at least one when
+  // test_fraction > 0 and there are two groups or more), drawn from `seed` on a stream of their own;
+  // their tiles go to *test, and split_by_slide and split_fold leave them out from then on. The
+  // same stores, labels, fraction and seed give the same test set (evaluate finds it again).
+  void hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test);
+
   // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
   // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. Each image
   // gets the augmentation `aug` (augment.h: random resized crop, then flip and rotation, then
@@ -155,6 +161,8 @@ class TileDataset {
   std::vector<std::string> class_names_, slide_ids_;
   std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its own
   std::vector<uint32_t> slide_store_;  // per slide: its store's index
+  std::vector<bool> held_out_;         // per group, after hold_out: its tiles are the test set
+  std::vector<uint32_t> kept_groups() const;  // the groups not held out, in index order
   std::vector<slide::tile::SlideRecord> slide_records_;  // per slide: its store's record
   Tensor cache_;                       // u8 [tiles, S, S, 3] when cached in RAM
   Tensor device_cache_;                // u8 [tiles, S, S, 3] on a device (cache_on_device)

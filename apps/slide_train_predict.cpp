@@ -58,13 +58,6 @@ Result<ResolvedCheckpoint> resolve_checkpoint(const std::string& path) {
       "model.safetensors, or a run's best.safetensors (next to the run's checkpoints/)");
 }
 
-// The store's record of a slide's tile geometry: the tile side in level-0 px.
-int32_t tile_size_l0(const slide::tile::SlideRecord& rec, int64_t tile_size_px) {
-  return rec.source_mpp_um > 0 && rec.tile_mpp_um > 0
-             ? static_cast<int32_t>(std::lround(static_cast<double>(tile_size_px) * rec.tile_mpp_um / rec.source_mpp_um))
-             : static_cast<int32_t>(tile_size_px);
-}
-
 // A model meets tiles of another size or resolution than it was trained on (state.json's
 // tile_size_px and tile_mpp_um, recorded since this version): the predictions are still made,
 // with a warning, since a CNN takes any size but its features are tied to the scale it learned.
@@ -154,6 +147,11 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
       fs::remove_all(o.out + "/" + d, ec);
       if (ec) return fail(slide::core::errno_status(ec.value(), "--overwrite: remove " + o.out + "/" + d));
     }
+  if (predict)  // the per-slide files' directories, once
+    for (const char* d : {"predictions", "heatmaps"}) {
+      if (!o.heatmaps && std::string(d) == "heatmaps") continue;
+      if (auto s = slide::core::make_dirs(o.out + "/" + d); !s.ok()) return fail(s);
+    }
 
   const size_t k = classes.size();
   const int64_t S = (*ds)->tile_size_px();
@@ -208,7 +206,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
       sp.classes = classes;
       sp.checkpoint = ck->weights;
       sp.tile_size_px = static_cast<int32_t>(S);
-      sp.tile_size_l0_px = tile_size_l0(rec, S);
+      sp.tile_size_l0_px = slide::tile::tile_size_level0_px(rec, S);
       sp.mpp_um = rec.tile_mpp_um;
       for (size_t i : a.tiles) {
         sp.probs.insert(sp.probs.end(), probs.begin() + static_cast<long>(i * k), probs.begin() + static_cast<long>((i + 1) * k));
@@ -218,11 +216,9 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
       const uint32_t store = (*ds)->slide_store(s);
       const std::string stem = slide::core::slide_file_stem(rec.slide_id) + (store > 0 ? "@" + std::to_string(store) : "");
       const std::string h5 = "predictions/" + stem + ".h5";
-      if (auto st2 = slide::core::make_dirs(o.out + "/predictions"); !st2.ok()) return fail(st2);
       if (auto st2 = write_predictions_h5(o.out + "/" + h5, sp); !st2.ok()) return fail(st2);
       std::string maps;
       if (o.heatmaps) {
-        if (auto st2 = slide::core::make_dirs(o.out + "/heatmaps"); !st2.ok()) return fail(st2);
         auto canvas = rec.vendor == "patch" ? Result<HeatmapCanvas>(slide::core::invalid_argument("a patch image"))
                                             : heatmap_canvas(rec.path, sp.tile_size_l0_px, 1024);
         if (!canvas.ok()) {

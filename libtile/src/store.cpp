@@ -144,6 +144,12 @@ Status decode_tile_record(std::span<const uint8_t> record, TileHeader* header, s
 // Slide records (JSON)
 // ---------------------------------------------------------------------------------------------
 
+int32_t tile_size_level0_px(const SlideRecord& r, int64_t tile_size_px) {
+  return r.source_mpp_um > 0 && r.tile_mpp_um > 0
+             ? static_cast<int32_t>(std::lround(static_cast<double>(tile_size_px) * r.tile_mpp_um / r.source_mpp_um))
+             : static_cast<int32_t>(tile_size_px);
+}
+
 std::string slide_record_to_json(const SlideRecord& r) {
   nlohmann::json j;
   j["index"] = r.index;

@@ -835,9 +835,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     attrs.label = rec.label;
     attrs.tile_size_px = static_cast<int32_t>(S);
     attrs.mpp_um = rec.tile_mpp_um;
-    attrs.tile_size_l0_px = rec.source_mpp_um > 0 && rec.tile_mpp_um > 0
-                                ? static_cast<int32_t>(std::lround(S * rec.tile_mpp_um / rec.source_mpp_um))
-                                : static_cast<int32_t>(S);
+    attrs.tile_size_l0_px = slide::tile::tile_size_level0_px(rec, S);
     // /coords: CLAM's patch_level and patch_size (the tile's side at the level read) with --layout
     // clam, TRIDENT's otherwise; TRIDENT's magnifications (10 / mpp: 0.25 um/px is 40x) and size.
     if (clam) {

@@ -4,7 +4,9 @@
 
 #include <hdf5.h>
 
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "slide/core/status.h"
 
@@ -37,6 +39,14 @@ inline slide::core::Status write_string_attr(hid_t loc, const char* name, const 
   Id attr(H5Acreate2(loc, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
   const char* p = value.c_str();
   if (!attr.ok() || H5Awrite(attr.id, type.id, &p) < 0) return error(path, std::string("attribute ") + name);
+  return slide::core::ok_status();
+}
+
+// The file written as `partial` (closed) renamed to `path`: a file under that name is complete.
+inline slide::core::Status rename_into_place(const std::string& partial, const std::string& path) {
+  std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + path);
   return slide::core::ok_status();
 }
 

@@ -486,10 +486,7 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
       return h5::error(partial, "attribute probabilities");
     if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5::error(partial, "flush");
   }
-  std::error_code ec;
-  fs::rename(partial, path, ec);
-  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + path);
-  return ok_status();
+  return h5::rename_into_place(partial, path);
 }
 
 namespace {

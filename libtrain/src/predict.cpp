@@ -87,10 +87,7 @@ Status write_predictions_h5(const std::string& path, const SlidePredictions& p) 
       return h5::error(partial, "attribute mean_probabilities");
     if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5::error(partial, "flush");
   }
-  std::error_code ec;
-  fs::rename(partial, path, ec);
-  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + path);
-  return ok_status();
+  return h5::rename_into_place(partial, path);
 }
 
 Result<std::vector<std::string>> write_class_heatmaps(const std::string& path_prefix, const SlidePredictions& p,

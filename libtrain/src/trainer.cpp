@@ -56,23 +56,20 @@ struct Batch {
 Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
                    uint64_t seed, slide::core::ThreadPool* pool, bool zero_labels = false) {
   Batch b;
-  if (be.device() == Device::kCpu) {
-    SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, be.allocator(), &b.images, &b.labels));
-    if (zero_labels) std::fill_n(b.labels.data<int32_t>(), b.labels.numel(), 0);
-    b.host_labels = b.labels;
-    return b;
-  }
-  if (data.device_cached()) {
+  Tensor host_images;
+  if (data.device_cached() && be.device() != Device::kCpu) {
     // --cache device: the tiles are on the device; only the draws (records) and labels go up.
     SLIDE_RETURN_IF_ERROR(data.load_batch_on_device(be, idx, augment, seed, &b.images, &b.host_labels));
-    if (zero_labels) std::fill_n(b.host_labels.data<int32_t>(), b.host_labels.numel(), 0);
-    SLIDE_ASSIGN_OR_RETURN(b.labels, to_device(be, b.host_labels, "labels"));
-    return b;
+  } else {
+    // A host backend's tensors are host memory: decoded straight into its allocator.
+    Allocator& alloc = be.device() == Device::kCpu ? be.allocator() : cpu_allocator();
+    SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, alloc, &host_images, &b.host_labels));
   }
-  Tensor host_images;
-  SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, cpu_allocator(), &host_images, &b.host_labels));
   if (zero_labels) std::fill_n(b.host_labels.data<int32_t>(), b.host_labels.numel(), 0);
-  SLIDE_ASSIGN_OR_RETURN(b.images, to_device(be, host_images, "images"));
+  // On a host backend to_device returns the tensor itself: images and labels are the host's.
+  if (!b.images.defined()) {
+    SLIDE_ASSIGN_OR_RETURN(b.images, to_device(be, host_images, "images"));
+  }
   SLIDE_ASSIGN_OR_RETURN(b.labels, to_device(be, b.host_labels, "labels"));
   return b;
 }

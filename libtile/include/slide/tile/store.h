@@ -126,6 +126,11 @@ struct SlideRecord {
   std::string status = "complete";
 };
 
+// The side in level-0 px of a tile of `tile_size_px` px at the record's tile resolution
+// (tile_size_px x tile_mpp_um / source_mpp_um, rounded); tile_size_px when either mpp is unknown
+// (patches). The bags' and predictions' patch_size_level0.
+int32_t tile_size_level0_px(const SlideRecord& record, int64_t tile_size_px);
+
 // JSON (nlohmann) round trip of a slide record; from_json errors are kDataLoss.
 std::string slide_record_to_json(const SlideRecord& record);
 [[nodiscard]] Result<SlideRecord> slide_record_from_json(const std::string& json);

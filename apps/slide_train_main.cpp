@@ -10,6 +10,7 @@
 // NaN or inf in a loss, a gradient, a learning rate, loaded weights or a bag stops the run (exit 1)
 // before anything non-finite is written.
 #include <CLI/CLI.hpp>
+#include <omp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -163,7 +164,8 @@ int run_main(int argc, char** argv) {
   slide::apps::TileInferenceOptions pred;
   auto* predict = app.add_subcommand(
       "predict", "A checkpoint's per-tile probabilities on new slides (no labels needed): CSVs, per-slide HDF5 and "
-                 "heatmaps; metrics too when every slide has a label");
+                 "heatmaps; with --features, an attention-MIL checkpoint's per-slide probabilities and attention; "
+                 "metrics too when every slide has a label");
   predict->add_option("--checkpoint", pred.checkpoint,
                       "A checkpoints/epoch-E-step-S directory, or a weights file: a run's best.safetensors or a "
                       "checkpoint's model.safetensors")
@@ -177,7 +179,9 @@ int run_main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   predict->add_option("--batch-size", pred.batch, "Tiles per forward pass")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  predict->add_option("--threads", pred.threads, "Decode threads")->capture_default_str()->check(CLI::PositiveNumber);
+  predict->add_option("--decode-threads,--threads", pred.threads,
+                      "Threads decoding the tiles (JPEG) one batch ahead of compute (--threads: the old name)")
+      ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
   predict->add_flag("--overwrite", pred.overwrite,
                     "Replace an earlier prediction in --out (its CSVs, metrics.json, predictions/ and heatmaps/)");
   bool predict_no_fused = false, no_heatmaps = false;
@@ -185,6 +189,8 @@ int run_main(int argc, char** argv) {
                     "Logits through the training engine's forward instead of the fused inference path");
   predict->add_flag("--no-heatmaps", no_heatmaps, "Do not draw the per-class heatmaps");
   slide::apps::add_backend_options(*predict, &pred.backend, &pred.device);
+  slide::apps::MilEvaluateOptions mil_pred;  // predict --features: an ABMIL checkpoint on bags of new slides
+  slide::apps::add_mil_evaluate_options(*predict, &mil_pred);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
@@ -230,7 +236,14 @@ int run_main(int argc, char** argv) {
       ->check(CLI::Range(2, 1000));
   app.add_option("--fold", fold, "With --folds K: the fold (0..K-1) that is validation; the others train")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--threads", threads, "Decode threads")->capture_default_str();
+  app.add_option("--decode-threads,--threads", threads,
+                 "Threads decoding (JPEG) and augmenting the tiles of the next batches (--threads: the old name; "
+                 "the last one given counts)")
+      ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
+  int compute_threads = 0;
+  app.add_option("--compute-threads", compute_threads,
+                 "Compute threads of the cpu backend (oneDNN's OpenMP threads); 0: OMP_NUM_THREADS, else every core")
+      ->capture_default_str()->check(CLI::Range(0, 4096));
   slide::apps::add_backend_options(app, &backend, &device);
   app.add_option("--memory-budget", budget,
                  "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
@@ -298,6 +311,7 @@ int run_main(int argc, char** argv) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
   slide::core::set_log_json(log_json);
+  if (compute_threads > 0) omp_set_num_threads(compute_threads);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
   if (sweep->parsed()) {
     std::error_code ec;
@@ -312,6 +326,12 @@ int run_main(int argc, char** argv) {
     ev.overwrite = eval_overwrite;
     ev.test_fraction = eval_test_fraction, ev.seed = eval_seed;
     return slide::apps::run_tile_inference(ev, /*predict=*/false);
+  }
+  if (predict->parsed() && !mil_pred.features.empty()) {
+    if (!pred.data.empty()) return fail(slide::core::invalid_argument("predict takes --data (tile stores) or --features "
+                                                                      "(feature bags), not both"));
+    return slide::apps::run_mil_evaluate(pred.checkpoint, mil_pred, pred.labels, pred.out, pred.backend, pred.overwrite,
+                                         /*predict=*/true);
   }
   if (predict->parsed()) {
     pred.fused = !predict_no_fused, pred.heatmaps = !no_heatmaps;
@@ -594,7 +614,8 @@ int run_main(int argc, char** argv) {
   if (sync_bn && comm->world_size() > 1) run.model->set_batch_norm_sync(comm.get());
   slide::core::log_info("training", {{"ranks", comm->world_size()}, {"dist", comm->name()}, {"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
-                                     {"steps_per_epoch", steps_per_epoch}, {"backend", (*be)->name()}});
+                                     {"steps_per_epoch", steps_per_epoch}, {"backend", (*be)->name()},
+                                     {"decode_threads", threads}, {"compute_threads", omp_get_max_threads()}});
   for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
     TrainOptions to;
     to.batch_size = batch;

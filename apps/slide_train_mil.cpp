@@ -118,15 +118,15 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     SLIDE_ASSIGN_OR_RETURN(std::vector<int32_t> coords, ds.coords(i));
     const std::string h5 = slide::cache::bag_file_name(bag.slide_id);
     const std::string png = fs::path(h5).stem().string() + ".png";
-    SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, classes[static_cast<size_t>(bag.label)],
-                                             classes[pred], std::vector<double>(p, p + k), attention[i], coords));
+    const std::string label = bag.label == kNoLabel ? "" : classes[static_cast<size_t>(bag.label)];
+    SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred], std::vector<double>(p, p + k), attention[i], coords));
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
     SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes.tile_size_l0_px,
                                         path == paths.end() ? "" : path->second, bag.slide_id, &grid_fallbacks));
     // The full slide id (quoted as RFC 4180 where needed); file names follow slide_file_stem.
-    std::string line = slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," +
-                       classes[static_cast<size_t>(bag.label)] + "," + std::to_string(bag.tiles);
+    std::string line =
+        slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," + label + "," + std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + slide::apps::probability_text(p[c]);
     csv += line + "," + classes[pred] + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
   }
@@ -382,7 +382,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
 
 void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* o) {
   evaluate.add_option("--features", o->features,
-                      "Feature-bag directories: evaluate an attention-MIL checkpoint (slide-train --features) on them")
+                      "Feature-bag directories: run an attention-MIL checkpoint (slide-train --features) on them")
       ->check(CLI::ExistingDirectory);
   evaluate.add_option("--slide-stores", o->slide_stores,
                       "With --features: tile stores locating the slides, for heatmaps over their thumbnails")
@@ -392,21 +392,18 @@ void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* o) {
 }
 
 int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o, const std::string& labels_csv,
-                     const std::string& out, const std::string& backend, bool overwrite) {
-  auto text = slide::core::read_file(checkpoint + "/state.json");
-  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
-  const nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
-  if (state.is_discarded())
-    return fail(slide::core::data_loss(checkpoint + "/state.json: not JSON (not a slide-train checkpoint record)"));
-  if (auto s = validate_run_state(checkpoint + "/state.json", state); !s.ok()) return fail(s);
+                     const std::string& out, const std::string& backend, bool overwrite, bool predict) {
+  auto ck = open_checkpoint_record(checkpoint);
+  if (!ck.ok()) return fail(ck.status());
+  const nlohmann::json& state = ck->state;
   if (state["model"] != "abmil")
-    return fail(slide::core::invalid_argument(checkpoint + "/state.json: not a slide-train --features (ABMIL) checkpoint"));
+    return fail(slide::core::invalid_argument(ck->state_file + ": not a slide-train --features (ABMIL) checkpoint"));
   auto out_lock = claim_eval_dir(out, overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto be = open_host_backend(backend);
   if (!be.ok()) return fail(be.status());
-  auto ds = BagDataset::open(o.features, labels_csv, classes);
+  auto ds = BagDataset::open(o.features, labels_csv, classes, /*allow_unlabelled=*/predict);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   AbmilConfig mc;
   mc.in_features = state["mil"]["in_features"].get<int64_t>();
@@ -422,14 +419,18 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   std::vector<Parameter*> params;
   std::vector<Buffer*> buffers;
   (*model)->collect("", &params, &buffers);
-  if (auto s = load_safetensors(checkpoint + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
-  const std::vector<std::string> split((*ds)->bags().size(), "eval");
+  if (auto s = load_safetensors(ck->weights, named(params, buffers)); !s.ok()) return fail(s);
+  const std::vector<std::string> split((*ds)->bags().size(), predict ? "predict" : "eval");
   auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch, o.slide_stores);
   if (!st.ok()) return fail(st.status());
+  if (!(*ds)->labelled()) {  // predict on new slides: probabilities and attention, no metrics
+    slide::core::log_info("predicted", {{"bags", static_cast<int64_t>((*ds)->bags().size())}, {"out", out}});
+    return kExitOk;
+  }
   const nlohmann::json metrics = {{"bags", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
                                   {"balanced_accuracy", st->balanced_accuracy},
                                   {"roc_auc", slide::apps::metric_or_null(st->roc_auc)},
-                                  {"recall", slide::apps::metrics_or_null(st->recall)}, {"classes", classes}, {"checkpoint", checkpoint}};
+                                  {"recall", slide::apps::metrics_or_null(st->recall)}, {"classes", classes}, {"checkpoint", ck->weights}};
   if (auto s = slide::core::write_file_atomic(out + "/metrics.json", metrics.dump(2) + "\n"); !s.ok()) return fail(s);
   slide::core::log_info("evaluated", {{"bags", st->samples}, {"accuracy", st->accuracy},
                                       {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});

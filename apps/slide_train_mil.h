@@ -50,22 +50,27 @@ void add_mil_options(CLI::App& app, MilOptions* options);
 // written first; --resume continues exactly).
 int run_mil_training(const CLI::App& app, MilOptions options, const std::atomic<bool>* cancel);
 
-// slide-train evaluate --features BAGS... --checkpoint CK --out DIR: an attention-MIL checkpoint
-// over bags (labels from the bags or --labels, matched to the checkpoint's classes by name).
+// slide-train evaluate|predict --features BAGS... --checkpoint CK --out DIR: an attention-MIL
+// checkpoint over bags (labels from the bags or --labels, matched to the checkpoint's classes by
+// name; predict needs none).
 struct MilEvaluateOptions {
   std::vector<std::string> features;
   std::vector<std::string> slide_stores;
   int prefetch = 2;
 };
-// Adds --features and --slide-stores to the evaluate subcommand and makes its --data optional
-// (one of the two).
+// Adds --features and --slide-stores to the evaluate or predict subcommand and makes its --data
+// optional (one of the two).
 void add_mil_evaluate_options(CLI::App& evaluate, MilEvaluateOptions* options);
 // Writes OUT/predictions.csv (per bag: label, probabilities, prediction), OUT/<bag>.h5 (its
 // attention) and OUT/<bag>.png (heatmap), OUT/metrics.json (loss, accuracy, balanced accuracy,
-// ROC AUC, recall). Takes OUT's writer lock and refuses an earlier evaluation there unless
-// `overwrite` (train_common.h, claim_eval_dir). Returns the exit code: 0 ok, 1 failed (another
-// process writing OUT included), 2 bad input.
+// ROC AUC, recall). `checkpoint`: as train_common.h's open_checkpoint_record takes it (a
+// checkpoint directory, its model.safetensors, or a run's best.safetensors). With `predict`
+// (slide-train predict --features: new slides), bags need no label: an unlabelled bag's label
+// column and attribute are empty, and metrics.json is written only when every bag has a label.
+// Takes OUT's writer lock and refuses an earlier evaluation there unless `overwrite`
+// (train_common.h, claim_eval_dir). Returns the exit code: 0 ok, 1 failed (another process
+// writing OUT included), 2 bad input.
 int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& options, const std::string& labels_csv,
-                     const std::string& out, const std::string& backend, bool overwrite);
+                     const std::string& out, const std::string& backend, bool overwrite, bool predict = false);
 
 }  // namespace slide::apps

@@ -38,26 +38,6 @@ int fail(const Status& s) {
 }
 
 // A checkpoint as given: its weights file and the state.json that describes its model.
-struct ResolvedCheckpoint {
-  std::string weights, state_file;
-};
-
-// A checkpoint directory (model.safetensors + state.json), a weights file inside one, or a run's
-// best.safetensors (described by the newest complete checkpoint of the run's checkpoints/).
-Result<ResolvedCheckpoint> resolve_checkpoint(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) return ResolvedCheckpoint{path + "/model.safetensors", path + "/state.json"};
-  const fs::path file(path);
-  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
-  if (fs::exists(dir / "state.json", ec)) return ResolvedCheckpoint{path, (dir / "state.json").string()};
-  const auto checkpoints = list_checkpoints((dir / "checkpoints").string());
-  if (!checkpoints.empty()) return ResolvedCheckpoint{path, (checkpoints.back() / "state.json").string()};
-  return slide::core::invalid_argument(
-      "--checkpoint " + path +
-      ": a weights file needs its model's description: give a checkpoints/epoch-E-step-S directory, its "
-      "model.safetensors, or a run's best.safetensors (next to the run's checkpoints/)");
-}
-
 // A model meets tiles of another size or resolution than it was trained on (state.json's
 // tile_size_px and tile_mpp_um, recorded since this version): the predictions are still made,
 // with a warning, since a CNN takes any size but its features are tied to the scale it learned.
@@ -82,14 +62,12 @@ void warn_on_other_tiles(const nlohmann::json& state, const TileDataset& ds) {
 
 int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   const char* mode = predict ? "predict" : "evaluate";
-  auto ck = resolve_checkpoint(o.checkpoint);
+  auto ck = open_checkpoint_record(o.checkpoint);
   if (!ck.ok()) return fail(ck.status());
-  auto text = slide::core::read_file(ck->state_file);
-  if (!text.ok()) return fail(text.status().with_context("--checkpoint (a checkpoints/epoch-E-step-S directory)"));
-  nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
-  if (state.is_discarded())
-    return fail(slide::core::data_loss(ck->state_file + ": not JSON (not a slide-train checkpoint record)"));
-  if (auto s = validate_run_state(ck->state_file, state); !s.ok()) return fail(s);
+  const nlohmann::json& state = ck->state;
+  if (state["model"] == "abmil")
+    return fail(slide::core::invalid_argument("--checkpoint " + o.checkpoint +
+                                              " is an attention-MIL model: give its feature bags with --features"));
   auto be = open_backend(o.backend, o.device);  // before the output directory is touched
   if (!be.ok()) return fail(be.status());
   auto lock = claim_eval_dir(o.out, o.overwrite);

@@ -256,6 +256,32 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
   return c.status();
 }
 
+slide::core::Result<CheckpointRecord> open_checkpoint_record(const std::string& path) {
+  CheckpointRecord r;
+  std::error_code ec;
+  const fs::path file(path);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  if (fs::is_directory(path, ec)) {
+    r.weights = path + "/model.safetensors", r.state_file = path + "/state.json";
+  } else if (fs::exists(dir / "state.json", ec)) {
+    r.weights = path, r.state_file = (dir / "state.json").string();
+  } else if (const auto checkpoints = list_checkpoints((dir / "checkpoints").string()); !checkpoints.empty()) {
+    r.weights = path, r.state_file = (checkpoints.back() / "state.json").string();
+  } else {
+    return slide::core::invalid_argument(
+        "--checkpoint " + path +
+        ": a weights file needs its model's description: give a checkpoints/epoch-E-step-S directory, its "
+        "model.safetensors, or a run's best.safetensors (next to the run's checkpoints/)");
+  }
+  SLIDE_ASSIGN_OR_RETURN_CTX(const std::string text, slide::core::read_file(r.state_file),
+                             "--checkpoint (a checkpoints/epoch-E-step-S directory)");
+  r.state = nlohmann::json::parse(text, nullptr, false);
+  if (r.state.is_discarded())
+    return slide::core::data_loss(r.state_file + ": not JSON (not a slide-train checkpoint record)");
+  SLIDE_RETURN_IF_ERROR(validate_run_state(r.state_file, r.state));
+  return r;
+}
+
 std::vector<NamedTensor> named(const std::vector<Parameter*>& ps, const std::vector<Buffer*>& bs) {
   std::vector<NamedTensor> out;
   for (auto* p : ps) out.push_back({p->name, &p->value});

@@ -94,6 +94,18 @@ std::string probability_text(float p);
 // first field that is wrong ("state.json: field 'epoch' is "x", expected an integer >= 0").
 [[nodiscard]] slide::core::Status validate_run_state(const std::string& file, const nlohmann::json& state);
 
+// A checkpoint given to evaluate or predict (--checkpoint), with its model's description:
+// `path` is a checkpoints/epoch-E-step-S directory (model.safetensors + state.json), a weights
+// file inside one, or a run's best.safetensors (described by the newest complete checkpoint of
+// the run's checkpoints/). The state.json is read and checked (validate_run_state).
+struct CheckpointRecord {
+  std::string weights, state_file;
+  nlohmann::json state;
+};
+// Errors: kInvalidArgument (a weights file without a description next to it, saying what to
+// give), the file's (kNotFound), kDataLoss (state.json not JSON, or not a checkpoint record).
+[[nodiscard]] slide::core::Result<CheckpointRecord> open_checkpoint_record(const std::string& path);
+
 // The parameters, then the buffers, as named tensors for safetensors (pointers into them).
 std::vector<slide::train::NamedTensor> named(const std::vector<slide::train::Parameter*>& ps,
                                              const std::vector<slide::train::Buffer*>& bs);

@@ -145,7 +145,8 @@ void Abmil::release() {
 
 Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::string>& dirs,
                                                      const std::string& labels_csv,
-                                                     const std::vector<std::string>& class_names) {
+                                                     const std::vector<std::string>& class_names,
+                                                     bool allow_unlabelled) {
   if (dirs.empty()) return invalid_argument("no bag directories given");
   std::map<std::string, SlideLabelRow> csv;
   if (!labels_csv.empty()) {
@@ -176,10 +177,11 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
   for (Found& f : found) {
     if (!csv.empty()) {
       auto it = csv.find(f.slide_id);
-      if (it == csv.end()) return invalid_argument(labels_csv + ": no row for slide '" + f.slide_id + "' (" + f.path + ")");
-      f.label = it->second.label;
+      if (it != csv.end()) f.label = it->second.label;
+      else if (allow_unlabelled) f.label.clear();
+      else return invalid_argument(labels_csv + ": no row for slide '" + f.slide_id + "' (" + f.path + ")");
     }
-    if (f.label.empty())
+    if (f.label.empty() && !allow_unlabelled)
       return invalid_argument("bag " + f.path + " (slide '" + f.slide_id +
                               "') has no label: give --labels CSV with slide_id,label columns");
     if (!seen_ids.insert(f.slide_id).second)
@@ -189,8 +191,10 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
     if (f.dim != ds->feature_dim_)
       return invalid_argument("bag " + f.path + " has " + std::to_string(f.dim) + " features per tile, " +
                               found.front().path + " has " + std::to_string(ds->feature_dim_));
-    names.insert(f.label);
+    if (!f.label.empty()) names.insert(f.label);
   }
+  if (allow_unlabelled && class_names.empty())
+    return invalid_argument("bags without labels need the model's classes");
   if (class_names.empty()) {
     ds->class_names_.assign(names.begin(), names.end());
     if (ds->class_names_.size() < 2)
@@ -198,7 +202,7 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
   } else {
     ds->class_names_ = class_names;
     for (const Found& f : found)
-      if (std::find(class_names.begin(), class_names.end(), f.label) == class_names.end())
+      if (!f.label.empty() && std::find(class_names.begin(), class_names.end(), f.label) == class_names.end())
         return invalid_argument("bag " + f.path + ": label '" + f.label + "' is not one of the model's " +
                                 std::to_string(class_names.size()) + " classes");
   }
@@ -207,8 +211,9 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
     BagRef b;
     b.path = f.path;
     b.slide_id = f.slide_id;
-    b.label = static_cast<int32_t>(std::find(ds->class_names_.begin(), ds->class_names_.end(), f.label) -
-                                   ds->class_names_.begin());
+    b.label = f.label.empty() ? kNoLabel
+                              : static_cast<int32_t>(std::find(ds->class_names_.begin(), ds->class_names_.end(), f.label) -
+                                                     ds->class_names_.begin());
     b.tiles = f.tiles;
     auto it = csv.find(f.slide_id);
     const std::string group = it != csv.end() && !it->second.patient.empty() ? "patient:" + it->second.patient
@@ -217,6 +222,10 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
     ds->bags_.push_back(std::move(b));
   }
   return ds;
+}
+
+bool BagDataset::labelled() const {
+  return std::none_of(bags_.begin(), bags_.end(), [](const BagRef& b) { return b.label == kNoLabel; });
 }
 
 size_t BagDataset::feature_bytes() const {
@@ -418,7 +427,7 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
                                 std::vector<std::vector<float>>* attention_out) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto C = static_cast<size_t>(data.class_names().size());
-  std::vector<float> probs;
+  std::vector<float> probs, scored;  // every bag's; the labelled bags'
   std::vector<int32_t> labels;
   Tally tally;
   BagPrefetcher prefetch(data, positions, prefetch_depth, be.allocator());
@@ -426,10 +435,16 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
   for (size_t i = 0; i < positions.size(); ++i) {
     const BagRef& bag = data.bags()[positions[i]];
     SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
-    SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, bag.label, false, 0.0));
-    tally.add(sc.probs, bag.label, sc.loss);
+    // A bag without a label is scored against class 0: its probabilities and attention do not
+    // depend on the label; it is left out of the metrics.
+    const int32_t y = bag.label == kNoLabel ? 0 : bag.label;
+    SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, y, false, 0.0));
+    if (bag.label != kNoLabel) {
+      tally.add(sc.probs, y, sc.loss);
+      scored.insert(scored.end(), sc.probs.data<float>(), sc.probs.data<float>() + C);
+      labels.push_back(y);
+    }
     probs.insert(probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + C);
-    labels.push_back(bag.label);
     if (attention_out) {
       const Tensor& a = model.attention();
       attention_out->emplace_back(a.data<float>(), a.data<float>() + a.numel());
@@ -437,7 +452,7 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
   }
   EpochStats st;
   tally.finish(&st, t0);
-  st.roc_auc = macro_roc_auc(probs, labels, static_cast<int64_t>(C));
+  st.roc_auc = labels.empty() ? std::nan("") : macro_roc_auc(scored, labels, static_cast<int64_t>(C));
   if (probs_out) *probs_out = std::move(probs);
   return st;
 }

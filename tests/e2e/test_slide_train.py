@@ -645,6 +645,14 @@ class TestRoughEdges(Base):
                             "--out", os.path.join(self.tmp, "big-pred"), "--no-heatmaps"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("trained on tiles of another size", r.stderr)
+        # Threads are named by what they do: --decode-threads (or the old --threads) and --compute-threads.
+        r = self.train(os.path.join(self.tmp, "threads-run"), "--compute-threads", "1", "--decode-threads", "1",
+                       "--log-json", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rec = [json.loads(l) for l in r.stderr.splitlines() if '"training"' in l][0]
+        self.assertEqual((rec["decode_threads"], rec["compute_threads"]), (1, 1))
+        r = self.train(os.path.join(self.tmp, "threads-bad"), "--compute-threads", "-1", epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
         # --dry-run needs no --out.
         r = subprocess.run([TRAIN, "--data", self.store, "--model", "resnet18", "--batch-size", "64", "--dry-run"],
                            capture_output=True, text=True)

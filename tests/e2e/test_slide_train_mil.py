@@ -215,6 +215,51 @@ class TestLearns(Base):
         r = run_train("evaluate", "--checkpoint", ck, "--out", ev)
         self.assertEqual(r.returncode, 2)
 
+        # predict --features (issue 15): the same bags with their labels removed, as new slides.
+        unl = os.path.join(self.tmp, "unlabelled")
+        shutil.copytree(one, unl)
+        for n in os.listdir(unl):
+            with h5py.File(os.path.join(unl, n), "a") as f:
+                del f.attrs["label"]
+        pr = os.path.join(self.tmp, "predict")
+        r = run_train("predict", "--checkpoint", ck, "--features", unl, "--out", pr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(pr, "metrics.json")))  # no labels, no metrics
+        with open(os.path.join(pr, "predictions.csv")) as f:
+            pr_rows = [l.rstrip("\n").split(",") for l in f][1:]
+        self.assertEqual(len(pr_rows), 10)
+        self.assertTrue(all(r[1] == "predict" and r[2] == "" for r in pr_rows))
+        # The probabilities, predictions and attention equal evaluate's on the labelled bags, bit for bit.
+        self.assertEqual(sorted(r[:1] + r[3:8] for r in pr_rows), sorted(r[:1] + r[3:8] for r in ev_rows))
+        for row in pr_rows:
+            with h5py.File(os.path.join(pr, row[8]), "r") as a, h5py.File(os.path.join(ev, row[8]), "r") as b:
+                np.testing.assert_array_equal(a["attention"][:], b["attention"][:])
+                self.assertEqual(a.attrs["label"], "")
+                self.assertEqual(a.attrs["predicted"], b.attrs["predicted"])
+            self.assertTrue(os.path.exists(os.path.join(pr, row[9])))
+        # With a labels CSV, predict adds metrics: those of evaluate. A run's best.safetensors is accepted.
+        labels = os.path.join(self.tmp, "scc_labels.csv")
+        with open(labels, "w") as f:
+            f.write("slide_id,label\n" + "".join(f"{r[0]},lung_scc\n" for r in pr_rows))
+        pr2 = os.path.join(self.tmp, "predict_labelled")
+        r = run_train("predict", "--checkpoint", os.path.join(ck, "model.safetensors"), "--features", unl,
+                      "--labels", labels, "--out", pr2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(pr2, "metrics.json")) as f:
+            m2 = json.load(f)
+        self.assertEqual({k: v for k, v in m2.items() if k != "checkpoint"},
+                         {k: v for k, v in m.items() if k != "checkpoint"})
+        r = run_train("predict", "--checkpoint", os.path.join(out, "best.safetensors"), "--features", unl,
+                      "--out", os.path.join(self.tmp, "predict_best"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # Both --data and --features, or an ABMIL checkpoint on tile stores: usage errors naming the fix.
+        r = run_train("predict", "--checkpoint", ck, "--features", unl, "--data", unl, "--out", pr + "x")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("not both", r.stderr)
+        r = run_train("predict", "--checkpoint", ck, "--data", unl, "--out", pr + "y")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("attention-MIL model: give its feature bags with --features", r.stderr)
+
 
 class TestStreamedEqualsRam(Base):
     def test_streamed_bags_give_the_weights_of_bags_in_ram(self):

@@ -75,7 +75,7 @@ class Abmil final : public Layer {
 struct BagRef {
   std::string path;      // the .h5 file
   std::string slide_id;
-  int32_t label = 0;     // index into class_names()
+  int32_t label = 0;     // index into class_names(), or kNoLabel (opened with allow_unlabelled)
   uint32_t group = 0;    // its patient's index (labels CSV `patient` column), or its own
   int64_t tiles = 0;     // N
 };
@@ -93,9 +93,15 @@ class BagDataset {
   // each; a bag with no label and no CSV row, naming it; a CSV without slide_id/label columns or
   // with a duplicate slide id, naming file and line; without `class_names`, fewer than two
   // classes; with them, a label that is not one of them, naming the bag).
+  // With `allow_unlabelled` (slide-train predict: a checkpoint on new slides; needs
+  // `class_names`), a bag with no label (no attribute and no CSV row) is listed with label
+  // kNoLabel instead of being an error; labelled() then tells whether every bag has one.
   [[nodiscard]] static Result<std::unique_ptr<BagDataset>> open(const std::vector<std::string>& dirs,
                                                                 const std::string& labels_csv = "",
-                                                                const std::vector<std::string>& class_names = {});
+                                                                const std::vector<std::string>& class_names = {},
+                                                                bool allow_unlabelled = false);
+  // Whether every bag has a label (always true unless opened with allow_unlabelled).
+  bool labelled() const;
 
   const std::vector<std::string>& class_names() const { return class_names_; }
   const std::vector<BagRef>& bags() const { return bags_; }
@@ -152,7 +158,9 @@ struct MilTrainOptions {
                                                  const BagDataset& data, const std::vector<size_t>& positions,
                                                  const MilTrainOptions& options, uint64_t epoch_seed);
 
-// Inference over `positions` in order: loss, accuracy, balanced accuracy, recall, macro ROC AUC.
+// Inference over `positions` in order: loss, accuracy, balanced accuracy, recall, macro ROC AUC
+// (over the bags that have a label; with none of them, samples = 0 and ROC AUC NaN: bags without a
+// label, kNoLabel, get probabilities and attention only).
 // With `probs_out`, the softmax probabilities (positions.size() x classes, row-major); with
 // `attention_out`, each bag's attention weights (N values, summing to 1).
 [[nodiscard]] Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& data,

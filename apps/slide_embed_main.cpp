@@ -105,11 +105,14 @@ int run_main(int argc, char** argv) {
                  "A slide-train checkpoint directory (checkpoints/epoch-E-step-S), or a safetensors file with "
                  "torchvision names (scripts/convert_torchvision_weights.py makes one from a .pth)")
       ->required();
-  app.add_option("--model", model, "Architecture of a safetensors --weights file: resnet18, resnet34, resnet50 "
-                                   "(a checkpoint names its own); or a Vision Transformer with timm's names: vit "
-                                   "(any; the architecture is read from the weights), vit-b16, vit-l16, uni (UNI, "
-                                   "ViT-L/16 with layer scale)");
-  int vit_heads = 0;
+  app.add_option("--model", model,
+                 "Architecture of a safetensors --weights file: resnet18, resnet34, resnet50 (a checkpoint names its "
+                 "own); or a Vision Transformer with timm's names, one of " + slide::train::vit_preset_list() +
+                     " (vit: any, the architecture read from the weights; uni: UNI, ViT-L/16; uni2-h: UNI2-h, "
+                     "ViT-g/14; virchow2: Virchow2, ViT-H/14, class token + mean; gigapath: Prov-GigaPath's tile "
+                     "encoder, ViT-g/16; hoptimus0: H-optimus-0, ViT-g/14, its own mean/std). Tiles of another size "
+                     "than the encoder's input are resized to it (bicubic, antialiased, as PIL)");
+  int vit_heads = 0, vit_image_size = 0;
   std::string vit_pool, backend = "cpu";
   int device = -1;
   slide::apps::add_backend_options(app, &backend, &device,
@@ -117,6 +120,11 @@ int run_main(int argc, char** argv) {
                                    "the others)");
   app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
       ->check(CLI::Range(1, 1024));
+  app.add_option("--image-size", vit_image_size,
+                 "ViT: run the encoder at this many px (a multiple of its patch size), its positional embedding "
+                 "resampled from the weights' grid as timm does (bicubic, antialiased); tiles are resized to it "
+                 "(default: the weights' size)")
+      ->check(CLI::Range(1, 65536));
   app.add_option("--pool", vit_pool, "ViT: features from the class token (token, the default), the mean of the patch "
                                      "tokens (mean), or both concatenated (token+mean, Virchow's)")
       ->check(CLI::IsMember({"token", "mean", "token+mean"}));
@@ -137,7 +145,9 @@ int run_main(int argc, char** argv) {
   app.add_option("--chunk-rows", opt.bag.chunk_rows, "Rows per HDF5 chunk (the writer buffers one chunk)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--threads", threads, "Compute threads (oneDNN)")->capture_default_str()->check(CLI::Range(1, 1024));
+  app.add_option("--compute-threads,--threads", threads,
+                 "Compute threads (oneDNN's OpenMP threads; --threads: the old name, the last one given counts)")
+      ->capture_default_str()->check(CLI::Range(1, 1024))->take_last();
   app.add_option("--decode-threads", decode_threads, "JPEG decode threads, running one batch ahead of compute")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
@@ -191,7 +201,7 @@ int run_main(int argc, char** argv) {
   slide::train::EmbedModel loaded;
   if (slide::train::is_vit_preset(model)) {
     if (!layer.empty()) return fail(slide::core::invalid_argument("--layer applies to CNNs; a ViT takes --pool"));
-    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, std::move(be));
+    auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, std::move(be), vit_image_size);
     if (!vit.ok()) return fail(vit.status());
     auto sha = slide::train::sha256_file(weights);
     if (!sha.ok()) return fail(sha.status());
@@ -201,6 +211,8 @@ int run_main(int argc, char** argv) {
                                   {"heads", static_cast<int64_t>(c.heads)},
                                   {"patch", static_cast<int64_t>(c.patch_size)},
                                   {"image", static_cast<int64_t>(c.image_size)},
+                                  {"weights_image", static_cast<int64_t>(c.source_image_size > 0 ? c.source_image_size
+                                                                                                 : c.image_size)},
                                   {"register_tokens", static_cast<int64_t>(c.reg_tokens)},
                                   {"layer_scale", c.layer_scale ? "yes" : "no"}});
     loaded.model = model;
@@ -209,8 +221,9 @@ int run_main(int argc, char** argv) {
     loaded.weights_sha256 = *sha;
     encoder = std::move(*vit);
   } else {
-    if (vit_heads > 0 || !vit_pool.empty())
-      return fail(slide::core::invalid_argument("--heads and --pool apply to ViTs (--model vit, vit-b16, vit-l16, uni)"));
+    if (vit_heads > 0 || !vit_pool.empty() || vit_image_size > 0)
+      return fail(slide::core::invalid_argument("--heads, --pool and --image-size apply to ViTs (--model " +
+                                                slide::train::vit_preset_list() + ")"));
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());
     loaded = std::move(*cnn);

@@ -250,7 +250,8 @@ int run_main(int argc, char** argv) {
   app.add_option("--jpeg-quality", opt.jpeg_quality, "JPEG quality 1..100")->capture_default_str()->check(CLI::Range(1, 100));
   app.add_flag("--no-passthrough", no_passthrough,
                "Always decode and re-encode, even when the grid is aligned with the slide's own JPEG tiles");
-  app.add_option("--threads", threads, "Reader/encoder threads (one more thread writes)")
+  app.add_option("--threads", threads,
+                 "Worker threads that read tiles from the slides and encode them (JPEG); one more thread writes")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
   app.add_option("--shard", shard, "Write only slides k with k % N == i, as i/N (one store per shard)")->capture_default_str();

@@ -3,7 +3,8 @@
 # truncated ResNet-50, layer3 + global average pooling, 1024-d), in one run, same thread count:
 #  1. compute only: 224-px tiles, batch 32, tiles/s of each and the ratio (target >= 2x), and the
 #     fraction of the machine's measured FP32 peak (oneDNN sgemm on the same threads) each reaches;
-#  2. end to end from a store (LMDB read + JPEG decode on worker threads + forward + HDF5 bags):
+#  2. Vision Transformers (ViT-B/16, ViT-L/16), compute only, against torchvision's on the same threads;
+#  3. end to end from a store (LMDB read + JPEG decode on worker threads + forward + HDF5 bags):
 #     CMU-1-Small-Region tiled at 0.5 um/px into 224-px tiles, slide-embed's tiles/s and peak RSS.
 #
 # usage: bench/embed_bench.sh   (needs a build in $BUILD (default build/) and Debian's python3-torch
@@ -29,6 +30,25 @@ printf 'compute   resnet50/layer3  slide-embed %7.2f tiles/s   pytorch %7.2f til
   "$o" "$p" "$(awk -v a="$o" -v b="$p" 'BEGIN{print a/b}')" \
   "$(awk -v i="$o" -v g="$gmacs" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')" \
   "$(awk -v i="$p" -v g="$gmacs" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')"
+
+# Vision Transformers, compute only: torchvision's vit_b_16 / vit_l_16 (the peer) against libtrain's
+# VisionTransformer of the same shape (embed_step), 224 px, class-token features, batch 16. The peer's
+# matrix products go through the system BLAS: say which (install-deps.sh --bench installs OpenBLAS).
+blas=$(readlink -f /etc/alternatives/libblas.so.3-x86_64-linux-gnu 2>/dev/null || echo unknown)
+echo "pytorch's BLAS: $blas"
+case "$blas" in *openblas*|*mkl*|*blis*) ;; *) echo "warning: the peer runs on the reference BLAS: its ViT figures are not a fair peer";; esac
+# Multiply-adds per 224-px image (197 tokens): ViT-B/16 17.6G, ViT-L/16 61.6G (Dosovitskiy et al. 2021).
+for spec in vit_b_16:17.6 vit_l_16:61.6; do
+  m=${spec%%:*}; g=${spec##*:}
+  ours=$("$build/bench/embed_step" --model "$m" --batch 16 --size 224 --steps 3)
+  peer=$(/usr/bin/python3 "$shared/peers/torch_peer.py" embed --model "$m" --batch 16 --size 224 \
+           --threads "$threads" --steps 3)
+  o=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$ours"); p2=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$peer")
+  printf 'compute   %-16s slide-embed %7.2f tiles/s   pytorch %7.2f tiles/s   ratio %.2fx (target >= 1.5x)   of peak: %4.1f%% vs %4.1f%%\n' \
+    "$m" "$o" "$p2" "$(awk -v a="$o" -v b="$p2" 'BEGIN{print a/b}')" \
+    "$(awk -v i="$o" -v g="$g" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')" \
+    "$(awk -v i="$p2" -v g="$g" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')"
+done
 
 # End to end from a store.
 "$build/apps/slide-tile" "$here/sample_data/slides/CMU-1-Small-Region.svs" --mpp 0.5 --tile-size 224 --min-tissue 0 \

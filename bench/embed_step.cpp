@@ -4,6 +4,8 @@
 // layouts); prints the median images/s over the timed batches (the first is warm-up, and compiles).
 //
 // usage: embed_step [--model resnet50] [--layer layer3] [--batch 32] [--size 224] [--steps 6]
+//   --model vit_b_16 | vit_l_16: torchvision's ViT-B/16 and ViT-L/16 (the peer's names) as
+//   libtrain's VisionTransformer (vit.h) on the cpu backend, random weights, class-token features.
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
 #include <algorithm>
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "slide/train/embed.h"
+#include "slide/train/vit.h"
 
 using namespace slide::train;
 
@@ -29,6 +32,46 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--size")) size = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
   }
+  std::vector<float> x(static_cast<size_t>(batch * 3 * size * size));
+  std::mt19937 g(0);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& v : x) v = nd(g);
+  std::vector<double> times;
+  auto report = [&](const std::string& what, int64_t dim) {
+    std::vector<double> timed(times.begin() + 1, times.end());
+    std::sort(timed.begin(), timed.end());
+    const double med = timed[timed.size() / 2];
+    std::printf("mode=embed model=%s layer=%s batch=%lld size=%lld feature_dim=%lld images_per_s=%.2f\n", model.c_str(),
+                what.c_str(), static_cast<long long>(batch), static_cast<long long>(size),
+                static_cast<long long>(dim), static_cast<double>(batch) / med);
+  };
+  auto die = [](const slide::core::Status& s) {
+    std::fprintf(stderr, "%s\n", s.to_string().c_str());
+    return 1;
+  };
+  if (model == "vit_b_16" || model == "vit_l_16") {
+    VitConfig c;  // torchvision's vit_b_16 / vit_l_16 (Dosovitskiy et al. 2021), timm's layout
+    c.image_size = static_cast<int>(size);
+    if (model == "vit_l_16") c.width = 1024, c.depth = 24, c.heads = 16, c.mlp_hidden = 4096;
+    auto be = make_backend("cpu");
+    if (!be.ok()) return die(be.status());
+    auto vit = VisionTransformer::create(**be, c);
+    if (!vit.ok()) return die(vit.status());
+    std::normal_distribution<float> w(0.f, 0.02f);
+    for (const NamedTensor& p : (*vit)->named_parameters())
+      for (int64_t i = 0; i < p.tensor->numel(); ++i) const_cast<Tensor*>(p.tensor)->data<float>()[i] = w(g);
+    auto in = Tensor::empty({batch, 3, size, size}, DType::kF32, cpu_allocator(), "images");
+    auto out = Tensor::empty({batch, c.feature_dim()}, DType::kF32, cpu_allocator(), "features");
+    if (!in.ok() || !out.ok()) return die(in.ok() ? out.status() : in.status());
+    std::copy(x.begin(), x.end(), in->data<float>());
+    for (int s = 0; s <= steps; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (auto st = (*vit)->forward(*in, *out); !st.ok()) return die(st);
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    report("token", c.feature_dim());
+    return 0;
+  }
   if (layer.empty()) layer = default_layer(model);
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
   auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 1000, 0);
@@ -41,26 +84,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", ex.status().to_string().c_str());
     return 1;
   }
-  std::vector<float> x(static_cast<size_t>(batch * 3 * size * size));
-  std::mt19937 g(0);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (auto& v : x) v = nd(g);
   std::vector<float> f(static_cast<size_t>(batch * (*ex)->feature_dim()));
-  std::vector<double> times;
   for (int s = 0; s <= steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto st = (*ex)->extract(x.data(), batch, size, size, f.data());
-    if (!st.ok()) {
-      std::fprintf(stderr, "%s\n", st.to_string().c_str());
-      return 1;
-    }
+    if (auto st = (*ex)->extract(x.data(), batch, size, size, f.data()); !st.ok()) return die(st);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::vector<double> timed(times.begin() + 1, times.end());
-  std::sort(timed.begin(), timed.end());
-  const double med = timed[timed.size() / 2];
-  std::printf("mode=embed model=%s layer=%s batch=%lld size=%lld feature_dim=%lld images_per_s=%.2f\n", model.c_str(),
-              layer.c_str(), static_cast<long long>(batch), static_cast<long long>(size),
-              static_cast<long long>((*ex)->feature_dim()), static_cast<double>(batch) / med);
+  report(layer, (*ex)->feature_dim());
   return 0;
 }

@@ -17,7 +17,9 @@ packages=(
   clang libclang-rt-14-dev  # the fuzz targets (tests/fuzz/: clang++ and its libFuzzer runtime)
 )
 # Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
-bench_packages=(python3-opencv libvips-tools time)
+# libopenblas0-pthread: Debian's PyTorch runs a ViT's matrix products through the system BLAS
+# (about 50x slower on the reference BLAS), so the ViT peer gets OpenBLAS.
+bench_packages=(python3-opencv libvips-tools time libopenblas0-pthread)
 
 want=("${packages[@]}")
 if [[ "${1:-}" == "--bench" ]]; then want+=("${bench_packages[@]}"); fi

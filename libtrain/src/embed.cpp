@@ -27,6 +27,8 @@
 #include "slide/core/csv.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/dataset.h"
+#include "slide/train/resample.h"
+#include "slide/train/vit.h"
 
 namespace slide::train {
 
@@ -619,7 +621,8 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
     if (fc != shapes.end() && fc->second.size() == 2) classes = fc->second[0];
   }
   Result<std::unique_ptr<Sequential>> net = invalid_argument("model '" + out.model +
-                                                             "' is not one of resnet18, resnet34, resnet50, small");
+                                                             "' is not one of resnet18, resnet34, resnet50, small (or a ViT: " +
+                                                             vit_preset_list() + ")");
   if (out.model == "small") net = make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, 0);
   if (out.model == "resnet18") net = make_resnet(cpu_allocator(), DType::kF32, 18, classes, 0);
   if (out.model == "resnet34") net = make_resnet(cpu_allocator(), DType::kF32, 34, classes, 0);
@@ -655,9 +658,11 @@ struct SlideJob {
   slide::tile::SlideRecord record;
 };
 
-// Decodes tile `index` of `store` into `dst` (3 x S x S, normalised) and its coordinates.
+// Decodes tile `index` of `store` (S x S px) into `dst` (3 x E x E, normalised) and its
+// coordinates. With a resizer (S != E: the encoder's input size) the decoded 8-bit tile is first
+// resized to E x E as PIL's Image.resize(BICUBIC) (resample.h), on the calling decode thread.
 Status decode_into(const slide::tile::StoreReader& store, const std::string& store_dir, uint64_t index, int64_t S,
-                   const float (*lut)[256], float* dst, int64_t* xy) {
+                   const BicubicResizer* resizer, const float (*lut)[256], float* dst, int64_t* xy) {
   slide::tile::TileHeader hdr;
   std::vector<uint8_t> payload;
   const std::string where = "store " + store_dir + ": tile " + std::to_string(index);
@@ -673,8 +678,16 @@ Status decode_into(const slide::tile::StoreReader& store, const std::string& sto
   if (img.width != S || img.height != S)
     return slide::core::data_loss(where + " is " + std::to_string(img.width) + "x" + std::to_string(img.height) +
                                   ", not " + std::to_string(S) + "x" + std::to_string(S));
-  const int64_t plane = S * S;
   const uint8_t* px = img.pixels.data();
+  int64_t E = S;
+  if (resizer != nullptr) {
+    thread_local std::vector<uint8_t> resized, scratch;  // per decode thread, reused across tiles
+    E = resizer->out_w();
+    resized.resize(static_cast<size_t>(3 * E * E));
+    resizer->resize(px, resized.data(), scratch);
+    px = resized.data();
+  }
+  const int64_t plane = E * E;
   for (int64_t i = 0; i < plane; ++i) {
     dst[i] = lut[0][px[3 * i]];
     dst[plane + i] = lut[1][px[3 * i + 1]];
@@ -696,15 +709,29 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   if (opt.stores.empty()) return invalid_argument("no tile stores given");
   if (opt.batch < 1) return invalid_argument("--batch-size must be at least 1");
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores;
+  // Tiles of another size than the encoder's input are resized to it on the decode threads, as
+  // the encoders' own transforms do (PIL's bicubic, antialiased: resample.h); one resizer (its
+  // weights precomputed) per tile size, shared by the threads.
+  const int64_t need = extractor.input_size();
+  std::map<int64_t, std::unique_ptr<const BicubicResizer>> resizers;
   for (const auto& dir : opt.stores) {
     SLIDE_ASSIGN_OR_RETURN_CTX(auto r, slide::tile::StoreReader::open(dir), "store " + dir);
-    const int64_t need = extractor.input_size(), have = r->meta().tile_size_px;
-    if (need > 0 && have != need)
-      return invalid_argument("store " + dir + " holds " + std::to_string(have) + " px tiles, but the encoder takes " +
-                              std::to_string(need) + " px: tile the slides again with --tile-size " +
-                              std::to_string(need) + " (slide-embed does not resize tiles yet)");
+    const int64_t have = r->meta().tile_size_px;
+    if (need > 0 && have != need) {
+      if (resizers.count(have) == 0) {
+        SLIDE_ASSIGN_OR_RETURN_CTX(BicubicResizer rs, BicubicResizer::create(have, have, need, need), "store " + dir);
+        resizers.emplace(have, std::make_unique<const BicubicResizer>(std::move(rs)));
+      }
+      slide::core::log_info("tiles of " + std::to_string(have) + " px are resized to " + std::to_string(need) +
+                                " px (bicubic, antialiased, as the encoder's transform)",
+                            {{"store", dir}});
+    }
     stores.push_back(std::move(r));
   }
+  auto resizer_for = [&](int64_t tile_px) -> const BicubicResizer* {
+    auto it = resizers.find(tile_px);
+    return it == resizers.end() ? nullptr : it->second.get();
+  };
   // The slides to embed, and their bag names (which must not collide).
   const std::set<std::string> wanted(opt.slide_ids.begin(), opt.slide_ids.end());
   std::set<std::string> found;
@@ -780,12 +807,17 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       } else {
         const auto& info = (*existing)->info();
         const auto& a = info.attributes;
+        const int64_t tile_px = stores[job.store]->meta().tile_size_px;
+        const int32_t want_input = resizer_for(tile_px) != nullptr ? static_cast<int32_t>(need) : 0;
+        const int32_t had_input = a.encoder_input_px;
         if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
-            info.dtype != opt.bag.dtype || info.feature_dim != D) {
+            info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input) {
+          auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +
               slide::cache::feature_dtype_name(info.dtype) + ", weights " + a.weights_sha256.substr(0, 12) +
-              ": remove it or write to another --out");
+              input(had_input) + " (this run: " + model.model + ", layer " + extractor.layer() + input(want_input) +
+              "): remove it or write to another --out");
         } else {
           o.skipped = true;
           o.tiles = info.num_tiles;
@@ -849,6 +881,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     attrs.layer = extractor.layer();
     attrs.weights_sha256 = model.weights_sha256;
     attrs.tool_version = opt.tool_version;
+    // Tiles resized to the encoder's input: recorded beside tile_size_px (the stored tiles' side).
+    if (resizer_for(S) != nullptr) attrs.encoder_input_px = static_cast<int32_t>(need);
     Open& op = open[j];
     op.start = clock::now();
     // Chunks no larger than the bag: a 20-tile bag is not padded to a 256-row chunk on disk.
@@ -867,7 +901,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     int64_t tile;  // offset in the slide
   };
   struct Batch {
-    int64_t n = 0, S = 0;
+    int64_t n = 0, S = 0, E = 0;  // tiles, their stored side, the side of `images` (the encoder's)
     std::vector<Item> items;
     std::vector<float> images;
     std::vector<int64_t> coords;
@@ -912,17 +946,20 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     }
     b.n = static_cast<int64_t>(b.items.size());
     const int64_t S = b.S;
-    b.images.resize(static_cast<size_t>(b.n * 3 * S * S));
+    const BicubicResizer* resizer = resizer_for(S);
+    const int64_t E = resizer != nullptr ? resizer->out_w() : S;
+    b.E = E;
+    b.images.resize(static_cast<size_t>(b.n * 3 * E * E));
     b.coords.resize(static_cast<size_t>(b.n * 2));
     for (int64_t i = 0; i < b.n; ++i) {
       const SlideJob& job = jobs[b.items[i].job];
       const slide::tile::StoreReader* store = stores[job.store].get();
       const std::string* dir = &opt.stores[job.store];
       const uint64_t index = job.record.first_tile_index + static_cast<uint64_t>(b.items[i].tile);
-      float* dst = b.images.data() + i * 3 * S * S;
+      float* dst = b.images.data() + i * 3 * E * E;
       int64_t* xy = b.coords.data() + 2 * i;
-      b.pending.push_back(
-          pool.submit([store, dir, index, S, &lut, dst, xy] { return decode_into(*store, *dir, index, S, lut, dst, xy); }));
+      b.pending.push_back(pool.submit(
+          [store, dir, index, S, resizer, &lut, dst, xy] { return decode_into(*store, *dir, index, S, resizer, lut, dst, xy); }));
     }
   };
 
@@ -936,7 +973,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       if (!b.statuses[i].ok()) fail_slide(b.items[i].job, b.statuses[i]);
     }
     features.resize(static_cast<size_t>(b.n * D));
-    Status st = extractor.extract(b.images.data(), b.n, b.S, b.S, features.data());
+    Status st = extractor.extract(b.images.data(), b.n, b.E, b.E, features.data());
     if (!st.ok()) {
       for (const Item& it : b.items) fail_slide(it.job, st);
     }

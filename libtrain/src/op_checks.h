@@ -104,4 +104,14 @@ struct MatmulDims {
 // storage.
 [[nodiscard]] Status validate_permute(const Tensor& x, const std::vector<int>& perm, const Tensor& y, DTypes dtypes);
 
+// Multi-head self-attention (Backend::attention_forward): qkv [B*T, 3*C] and out [B*T, C], both
+// plain, of one dtype that `dtypes` allows and on its device, B = batch >= 1 dividing the rows,
+// heads >= 1 dividing C, scale finite, out not sharing qkv's storage. Returns {B, T, H, Dh = C / H}.
+// (Defined in attention.cpp, beside the op's default.)
+struct AttentionDims {
+  int64_t B, T, H, Dh;
+};
+[[nodiscard]] Result<AttentionDims> validate_attention(const Tensor& qkv, int64_t batch, int64_t heads, double scale,
+                                                       const Tensor& out, DTypes dtypes);
+
 }  // namespace slide::train::detail

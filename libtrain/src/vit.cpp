@@ -5,6 +5,9 @@
 #include <cstring>
 #include <string>
 
+#include "slide/core/log.h"
+#include "slide/train/resample.h"
+
 namespace slide::train {
 
 namespace {
@@ -45,6 +48,9 @@ Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be
   vit->blocks_.resize(static_cast<size_t>(c.depth));  // before taking pointers into it
   if (c.class_token) SLIDE_RETURN_IF_ERROR(param(&vit->cls_token_, "cls_token", {1, 1, D}));
   if (c.reg_tokens > 0) SLIDE_RETURN_IF_ERROR(param(&vit->reg_token_, "reg_token", {1, c.reg_tokens, D}));
+  if (c.source_image_size != 0 && (c.source_image_size < c.patch_size || c.source_image_size % c.patch_size != 0))
+    return invalid_argument("ViT: the weights' image size " + std::to_string(c.source_image_size) +
+                            " is not a multiple of patch size " + std::to_string(c.patch_size));
   const int64_t pos_len = c.no_embed_class ? c.grid() * c.grid() : c.tokens();
   SLIDE_RETURN_IF_ERROR(param(&vit->pos_embed_, "pos_embed", {1, pos_len, D}));
   SLIDE_RETURN_IF_ERROR(param(&vit->patch_w_, "patch_embed.proj.weight", {D, 3, P, P}));
@@ -81,20 +87,39 @@ std::vector<NamedTensor> VisionTransformer::named_parameters() const {
 }
 
 Status VisionTransformer::load(const std::string& path) {
+  const int64_t g0 = config_.source_grid(), g = config_.grid(), D = config_.width, prefix = config_.pos_prefix();
+  if (g0 != g) {
+    // pos_embed at the file's grid, resampled on the host to ours (timm's resample_abs_pos_embed),
+    // then the other parameters as they are.
+    SLIDE_ASSIGN_OR_RETURN(Tensor file_pos, Tensor::empty({1, prefix + g0 * g0, D}, DType::kF32, cpu_allocator(),
+                                                          "pos_embed (weights' grid)"));
+    SLIDE_RETURN_IF_ERROR(load_safetensors(path, {{"pos_embed", &file_pos}}));
+    SLIDE_ASSIGN_OR_RETURN(Tensor pos, Tensor::empty(pos_embed_.shape(), DType::kF32, cpu_allocator(), "pos_embed"));
+    SLIDE_RETURN_IF_ERROR(resample_pos_embed(file_pos.ptr<float>(), prefix, g0, g, D, pos.ptr<float>()));
+    if (be_.device() == Device::kCpu) std::memcpy(pos_embed_.raw(), pos.raw(), pos.bytes());
+    else SLIDE_RETURN_IF_ERROR(be_.upload(pos, pos_embed_));
+    slide::core::log_info("ViT positional embedding resampled (bicubic, antialiased, as timm's resample_abs_pos_embed)",
+                          {{"from_grid", g0}, {"to_grid", g}, {"prefix_tokens", prefix}});
+  }
+  std::vector<std::pair<std::string, Tensor*>> names;
+  for (const auto& nt : names_)
+    if (g0 == g || nt.first != "pos_embed") names.push_back(nt);
   if (be_.device() == Device::kCpu) {
-    SLIDE_RETURN_IF_ERROR(load_safetensors(path, named_parameters()));
+    std::vector<NamedTensor> into;
+    for (const auto& [name, t] : names) into.push_back({name, t});
+    SLIDE_RETURN_IF_ERROR(load_safetensors(path, into));
   } else {
     // Read into host tensors, then upload (the loader writes host memory).
     std::vector<Tensor> host;
-    host.reserve(names_.size());
+    host.reserve(names.size());
     std::vector<NamedTensor> into;
-    for (const auto& [name, t] : names_) {
+    for (const auto& [name, t] : names) {
       SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::empty(t->shape(), DType::kF32, cpu_allocator(), name));
       host.push_back(std::move(h));
     }
-    for (size_t i = 0; i < names_.size(); ++i) into.push_back({names_[i].first, &host[i]});
+    for (size_t i = 0; i < names.size(); ++i) into.push_back({names[i].first, &host[i]});
     SLIDE_RETURN_IF_ERROR(load_safetensors(path, into));
-    for (size_t i = 0; i < names_.size(); ++i) SLIDE_RETURN_IF_ERROR(be_.upload(host[i], *names_[i].second));
+    for (size_t i = 0; i < names.size(); ++i) SLIDE_RETURN_IF_ERROR(be_.upload(host[i], *names[i].second));
   }
   // Layer scale's gamma repeated over the tokens, so that it is one element-wise product per image.
   ls_rows_.clear();
@@ -120,34 +145,6 @@ Status VisionTransformer::layer_scale(const Tensor& rows, Tensor& x2d, int64_t n
 }
 
 // Multi-head self-attention of h [N*T, D] (already normalised) into out [N*T, D], before proj.
-Status VisionTransformer::attention(const Tensor& qkv2d, int64_t N, Tensor& out) {
-  const int64_t T = config_.tokens(), D = config_.width, H = config_.heads, Dh = D / H;
-  Allocator& alloc = be_.allocator();
-  // [N, T, 3, H, Dh] -> [3, N, H, T, Dh]: each head's q, k and v contiguous [T, Dh].
-  SLIDE_ASSIGN_OR_RETURN(Tensor qkv5, qkv2d.reshape({N, T, 3, H, Dh}));
-  SLIDE_ASSIGN_OR_RETURN(Tensor heads, Tensor::empty({3, N, H, T, Dh}, DType::kF32, alloc, "attention heads"));
-  SLIDE_RETURN_IF_ERROR(be_.permute(qkv5, {2, 0, 3, 1, 4}, heads));
-  SLIDE_ASSIGN_OR_RETURN(Tensor scores, Tensor::empty({T, T}, DType::kF32, alloc, "attention scores"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, Tensor::empty({N, H, T, Dh}, DType::kF32, alloc, "attention output"));
-  const double scale = 1.0 / std::sqrt(static_cast<double>(Dh));
-  const int64_t head = T * Dh, part = N * H * head;
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t at = (n * H + h) * head;
-      SLIDE_ASSIGN_OR_RETURN(Tensor q, heads.view(at, {T, Dh}));
-      SLIDE_ASSIGN_OR_RETURN(Tensor k, heads.view(part + at, {T, Dh}));
-      SLIDE_ASSIGN_OR_RETURN(Tensor v, heads.view(2 * part + at, {T, Dh}));
-      SLIDE_ASSIGN_OR_RETURN(Tensor o, ctx.view(at, {T, Dh}));
-      SLIDE_RETURN_IF_ERROR(be_.matmul(q, false, k, true, scores));
-      SLIDE_RETURN_IF_ERROR(be_.scale(scores, scale, scores));
-      SLIDE_RETURN_IF_ERROR(be_.softmax_forward(scores, scores));
-      SLIDE_RETURN_IF_ERROR(be_.matmul(scores, false, v, false, o));
-    }
-  // [N, H, T, Dh] -> [N, T, H, Dh] = [N*T, D]: the heads concatenated per token.
-  SLIDE_ASSIGN_OR_RETURN(Tensor merged, out.reshape({N, T, H, Dh}));
-  return be_.permute(ctx, {0, 2, 1, 3}, merged);
-}
-
 Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
   const VitConfig& c = config_;
   const int64_t S = c.image_size, P = c.patch_size, G = c.grid(), D = c.width, M = c.mlp_hidden, T = c.tokens(),
@@ -207,7 +204,7 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
     const Block& b = blocks_[i];
     SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm1_w, b.norm1_b, c.norm_eps, h));
     SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.qkv_w, b.qkv_b, qkv));
-    SLIDE_RETURN_IF_ERROR(attention(qkv, N, ctx));
+    SLIDE_RETURN_IF_ERROR(be_.attention_forward(qkv, N, c.heads, 1.0 / std::sqrt(static_cast<double>(D / c.heads)), ctx));
     SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, b.proj_w, b.proj_b, branch));
     if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i], branch, N));
     SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
@@ -311,55 +308,141 @@ Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, i
   return c;
 }
 
-bool is_vit_preset(const std::string& model) {
-  return model == "vit" || model == "vit-b16" || model == "vit-l16" || model == "uni" || model == "uni2-h" ||
-         model == "virchow2";
+namespace {
+
+// What each preset is (vit.h, with sources); "vit" takes what the file says. mlp 0 and
+// no_embed_class -1: not checked.
+struct VitPreset {
+  int width, depth, patch, heads;
+  bool layer_scale, swiglu;
+  int reg_tokens;
+  VitPool pool;
+  int mlp;             // fc2's input width (the SwiGLU half for SwiGLU MLPs)
+  int no_embed_class;  // 1: pos_embed over the patch tokens only; 0: over every token
+  float mean[3], std[3];
+};
+
+constexpr float kIn1kMean[3] = {0.485f, 0.456f, 0.406f}, kIn1kStd[3] = {0.229f, 0.224f, 0.225f};
+
+const std::map<std::string, VitPreset>& vit_presets() {
+  auto with = [](VitPreset p, const float* mean, const float* sd) {
+    for (int i = 0; i < 3; ++i) p.mean[i] = mean[i], p.std[i] = sd[i];
+    return p;
+  };
+  // H-optimus-0's own normalisation (bioptimus/H-optimus-0 config.json pretrained_cfg, model card).
+  constexpr float kHoptimusMean[3] = {0.707223f, 0.578729f, 0.703617f};
+  constexpr float kHoptimusStd[3] = {0.211883f, 0.230117f, 0.177517f};
+  static const std::map<std::string, VitPreset> presets = {
+      {"vit-b16", with({768, 12, 16, 12, false, false, 0, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
+      {"vit-l16", with({1024, 24, 16, 16, false, false, 0, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
+      {"uni", with({1024, 24, 16, 16, true, false, 0, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
+      {"uni2-h", with({1536, 24, 14, 24, true, true, 8, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
+      {"virchow2",
+       with({1280, 32, 14, 16, true, true, 4, VitPool::kTokenAndMean, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
+      // timm vit_giant_patch14_dinov2 with prov-gigapath's model_args (patch 16, mlp_ratio 5.33334).
+      {"gigapath", with({1536, 40, 16, 24, true, true, 0, VitPool::kToken, 4096, 0, {}, {}}, kIn1kMean, kIn1kStd)},
+      // timm vit_giant_patch14_reg4_dinov2 (reg_tokens 4, no_embed_class) at img_size 224.
+      {"hoptimus0",
+       with({1536, 40, 14, 24, true, true, 4, VitPool::kToken, 4096, 1, {}, {}}, kHoptimusMean, kHoptimusStd)},
+  };
+  return presets;
+}
+
+}  // namespace
+
+bool is_vit_preset(const std::string& model) { return model == "vit" || vit_presets().count(model) > 0; }
+
+const std::string& vit_preset_list() {
+  static const std::string list = "vit, vit-b16, vit-l16, uni, uni2-h, virchow2, gigapath, hoptimus0";
+  return list;
+}
+
+VitNormalisation vit_preset_normalisation(const std::string& preset) {
+  VitNormalisation n;
+  const auto it = vit_presets().find(preset);
+  for (int i = 0; i < 3; ++i) {
+    n.mean[i] = it != vit_presets().end() ? it->second.mean[i] : kIn1kMean[i];
+    n.std[i] = it != vit_presets().end() ? it->second.std[i] : kIn1kStd[i];
+  }
+  return n;
+}
+
+Status check_vit_preset(const VitConfig& c, const std::string& preset, const std::string& path) {
+  if (!is_vit_preset(preset))
+    return invalid_argument("unknown ViT preset '" + preset + "' (" + vit_preset_list() + ")");
+  const auto it = vit_presets().find(preset);
+  if (it == vit_presets().end()) return ok_status();  // "vit": any
+  const VitPreset& w = it->second;
+  auto describe = [](int width, int depth, int patch, bool ls, bool glu, int reg, int mlp, int nec) {
+    std::string d = "width " + std::to_string(width) + ", depth " + std::to_string(depth) + ", patch " +
+                    std::to_string(patch) + (ls ? ", layer scale" : ", no layer scale") +
+                    (glu ? ", SwiGLU" : ", GELU MLP") + ", " + std::to_string(reg) + " register tokens";
+    if (mlp > 0) d += ", MLP width " + std::to_string(mlp);
+    if (nec >= 0) d += nec ? ", pos_embed over the patches only" : ", pos_embed over every token";
+    return d;
+  };
+  const bool mlp_ok = w.mlp == 0 || c.mlp_hidden == w.mlp;
+  const bool nec_ok = w.no_embed_class < 0 || c.no_embed_class == (w.no_embed_class == 1);
+  if (c.width != w.width || c.depth != w.depth || c.patch_size != w.patch || c.layer_scale != w.layer_scale ||
+      c.swiglu != w.swiglu || c.reg_tokens != w.reg_tokens || !mlp_ok || !nec_ok)
+    return invalid_argument(path + " is a ViT of " +
+                            describe(c.width, c.depth, c.patch_size, c.layer_scale, c.swiglu, c.reg_tokens,
+                                     w.mlp > 0 ? c.mlp_hidden : 0, w.no_embed_class >= 0 ? int{c.no_embed_class} : -1) +
+                            "; " + preset + " is " +
+                            describe(w.width, w.depth, w.patch, w.layer_scale, w.swiglu, w.reg_tokens, w.mlp,
+                                     w.no_embed_class) +
+                            " (use --model vit for another ViT)");
+  return ok_status();
+}
+
+Status resample_pos_embed(const float* src, int64_t prefix, int64_t old_grid, int64_t new_grid, int64_t D, float* dst) {
+  if (old_grid < 1 || new_grid < 1 || D < 1 || prefix < 0)
+    return invalid_argument("resample_pos_embed: grids " + std::to_string(old_grid) + " -> " + std::to_string(new_grid) +
+                            ", width " + std::to_string(D) + ", prefix " + std::to_string(prefix));
+  std::memcpy(dst, src, static_cast<size_t>(prefix * D) * sizeof(float));  // prefix tokens kept
+  if (old_grid == new_grid) {
+    std::memcpy(dst + prefix * D, src + prefix * D, static_cast<size_t>(old_grid * old_grid * D) * sizeof(float));
+    return ok_status();
+  }
+  // Tokens [g0*g0, D] -> planes [D, g0, g0] (timm: reshape(1, g0, g0, D).permute(0, 3, 1, 2)).
+  const int64_t n0 = old_grid * old_grid, n1 = new_grid * new_grid;
+  std::vector<float> planes(static_cast<size_t>(D * n0)), resized(static_cast<size_t>(D * n1));
+  for (int64_t t = 0; t < n0; ++t)
+    for (int64_t d = 0; d < D; ++d) planes[static_cast<size_t>(d * n0 + t)] = src[(prefix + t) * D + d];
+  SLIDE_RETURN_IF_ERROR(
+      resize_planes_bicubic_aa(planes.data(), D, old_grid, old_grid, new_grid, new_grid, resized.data()));
+  // Back to tokens [g*g, D] (permute(0, 2, 3, 1).reshape(1, -1, D)).
+  for (int64_t t = 0; t < n1; ++t)
+    for (int64_t d = 0; d < D; ++d) dst[(prefix + t) * D + d] = resized[static_cast<size_t>(d * n1 + t)];
+  return ok_status();
 }
 
 Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights, const std::string& preset, int heads,
-                                                     const std::string& pool, std::unique_ptr<Backend> be) {
+                                                     const std::string& pool, std::unique_ptr<Backend> be,
+                                                     int image_size) {
   if (be == nullptr) return invalid_argument("ViT encoder: no backend");
   if (!is_vit_preset(preset))
-    return invalid_argument("unknown ViT preset '" + preset + "' (vit, vit-b16, vit-l16, uni, uni2-h, virchow2)");
-  // What each preset is (vit.h, with sources); "vit" takes what the file says.
-  struct Want {
-    int width, depth, patch, heads;
-    bool layer_scale, swiglu;
-    int reg_tokens;
-    VitPool pool;
-  };
-  const std::map<std::string, Want> presets = {
-      {"vit-b16", {768, 12, 16, 12, false, false, 0, VitPool::kToken}},
-      {"vit-l16", {1024, 24, 16, 16, false, false, 0, VitPool::kToken}},
-      {"uni", {1024, 24, 16, 16, true, false, 0, VitPool::kToken}},
-      {"uni2-h", {1536, 24, 14, 24, true, true, 8, VitPool::kToken}},
-      {"virchow2", {1280, 32, 14, 16, true, true, 4, VitPool::kTokenAndMean}},
-  };
-  const auto preset_it = presets.find(preset);
-  VitPool p = preset_it != presets.end() ? preset_it->second.pool : VitPool::kToken;
+    return invalid_argument("unknown ViT preset '" + preset + "' (" + vit_preset_list() + ")");
+  const auto preset_it = vit_presets().find(preset);
+  VitPool p = preset_it != vit_presets().end() ? preset_it->second.pool : VitPool::kToken;
   if (pool == "token") p = VitPool::kToken;
   else if (pool == "mean") p = VitPool::kMean;
   else if (pool == "token+mean") p = VitPool::kTokenAndMean;
   else if (!pool.empty()) return invalid_argument("--pool '" + pool + "': expected token, mean or token+mean");
-  if (heads <= 0 && preset_it != presets.end()) heads = preset_it->second.heads;
+  if (heads <= 0 && preset_it != vit_presets().end()) heads = preset_it->second.heads;
   SLIDE_ASSIGN_OR_RETURN(auto shapes, read_safetensors_shapes(weights));
   SLIDE_ASSIGN_OR_RETURN(VitConfig c, infer_vit_config(shapes, heads, p, weights));
-  if (preset_it != presets.end()) {
-    const Want& w = preset_it->second;
-    auto describe = [](int width, int depth, int patch, bool ls, bool glu, int reg) {
-      return "width " + std::to_string(width) + ", depth " + std::to_string(depth) + ", patch " +
-             std::to_string(patch) + (ls ? ", layer scale" : ", no layer scale") + (glu ? ", SwiGLU" : ", GELU MLP") +
-             ", " + std::to_string(reg) + " register tokens";
-    };
-    if (c.width != w.width || c.depth != w.depth || c.patch_size != w.patch || c.layer_scale != w.layer_scale ||
-        c.swiglu != w.swiglu || c.reg_tokens != w.reg_tokens)
-      return invalid_argument(weights + " is a ViT of " +
-                              describe(c.width, c.depth, c.patch_size, c.layer_scale, c.swiglu, c.reg_tokens) + "; " +
-                              preset + " is " +
-                              describe(w.width, w.depth, w.patch, w.layer_scale, w.swiglu, w.reg_tokens) +
-                              " (use --model vit for another ViT)");
+  SLIDE_RETURN_IF_ERROR(check_vit_preset(c, preset, weights));
+  if (image_size < 0 || (image_size > 0 && (image_size < c.patch_size || image_size % c.patch_size != 0)))
+    return invalid_argument("--image-size " + std::to_string(image_size) + " is not a multiple of the patch size " +
+                            std::to_string(c.patch_size) + " of " + weights);
+  if (image_size > 0 && image_size != c.image_size) {
+    c.source_image_size = c.image_size;
+    c.image_size = image_size;
   }
   auto enc = std::unique_ptr<VitEncoder>(new VitEncoder());
+  const VitNormalisation norm = vit_preset_normalisation(preset);
+  for (int i = 0; i < 3; ++i) enc->mean_[i] = norm.mean[i], enc->std_[i] = norm.std[i];
   enc->be_ = std::move(be);
   SLIDE_ASSIGN_OR_RETURN(enc->vit_, VisionTransformer::create(*enc->be_, c));
   SLIDE_RETURN_IF_ERROR(enc->vit_->load(weights));

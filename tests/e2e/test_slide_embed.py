@@ -276,6 +276,7 @@ class TestLayout(Base):
                     self.assertEqual(a["weights_sha256"], sha256_of(weights))
                     self.assertTrue(a["tool_version"].startswith("slide-embed "))
                     self.assertEqual(int(a["format_version"]), 1)
+                    self.assertNotIn("encoder_input_px", a)  # a CNN takes any size: tiles go in as stored
                     self.assertEqual(int(coords.attrs["patch_size"]), 64)
                     self.assertEqual(int(coords.attrs["patch_size_level0"]), 128)  # 64 px at 1 um/px over 0.5 um/px
                     self.assertEqual(int(coords.attrs["patch_level"]), 0)
@@ -499,6 +500,14 @@ class TestBadInput(TwoSlides):
         r = self.embed(os.path.join(self.tmp, "no-store"), out, "--weights", self.weights, "--model", "resnet18")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("no-store", r.stderr)
+        # An unknown model names the CNNs and the ViT presets; --image-size is a ViT's option.
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "conch-vit-b")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("is not one of resnet18, resnet34, resnet50, small (or a ViT: vit, vit-b16, vit-l16, uni, "
+                      "uni2-h, virchow2, gigapath, hoptimus0)", r.stderr)
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--image-size", "224")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--image-size apply to ViTs", r.stderr)
         # A file that is not safetensors.
         bad = os.path.join(self.tmp, "bad.safetensors")
         with open(bad, "wb") as f:

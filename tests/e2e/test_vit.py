@@ -10,11 +10,16 @@ TestTimmVariants: the options the foundation models use (layer scale as UNI, reg
 class token + mean of patch tokens as Virchow, mean pooling with fc_norm, no_embed_class) against a
 float64 PyTorch transcription of timm's VisionTransformer.forward_features + pooling written here.
 TestBadWeights: a missing or misshapen tensor is refused, naming it.
+TestSlideEmbed: slide-embed --model vit on real slides' tiles against the same reference; tiles of
+another size resized as PIL's Image.resize(BICUBIC) (the resampler itself against PIL on real
+tiles: max difference and fraction of values that differ printed), --image-size with the
+positional embedding resampled as timm's resample_abs_pos_embed (against F.interpolate).
 
 Environment: SLIDE_GOLDEN_VIT (the driver), SLIDE_SAMPLE_DIR.
 """
 import glob
 import json
+import math
 import os
 import shutil
 import struct
@@ -48,6 +53,60 @@ def real_tiles(n, size):
         a = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
         out.append(a.transpose(2, 0, 1))
     return np.ascontiguousarray(np.stack(out).astype(np.float32))
+
+
+def run_resample_jobs(tmp, jobs):
+    """Runs the C++ resamplers (tests/libtrain/test_resample.cpp, suite resample_io, in the
+    libtrain doctest binary beside golden_vit) on `jobs`: lines 'rgb IN W H OW OH OUT' or
+    'pos IN PREFIX G0 G1 D OUT' over raw little-endian files."""
+    binary = os.path.join(os.path.dirname(GOLDEN), "libtrain_tests")
+    job = os.path.join(tmp, "jobs.txt")
+    with open(job, "w") as f:
+        f.write("\n".join(jobs) + "\n")
+    r = subprocess.run([binary, "--test-suite=resample_io"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, SLIDE_RESAMPLE_JOB=job))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def cpp_resize_rgb(tmp, tag, a, ow, oh):
+    """BicubicResizer on an H x W x 3 uint8 array -> oh x ow x 3."""
+    src, dst = os.path.join(tmp, tag + ".in"), os.path.join(tmp, tag + ".out")
+    np.ascontiguousarray(a, np.uint8).tofile(src)
+    run_resample_jobs(tmp, ["rgb %s %d %d %d %d %s" % (src, a.shape[1], a.shape[0], ow, oh, dst)])
+    return np.fromfile(dst, np.uint8).reshape(oh, ow, 3)
+
+
+def timm_resample_abs_pos_embed(pos, new_grid, prefix):
+    """timm's resample_abs_pos_embed (timm/layers/pos_embed.py), transcribed: the prefix rows kept,
+    the grid reshaped to [1, D, g0, g0], F.interpolate(size, mode='bicubic', antialias=True)
+    (align_corners False), back to tokens."""
+    t = torch.from_numpy(pos).float()
+    pre, grid = t[:, :prefix], t[:, prefix:]
+    g0, D = int(math.sqrt(grid.shape[1])), grid.shape[-1]
+    grid = grid.reshape(1, g0, g0, D).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=(new_grid, new_grid), mode="bicubic", antialias=True, align_corners=False)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, D)
+    return torch.cat([pre, grid], dim=1).numpy()
+
+
+def store_tiles(store):
+    """The raw (--encoding raw) tiles of a slide-tile store, in order: [(H x W x 3 uint8, (x, y))]."""
+    import lmdb
+    env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+    tiles_db = env.open_db(b"tiles")
+    out = []
+    with env.begin() as txn:
+        for _, v in txn.cursor(db=tiles_db):
+            _, _, hdr, _, _, x, y, tw, th, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", v)
+            assert enc == 0, "not a raw tile"
+            out.append((np.frombuffer(v[hdr:hdr + n], np.uint8).reshape(th, tw, 3).copy(), (x, y)))
+    env.close()
+    return out
+
+
+def normalise(tiles_u8, mean=MEAN, std=STD):
+    return np.ascontiguousarray(np.stack([((a.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)
+                                          for a in tiles_u8]).astype(np.float32))
 
 
 def run_golden(tmp, backend, weights, images, cfg):
@@ -220,6 +279,35 @@ class TestTimmVariants(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+    def test_pos_embed_resampling_equals_torch(self):
+        """resample_pos_embed (vit.h) against timm's resample_abs_pos_embed on F.interpolate(bicubic,
+        antialias=True): up (a 14 x 14 grid to 16 x 16, a 224-px ViT-B/16 run at 256 px) and down
+        (14 -> 10), with 1 and 5 prefix rows."""
+        g = np.random.default_rng(5)
+        tmp = tempfile.mkdtemp(prefix="vit_pos_")
+        try:
+            for prefix, g0, g1, D in ((1, 14, 16, 48), (5, 14, 10, 32), (0, 16, 14, 8)):
+                with self.subTest(prefix=prefix, g0=g0, g1=g1):
+                    pos = g.standard_normal((1, prefix + g0 * g0, D)).astype(np.float32)
+                    src, dst = os.path.join(tmp, "pos.in"), os.path.join(tmp, "pos.out")
+                    pos.tofile(src)
+                    run_resample_jobs(tmp, ["pos %s %d %d %d %d %s" % (src, prefix, g0, g1, D, dst)])
+                    got = np.fromfile(dst, np.float32).reshape(1, prefix + g1 * g1, D)
+                    want = timm_resample_abs_pos_embed(pos, g1, prefix)
+                    err = float(np.max(np.abs(got.astype(np.float64) - want)))
+                    print("pos_embed %d -> %d (prefix %d): max |ours - F.interpolate| = %.2e" % (g0, g1, prefix, err))
+                    np.testing.assert_array_equal(got[:, :prefix], pos[:, :prefix])
+                    self.assertLess(err, 1e-5)
+                    # Not PyTorch's plain bicubic (a = -0.75, no antialiasing): timm asks for antialias.
+                    if g1 > g0:
+                        plain = F.interpolate(torch.from_numpy(pos[:, prefix:]).reshape(1, g0, g0, D).permute(0, 3, 1, 2),
+                                              size=(g1, g1), mode="bicubic", align_corners=False)
+                        plain = plain.permute(0, 2, 3, 1).reshape(1, -1, D).numpy()
+                        self.assertGreater(float(np.max(np.abs(plain - want[:, prefix:]))), 1e-3)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 class TestBadWeights(unittest.TestCase):
     def test_missing_and_misshapen_tensors_are_named(self):
         cfg = dict(TestTimmVariants.BASE, layer_scale=1)
@@ -249,7 +337,6 @@ class TestSlideEmbed(unittest.TestCase):
 
     def test_bags_equal_the_reference(self):
         import h5py
-        import lmdb
         tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
         cfg = dict(TestTimmVariants.BASE, layer_scale=1, reg=2)
         tmp = tempfile.mkdtemp(prefix="vit_embed_")
@@ -267,19 +354,9 @@ class TestSlideEmbed(unittest.TestCase):
                                 "--pool", "token+mean", "--batch-size", "5"], capture_output=True, text=True, timeout=300)
             self.assertEqual(r.returncode, 0, r.stderr)
             # The store's raw tiles, normalised with ImageNet's mean and std, through the reference.
-            env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
-            tiles_db = env.open_db(b"tiles")
-            images, coords = [], []
-            with env.begin() as txn:
-                for _, v in txn.cursor(db=tiles_db):
-                    _, _, hdr, _, _, x, y, tw, th, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", v)
-                    self.assertEqual(enc, 0)
-                    a = np.frombuffer(v[hdr:hdr + n], np.uint8).reshape(th, tw, 3).astype(np.float32) / 255.0
-                    images.append(((a - MEAN) / STD).transpose(2, 0, 1))
-                    coords.append((x, y))
-            env.close()
-            expected = timm_reference(w, np.ascontiguousarray(np.stack(images).astype(np.float32)),
-                                      dict(cfg, pool="token_mean"))
+            tiles = store_tiles(store)
+            images, coords = normalise([a for a, _ in tiles]), [xy for _, xy in tiles]
+            expected = timm_reference(w, images, dict(cfg, pool="token_mean"))
             with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
                 got = f["features"][()]
                 self.assertEqual(f.attrs["model"], "vit")
@@ -318,15 +395,145 @@ class TestSlideEmbed(unittest.TestCase):
                 self.assertEqual(r.returncode, 1, r.stderr)
                 self.assertIn("DATA_LOSS: " + bad, r.stderr)
                 self.assertFalse(glob.glob(os.path.join(bad_out, "*.h5")))
-            # A store of another tile size is refused, naming both sizes.
+            # A store of another tile size (32 px) is resized up to the encoder's 64 px, as PIL would,
+            # logged and recorded in the bag.
             store2 = os.path.join(tmp, "store2")
-            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "32", "--max-tiles-per-slide", "2",
-                                "-o", store2, "-q"], capture_output=True, text=True)
+            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "32", "--max-tiles-per-slide", "3",
+                                "--encoding", "raw", "-o", store2, "-q"], capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
             r = subprocess.run([embed, store2, "-o", os.path.join(tmp, "b4"), "--weights", weights, "--model", "vit",
                                 "--heads", "4"], capture_output=True, text=True)
-            self.assertNotEqual(r.returncode, 0)
-            self.assertIn("holds 32 px tiles, but the encoder takes 64 px", r.stderr)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("tiles of 32 px are resized to 64 px (bicubic, antialiased, as the encoder's transform)",
+                          r.stderr)
+            small = [Image.fromarray(a).resize((64, 64), Image.BICUBIC) for a, _ in store_tiles(store2)]
+            expected = timm_reference(w, normalise([np.asarray(i) for i in small]), cfg)
+            with h5py.File(os.path.join(tmp, "b4", "CMU-1-Small-Region.h5"), "r") as f:
+                self.assertEqual(f.attrs["tile_size_px"], 32)
+                self.assertEqual(f.attrs["encoder_input_px"], 64)
+                err = rel_err(f["features"][()], expected)
+                print("32-px tiles resized to 64 px: max relative error against PIL + reference %.2e" % err)
+                self.assertLess(err, 1e-4)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def store_256(cls, tmp):
+        """A raw store of 256-px tiles of a real slide (CMU-1 at 1 um/px)."""
+        store = os.path.join(tmp, "store256")
+        r = subprocess.run([os.environ["SLIDE_TILE"], os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"),
+                            "--mpp", "1", "--tile-size", "256", "--encoding", "raw", "--max-tiles-per-slide", "6",
+                            "-o", store, "-q"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return store
+
+    def test_resizer_equals_pil_on_real_tiles(self):
+        """BicubicResizer (resample.h) against PIL's Image.resize(BICUBIC) on real tiles: a slide's
+        256-px tiles -> 224 (down), LC25000's 224-px JPEG patches -> 150 (down) and 256 (up),
+        Kather's 150-px TIFF patches -> 224 (up). Within 1 grey level per channel."""
+        tmp = tempfile.mkdtemp(prefix="vit_resize_")
+        try:
+            cases = [("slide 256 -> 224", a, 224) for a, _ in store_tiles(self.store_256(tmp))[:3]]
+            lc = sorted(glob.glob(os.path.join(SAMPLE, "patches", "lc25000-lung-subset", "*", "*.jpeg")))[:2]
+            for p in lc:
+                a = np.asarray(Image.open(p).convert("RGB"))
+                cases += [("LC25000 224 -> 150", a, 150), ("LC25000 224 -> 256", a, 256)]
+            for p in sorted(glob.glob(os.path.join(SAMPLE, "patches", "kather2016-samples", "*", "*.tif")))[:3]:
+                cases.append(("Kather 150 -> 224", np.asarray(Image.open(p).convert("RGB")), 224))
+            jobs, outs = [], []
+            for i, (name, a, size) in enumerate(cases):
+                src, dst = os.path.join(tmp, "t%d.in" % i), os.path.join(tmp, "t%d.out" % i)
+                np.ascontiguousarray(a).tofile(src)
+                jobs.append("rgb %s %d %d %d %d %s" % (src, a.shape[1], a.shape[0], size, size, dst))
+                outs.append(dst)
+            run_resample_jobs(tmp, jobs)
+            worst, differ, total = {}, {}, {}
+            for (name, a, size), dst in zip(cases, outs):
+                got = np.fromfile(dst, np.uint8).reshape(size, size, 3).astype(np.int16)
+                want = np.asarray(Image.fromarray(a).resize((size, size), Image.BICUBIC)).astype(np.int16)
+                d = np.abs(got - want)
+                worst[name] = max(worst.get(name, 0), int(d.max()))
+                differ[name] = differ.get(name, 0) + int((d > 0).sum())
+                total[name] = total.get(name, 0) + d.size
+            for name in worst:
+                print("%s: max difference from PIL %d level(s), %.4f%% of values differ" %
+                      (name, worst[name], 100.0 * differ[name] / total[name]))
+                self.assertLessEqual(worst[name], 1, name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_256px_store_equals_pil_resize_then_reference(self):
+        """A 224-px ViT on a store of 256-px tiles: slide-embed resizes them; the features equal PIL's
+        resize -> normalise -> the transcription of timm's forward."""
+        import h5py
+        cfg = {"image": 224, "patch": 32, "width": 48, "depth": 2, "heads": 4, "mlp": 96, "layer_scale": 1, "reg": 1}
+        tmp = tempfile.mkdtemp(prefix="vit_256_")
+        try:
+            store = self.store_256(tmp)
+            w = random_timm_weights(cfg, 31)
+            weights = os.path.join(tmp, "vit.safetensors")
+            write_safetensors(weights, w)
+            out = os.path.join(tmp, "bags")
+            r = subprocess.run([os.environ["SLIDE_EMBED"], store, "-o", out, "--weights", weights, "--model", "vit",
+                                "--heads", "4", "--decode-threads", "2", "--batch-size", "4"],
+                               capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stderr.count("tiles of 256 px are resized to 224 px"), 1)
+            tiles = store_tiles(store)
+            resized = [np.asarray(Image.fromarray(a).resize((224, 224), Image.BICUBIC)) for a, _ in tiles]
+            expected = timm_reference(w, normalise(resized), cfg)
+            with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+                got = f["features"][()]
+                self.assertEqual(f.attrs["tile_size_px"], 256)
+                self.assertEqual(f.attrs["encoder_input_px"], 224)
+            err = rel_err(got, expected)
+            print("256-px store through a 224-px ViT: max relative error against PIL + reference %.2e" % err)
+            self.assertLess(err, 1e-4)
+            # A rerun with another input size does not reuse these bags.
+            r = subprocess.run([os.environ["SLIDE_EMBED"], store, "-o", out, "--weights", weights, "--model", "vit",
+                                "--heads", "4", "--image-size", "256"], capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 3, r.stderr)
+            self.assertIn("tiles resized to 224 px (this run: vit, layer token)", r.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_image_size_resamples_pos_embed_as_timm(self):
+        """--image-size 256 on a ViT whose weights are at 224 px (a 14 x 14 grid, patch 16): the
+        positional embedding resampled to 16 x 16 as timm does, on a store of 256-px tiles (not
+        resized); against timm's resample_abs_pos_embed + the transcription of the forward."""
+        import h5py
+        tmp = tempfile.mkdtemp(prefix="vit_imgsize_")
+        try:
+            store = self.store_256(tmp)
+            for name, extra in (("class token + 2 registers", {"reg": 2, "layer_scale": 1}),
+                                ("no_embed_class, 4 registers", {"reg": 4, "no_embed_class": 1, "swiglu": 1})):
+                with self.subTest(variant=name):
+                    cfg = dict({"image": 224, "patch": 16, "width": 32, "depth": 2, "heads": 4, "mlp": 64}, **extra)
+                    w = random_timm_weights(cfg, 41)
+                    weights = os.path.join(tmp, "vit.safetensors")
+                    write_safetensors(weights, w)
+                    out = os.path.join(tmp, "bags_" + str(len(extra)))
+                    r = subprocess.run([os.environ["SLIDE_EMBED"], store, "-o", out, "--weights", weights,
+                                        "--model", "vit", "--heads", "4", "--image-size", "256"],
+                                       capture_output=True, text=True, timeout=300)
+                    self.assertEqual(r.returncode, 0, r.stderr)
+                    self.assertIn("ViT positional embedding resampled", r.stderr)
+                    self.assertNotIn("are resized", r.stderr)
+                    prefix = 0 if cfg.get("no_embed_class", 0) else 1 + cfg["reg"]
+                    w256 = dict(w, pos_embed=timm_resample_abs_pos_embed(w["pos_embed"], 16, prefix))
+                    expected = timm_reference(w256, normalise([a for a, _ in store_tiles(store)]),
+                                              dict(cfg, image=256))
+                    with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+                        got = f["features"][()]
+                        self.assertNotIn("encoder_input_px", f.attrs)
+                    err = rel_err(got, expected)
+                    print("--image-size 256 on 224-px weights (%s): max relative error %.2e" % (name, err))
+                    self.assertLess(err, 1e-4)
+            # Not a multiple of the patch size: refused, naming the file.
+            r = subprocess.run([os.environ["SLIDE_EMBED"], store, "-o", os.path.join(tmp, "bad"), "--weights", weights,
+                                "--model", "vit", "--heads", "4", "--image-size", "250"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--image-size 250 is not a multiple of the patch size 16 of " + weights, r.stderr)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

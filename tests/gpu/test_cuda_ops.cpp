@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -324,6 +325,25 @@ TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward
   OK(gpu().permute(Q, {2, 0, 3, 1, 4}, PT));
   down(PT, p.f);
   compare("permute", p, 1e-7);
+}
+
+TEST_CASE("cuda vs reference: multi-head attention (strided-batched GEMMs straight into qkv)") {
+  // Odd sizes: 3 sequences of 7 tokens, 4 heads of 5; and ViT-B/16's own shape, one sequence.
+  for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{1, 197, 12, 64}}) {
+    CAPTURE(T);
+    const int64_t C = H * Dh;
+    const double scale = 1.0 / std::sqrt(double(Dh));
+    Pair qkv = make({B * T, 3 * C}, 97, -2, 2), out = make({B * T, C});
+    Tensor QKV = up(qkv.f), OUT = up(out.f);
+    OK(ref().attention_forward(qkv.d, B, H, scale, out.d));
+    OK(gpu().attention_forward(QKV, B, H, scale, OUT));
+    down(OUT, out.f);
+    compare("attention", out, 1e-4);
+  }
+  Pair qkv = make({6, 36}, 98), out = make({6, 12});
+  Tensor QKV = up(qkv.f), OUT = up(out.f);
+  CHECK(gpu().attention_forward(QKV, 4, 3, 0.5, OUT).code() == StatusCode::kInvalidArgument);  // 4 does not divide 6
+  CHECK(gpu().attention_forward(qkv.f, 2, 3, 0.5, out.f).code() == StatusCode::kInvalidArgument);  // host tensors
 }
 
 TEST_CASE("cuda vs reference: cast f32 <-> f16 / bf16, bit for bit (the same formulas)") {

@@ -99,3 +99,63 @@ TEST_CASE("cpu vs reference: layer norm, GELU forward and backward, scale, permu
   OK(cpu().permute(q.f, {2, 0, 3, 1, 4}, p.f));
   compare("permute", p, 1e-7);
 }
+
+// Multi-head attention's definition, written out in the test (Vaswani et al., 2017, eq. 1, as
+// timm's Attention.forward lays qkv out: per token q | k | v, each of H heads of Dh).
+static std::vector<double> attention_by_definition(const double* qkv, int64_t B, int64_t T, int64_t H, int64_t Dh,
+                                                   double scale) {
+  const int64_t C = H * Dh;
+  std::vector<double> out(static_cast<size_t>(B * T * C));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        const double* q = qkv + (b * T + i) * 3 * C + h * Dh;
+        std::vector<double> s(static_cast<size_t>(T));
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j < T; ++j) {
+          const double* k = qkv + (b * T + j) * 3 * C + C + h * Dh;
+          double dot = 0;
+          for (int64_t e = 0; e < Dh; ++e) dot += q[e] * k[e];
+          s[static_cast<size_t>(j)] = scale * dot;
+          mx = std::max(mx, s[static_cast<size_t>(j)]);
+        }
+        for (double& v : s) sum += (v = std::exp(v - mx));
+        for (int64_t e = 0; e < Dh; ++e) {
+          double acc = 0;
+          for (int64_t j = 0; j < T; ++j) acc += s[static_cast<size_t>(j)] / sum * qkv[(b * T + j) * 3 * C + 2 * C + h * Dh + e];
+          out[static_cast<size_t>((b * T + i) * C + h * Dh + e)] = acc;
+        }
+      }
+  return out;
+}
+
+TEST_CASE("attention_forward: the definition on the reference; cpu's strided batched matmuls equal it; bad calls refused") {
+  const int64_t B = 3, T = 7, H = 4, Dh = 5, C = H * Dh;
+  const double scale = 1.0 / std::sqrt(double(Dh));
+  Pair qkv = testing::make_pair({B * T, 3 * C}, 21, -2, 2), out = testing::make_pair({B * T, C});
+  OK(ref().attention_forward(qkv.d, B, H, scale, out.d));
+  const std::vector<double> want = attention_by_definition(qkv.d.data<double>(), B, T, H, Dh, scale);
+  for (size_t i = 0; i < want.size(); ++i) REQUIRE(out.d.data<double>()[i] == doctest::Approx(want[i]).epsilon(1e-12));
+  OK(cpu().attention_forward(qkv.f, B, H, scale, out.f));
+  compare("attention", out, 1e-5);
+  // A second shape through the same backend (cached primitives are keyed by shape and scale).
+  Pair qkv2 = testing::make_pair({2 * 9, 3 * C}, 22, -2, 2), out2 = testing::make_pair({2 * 9, C});
+  OK(ref().attention_forward(qkv2.d, 2, H, 0.3, out2.d));
+  OK(cpu().attention_forward(qkv2.f, 2, H, 0.3, out2.f));
+  compare("attention, another shape and scale", out2, 1e-5);
+  // Layer norm in place (the ViT's final norm writes x).
+  Pair x = testing::make_pair({6, 20}, 23, -3, 3), g = testing::make_pair({20}, 24, 0.5, 1.5),
+       bb = testing::make_pair({20}, 25);
+  OK(ref().layer_norm_forward(x.d, g.d, bb.d, 1e-6, x.d));
+  OK(cpu().layer_norm_forward(x.f, g.f, bb.f, 1e-6, x.f));
+  compare("layer norm in place", x, 1e-5);
+  for (Backend* be : {&ref(), &cpu()}) {
+    const Tensor& q = be == &ref() ? qkv.d : qkv.f;
+    Tensor& o = be == &ref() ? out.d : out.f;
+    CHECK(be->attention_forward(q, 2, H, scale, o).code() == StatusCode::kInvalidArgument);   // 2 does not divide 21 rows
+    CHECK(be->attention_forward(q, B, 3, scale, o).code() == StatusCode::kInvalidArgument);   // 3 heads do not divide 20
+    CHECK(be->attention_forward(q, B, H, std::nan(""), o).code() == StatusCode::kInvalidArgument);
+    Tensor alias = *q.view(0, {B * T, C});
+    CHECK(be->attention_forward(q, B, H, scale, alias).code() == StatusCode::kInvalidArgument);
+  }
+}

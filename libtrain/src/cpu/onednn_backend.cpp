@@ -23,6 +23,7 @@
 
 #include <any>
 #include <cmath>
+#include <cstring>
 #include <dnnl.hpp>
 #include <functional>
 #include <initializer_list>
@@ -46,6 +47,13 @@ using dt = memory::data_type;
 constexpr detail::DTypes kCpuTypes{true, false, true};  // f32; blocked layouts
 
 memory::dims dims_of(const Shape& s) { return memory::dims(s.begin(), s.end()); }
+
+// A double's bits, for a primitive cache key.
+int64_t bits_of(double v) {
+  int64_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
 
 std::string key_of(const char* op, std::initializer_list<int64_t> v) {
   std::string k(op);
@@ -403,15 +411,72 @@ class OneDnnBackend final : public Backend {
 
   // --- Attention MIL ops: oneDNN eltwise (tanh, logistic: the *_use_dst_for_bwd forms, so backward
   // needs only the output, as the op list says), softmax and matmul primitives ---
-  // Vision Transformer ops: the reference loops for now (f32). oneDNN has layer_normalization and
-  // eltwise_gelu_erf primitives; moving to them is a measured change (bench/embed_bench.sh).
+  // Vision Transformer ops on oneDNN's layer_normalization (inference, scale and shift: y may be
+  // x, oneDNN normalises in place) and eltwise_gelu_erf primitives, and attention as batched
+  // matmuls over strided views of qkv (measured: bench/embed_bench.sh, ViT-B/16 and ViT-L/16).
   Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kCpuTypes));
     SLIDE_RETURN_IF_ERROR(plain_f32("layer_norm_forward", {&x, &gamma, &beta, &y}));
-    return loops_->layer_norm_forward(x, gamma, beta, eps, y);
+    return run("layer_norm_forward", [&] {
+      const int64_t eps_bits = bits_of(eps);
+      auto& pd = cached<dnnl::layer_normalization_forward::primitive_desc>(
+          key_of("layer_norm_fwd", {d.N, d.I, eps_bits}), [&] {
+            dnnl::layer_normalization_forward::desc desc(
+                dnnl::prop_kind::forward_inference, plain({d.N, d.I}, tag::ab), static_cast<float>(eps),
+                dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift);
+            return dnnl::layer_normalization_forward::primitive_desc(desc, eng_);
+          });
+      dnnl::layer_normalization_forward(pd).execute(strm_, {{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
+                                                            {DNNL_ARG_SCALE, mem(chan_md(d.I), gamma)},
+                                                            {DNNL_ARG_SHIFT, mem(chan_md(d.I), beta)},
+                                                            {DNNL_ARG_DST, mem(pd.dst_desc(), y)}});
+    });
   }
   Status gelu_forward(const Tensor& x, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("gelu_forward", {&x, &y}));
-    return loops_->gelu_forward(x, y);
+    return eltwise_forward("gelu_forward", dnnl::algorithm::eltwise_gelu_erf, x, y);
+  }
+  // Per sequence b: scores[H,T,T] = scale * Q K^T, one batched matmul over the H heads whose Q and
+  // K^T are strided views into qkv (row stride 3C, head stride Dh: the permute of the default is
+  // never made); softmax over the H*T rows; out_b[T, H, Dh] = scores V, written through a strided
+  // view (row stride C) so the heads land concatenated per token.
+  Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,
+                           detail::validate_attention(qkv, batch, heads, scale, out, kCpuTypes));
+    SLIDE_RETURN_IF_ERROR(plain_f32("attention_forward", {&qkv, &out}));
+    const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
+    SLIDE_ASSIGN_OR_RETURN(Tensor scores, Tensor::empty({H * T, T}, DType::kF32, alloc_, "attention scores"));
+    return run("attention_forward", [&] {
+      const memory::desc q_md({H, T, Dh}, dt::f32, memory::dims{Dh, 3 * C, 1});
+      const memory::desc kt_md({H, Dh, T}, dt::f32, memory::dims{Dh, 1, 3 * C});
+      const memory::desc s_md({H, T, T}, dt::f32, tag::abc);
+      const memory::desc v_md({H, T, Dh}, dt::f32, memory::dims{Dh, 3 * C, 1});
+      const memory::desc o_md({H, T, Dh}, dt::f32, memory::dims{Dh, C, 1});
+      const int64_t scale_bits = bits_of(scale);
+      auto& qk = cached<dnnl::matmul::primitive_desc>(key_of("attention_qk", {T, H, Dh, scale_bits}), [&] {
+        dnnl::primitive_attr attr;
+        attr.set_output_scales(0, {static_cast<float>(scale)});
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), attr, eng_);
+      });
+      auto& sv = cached<dnnl::matmul::primitive_desc>(key_of("attention_sv", {T, H, Dh}), [&] {
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_md, v_md, o_md), eng_);
+      });
+      auto& sm = softmax_fwd_pd(H * T, T);
+      const memory s_mem(s_md, eng_, scores.raw());
+      const memory s_rows(sm.src_desc(), eng_, scores.raw());
+      auto* base = static_cast<float*>(qkv.raw());
+      auto* dst = static_cast<float*>(out.raw());
+      for (int64_t b = 0; b < d.B; ++b) {
+        float* seq = base + b * T * 3 * C;
+        dnnl::matmul(qk).execute(strm_, {{DNNL_ARG_SRC, memory(q_md, eng_, seq)},
+                                         {DNNL_ARG_WEIGHTS, memory(kt_md, eng_, seq + C)},
+                                         {DNNL_ARG_DST, s_mem}});
+        dnnl::softmax_forward(sm).execute(strm_, {{DNNL_ARG_SRC, s_rows}, {DNNL_ARG_DST, s_rows}});
+        dnnl::matmul(sv).execute(strm_, {{DNNL_ARG_SRC, s_mem},
+                                         {DNNL_ARG_WEIGHTS, memory(v_md, eng_, seq + 2 * C)},
+                                         {DNNL_ARG_DST, memory(o_md, eng_, dst + b * T * C)}});
+      }
+    });
   }
   Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("gelu_backward", {&x, &dy, &dx}));

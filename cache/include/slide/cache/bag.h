@@ -96,6 +96,9 @@ struct BagAttributes {
   // (0.25 um/px is 40x), the tiles' overlap in px, and the slide's level-0 size.
   int32_t level0_magnification = 0, target_magnification = 0, overlap = 0;
   int64_t level0_width = 0, level0_height = 0;
+  // The side of the images the encoder ran on when the tiles were resized to its input size
+  // (root attribute encoder_input_px, written only then); 0: the tiles went in as stored.
+  int32_t encoder_input_px = 0;
 };
 
 struct BagWriterOptions {

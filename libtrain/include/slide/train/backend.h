@@ -242,6 +242,20 @@ class Backend {
   [[nodiscard]] virtual Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) {
     return unimplemented_op("gather_augment", tiles, records, images);
   }
+  // Multi-head self-attention's core (Vaswani et al., 2017, eq. 1; timm's Attention.forward):
+  // qkv [B*T, 3*C] holds the rows of B sequences of T tokens as the qkv linear layer writes them:
+  // per token q, then k, then v, each C = H*Dh wide and made of the H heads' Dh-wide parts in
+  // order. out [B*T, C] (overwritten) = for each sequence b and head h,
+  //   softmax_rows(scale * q_bh k_bh^T) v_bh     (q_bh, k_bh, v_bh: [T, Dh]),
+  // written back per token with the heads concatenated in order (timm: x.transpose(1,
+  // 2).reshape(B, T, C)). scale is 1 / sqrt(Dh) in a ViT. out must not share qkv's storage.
+  // Errors: kInvalidArgument (shapes: batch not dividing the rows, heads not dividing C; a scale
+  // that is not finite; out aliasing qkv; layouts, devices), kUnimplemented (dtypes), the
+  // allocator's (scratch: the scores of one sequence, [H, T, T]). This default composes the ops
+  // above (permute, matmul, scale, softmax_forward) one sequence and head at a time; the cpu
+  // backend overrides it with batched oneDNN matmuls over strided views (no permutes).
+  [[nodiscard]] virtual Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale,
+                                                 Tensor& out);
   // y = alpha x, any shape; y may be x (attention's 1 / sqrt(head dim)).
   [[nodiscard]] virtual Status scale(const Tensor& x, double alpha, Tensor& y) {
     return unimplemented_op("scale", x, alpha, y);

@@ -73,7 +73,8 @@ class TileEncoder {
   virtual int64_t feature_dim() const = 0;
   // What the bag's `layer` attribute records: the CNN's cut, or the ViT's pooling.
   virtual const std::string& layer() const = 0;
-  // The tile side the encoder needs (0: any; a ViT's image size).
+  // The tile side the encoder needs (0: any; a ViT's image size). Tiles of another size are
+  // resized to it by embed_stores.
   virtual int64_t input_size() const { return 0; }
   // The per-channel normalisation of [0, 1] RGB the encoder was trained with: (v - mean) / std.
   virtual const float* mean() const;  // ImageNet's by default (0.485, 0.456, 0.406)
@@ -193,9 +194,13 @@ struct EmbedSummary {
 // kPermissionDenied / kResourceExhausted for the output directory or the manifest, and
 // kResourceExhausted when a bag write runs out of space (disk full, quota, file size limit): the
 // run stops there (that bag discarded, complete bags kept, bags.csv written when it fits).
-// The tiles are normalised with the encoder's mean and std; an encoder with an input_size()
-// refuses stores of another tile size (kInvalidArgument naming the store and both sizes: resizing
-// is not implemented yet).
+// The tiles are normalised with the encoder's mean and std. An encoder with an input_size() E > 0
+// gets the tiles of a store of another tile size S resized to E x E on the decode threads, before
+// normalisation, as the encoders' own transforms do (PIL's Image.resize(BICUBIC), antialiased:
+// BicubicResizer, resample.h; its weights precomputed once per (S, E)); the log says so once per
+// store, and each bag of such a store records E in the root attribute `encoder_input_px` (int32;
+// absent when the tiles went in as stored; tile_size_px stays S). A complete bag is reused only
+// when that attribute matches too. input_size() 0 (the CNNs): tiles go in at their size.
 [[nodiscard]] Result<EmbedSummary> embed_stores(TileEncoder& encoder, const EmbedModel& model,
                                                 const EmbedOptions& options);
 

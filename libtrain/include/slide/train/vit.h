@@ -27,8 +27,12 @@
 // bias}, blocks.{i}.mlp.fc2.{weight [D,M], bias}, blocks.{i}.ls2.gamma, norm.{weight,bias} (or
 // fc_norm.{weight,bias}). Extra entries in a weight file (a classifier head) are ignored.
 //
-// Not yet: positional embeddings interpolated to another grid,
-// training (the ops' backward passes beyond GELU), resizing tiles to the encoder's input size.
+// Another input size (slide-embed --image-size S): the positional embedding's grid part is
+// resampled at load from the weight file's grid g0 to S / P (resample_pos_embed below, as timm's
+// resample_abs_pos_embed), the prefix tokens' rows kept. Tiles of another size are resized to the
+// encoder's input by embed_stores (resample.h: PIL's bicubic, as the encoders' transforms).
+//
+// Not yet: training (the ops' backward passes beyond GELU).
 #pragma once
 
 #include <map>
@@ -59,8 +63,14 @@ struct VitConfig {
   bool fc_norm = false;  // LayerNorm after mean pooling instead of before it (timm global_pool='avg')
   double norm_eps = 1e-6;
   VitPool pool = VitPool::kToken;
+  // The weight file's image size (its pos_embed grid x patch size) when it differs from
+  // image_size: load() then resamples pos_embed from that grid (resample_pos_embed). 0: the same.
+  int source_image_size = 0;
 
   int64_t grid() const { return image_size / patch_size; }
+  int64_t source_grid() const { return (source_image_size > 0 ? source_image_size : image_size) / patch_size; }
+  // Rows of pos_embed before its grid part: the prefix tokens, unless no_embed_class.
+  int64_t pos_prefix() const { return no_embed_class ? 0 : prefix_tokens(); }
   int64_t prefix_tokens() const { return (class_token ? 1 : 0) + reg_tokens; }
   int64_t tokens() const { return prefix_tokens() + grid() * grid(); }
   int64_t feature_dim() const { return pool == VitPool::kTokenAndMean ? 2 * int64_t{width} : width; }
@@ -73,9 +83,11 @@ class VisionTransformer {
   // heads, a pooling that needs a class token without one, ...); the allocator's.
   [[nodiscard]] static Result<std::unique_ptr<VisionTransformer>> create(Backend& be, const VitConfig& config);
 
-  // Reads every parameter from a safetensors file with timm's names (F32). Errors: those of
-  // load_safetensors naming the file and the first missing or misshapen tensor, kDataLoss for a
-  // non-finite value (naming the tensor).
+  // Reads every parameter from a safetensors file with timm's names (F32). With a
+  // source_image_size, pos_embed is read at the file's grid ([1, pos_prefix + g0^2, D]) and
+  // resampled to this model's grid (resample_pos_embed) on the host before it is uploaded.
+  // Errors: those of load_safetensors naming the file and the first missing or misshapen tensor,
+  // kDataLoss for a non-finite value (naming the tensor).
   [[nodiscard]] Status load(const std::string& path);
 
   // features [N, feature_dim()] (overwritten) of images [N, 3, image_size, image_size], both on
@@ -91,7 +103,6 @@ class VisionTransformer {
     Tensor norm1_w, norm1_b, qkv_w, qkv_b, proj_w, proj_b, ls1, norm2_w, norm2_b, fc1_w, fc1_b, fc2_w, fc2_b, ls2;
   };
   VisionTransformer(Backend& be, VitConfig config) : be_(be), config_(std::move(config)) {}
-  Status attention(const Tensor& h, int64_t n_images, Tensor& out);
   Status layer_scale(const Tensor& gamma, Tensor& x2d, int64_t n_images);
 
   Backend& be_;
@@ -114,6 +125,18 @@ class VisionTransformer {
 [[nodiscard]] Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
                                                  const std::string& path);
 
+// timm's resample_abs_pos_embed (timm/layers/pos_embed.py, timm 0.9 / 1.0), which timm's
+// checkpoint_filter_fn applies when a ViT is built at another img_size than its weights: the
+// first `prefix` rows (class and register tokens; 0 with no_embed_class) are kept; the grid rows
+// [old_grid^2, D] are reshaped to [1, D, old_grid, old_grid], resized with
+// F.interpolate(size=(new_grid, new_grid), mode='bicubic', antialias=True, align_corners=False)
+// (resize_planes_bicubic_aa, resample.h: PyTorch's antialiased bicubic, a = -0.5, for upsampling
+// and downsampling alike), and flattened back to [new_grid^2, D] tokens.
+// src: [prefix + old_grid^2, D] f32 host memory; dst: [prefix + new_grid^2, D], overwritten.
+// Equal grids copy. Errors: kInvalidArgument for a grid < 1 or D < 1.
+[[nodiscard]] Status resample_pos_embed(const float* src, int64_t prefix, int64_t old_grid, int64_t new_grid, int64_t D,
+                                        float* dst);
+
 // A Vision Transformer as slide-embed's tile encoder, on any backend (cpu by default; cuda where
 // built: tiles are uploaded per batch and features downloaded).
 //
@@ -131,21 +154,48 @@ class VisionTransformer {
 //   "virchow2" Virchow2 (Zimmermann et al., 2024; Paige's model card): ViT-H/14 at 224 px (width
 //              1280, depth 32, 16 heads), SwiGLU MLP, layer scale, 4 register tokens; features are
 //              the class token and the mean of the patch tokens, concatenated (2560-d).
-// Both take ImageNet's mean and std (their model cards' transforms). None of these presets has
-// been run here on its published (gated) weights: each is checked on random weights of its shape
-// against a PyTorch transcription of timm's forward (tests/e2e/test_vit.py).
+//   "gigapath" Prov-GigaPath's tile encoder (Xu et al., Nature 2024; the Hugging Face config.json
+//              of prov-gigapath/prov-gigapath): timm vit_giant_patch14_dinov2 (timm's
+//              vision_transformer.py: width 1536, depth 40, 24 heads, init_values 1e-5 = layer
+//              scale, mlp_ratio 2.66667 * 2 with mlp_layer SwiGLUPacked and SiLU) with the config's
+//              model_args img_size 224, patch_size 16, mlp_ratio 5.33334 (fc1 8192 = 2 x 4096
+//              outputs), num_classes 0, global_pool token: class-token features (1536-d), no
+//              register tokens, pos_embed over the class token too (197 rows). ImageNet mean/std
+//              (its model card's transform: Resize(256, bicubic), CenterCrop(224), Normalize).
+//   "hoptimus0" H-optimus-0 (Bioptimus; the Hugging Face config.json of bioptimus/H-optimus-0):
+//              timm vit_giant_patch14_reg4_dinov2 (patch 14, width 1536, depth 40, 24 heads,
+//              layer scale, SwiGLUPacked MLP with mlp_ratio 5.33334, 4 register tokens,
+//              no_embed_class) with model_args img_size 224 (a 16 x 16 grid), num_classes 0,
+//              global_pool token: class-token features (1536-d). Its own normalisation (the
+//              config's pretrained_cfg and the model card): mean (0.707223, 0.578729, 0.703617),
+//              std (0.211883, 0.230117, 0.177517).
+// UNI, UNI2-h, Virchow2 and vit-b16/l16 take ImageNet's mean and std (their model cards'
+// transforms). None of these presets has been run here on its published (gated) weights: each is
+// checked on random weights of its shape against a PyTorch transcription of timm's forward
+// (tests/e2e/test_vit.py), the giant ones (gigapath, hoptimus0: 1.1 G parameters) by their shape
+// check only (tests/libtrain/test_resample.cpp, with infer_vit_config's shapes).
+// Not a preset: CONCH's vision tower (conch-vit-b; MahmoodLab's CONCH, open_clip CoCa ViT-B/16):
+// its image features come from an attentional pooler (CoCa's attn_pool: learned queries
+// cross-attending to the tokens, then a projection), which this ViT does not have.
 // `pool`: "" (the preset's), "token", "mean", "token+mean".
+// `image_size`: 0 runs the encoder at the weight file's size; S (a multiple of the patch size)
+// runs it at S px with the positional embedding resampled from the file's grid to S / P (timm's
+// resample_abs_pos_embed, above), as timm.create_model(..., img_size=S) does with the weights.
 class VitEncoder final : public TileEncoder {
  public:
   // Errors: kInvalidArgument (unknown preset or pooling, a file that is not that preset's
   // architecture, naming what differs), those of infer_vit_config and VisionTransformer::load.
   // The ViT runs on `be` (any backend; the encoder keeps it).
+  // kInvalidArgument also for an image_size that is not a positive multiple of the patch size.
   [[nodiscard]] static Result<std::unique_ptr<VitEncoder>> load(const std::string& weights, const std::string& preset,
                                                                 int heads, const std::string& pool,
-                                                                std::unique_ptr<Backend> be);
+                                                                std::unique_ptr<Backend> be, int image_size = 0);
   int64_t feature_dim() const override { return vit_->config().feature_dim(); }
   const std::string& layer() const override { return layer_; }
   int64_t input_size() const override { return vit_->config().image_size; }
+  // The preset's normalisation of [0, 1] RGB (ImageNet's but for hoptimus0).
+  const float* mean() const override { return mean_; }
+  const float* std() const override { return std_; }
   [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
   const VitConfig& config() const { return vit_->config(); }
 
@@ -154,9 +204,28 @@ class VitEncoder final : public TileEncoder {
   std::unique_ptr<Backend> be_;
   std::unique_ptr<VisionTransformer> vit_;
   std::string layer_;
+  float mean_[3] = {0.485f, 0.456f, 0.406f};
+  float std_[3] = {0.229f, 0.224f, 0.225f};
 };
 
 // True for the model names VitEncoder::load takes.
 bool is_vit_preset(const std::string& model);
+// Those names, comma-separated, for help texts and errors: "vit, vit-b16, ..., hoptimus0".
+const std::string& vit_preset_list();
+
+// The per-channel normalisation of [0, 1] RGB a preset's encoder was trained with,
+// (v - mean) / std: H-optimus-0's own for "hoptimus0" (vit.h's preset list cites it), ImageNet's
+// (0.485, 0.456, 0.406) / (0.229, 0.224, 0.225) for every other name ("vit" included).
+struct VitNormalisation {
+  float mean[3], std[3];
+};
+VitNormalisation vit_preset_normalisation(const std::string& preset);
+
+// The architecture a preset requires of a weight file's configuration (from infer_vit_config):
+// OK for "vit" (anything) and a matching file; else kInvalidArgument "<path> is a ViT of width W,
+// depth D, patch P, ...; <preset> is width ..." naming what the preset is. Errors also:
+// kInvalidArgument for an unknown preset. (VitEncoder::load calls it; exposed for the tests of
+// the giant presets, whose full-size files are gigabytes.)
+[[nodiscard]] Status check_vit_preset(const VitConfig& file_config, const std::string& preset, const std::string& path);
 
 }  // namespace slide::train

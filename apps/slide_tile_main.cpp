@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -82,6 +83,7 @@ int run_info(const std::string& store_dir, bool json) {
     j["seed"] = meta.seed;
     j["thumbnail_mpp_um"] = meta.thumbnail_mpp_um;
     j["passthrough"] = meta.passthrough;
+    j["tissue_options"] = meta.tissue_options;
     j["command_line"] = meta.command_line;
     j["label_names"] = meta.label_names;
     j["tile_count"] = (*reader)->tile_count();
@@ -100,6 +102,7 @@ int run_info(const std::string& store_dir, bool json) {
                                    : std::string("all tiles");
   std::printf("sampling     %s, seed %llu; thumbnail %.4g um/px; pass-through %s\n", sampling.c_str(),
               static_cast<unsigned long long>(meta.seed), meta.thumbnail_mpp_um, meta.passthrough ? "on" : "off");
+  if (!meta.tissue_options.empty()) std::printf("tissue       %s\n", meta.tissue_options.c_str());
   std::printf("slides       %zu complete, %llu tiles\n", slides.size(),
               static_cast<unsigned long long>((*reader)->tile_count()));
   std::printf("labels      ");
@@ -263,6 +266,32 @@ int run_main(int argc, char** argv) {
   app.add_option("--thumbnail-mpp", opt.tissue.thumbnail_mpp_um,
                  "Resolution of the tissue-detection thumbnail, um/px (default: tile size x --mpp / 8, within 2..16)")
       ->check(CLI::PositiveNumber);
+  // Tissue detection's knobs (CLAM's segmentTissue parameters; tissue.h).
+  std::string stain = "auto", tissue_threshold = "otsu";
+  app.add_option("--stain", stain,
+                 "auto | brightfield | fluorescence: tissue is saturated colour on white glass (brightfield) or "
+                 "bright on a dark background (fluorescence); auto decides per slide from the thumbnail's median grey "
+                 "(below 60: fluorescence)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "brightfield", "fluorescence"}));
+  app.add_option("--tissue-threshold", tissue_threshold,
+                 "otsu, or a fixed threshold 0..255 on saturation (brightfield) or brightness (fluorescence); a pixel "
+                 "above it is tissue")
+      ->capture_default_str()
+      ->check([](const std::string& v) -> std::string {
+        if (v == "otsu") return "";
+        char* end = nullptr;
+        const long t = std::strtol(v.c_str(), &end, 10);
+        return end != v.c_str() && *end == '\0' && t >= 0 && t <= 255 ? "" : "expected otsu or an integer 0..255";
+      });
+  app.add_option("--tissue-median", opt.tissue.median_px, "Median filter before the threshold, thumbnail px (odd; 1: off)")
+      ->capture_default_str()->check(CLI::Range(1, 101));
+  app.add_option("--tissue-close", opt.tissue.close_px, "Morphological close after it, thumbnail px (1: off)")
+      ->capture_default_str()->check(CLI::Range(1, 101));
+  app.add_option("--min-tissue-area", opt.tissue.min_object_um2,
+                 "Tissue pieces smaller than this are dropped, um^2 (0: keep all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--min-hole-area", opt.tissue.min_hole_um2, "Holes in tissue smaller than this are filled, um^2 (0: none)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--annotations", opt.annotations_path,
                  "GeoJSON (QuPath export, level-0 px): a file for every slide, or a directory of <slide stem>.geojson|.json");
   app.add_flag("--roi-only", opt.roi_only, "Keep only tiles covered by the annotations (see --min-roi-overlap)");
@@ -303,6 +332,10 @@ int run_main(int argc, char** argv) {
   slide::core::set_log_json(log_json);
   if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
   if (verbose) slide::core::set_log_level(slide::core::LogLevel::kDebug);
+  opt.tissue.stain = stain == "fluorescence"  ? slide::tile::TissueStain::kFluorescence
+                     : stain == "brightfield" ? slide::tile::TissueStain::kBrightfield
+                                              : slide::tile::TissueStain::kAuto;
+  opt.tissue.threshold = tissue_threshold == "otsu" ? -1 : std::atoi(tissue_threshold.c_str());
 
   if (*info) return run_info(info_store, info_json);
   if (*exp) return run_export(exp_store, exp_out, exp_slides, exp_index, exp_limit);

@@ -356,6 +356,18 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   SLIDE_ASSIGN_OR_RETURN_CTX(TissueMask tissue, detect_tissue(*reader, mpp, tissue_options_, &pool_), "tissue mask");
   rec->tissue_fraction = tissue.tissue_fraction();
   out->tissue_fraction = rec->tissue_fraction;
+  // -v: what the mask is and what its size filters took away (thumbnail px at the mask's scale).
+  slide::core::log_debug("tissue", {{"slide", in.slide_id},
+                                    {"stain", tissue.fluorescence ? "fluorescence" : "brightfield"},
+                                    {"signal", tissue.fluorescence ? "brightness" : "saturation"},
+                                    {"threshold", tissue.otsu_threshold},
+                                    {"tissue_fraction", rec->tissue_fraction},
+                                    {"objects_removed", tissue.objects_removed},
+                                    {"objects_removed_um2", tissue.objects_removed_px * tissue.downsample_x *
+                                                                tissue.downsample_y * mpp * mpp},
+                                    {"holes_filled", tissue.holes_filled},
+                                    {"holes_filled_um2", tissue.holes_filled_px * tissue.downsample_x *
+                                                             tissue.downsample_y * mpp * mpp}});
 
   SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, opt_.grid), "tile plan");
   rec->level = plan.level;
@@ -566,6 +578,7 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
   meta.thumbnail_mpp_um =
       options.tissue.thumbnail_mpp_um > 0 ? options.tissue.thumbnail_mpp_um : auto_thumbnail_mpp(options.grid);
   meta.passthrough = options.passthrough;
+  meta.tissue_options = tissue_options_text(options.tissue);
   meta.command_line = options.command_line;
   StoreWriterOptions wopt;
   wopt.tiles_per_txn = options.tiles_per_txn;

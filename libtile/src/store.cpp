@@ -378,6 +378,7 @@ std::vector<std::pair<std::string, std::string>> meta_entries(const StoreMeta& m
       {"seed", std::to_string(meta.seed)},
       {"thumbnail_mpp_um", format_double(meta.thumbnail_mpp_um)},
       {"passthrough", meta.passthrough ? "true" : "false"},
+      {"tissue_options", meta.tissue_options},
       {"command_line", meta.command_line},
       {"label_names", labels_json(meta.label_names)},
   };
@@ -484,6 +485,8 @@ Result<StoreMeta> read_meta(MDB_txn* txn, MDB_dbi dbi) {
   SLIDE_RETURN_IF_ERROR(optional_key("seed", &m.seed, parse_u64));
   SLIDE_RETURN_IF_ERROR(optional_key("thumbnail_mpp_um", &m.thumbnail_mpp_um, parse_mpp));
   SLIDE_RETURN_IF_ERROR(optional_key("passthrough", &m.passthrough, parse_bool));
+  SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> tissue, get_string(txn, dbi, "tissue_options"));
+  m.tissue_options = tissue.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> cmd, get_string(txn, dbi, "command_line"));
   m.command_line = cmd.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> labels, get_string(txn, dbi, "label_names"));
@@ -738,6 +741,8 @@ std::string meta_differences(const StoreMeta& stored, const StoreMeta& asked) {
     add("seed", std::to_string(stored.seed), std::to_string(asked.seed));
   if (!same_double(stored.thumbnail_mpp_um, asked.thumbnail_mpp_um))
     add("thumbnail_mpp_um", format_double(stored.thumbnail_mpp_um), format_double(asked.thumbnail_mpp_um));
+  if (stored.tissue_options != asked.tissue_options && !stored.tissue_options.empty() && !asked.tissue_options.empty())
+    add("tissue_options", "'" + stored.tissue_options + "'", "'" + asked.tissue_options + "'");
   // Pass-through only ever applies to JPEG stores.
   if (stored.passthrough != asked.passthrough && stored.encoding == TileEncoding::kJpeg &&
       asked.encoding == TileEncoding::kJpeg)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <functional>
 #include <future>
@@ -25,6 +26,13 @@ namespace {
 // pipelines do with a minimum saturation; stained tissue is far above it (H&E saturation is
 // typically 40-150 of 255), glass and background are below (typically 0-10).
 constexpr int kMinSaturationThreshold = 15;
+// The same floor for a fluorescence image's mean brightness (max of R, G, B): its dark background
+// is camera noise a few levels above 0 (0-5 on the shared DAPI slide), its tissue above that.
+constexpr int kMinBrightnessThreshold = 5;
+// --stain auto: a thumbnail whose median grey level ((R + G + B) / 3) is below this is taken for
+// fluorescence. Brightfield glass is near white (the shared H&E slides' medians are 172-243);
+// a fluorescence slide's background is near black (the shared DAPI slide's median is 5).
+constexpr double kFluorescenceMedianGrey = 60;
 
 // Budget for one band of level pixels read while building a thumbnail. At least one thumbnail
 // row is always read, so a level-0-only slide of extreme width can exceed it by that row.
@@ -197,9 +205,12 @@ void close_mask(std::vector<uint8_t>* mask, int64_t w, int64_t h, int k) {
 // enclosed by tissue; the background around the tissue touches the border). 8-connected for
 // tissue, 4-connected for background: the pair that makes holes and objects dual (a diagonal gap
 // in tissue does not connect a hole to the outside).
-void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t value, bool eight, bool skip_border,
-                       double min_area) {
-  if (min_area <= 1) return;
+// Components of `value` smaller than min_area px are flipped to 1 - value; returns how many
+// were, and adds their pixels to *flipped_px.
+int64_t filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t value, bool eight,
+                          bool skip_border, double min_area, int64_t* flipped_px) {
+  int64_t flipped = 0;
+  if (min_area <= 1) return flipped;
   std::vector<uint8_t> seen(mask->size(), 0);
   std::vector<int64_t> stack, component;
   for (int64_t start = 0; start < w * h; ++start) {
@@ -238,12 +249,77 @@ void filter_components(std::vector<uint8_t>* mask, int64_t w, int64_t h, uint8_t
       }
     }
     if (skip_border && touches_border) continue;
-    if (static_cast<double>(area) < min_area)
+    if (static_cast<double>(area) < min_area) {
       for (int64_t p : component) (*mask)[static_cast<size_t>(p)] = static_cast<uint8_t>(1 - value);
+      ++flipped;
+      *flipped_px += area;
+    }
   }
+  return flipped;
+}
+
+// A fluorescence image's tissue signal: brightness = max(R, G, B) per pixel (whatever the
+// channel's colour: DAPI blue, FITC green, TRITC red), averaged over a k x k window (edges
+// clamped) and rounded. The mean, not the median: in a nuclear stain the tissue between nuclei is
+// as dark as the glass, so the tissue is where nuclei are dense, which a local mean measures and a
+// median (most pixels dark) erases.
+std::vector<uint8_t> mean_brightness(const RgbImage& img, int k) {
+  const int64_t w = img.width, h = img.height, r = std::max(0, k / 2);
+  std::vector<double> b(static_cast<size_t>(w * h)), rows(b.size());
+  const uint8_t* p = img.pixels.data();
+  for (size_t i = 0; i < b.size(); ++i, p += 3) b[i] = std::max({p[0], p[1], p[2]});
+  auto clampi = [](int64_t v, int64_t hi) { return std::clamp<int64_t>(v, 0, hi - 1); };
+  for (int64_t y = 0; y < h; ++y)
+    for (int64_t x = 0; x < w; ++x) {
+      double sum = 0;
+      for (int64_t d = -r; d <= r; ++d) sum += b[static_cast<size_t>(y * w + clampi(x + d, w))];
+      rows[static_cast<size_t>(y * w + x)] = sum;
+    }
+  std::vector<uint8_t> out(b.size());
+  const double n = static_cast<double>((2 * r + 1) * (2 * r + 1));
+  for (int64_t y = 0; y < h; ++y)
+    for (int64_t x = 0; x < w; ++x) {
+      double sum = 0;
+      for (int64_t d = -r; d <= r; ++d) sum += rows[static_cast<size_t>(clampi(y + d, h) * w + x)];
+      out[static_cast<size_t>(y * w + x)] = static_cast<uint8_t>(std::lround(std::clamp(sum / n, 0.0, 255.0)));
+    }
+  return out;
+}
+
+// v on a log scale, 0..255: round(255 ln(1 + v) / ln(256)) (its inverse: log_level_to_linear). A
+// fluorescence signal spans orders of magnitude (sparse tissue a few levels above the glass,
+// dense nuclei a hundred): on a log scale Otsu splits tissue from glass, not nuclei from the rest.
+uint8_t linear_to_log_level(uint8_t v) {
+  return static_cast<uint8_t>(std::lround(255.0 * std::log1p(static_cast<double>(v)) / std::log(256.0)));
+}
+int log_level_to_linear(int t) {
+  return static_cast<int>(std::floor(std::expm1(static_cast<double>(t) * std::log(256.0) / 255.0)));
 }
 
 }  // namespace
+
+bool looks_like_fluorescence(const RgbImage& thumbnail) {
+  if (thumbnail.width < 1 || thumbnail.height < 1 ||
+      thumbnail.pixels.size() != static_cast<size_t>(3 * thumbnail.width * thumbnail.height))
+    return false;
+  std::vector<int64_t> hist(256, 0);
+  const uint8_t* p = thumbnail.pixels.data();
+  const int64_t n = thumbnail.width * thumbnail.height;
+  for (int64_t i = 0; i < n; ++i, p += 3) ++hist[static_cast<size_t>((int{p[0]} + p[1] + p[2]) / 3)];
+  int64_t below = 0;
+  int median = 0;
+  while (median < 255 && 2 * (below + hist[static_cast<size_t>(median)]) <= n) below += hist[static_cast<size_t>(median++)];
+  return median < kFluorescenceMedianGrey;
+}
+
+std::string tissue_options_text(const TissueOptions& o) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "stain=%s threshold=%s median_px=%d close_px=%d min_object_um2=%g min_hole_um2=%g",
+                o.stain == TissueStain::kAuto ? "auto" : o.stain == TissueStain::kFluorescence ? "fluorescence" : "brightfield",
+                o.threshold < 0 ? "otsu" : std::to_string(o.threshold).c_str(), o.median_px, o.close_px,
+                o.min_object_um2, o.min_hole_um2);
+  return buf;
+}
 
 int otsu_threshold(const std::vector<int64_t>& histogram) {
   // Otsu (1979), "A threshold selection method from gray-level histograms": maximise
@@ -406,12 +482,26 @@ TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, d
     out.mask.assign(static_cast<size_t>(std::max<int64_t>(0, w) * std::max<int64_t>(0, h)), 0);
     return out;
   }
-  const std::vector<uint8_t> sat = median_filter(saturation(out.thumbnail), w, h, options.median_px, pool);
-  std::vector<int64_t> hist(256, 0);
-  for (uint8_t s : sat) ++hist[s];
-  out.otsu_threshold = std::max(otsu_threshold(hist), kMinSaturationThreshold);
-  out.mask.resize(sat.size());
-  for (size_t i = 0; i < sat.size(); ++i) out.mask[i] = sat[i] > out.otsu_threshold ? 1 : 0;
+  out.fluorescence = options.stain == TissueStain::kFluorescence ||
+                     (options.stain == TissueStain::kAuto && looks_like_fluorescence(out.thumbnail));
+  // Brightfield (CLAM): tissue is saturated (stained) over white glass: the median-filtered
+  // saturation, Otsu's threshold. Fluorescence: bright over dark: the local mean brightness, Otsu's
+  // threshold found on its log scale (mean_brightness, linear_to_log_level), applied as the linear
+  // level it stands for.
+  const std::vector<uint8_t> signal = out.fluorescence
+                                          ? mean_brightness(out.thumbnail, options.median_px)
+                                          : median_filter(saturation(out.thumbnail), w, h, options.median_px, pool);
+  if (options.threshold >= 0) {
+    out.otsu_threshold = options.threshold;
+  } else {
+    std::vector<int64_t> hist(256, 0);
+    for (uint8_t v : signal) ++hist[out.fluorescence ? linear_to_log_level(v) : v];
+    out.otsu_threshold = out.fluorescence
+                             ? std::max(log_level_to_linear(otsu_threshold(hist)), kMinBrightnessThreshold)
+                             : std::max(otsu_threshold(hist), kMinSaturationThreshold);
+  }
+  out.mask.resize(signal.size());
+  for (size_t i = 0; i < signal.size(); ++i) out.mask[i] = signal[i] > out.otsu_threshold ? 1 : 0;
   close_mask(&out.mask, w, h, options.close_px);
   const double area = static_cast<double>(w * h);
   const double min_object_px =
@@ -419,8 +509,10 @@ TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, d
   const double min_hole_px = um2_per_px > 0 ? options.min_hole_um2 / um2_per_px : options.min_object_fraction * area;
   // Objects first: a speck inside a hole is dropped before the hole is measured, as CLAM keeps
   // holes only inside the contours it kept.
-  filter_components(&out.mask, w, h, 1, /*eight=*/true, /*skip_border=*/false, min_object_px);
-  filter_components(&out.mask, w, h, 0, /*eight=*/false, /*skip_border=*/true, min_hole_px);
+  out.objects_removed = filter_components(&out.mask, w, h, 1, /*eight=*/true, /*skip_border=*/false, min_object_px,
+                                          &out.objects_removed_px);
+  out.holes_filled = filter_components(&out.mask, w, h, 0, /*eight=*/false, /*skip_border=*/true, min_hole_px,
+                                       &out.holes_filled_px);
   return out;
 }
 

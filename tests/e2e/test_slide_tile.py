@@ -567,8 +567,10 @@ class TestSlides(Base):
     The expected (level, tiles) were fixed after checking each run's QC picture by eye (tissue
     mask on the tissue, the grid on the mask). boxes.tiff and kidney-48-5.tif carry no resolution;
     they get a coarse --source-mpp so that their objects are larger than the tissue mask's
-    smallest object (20000 µm²). The DAPI slide is fluorescence: saturation-based tissue detection
-    (CLAM's, and the Python peer's) sees its blue-tinted background as tissue, so every tile is kept.
+    smallest object (20000 µm²). The DAPI slide is fluorescence: --stain auto detects it (a dark
+    thumbnail) and thresholds brightness, so the four dark corner tiles at 0.5 um/px are dropped;
+    saturation-based detection (CLAM's, the Python peer's, --stain brightfield) sees its dark
+    background as tissue and keeps every tile (test_fluorescence_tissue below).
     """
     # slide, extra args, tile px, vendor, backend, level-0 size, source mpp, {target mpp: (level read, tiles kept)}
     CASES = [
@@ -577,7 +579,7 @@ class TestSlides(Base):
         ("TCGA-CR-7395-01A-01-TS1.svs", ["--source-mpp", "0.5"], 256, "aperio", "openslide", (4443, 3567), 0.5,
          {1.0: (1, 35), 4.0: (1, 2)}),
         ("test3-DAPI-2-387.ndpi", [], 256, "hamamatsu", "openslide", (3968, 4864), 0.2281750559,
-         {0.5: (1, 56), 2.0: (3, 2)}),
+         {0.5: (1, 52), 2.0: (3, 2)}),
         ("kidney-48-5.tif", ["--source-mpp", "8", "--min-tissue", "0.25"], 16, "tiff", "libtiff", (1493, 901), 8.0,
          {8.0: (0, 18), 16.0: (0, 5)}),
         ("boxes.tiff", ["--source-mpp", "4"], 32, "generic-tiff", "openslide", (300, 250), 4.0,
@@ -600,6 +602,43 @@ class TestSlides(Base):
                     self.assertEqual(rec["level"], level)
                     self.assertEqual(rec["tile_count"], count)
                     self.assertEqual(len(tiles_of(store)), count)
+
+    def test_fluorescence_tissue(self):
+        # Issue 16 item 2: the DAPI slide's tissue covers most of the section but not the dark corners
+        # (about 86% of the thumbnail, checked by eye on a contrast-stretched thumbnail); brightfield
+        # detection calls all of it tissue.
+        dapi = os.path.join(SLIDES, "test3-DAPI-2-387.ndpi")
+        fractions = {}
+        for stain in ("auto", "fluorescence", "brightfield"):
+            store = self.path("dapi_" + stain)
+            r = run([dapi, "--mpp", "0.5", "-o", store, "-v", "--stain", stain])
+            self.assertEqual(r.returncode, 0, r.stderr)
+            rec = info(store)["slides"][0]
+            fractions[stain] = (rec["tissue_fraction"], rec["tile_count"])
+            # -v says what the mask is and what its filters removed.
+            self.assertRegex(r.stderr, r"debug tissue slide=test3-DAPI-2-387 stain=%s signal=%s threshold=\d+" %
+                             (("brightfield", "saturation") if stain == "brightfield" else ("fluorescence", "brightness")))
+            self.assertIn("objects_removed=", r.stderr)
+            self.assertIn("holes_filled_um2=", r.stderr)
+        self.assertEqual(fractions["auto"], fractions["fluorescence"])
+        self.assertGreater(fractions["auto"][0], 0.75)
+        self.assertLess(fractions["auto"][0], 0.95)
+        self.assertEqual(fractions["brightfield"], (1.0, 56))
+        self.assertEqual(fractions["auto"][1], 52)
+        # A brightfield slide: auto is brightfield, the same mask and tiles.
+        got = []
+        for stain in ("auto", "brightfield"):
+            store = self.path("cmu_" + stain)
+            self.assertEqual(run([CMU, "--mpp", "1", "-o", store, "-q", "--stain", stain]).returncode, 0)
+            rec = info(store)["slides"][0]
+            got.append((rec["tissue_fraction"], rec["tile_count"]))
+        self.assertEqual(got[0], got[1])
+        # The knobs move the mask: a fixed threshold above H&E's saturation finds no tissue, and no tile.
+        store = self.path("cmu_t250")
+        self.assertEqual(run([CMU, "--mpp", "1", "-o", store, "-q", "--tissue-threshold", "250"]).returncode, 0)
+        self.assertEqual(info(store)["slides"][0]["tissue_fraction"], 0.0)
+        self.assertEqual(run([CMU, "--mpp", "1", "-o", self.path("x"), "--tissue-threshold", "300"]).returncode, 2)
+        self.assertEqual(run([CMU, "--mpp", "1", "-o", self.path("y"), "--stain", "ihc"]).returncode, 2)
 
 
 # A small, quick store for the tests below: CMU at 2 um/px, every tile kept (a few dozen tiles).
@@ -816,7 +855,10 @@ class TestSettings(Base):
         cases = [(["--max-tiles-per-slide", "3"], "max_tiles_per_slide=0, this run asks 3"),
                  (["--thumbnail-mpp", "4"], "thumbnail_mpp_um=%s, this run asks 4" % meta["thumbnail_mpp_um"]),
                  (["--no-passthrough"], "passthrough=true, this run asks false"),
-                 (["--shard", "0/2"], "shard=0/1, this run asks 0/2")]
+                 (["--shard", "0/2"], "shard=0/1, this run asks 0/2"),
+                 (["--tissue-threshold", "20"],
+                  "tissue_options='stain=auto threshold=otsu median_px=7 close_px=5 min_object_um2=20000 "
+                  "min_hole_um2=20000', this run asks 'stain=auto threshold=20 median_px=7")]
         for extra, want in cases:
             with self.subTest(extra=extra):
                 r = run(SMALL + extra + ["-o", store])

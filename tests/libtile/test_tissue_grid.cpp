@@ -168,6 +168,66 @@ TEST_CASE("test_tissue_grid: detect_tissue_in_thumbnail keeps the disk, drops th
   CHECK(f.mask[static_cast<size_t>(100 * 200 + 85)] == 0);  // hole (~79 px) is above 20 px now
 }
 
+TEST_CASE("test_tissue_grid: the knobs: fixed threshold, filters' counts, options text") {
+  RgbImage t(200, 200, 255);
+  std::mt19937 rng(3);
+  for (auto& p : t.pixels) p = static_cast<uint8_t>(235 + rng() % 21);
+  paint_disk(&t, 100, 100, 50, kPink);
+  for (int y = 16; y < 24; ++y)  // 8x8 speck: removed, and counted
+    for (int x = 16; x < 24; ++x) std::copy(kPink, kPink + 3, t.row(y) + 3 * x);
+  TissueOptions opt;
+  TissueMask m = slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt);
+  CHECK(!m.fluorescence);  // auto: white glass is brightfield
+  CHECK(m.objects_removed == 1);
+  CHECK(m.objects_removed_px > 30);  // the 8x8 speck, its corners rounded by the 7-px median
+  CHECK(m.objects_removed_px <= 64);
+  CHECK(m.holes_filled == 0);
+  // A threshold above the pink's saturation (88) finds nothing; below it, the same disk as Otsu.
+  opt.threshold = 100;
+  CHECK(slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt).tissue_fraction() == 0.0);
+  opt.threshold = 40;
+  TissueMask fixed = slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt);
+  CHECK(fixed.otsu_threshold == 40);
+  CHECK(fixed.mask == m.mask);
+  // No size filter: the speck stays.
+  opt.threshold = -1, opt.min_object_um2 = 0;
+  TissueMask keep = slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt);
+  CHECK(keep.objects_removed == 0);
+  CHECK(keep.mask[static_cast<size_t>(20 * 200 + 20)] == 1);
+  CHECK(slide::tile::tissue_options_text(TissueOptions{}) ==
+        "stain=auto threshold=otsu median_px=7 close_px=5 min_object_um2=20000 min_hole_um2=20000");
+  opt.stain = slide::tile::TissueStain::kFluorescence, opt.threshold = 12;
+  CHECK(slide::tile::tissue_options_text(opt) ==
+        "stain=fluorescence threshold=12 median_px=7 close_px=5 min_object_um2=0 min_hole_um2=20000");
+}
+
+TEST_CASE("test_tissue_grid: fluorescence: sparse bright nuclei over a dark background are tissue where dense") {
+  // Camera noise 0..3 everywhere; in the rectangle x 40..160, y 50..150, one blue "nucleus" pixel
+  // in four (as in a DAPI image: the tissue between nuclei is as dark as the glass).
+  RgbImage t(200, 200, 0);
+  std::mt19937 rng(7);
+  for (auto& p : t.pixels) p = static_cast<uint8_t>(rng() % 4);
+  for (int y = 50; y < 150; ++y)
+    for (int x = 40; x < 160; ++x)
+      if ((x % 2 == 0) && (y % 2 == 0)) t.row(y)[3 * x + 2] = 160;
+  CHECK(slide::tile::looks_like_fluorescence(t));
+  TissueOptions opt;  // auto
+  TissueMask m = slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt);
+  CHECK(m.fluorescence);
+  // The rectangle is 120 x 100 of 200 x 200 = 0.30 (the 7-px mean blurs its edge by a few px).
+  CHECK(m.tissue_fraction() == doctest::Approx(0.30).epsilon(0.08));
+  CHECK(m.mask[static_cast<size_t>(101 * 200 + 101)] == 1);  // between nuclei: tissue
+  CHECK(m.mask[static_cast<size_t>(10 * 200 + 10)] == 0);    // glass
+  // Thresholded on saturation instead (--stain brightfield), the dark noise is "saturated": all
+  // tissue, the failure this mode exists for.
+  opt.stain = slide::tile::TissueStain::kBrightfield;
+  CHECK(slide::tile::detect_tissue_in_thumbnail(t, 32, 32, 64, opt).tissue_fraction() > 0.9);
+  // A brightfield thumbnail is not taken for fluorescence.
+  RgbImage glass(50, 50, 240);
+  paint_disk(&glass, 25, 25, 10, kPink);
+  CHECK(!slide::tile::looks_like_fluorescence(glass));
+}
+
 TEST_CASE("test_tissue_grid: a blank thumbnail gives an empty mask") {
   TissueOptions opt;
   TissueMask pure = slide::tile::detect_tissue_in_thumbnail(RgbImage(120, 90, 255), 1, 1, 0, opt);

@@ -98,6 +98,9 @@ struct StoreMeta {
   uint64_t seed = 0;                // GridOptions::seed
   double thumbnail_mpp_um = 0;      // tissue thumbnail resolution (µm/px) after auto_thumbnail_mpp
   bool passthrough = true;          // TileJobOptions::passthrough (only compared for JPEG stores)
+  // The tissue-detection options (tissue.h tissue_options_text); "" in stores made before they
+  // were recorded, which are then not compared.
+  std::string tissue_options;
   std::string command_line;
   std::vector<std::string> label_names;
 };

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "slide/core/status.h"
@@ -18,7 +19,14 @@
 
 namespace slide::tile {
 
+// What the slide is imaged in: brightfield (H&E, IHC: stained tissue on white glass; the mask is
+// thresholded on saturation) or fluorescence (bright tissue on a dark background: thresholded on
+// brightness, max(R, G, B)); auto decides per slide from the thumbnail (looks_like_fluorescence).
+enum class TissueStain { kAuto, kBrightfield, kFluorescence };
+
 struct TissueOptions {
+  TissueStain stain = TissueStain::kAuto;
+  int threshold = -1;                // on saturation (brightfield) or brightness (fluorescence), 0..255; -1: Otsu
   double thumbnail_mpp_um = 8.0;     // thumbnail resolution when the slide's mpp is known
   int64_t max_thumbnail_px = 4096;   // cap on the thumbnail's longer side (coarser if needed)
   int64_t fallback_thumbnail_px = 2048;  // longer side when the slide's mpp is unknown
@@ -34,7 +42,11 @@ struct TissueMask {
   std::vector<uint8_t> mask;   // thumbnail.width * thumbnail.height, 1 = tissue, 0 = background
   double downsample_x = 1;     // level-0 px per thumbnail px
   double downsample_y = 1;
-  int otsu_threshold = 0;      // on saturation, 0..255
+  int otsu_threshold = 0;      // the threshold used (Otsu's or the option's), 0..255
+  bool fluorescence = false;   // thresholded on brightness (fluorescence), else on saturation
+  // What the size filters removed (thumbnail px): tissue objects below the minimum area dropped,
+  // holes below the minimum hole area filled.
+  int64_t objects_removed = 0, objects_removed_px = 0, holes_filled = 0, holes_filled_px = 0;
 
   int64_t width() const { return thumbnail.width; }
   int64_t height() const { return thumbnail.height; }
@@ -66,6 +78,14 @@ struct TissueMask {
 // the area of one thumbnail pixel in µm² (0 if unknown).
 TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, double downsample_y, double um2_per_px,
                                       const TissueOptions& options, core::ThreadPool* pool = nullptr);
+
+// --stain auto's rule: true when the thumbnail's median grey level ((R + G + B) / 3, 0..255) is
+// below 60 (a dark background: fluorescence; brightfield glass is near white).
+bool looks_like_fluorescence(const RgbImage& thumbnail);
+
+// The options that decide the mask, as one line for the store's record (StoreMeta::tissue_options):
+// "stain=auto threshold=otsu median_px=7 close_px=5 min_object_um2=20000 min_hole_um2=20000".
+std::string tissue_options_text(const TissueOptions& options);
 
 // Otsu's threshold of a 256-bin histogram: the t maximising the between-class variance of
 // {v <= t} and {v > t}. Returns 0 for an empty or constant histogram.

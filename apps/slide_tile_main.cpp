@@ -258,7 +258,11 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
   app.add_option("--shard", shard, "Write only slides k with k % N == i, as i/N (one store per shard)")->capture_default_str();
-  app.add_option("--qc-dir", qc_dir, "Write a QC PNG per slide (thumbnail, tissue mask, kept tiles) here");
+  app.add_option("--qc-dir", qc_dir,
+                 "Write a QC PNG per slide here: the slide at --qc-mpp with the tissue mask (green) and the kept "
+                 "tiles (blue), a title, a legend and a scale bar");
+  app.add_option("--qc-mpp", opt.qc_mpp_um, "Resolution of the QC pictures, um/px (the longer side at most 2048 px)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--txn-tiles", opt.tiles_per_txn, "Tiles per LMDB write transaction")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));

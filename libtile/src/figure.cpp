@@ -138,6 +138,95 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
   return to_image(surface.get());
 }
 
+double scale_bar_um(double max_um) {
+  if (!(max_um >= 1) || !std::isfinite(max_um)) return 0;
+  const double p = std::pow(10.0, std::floor(std::log10(max_um)));
+  for (double m : {5.0, 2.0, 1.0})
+    if (m * p <= max_um) return m * p;
+  return p;
+}
+
+Result<RgbImage> add_legend(const RgbImage& image, const std::string& title, const std::vector<LegendEntry>& entries,
+                            double um_per_px) {
+  constexpr int kLegendBand = 30, kMinWidth = 420;
+  if (image.width < 1 || image.height < 1 || !std::isfinite(um_per_px) || um_per_px < 0)
+    return core::invalid_argument("legend: an image of " + std::to_string(image.width) + " x " +
+                                  std::to_string(image.height) + " px at " + std::to_string(um_per_px) + " um/px");
+  const int64_t W = std::max<int64_t>(image.width, kMinWidth), H = kTitleBand + image.height + kLegendBand;
+  if (W > 32767 || H > 32767) return core::invalid_argument("legend: the figure would exceed cairo's 32767 px");
+  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
+      cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)), cairo_surface_destroy);
+  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS)
+    return cairo_failed("image surface", st);
+  cairo_surface_flush(surface.get());
+  unsigned char* data = cairo_image_surface_get_data(surface.get());
+  const int stride = cairo_image_surface_get_stride(surface.get());
+  for (int64_t y = 0; y < H; ++y) {
+    auto* row = reinterpret_cast<uint32_t*>(data + y * stride);
+    std::fill(row, row + W, 0x00FFFFFFu);
+    const int64_t iy = y - kTitleBand;
+    if (iy < 0 || iy >= image.height) continue;
+    const uint8_t* src = image.row(iy);
+    for (int64_t x = 0; x < image.width; ++x)
+      row[x] = (uint32_t{src[3 * x]} << 16) | (uint32_t{src[3 * x + 1]} << 8) | uint32_t{src[3 * x + 2]};
+  }
+  cairo_surface_mark_dirty(surface.get());
+  std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
+  cairo_t* c = cr.get();
+  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_source_rgb(c, 0, 0, 0);
+  cairo_set_font_size(c, 14);
+  cairo_text_extents_t ext;
+  cairo_text_extents(c, title.c_str(), &ext);
+  if (ext.x_advance > static_cast<double>(W) - 12)
+    cairo_set_font_size(c, std::max(7.0, 14.0 * (static_cast<double>(W) - 12) / ext.x_advance));
+  cairo_move_to(c, 6, 19);
+  cairo_show_text(c, title.c_str());
+  // The legend band: swatches and labels from the left.
+  const double band = static_cast<double>(kTitleBand + image.height);
+  cairo_set_font_size(c, 11);
+  double x = 6;
+  for (const LegendEntry& e : entries) {
+    cairo_set_source_rgb(c, e.rgb[0] / 255.0, e.rgb[1] / 255.0, e.rgb[2] / 255.0);
+    if (e.outline) {
+      cairo_set_line_width(c, 2);
+      cairo_rectangle(c, x + 1, band + 9, 12, 12);
+      cairo_stroke(c);
+    } else {
+      cairo_rectangle(c, x, band + 8, 14, 14);
+      cairo_fill(c);
+    }
+    cairo_set_source_rgb(c, 0, 0, 0);
+    cairo_move_to(c, x + 19, band + 19);
+    cairo_show_text(c, e.label.c_str());
+    cairo_text_extents(c, e.label.c_str(), &ext);
+    x += 19 + ext.x_advance + 14;
+  }
+  // The scale bar at the right end.
+  // The scale bar at the right end, in what the entries left (at most a quarter of the width),
+  // its length written above it.
+  if (um_per_px > 0) {
+    const double room = std::min(static_cast<double>(W) / 4, static_cast<double>(W) - 8 - x - 6);
+    const double um = scale_bar_um(um_per_px * room);
+    if (um > 0) {
+      const double len = um / um_per_px;
+      char label[32];
+      if (um >= 1000) std::snprintf(label, sizeof label, "%g mm", um / 1000);
+      else std::snprintf(label, sizeof label, "%g um", um);
+      cairo_set_font_size(c, 10);
+      cairo_text_extents(c, label, &ext);
+      const double x1 = static_cast<double>(W) - 8, x0 = x1 - len;
+      cairo_set_source_rgb(c, 0, 0, 0);
+      cairo_rectangle(c, x0, band + 19, len, 4);
+      cairo_fill(c);
+      cairo_move_to(c, x1 - ext.x_advance, band + 14);
+      cairo_show_text(c, label);
+    }
+  }
+  if (auto st = cairo_status(c); st != CAIRO_STATUS_SUCCESS) return cairo_failed("drawing", st);
+  return to_image(surface.get());
+}
+
 namespace {
 
 // Round tick positions over [lo, hi]: a step of 1, 2 or 5 x 10^k giving about `want` ticks.

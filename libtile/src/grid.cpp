@@ -1,6 +1,8 @@
 // Tile grid planning, tile reading and the QC picture; the geometry is documented in grid.h.
 #include "slide/tile/grid.h"
 
+#include "slide/tile/figure.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -158,18 +160,27 @@ bool can_pass_through(const SlideReader& slide, const TilePlan& plan) {
   return lv.tile_width == plan.tile_size_px && lv.tile_height == plan.tile_size_px && slide.has_raw_jpeg_tiles(plan.level);
 }
 
-Result<std::vector<uint8_t>> render_qc_png(const TissueMask& tissue, const TilePlan& plan) {
-  RgbImage img = tissue.thumbnail;
+RgbImage draw_qc(const TissueMask& tissue, const TilePlan& plan, const RgbImage* thumbnail, double downsample_x,
+                 double downsample_y) {
+  if (thumbnail == nullptr) thumbnail = &tissue.thumbnail, downsample_x = tissue.downsample_x, downsample_y = tissue.downsample_y;
+  RgbImage img = *thumbnail;
   const int64_t w = img.width, h = img.height;
-  if (w < 1 || h < 1) return core::internal_error("QC picture: empty thumbnail");
-  if (tissue.mask.size() == static_cast<size_t>(w * h)) {
-    // Tissue: 40% toward green, so the stain stays visible under the tint.
-    for (size_t i = 0; i < tissue.mask.size(); ++i) {
-      if (tissue.mask[i] == 0) continue;
-      uint8_t* p = &img.pixels[3 * i];
-      p[0] = static_cast<uint8_t>((p[0] * 3) / 5);
-      p[1] = static_cast<uint8_t>((p[1] * 3 + 255 * 2) / 5);
-      p[2] = static_cast<uint8_t>((p[2] * 3) / 5);
+  if (w < 1 || h < 1 || !(downsample_x > 0) || !(downsample_y > 0)) return img;
+  const int64_t mw = tissue.width(), mh = tissue.height();
+  if (mw > 0 && mh > 0 && tissue.mask.size() == static_cast<size_t>(mw * mh)) {
+    // Tissue: 40% toward green, so the stain stays visible under the tint. The mask is sampled at
+    // each pixel's centre (nearest mask pixel): the picture may be finer than the mask.
+    const double sx = downsample_x / tissue.downsample_x, sy = downsample_y / tissue.downsample_y;
+    for (int64_t y = 0; y < h; ++y) {
+      const int64_t my = std::min<int64_t>(mh - 1, static_cast<int64_t>((static_cast<double>(y) + 0.5) * sy));
+      for (int64_t x = 0; x < w; ++x) {
+        const int64_t mx = std::min<int64_t>(mw - 1, static_cast<int64_t>((static_cast<double>(x) + 0.5) * sx));
+        if (tissue.mask[static_cast<size_t>(my * mw + mx)] == 0) continue;
+        uint8_t* p = img.row(y) + 3 * x;
+        p[0] = static_cast<uint8_t>((p[0] * 3) / 5);
+        p[1] = static_cast<uint8_t>((p[1] * 3 + 255 * 2) / 5);
+        p[2] = static_cast<uint8_t>((p[2] * 3) / 5);
+      }
     }
   }
   auto put = [&](int64_t x, int64_t y) {
@@ -179,15 +190,30 @@ Result<std::vector<uint8_t>> render_qc_png(const TissueMask& tissue, const TileP
   };
   const double size_l0 = plan.tile_size_px * plan.scale_level * plan.level_downsample;
   for (const TileSpec& t : plan.tiles) {
-    // Outline in thumbnail px: the level-0 footprint divided by the thumbnail's downsample.
-    const int64_t x0 = static_cast<int64_t>(std::floor(static_cast<double>(t.x_l0) / tissue.downsample_x));
-    const int64_t y0 = static_cast<int64_t>(std::floor(static_cast<double>(t.y_l0) / tissue.downsample_y));
-    const int64_t x1 = std::max(x0, static_cast<int64_t>(std::ceil((static_cast<double>(t.x_l0) + size_l0) / tissue.downsample_x)) - 1);
-    const int64_t y1 = std::max(y0, static_cast<int64_t>(std::ceil((static_cast<double>(t.y_l0) + size_l0) / tissue.downsample_y)) - 1);
+    // Outline in picture px: the level-0 footprint divided by the picture's downsample.
+    const int64_t x0 = static_cast<int64_t>(std::floor(static_cast<double>(t.x_l0) / downsample_x));
+    const int64_t y0 = static_cast<int64_t>(std::floor(static_cast<double>(t.y_l0) / downsample_y));
+    const int64_t x1 = std::max(x0, static_cast<int64_t>(std::ceil((static_cast<double>(t.x_l0) + size_l0) / downsample_x)) - 1);
+    const int64_t y1 = std::max(y0, static_cast<int64_t>(std::ceil((static_cast<double>(t.y_l0) + size_l0) / downsample_y)) - 1);
     for (int64_t x = x0; x <= x1; ++x) put(x, y0), put(x, y1);
     for (int64_t y = y0; y <= y1; ++y) put(x0, y), put(x1, y);
   }
-  auto png = encode_png(img);
+  return img;
+}
+
+Result<std::vector<uint8_t>> render_qc_png(const TissueMask& tissue, const TilePlan& plan, const std::string& title,
+                                           double um_per_px, const RgbImage* thumbnail, double downsample_x,
+                                           double downsample_y) {
+  const RgbImage img = draw_qc(tissue, plan, thumbnail, downsample_x, downsample_y);
+  if (img.width < 1 || img.height < 1) return core::internal_error("QC picture: empty thumbnail");
+  std::vector<LegendEntry> legend(2);
+  legend[0].label = "tissue mask (" + std::string(tissue.fluorescence ? "fluorescence" : "brightfield") + ", " +
+                    std::to_string(static_cast<int>(std::lround(100 * tissue.tissue_fraction()))) + "%)";
+  legend[0].rgb[1] = 200;
+  legend[1].label = "kept tiles (" + std::to_string(plan.tiles.size()) + ")";
+  legend[1].rgb[2] = 255, legend[1].outline = true;
+  SLIDE_ASSIGN_OR_RETURN(RgbImage fig, add_legend(img, title, legend, um_per_px));
+  auto png = encode_png(fig);
   if (!png.ok()) return png.status().with_context("QC picture");
   return png;
 }

@@ -377,7 +377,18 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   out->candidates = rec->candidate_tiles;
 
   if (!opt_.qc_dir.empty()) {
-    auto png = render_qc_png(tissue, plan);
+    // The QC picture at --qc-mpp, its longer side at most kMaxQcPx, read from the slide again (the
+    // mask's thumbnail is coarser: 16 um/px for 256-px tiles at 0.5 um/px).
+    constexpr double kMaxQcPx = 2048;
+    const double longer = static_cast<double>(std::max(rec->width_l0, rec->height_l0));
+    const double qc_ds = std::max({1.0, opt_.qc_mpp_um / mpp, longer / kMaxQcPx});
+    double qdx = 1, qdy = 1;
+    auto qc_thumb = make_thumbnail(*reader, qc_ds, &qdx, &qdy, &pool_);
+    char title[512];
+    std::snprintf(title, sizeof title, "%s: %zu tiles of %d px at %.3g um/px", in.slide_id.c_str(), plan.tiles.size(),
+                  plan.tile_size_px, plan.tile_mpp_um);
+    auto png = qc_thumb.ok() ? render_qc_png(tissue, plan, title, qdx * mpp, &*qc_thumb, qdx, qdy)
+                             : Result<std::vector<uint8_t>>(qc_thumb.status());
     Status qs = png.ok() ? slide::core::make_dirs(opt_.qc_dir) : png.status();
     if (qs.ok()) {
       // Slide ids come from manifests: slide_file_stem keeps the name inside qc_dir and unique.

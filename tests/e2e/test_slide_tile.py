@@ -216,7 +216,17 @@ class TestSample(Base):
         self.assertEqual(rec["status"], "complete")
         self.assertGreater(rec["tile_count"], 0)
         self.assertEqual(j["tile_count"], rec["tile_count"])
-        self.assertTrue(os.path.getsize(os.path.join(qc, "CMU-1-Small-Region.png")) > 1000)
+        # The QC picture at --qc-mpp 8 (2220 x 2967 px at 0.499 um/px: 138 x 185 px, rounded down by
+        # the thumbnail), under a title, over a legend band, at least 420 px wide.
+        from PIL import Image
+        with Image.open(os.path.join(qc, "CMU-1-Small-Region.png")) as im:
+            self.assertEqual(im.width, 420)
+            self.assertIn(im.height - 28 - 30, (184, 185))
+        # A finer --qc-mpp gives a larger picture (4 um/px: 277 x 370).
+        r = run([CMU, "--mpp", "0.5", "-o", self.path("cmu1b"), "--qc-dir", qc + "4", "--qc-mpp", "4", "-q"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with Image.open(os.path.join(qc + "4", "CMU-1-Small-Region.png")) as im:
+            self.assertIn(im.height - 28 - 30, (369, 370))
         # The README's example, verbatim.
         with open(os.environ["SLIDE_README"]) as f:
             readme = f.read()

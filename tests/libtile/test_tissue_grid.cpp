@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "slide/tile/figure.h"
 #include "slide/tile/grid.h"
 #include "slide/tile/image.h"
 #include "slide/tile/pipeline.h"
@@ -522,10 +524,7 @@ TEST_CASE("test_tissue_grid: render_qc_png tints tissue and outlines kept tiles"
   auto plan = slide::tile::plan_tiles(s.properties(), 0.25, &*m, grid(0.5, 50, 0, 0.9));
   REQUIRE(plan.ok());
   REQUIRE_FALSE(plan->tiles.empty());
-  auto png = slide::tile::render_qc_png(*m, *plan);
-  REQUIRE_MESSAGE(png.ok(), png.status().to_string());
-  auto img = slide::tile::decode_png(*png);
-  REQUIRE(img.ok());
+  auto img = std::make_optional(slide::tile::draw_qc(*m, *plan));
   REQUIRE(img->width == 250);
   REQUIRE(img->height == 200);
   auto px = [&](int64_t x, int64_t y) {
@@ -539,6 +538,43 @@ TEST_CASE("test_tissue_grid: render_qc_png tints tissue and outlines kept tiles"
   CHECK(inside[1] > inside[0]);
   CHECK(px(2, 2) == std::vector<int>{m->thumbnail.pixels[3 * (2 * 250 + 2)], m->thumbnail.pixels[3 * (2 * 250 + 2) + 1],
                                      m->thumbnail.pixels[3 * (2 * 250 + 2) + 2]});  // background untouched
+  // A finer picture (downsample 2: 500 x 400) samples the mask at each pixel's centre: the same
+  // tint and outlines, at twice the scale.
+  RgbImage fine(500, 400, 255);
+  const auto f = slide::tile::draw_qc(*m, *plan, &fine, 2, 2);
+  auto fpx = [&](int64_t x, int64_t y) {
+    const uint8_t* p = f.row(y) + 3 * x;
+    return std::vector<int>{p[0], p[1], p[2]};
+  };
+  CHECK(fpx(t.x_l0 / 2, t.y_l0 / 2) == std::vector<int>{0, 0, 255});
+  CHECK(fpx(t.x_l0 / 2 + 24, t.y_l0 / 2 + 24) == std::vector<int>{153, 255, 153});  // white, tinted
+  CHECK(fpx(4, 4) == std::vector<int>{255, 255, 255});                               // glass: no tint
+  // The PNG: the picture under a title, over a legend band, at least 420 px wide.
+  auto png = slide::tile::render_qc_png(*m, *plan, "fake slide", 0.5);
+  REQUIRE_MESSAGE(png.ok(), png.status().to_string());
+  auto fig = slide::tile::decode_png(*png);
+  REQUIRE(fig.ok());
+  CHECK(fig->width == 420);
+  CHECK(fig->height == 28 + 200 + 30);
+  CHECK(std::equal(fig->row(28), fig->row(28) + 3 * 250, img->row(0)));  // the picture, unchanged
+  int dark_title = 0, blue_legend = 0;
+  for (int64_t y = 0; y < 28; ++y)
+    for (int64_t x = 0; x < 420; ++x) dark_title += fig->row(y)[3 * x] < 100;
+  for (int64_t y = 228; y < 258; ++y)
+    for (int64_t x = 0; x < 420; ++x) {
+      const uint8_t* p = fig->row(y) + 3 * x;
+      blue_legend += p[0] == 0 && p[1] == 0 && p[2] == 255;
+    }
+  CHECK(dark_title > 20);   // the title is drawn
+  CHECK(blue_legend > 20);  // the kept tiles' swatch
+}
+
+TEST_CASE("test_tissue_grid: the scale bar's length is 1, 2 or 5 x 10^k um") {
+  CHECK(slide::tile::scale_bar_um(0.5) == 0);
+  CHECK(slide::tile::scale_bar_um(1) == 1);
+  CHECK(slide::tile::scale_bar_um(730) == 500);
+  CHECK(slide::tile::scale_bar_um(1999) == 1000);
+  CHECK(slide::tile::scale_bar_um(2000) == 2000);
 }
 
 // The real sample (Aperio, 2220 x 2967 px, 0.499 µm/px, 240 px JPEG tiles, one level). The
@@ -577,7 +613,7 @@ TEST_CASE("test_tissue_grid: CMU-1-Small-Region tissue mask and tile counts") {
   std::vector<uint8_t> rgb(3 * 256 * 256);
   REQUIRE(slide::tile::read_tile(**slide, *one, one->tiles.front(), rgb.data()).ok());
 
-  auto png = slide::tile::render_qc_png(*m, *half);
+  auto png = slide::tile::render_qc_png(*m, *half, "CMU-1-Small-Region", m->downsample_x * p.mpp_x_um);
   REQUIRE(png.ok());
 }
 

@@ -38,6 +38,26 @@ struct ColourBar {
 // kInternal naming the cairo call and cairo's status string.
 [[nodiscard]] Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar);
 
+// A legend entry: a 14-px swatch of `rgb`, filled, or drawn as a 2-px outline (a tile's frame),
+// and its label.
+struct LegendEntry {
+  std::string label;
+  uint8_t rgb[3] = {0, 0, 0};
+  bool outline = false;
+};
+// `image` under a 28-px title band and above a 30-px legend band: the entries left to right, and,
+// when um_per_px > 0 (the image's resolution, µm per pixel), a scale bar at the right end of a
+// round length (1, 2 or 5 x 10^k µm, at most a quarter of the figure's width, labelled in µm or
+// mm). The figure is max(image.width, 420) x (image.height + 58) px; the image's pixels are copied
+// unchanged at (0, 28), white padding right of a narrow image. Errors: kInvalidArgument (an empty
+// image, um_per_px not finite or < 0), kInternal from cairo.
+[[nodiscard]] Result<RgbImage> add_legend(const RgbImage& image, const std::string& title,
+                                          const std::vector<LegendEntry>& entries, double um_per_px = 0);
+
+// The scale bar's length for add_legend: the largest 1, 2 or 5 x 10^k µm at most max_um (0 when
+// max_um < 1).
+double scale_bar_um(double max_um);
+
 // Line charts (training curves): panels side by side under one title, each with axes, ticks at
 // round numbers (1, 2 or 5 x 10^k) labelled, axis labels, grid lines and a legend; each series a
 // line with a filled dot per point. A point whose y is not finite is left out (a gap).

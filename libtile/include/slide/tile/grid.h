@@ -74,8 +74,19 @@ struct TilePlan {
 // then (col, row) of plan.level.
 bool can_pass_through(const SlideReader& slide, const TilePlan& plan);
 
-// Draws the QC picture: the thumbnail, tissue tinted green, each kept tile outlined in blue.
-// Returns PNG bytes. Errors: kInternal (PNG encoder).
-[[nodiscard]] Result<std::vector<uint8_t>> render_qc_png(const TissueMask& tissue, const TilePlan& plan);
+// The QC picture's pixels: `thumbnail` (downsample_x x downsample_y level-0 px per pixel; when
+// null, the tissue mask's own thumbnail and downsamples) with the tissue mask, sampled at each
+// pixel's centre, tinted 40% toward green, and each kept tile of `plan` outlined in blue (0, 0, 255).
+RgbImage draw_qc(const TissueMask& tissue, const TilePlan& plan, const RgbImage* thumbnail = nullptr,
+                 double downsample_x = 0, double downsample_y = 0);
+
+// PNG bytes of draw_qc's picture under `title`, with a legend (the tissue mask: brightfield or
+// fluorescence, its fraction; the kept tiles: their count) and, when um_per_px > 0 (the picture's
+// µm per pixel), a scale bar (figure.h add_legend). Errors: kInternal (an empty thumbnail, cairo,
+// the PNG encoder).
+[[nodiscard]] Result<std::vector<uint8_t>> render_qc_png(const TissueMask& tissue, const TilePlan& plan,
+                                                         const std::string& title, double um_per_px = 0,
+                                                         const RgbImage* thumbnail = nullptr, double downsample_x = 0,
+                                                         double downsample_y = 0);
 
 }  // namespace slide::tile

@@ -65,6 +65,7 @@ struct TileJobOptions {
   int shard_index = 0;        // this run writes slides k with k % shard_count == shard_index
   int shard_count = 1;
   std::string qc_dir;         // "" = no QC pictures; else <qc_dir>/<slide_file_stem(slide id)>.png
+  double qc_mpp_um = 8;       // the QC picture's resolution (its longer side at most 2048 px)
   size_t tiles_per_txn = 256;
   std::string command_line;
   bool progress = true;

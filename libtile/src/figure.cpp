@@ -40,6 +40,46 @@ RgbImage to_image(cairo_surface_t* surface) {
   return out;
 }
 
+using Surface = std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)>;
+
+// A white W x H RGB24 surface with `image`'s pixels copied in at (0, kTitleBand) (RGB24: one
+// native-endian uint32 0x00RRGGBB a pixel). Errors: kInvalidArgument past cairo's 32767 px,
+// kInternal from cairo.
+Result<Surface> canvas_with_image(const RgbImage& image, int64_t W, int64_t H, const char* what) {
+  if (W > 32767 || H > 32767) return core::invalid_argument(std::string(what) + ": the figure would exceed cairo's 32767 px");
+  Surface surface(cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)),
+                  cairo_surface_destroy);
+  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS) return cairo_failed("image surface", st);
+  cairo_surface_flush(surface.get());
+  unsigned char* data = cairo_image_surface_get_data(surface.get());
+  const int stride = cairo_image_surface_get_stride(surface.get());
+  for (int64_t y = 0; y < H; ++y) {
+    auto* row = reinterpret_cast<uint32_t*>(data + y * stride);
+    std::fill(row, row + W, 0x00FFFFFFu);
+    const int64_t iy = y - kTitleBand;
+    if (iy < 0 || iy >= image.height) continue;
+    const uint8_t* src = image.row(iy);
+    for (int64_t x = 0; x < image.width; ++x)
+      row[x] = (uint32_t{src[3 * x]} << 16) | (uint32_t{src[3 * x + 1]} << 8) | uint32_t{src[3 * x + 2]};
+  }
+  cairo_surface_mark_dirty(surface.get());
+  return surface;
+}
+
+// The title in the band above the image: 14 px, smaller (down to 7 px) when it would not fit
+// the figure's width W.
+void draw_title(cairo_t* c, const std::string& title, int64_t W) {
+  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_source_rgb(c, 0, 0, 0);
+  cairo_set_font_size(c, 14);
+  cairo_text_extents_t ext;
+  cairo_text_extents(c, title.c_str(), &ext);
+  if (ext.x_advance > static_cast<double>(W) - 12)
+    cairo_set_font_size(c, std::max(7.0, 14.0 * (static_cast<double>(W) - 12) / ext.x_advance));
+  cairo_move_to(c, 6, 19);
+  cairo_show_text(c, title.c_str());
+}
+
 }  // namespace
 
 void jet_colour(double v, uint8_t rgb[3]) {
@@ -56,37 +96,10 @@ Result<RgbImage> add_colour_bar(const RgbImage& image, const ColourBar& bar) {
                                   std::to_string(image.height) + " px, " + std::to_string(bar.ticks) + " ticks");
   const int64_t W = image.width + kPanel;
   const int64_t H = kTitleBand + std::max<int64_t>(image.height, kMinHeight);
-  if (W > 32767 || H > 32767) return core::invalid_argument("colour bar: the figure would exceed cairo's 32767 px");
-  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
-      cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)), cairo_surface_destroy);
-  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS)
-    return cairo_failed("image surface", st);
-  // The image's pixels, copied into the surface (RGB24: one native-endian uint32 0x00RRGGBB a pixel).
-  cairo_surface_flush(surface.get());
-  unsigned char* data = cairo_image_surface_get_data(surface.get());
-  const int stride = cairo_image_surface_get_stride(surface.get());
-  for (int64_t y = 0; y < H; ++y) {
-    auto* row = reinterpret_cast<uint32_t*>(data + y * stride);
-    std::fill(row, row + W, 0x00FFFFFFu);
-    const int64_t iy = y - kTitleBand;
-    if (iy < 0 || iy >= image.height) continue;
-    const uint8_t* src = image.row(iy);
-    for (int64_t x = 0; x < image.width; ++x)
-      row[x] = (uint32_t{src[3 * x]} << 16) | (uint32_t{src[3 * x + 1]} << 8) | uint32_t{src[3 * x + 2]};
-  }
-  cairo_surface_mark_dirty(surface.get());
+  SLIDE_ASSIGN_OR_RETURN(Surface surface, canvas_with_image(image, W, H, "colour bar"));
   std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
   cairo_t* c = cr.get();
-  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
-  // Title: 14 px, smaller (down to 7 px) when it would not fit the figure's width.
-  cairo_set_source_rgb(c, 0, 0, 0);
-  cairo_set_font_size(c, 14);
-  cairo_text_extents_t title_ext;
-  cairo_text_extents(c, bar.title.c_str(), &title_ext);
-  if (title_ext.x_advance > static_cast<double>(W) - 12)
-    cairo_set_font_size(c, std::max(7.0, 14.0 * (static_cast<double>(W) - 12) / title_ext.x_advance));
-  cairo_move_to(c, 6, 19);
-  cairo_show_text(c, bar.title.c_str());
+  draw_title(c, bar.title, W);
   // The bar: 18 px wide, from the image's top to its bottom (or kMinHeight), high at the top.
   const double bx = static_cast<double>(image.width) + 14, bw = 18, by = kTitleBand + 8;
   const double bh = static_cast<double>(H - kTitleBand) - 16 - 40;  // room for the scale's note
@@ -153,35 +166,11 @@ Result<RgbImage> add_legend(const RgbImage& image, const std::string& title, con
     return core::invalid_argument("legend: an image of " + std::to_string(image.width) + " x " +
                                   std::to_string(image.height) + " px at " + std::to_string(um_per_px) + " um/px");
   const int64_t W = std::max<int64_t>(image.width, kMinWidth), H = kTitleBand + image.height + kLegendBand;
-  if (W > 32767 || H > 32767) return core::invalid_argument("legend: the figure would exceed cairo's 32767 px");
-  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
-      cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(W), static_cast<int>(H)), cairo_surface_destroy);
-  if (auto st = cairo_surface_status(surface.get()); st != CAIRO_STATUS_SUCCESS)
-    return cairo_failed("image surface", st);
-  cairo_surface_flush(surface.get());
-  unsigned char* data = cairo_image_surface_get_data(surface.get());
-  const int stride = cairo_image_surface_get_stride(surface.get());
-  for (int64_t y = 0; y < H; ++y) {
-    auto* row = reinterpret_cast<uint32_t*>(data + y * stride);
-    std::fill(row, row + W, 0x00FFFFFFu);
-    const int64_t iy = y - kTitleBand;
-    if (iy < 0 || iy >= image.height) continue;
-    const uint8_t* src = image.row(iy);
-    for (int64_t x = 0; x < image.width; ++x)
-      row[x] = (uint32_t{src[3 * x]} << 16) | (uint32_t{src[3 * x + 1]} << 8) | uint32_t{src[3 * x + 2]};
-  }
-  cairo_surface_mark_dirty(surface.get());
+  SLIDE_ASSIGN_OR_RETURN(Surface surface, canvas_with_image(image, W, H, "legend"));
   std::unique_ptr<cairo_t, decltype(&cairo_destroy)> cr(cairo_create(surface.get()), cairo_destroy);
   cairo_t* c = cr.get();
-  cairo_select_font_face(c, kFont, CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
-  cairo_set_source_rgb(c, 0, 0, 0);
-  cairo_set_font_size(c, 14);
+  draw_title(c, title, W);
   cairo_text_extents_t ext;
-  cairo_text_extents(c, title.c_str(), &ext);
-  if (ext.x_advance > static_cast<double>(W) - 12)
-    cairo_set_font_size(c, std::max(7.0, 14.0 * (static_cast<double>(W) - 12) / ext.x_advance));
-  cairo_move_to(c, 6, 19);
-  cairo_show_text(c, title.c_str());
   // The legend band: swatches and labels from the left.
   const double band = static_cast<double>(kTitleBand + image.height);
   cairo_set_font_size(c, 11);

@@ -84,6 +84,7 @@ int run_info(const std::string& store_dir, bool json) {
     j["thumbnail_mpp_um"] = meta.thumbnail_mpp_um;
     j["passthrough"] = meta.passthrough;
     j["tissue_options"] = meta.tissue_options;
+    j["annotation_options"] = meta.annotation_options;
     j["command_line"] = meta.command_line;
     j["label_names"] = meta.label_names;
     j["tile_count"] = (*reader)->tile_count();
@@ -103,6 +104,7 @@ int run_info(const std::string& store_dir, bool json) {
   std::printf("sampling     %s, seed %llu; thumbnail %.4g um/px; pass-through %s\n", sampling.c_str(),
               static_cast<unsigned long long>(meta.seed), meta.thumbnail_mpp_um, meta.passthrough ? "on" : "off");
   if (!meta.tissue_options.empty()) std::printf("tissue       %s\n", meta.tissue_options.c_str());
+  if (!meta.annotation_options.empty()) std::printf("annotations  %s\n", meta.annotation_options.c_str());
   std::printf("slides       %zu complete, %llu tiles\n", slides.size(),
               static_cast<unsigned long long>((*reader)->tile_count()));
   std::printf("labels      ");

@@ -18,6 +18,7 @@
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
+#include "slide/core/hash.h"
 #include "slide/core/log.h"
 #include "slide/core/progress.h"
 #include "slide/core/thread_pool.h"
@@ -210,7 +211,7 @@ class TilingRun {
 
  private:
   Status tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
-  Status apply_annotations(const SlideInput& in, const SlideRecord& rec, TilePlan* plan, std::vector<int32_t>* labels);
+  Status apply_annotations(const SlideInput& in, SlideRecord* rec, TilePlan* plan, std::vector<int32_t>* labels);
   Status tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecord* rec, bool* store_error);
 
   StoreWriter& writer_;
@@ -297,8 +298,9 @@ static std::string find_annotation_file(const SlideInput& in, const std::string&
   return "";
 }
 
-Status TilingRun::apply_annotations(const SlideInput& in, const SlideRecord& rec, TilePlan* plan,
+Status TilingRun::apply_annotations(const SlideInput& in, SlideRecord* rec_out, TilePlan* plan,
                                     std::vector<int32_t>* labels) {
+  const SlideRecord& rec = *rec_out;
   const bool needed = opt_.roi_only || opt_.label_from_annotations;
   const std::string file = find_annotation_file(in, opt_.annotations_path);
   if (file.empty()) {
@@ -308,6 +310,9 @@ Status TilingRun::apply_annotations(const SlideInput& in, const SlideRecord& rec
     return slide::core::ok_status();
   }
   if (!needed) return slide::core::ok_status();
+  // The file's content is recorded with the slide: a rerun that finds it changed says so.
+  SLIDE_ASSIGN_OR_RETURN(rec_out->annotations_sha256, slide::core::sha256_file(file));
+  rec_out->annotations_path = file;
   SLIDE_ASSIGN_OR_RETURN(Annotations ann, load_geojson(file));
   SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<AnnotationIndex> index,
                          AnnotationIndex::build(ann, rec.width_l0, rec.height_l0));
@@ -400,7 +405,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
 
   // Annotations: filter the plan and label its tiles before anything is written.
   std::vector<int32_t> tile_labels;
-  SLIDE_RETURN_IF_ERROR(apply_annotations(in, *rec, &plan, &tile_labels));
+  SLIDE_RETURN_IF_ERROR(apply_annotations(in, rec, &plan, &tile_labels));
 
   const bool passthrough =
       opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && can_pass_through(*reader, plan);
@@ -590,6 +595,7 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
       options.tissue.thumbnail_mpp_um > 0 ? options.tissue.thumbnail_mpp_um : auto_thumbnail_mpp(options.grid);
   meta.passthrough = options.passthrough;
   meta.tissue_options = tissue_options_text(options.tissue);
+  meta.annotation_options = annotation_options_text(options);
   meta.command_line = options.command_line;
   StoreWriterOptions wopt;
   wopt.tiles_per_txn = options.tiles_per_txn;
@@ -621,6 +627,16 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
       if (st.ok() && (st->size_bytes != done->second.source_size_bytes || st->mtime_ns != done->second.source_mtime_ns))
         log_warn("slide changed since it was tiled; its tiles in the store are from the old file",
                  {{"slide", in.slide_id}, {"path", in.path}});
+      // Its annotations, likewise: the tiles and labels in the store follow the file as it was.
+      if (!done->second.annotations_sha256.empty()) {
+        const std::string file = find_annotation_file(in, options.annotations_path);
+        auto sha = file.empty() ? Result<std::string>(std::string()) : slide::core::sha256_file(file);
+        if (!sha.ok() || *sha != done->second.annotations_sha256)
+          log_warn("annotations changed since the slide was tiled; its tiles and labels in the store follow the "
+                   "old file (tile it into a new store to use the new one)",
+                   {{"slide", in.slide_id}, {"tiled_with", done->second.annotations_path},
+                    {"now", file.empty() ? std::string("(none)") : file}});
+      }
       summary.slides.push_back(std::move(o));
       continue;
     }
@@ -679,6 +695,15 @@ std::string format_summary(const RunSummary& summary, bool quiet) {
      << " failed; " << summary.tiles_written << " tiles written in " << fmt_double(summary.seconds) << " s"
      << (summary.cancelled ? " (interrupted)" : "") << "\n";
   return os.str();
+}
+
+std::string annotation_options_text(const TileJobOptions& o) {
+  if (!o.roi_only && !o.label_from_annotations) return "none";
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "roi_only=%d min_roi_overlap=%g label_from_annotations=%d min_label_overlap=%g",
+                o.roi_only ? 1 : 0, o.roi_only ? o.min_roi_overlap : 0.0, o.label_from_annotations ? 1 : 0,
+                o.label_from_annotations ? o.min_label_overlap : 0.0);
+  return buf;
 }
 
 }  // namespace slide::tile

@@ -173,6 +173,10 @@ std::string slide_record_to_json(const SlideRecord& r) {
   j["label"] = r.label;
   j["label_index"] = r.label_index;
   j["passthrough"] = r.passthrough;
+  if (!r.annotations_sha256.empty()) {
+    j["annotations_path"] = r.annotations_path;
+    j["annotations_sha256"] = r.annotations_sha256;
+  }
   j["status"] = r.status;
   // Invalid UTF-8 in a path must not throw: replace it (the record is informational).
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -250,6 +254,8 @@ Result<SlideRecord> slide_record_from_json(const std::string& json) {
   SLIDE_RETURN_IF_ERROR(read_field(j, "label", &r.label, false));
   SLIDE_RETURN_IF_ERROR(read_field(j, "label_index", &r.label_index, false));
   SLIDE_RETURN_IF_ERROR(read_field(j, "passthrough", &r.passthrough, false));
+  SLIDE_RETURN_IF_ERROR(read_field(j, "annotations_path", &r.annotations_path, false));
+  SLIDE_RETURN_IF_ERROR(read_field(j, "annotations_sha256", &r.annotations_sha256, false));
   SLIDE_RETURN_IF_ERROR(read_field(j, "status", &r.status, false));
   if (r.tile_count > std::numeric_limits<uint64_t>::max() - r.first_tile_index)
     return slide::core::data_loss("slide record's tile range overflows");
@@ -379,6 +385,7 @@ std::vector<std::pair<std::string, std::string>> meta_entries(const StoreMeta& m
       {"thumbnail_mpp_um", format_double(meta.thumbnail_mpp_um)},
       {"passthrough", meta.passthrough ? "true" : "false"},
       {"tissue_options", meta.tissue_options},
+      {"annotation_options", meta.annotation_options},
       {"command_line", meta.command_line},
       {"label_names", labels_json(meta.label_names)},
   };
@@ -487,6 +494,8 @@ Result<StoreMeta> read_meta(MDB_txn* txn, MDB_dbi dbi) {
   SLIDE_RETURN_IF_ERROR(optional_key("passthrough", &m.passthrough, parse_bool));
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> tissue, get_string(txn, dbi, "tissue_options"));
   m.tissue_options = tissue.value_or("");
+  SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> annotations, get_string(txn, dbi, "annotation_options"));
+  m.annotation_options = annotations.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> cmd, get_string(txn, dbi, "command_line"));
   m.command_line = cmd.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> labels, get_string(txn, dbi, "label_names"));
@@ -743,6 +752,9 @@ std::string meta_differences(const StoreMeta& stored, const StoreMeta& asked) {
     add("thumbnail_mpp_um", format_double(stored.thumbnail_mpp_um), format_double(asked.thumbnail_mpp_um));
   if (stored.tissue_options != asked.tissue_options && !stored.tissue_options.empty() && !asked.tissue_options.empty())
     add("tissue_options", "'" + stored.tissue_options + "'", "'" + asked.tissue_options + "'");
+  if (stored.annotation_options != asked.annotation_options && !stored.annotation_options.empty() &&
+      !asked.annotation_options.empty())
+    add("annotation_options", "'" + stored.annotation_options + "'", "'" + asked.annotation_options + "'");
   // Pass-through only ever applies to JPEG stores.
   if (stored.passthrough != asked.passthrough && stored.encoding == TileEncoding::kJpeg &&
       asked.encoding == TileEncoding::kJpeg)

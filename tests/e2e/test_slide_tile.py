@@ -1019,6 +1019,42 @@ class TestAnnotations(Base):
         self.assertEqual(sum(v == "tumor" for v in got.values()), 12)
         self.assertEqual(sum(v == "stroma" for v in got.values()), 1)  # the two half tiles lose theirs
 
+    def test_store_records_the_annotations(self):
+        import hashlib
+        r, store = self.tile(["--roi-only", "--label-from-annotations"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = info(store)
+        self.assertEqual(j["annotation_options"],
+                         "roi_only=1 min_roi_overlap=0.5 label_from_annotations=1 min_label_overlap=0.5")
+        geojson = os.path.join(self.path("annot"), "CMU-1-Small-Region.geojson")
+        with open(geojson, "rb") as f:
+            want = hashlib.sha256(f.read()).hexdigest()
+        rec = j["slides"][0]
+        self.assertEqual((rec["annotations_path"], rec["annotations_sha256"]), (geojson, want))
+        base = [CMU, "--mpp", "0.499", "--min-tissue", "0", "-o", store, "--annotations", self.path("annot")]
+        # Other annotation options on the same store: refused, naming them.
+        r = run(base + ["--roi-only"])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("annotation_options='roi_only=1 min_roi_overlap=0.5 label_from_annotations=1 "
+                      "min_label_overlap=0.5', this run asks 'roi_only=1 min_roi_overlap=0.5 label_from_annotations=0",
+                      r.stderr)
+        # The same options, the file unchanged: already complete, quietly.
+        r = run(base + ["--roi-only", "--label-from-annotations"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("annotations changed", r.stderr)
+        # The file edited since: the rerun says the store's tiles follow the old file.
+        feats = self.two_classes()
+        feats["features"] = feats["features"][:1]
+        self.write_geojson("CMU-1-Small-Region.geojson", feats)
+        r = run(base + ["--roi-only", "--label-from-annotations"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("annotations changed since the slide was tiled", r.stderr)
+        # A store without annotations records "none".
+        plain = self.path("plain")
+        self.assertEqual(run([CMU, "--mpp", "2", "-o", plain, "-q"]).returncode, 0)
+        self.assertEqual(info(plain)["annotation_options"], "none")
+        self.assertNotIn("annotations_sha256", info(plain)["slides"][0])
+
     def test_bad_annotations_fail_the_slide(self):
         bow = {"type": "Feature", "properties": {"classification": {"name": "x"}},
                "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [100, 100], [100, 0], [0, 100], [0, 0]]]}}

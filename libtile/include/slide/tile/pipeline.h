@@ -82,6 +82,13 @@ struct TileJobOptions {
   const std::atomic<bool>* cancel = nullptr;
 };
 
+// The annotation options that decide a store's tiles and labels, as one line for its record
+// (StoreMeta::annotation_options): "none" when annotations are not used (neither roi_only nor
+// label_from_annotations), else "roi_only=1 min_roi_overlap=0.5 label_from_annotations=0
+// min_label_overlap=0.5" (the overlaps only where they apply). The GeoJSON files themselves are
+// recorded per slide (SlideRecord::annotations_sha256).
+std::string annotation_options_text(const TileJobOptions& options);
+
 // The tissue thumbnail's resolution (µm/px) for a grid: at least 8 thumbnail pixels across a
 // tile's side, so a tile's tissue fraction comes from >= 64 mask pixels, but never coarser than
 // 16 µm/px (CLAM segments at a 64x downsample: 16 µm/px on a 40x scan) nor finer than 2 µm/px.

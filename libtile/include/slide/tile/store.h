@@ -101,6 +101,10 @@ struct StoreMeta {
   // The tissue-detection options (tissue.h tissue_options_text); "" in stores made before they
   // were recorded, which are then not compared.
   std::string tissue_options;
+  // The annotation options that decide tiles and labels (pipeline.h annotation_options_text:
+  // "none", or "roi_only=... min_roi_overlap=... label_from_annotations=... min_label_overlap=...");
+  // "" in stores made before it was recorded, which are then not compared.
+  std::string annotation_options;
   std::string command_line;
   std::vector<std::string> label_names;
 };
@@ -126,6 +130,8 @@ struct SlideRecord {
   std::string label;             // "" = none
   int32_t label_index = -1;
   bool passthrough = false;      // tiles copied from the source's JPEG tiles without re-encoding
+  std::string annotations_path;    // the GeoJSON file that filtered or labelled its tiles ("" = none)
+  std::string annotations_sha256;  // its SHA-256 when it did (a rerun warns when the file changed)
   std::string status = "complete";
 };
 

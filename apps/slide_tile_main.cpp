@@ -29,6 +29,7 @@
 #include "slide/tile/image.h"
 #include "slide/tile/pipeline.h"
 #include "slide/tile/store.h"
+#include "log_options.h"
 
 #include "interrupt.h"
 
@@ -221,7 +222,8 @@ int run_main(int argc, char** argv) {
   double mpp = 0, magnification = 0, source_mpp = 0;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   slide::tile::TileJobOptions opt;
-  bool no_passthrough = false, quiet = false, verbose = false, log_json = false;
+  bool no_passthrough = false;
+  slide::apps::LogOptions log;
   int max_tiles = 0;
 
   app.add_option("inputs", inputs, "Slide files or directories of slides");
@@ -309,9 +311,9 @@ int run_main(int argc, char** argv) {
   app.add_option("--min-label-overlap", opt.min_label_overlap, "Fraction of a tile a class must cover to label it")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
-  app.add_flag("-q,--quiet", quiet, "Only warnings and errors; no progress");
-  app.add_flag("-v,--verbose", verbose, "Also debug records (per-level pass-through and direct-decode decisions)");
-  app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
+  slide::apps::add_log_options(app, &log,
+                               "per slide: the tissue mask's threshold and what its filters removed; per level: "
+                               "pass-through and direct-decode decisions");
 
   auto* info = app.add_subcommand("info", "Describe a store: settings, slides, tile counts, labels");
   std::string info_store;
@@ -335,9 +337,7 @@ int run_main(int argc, char** argv) {
     int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
   }
-  slide::core::set_log_json(log_json);
-  if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
-  if (verbose) slide::core::set_log_level(slide::core::LogLevel::kDebug);
+  slide::apps::apply_log_options(log);
   opt.tissue.stain = stain == "fluorescence"  ? slide::tile::TissueStain::kFluorescence
                      : stain == "brightfield" ? slide::tile::TissueStain::kBrightfield
                                               : slide::tile::TissueStain::kAuto;
@@ -369,7 +369,7 @@ int run_main(int argc, char** argv) {
   opt.shard_count = sn;
   opt.qc_dir = qc_dir;
   opt.command_line = join_argv(argc, argv);
-  opt.progress = !quiet;
+  opt.progress = !log.quiet;
   opt.cancel = &g_cancel;
 
   auto collected = slide::tile::collect_inputs(inputs, manifests, patch_dirs);
@@ -425,7 +425,7 @@ int run_main(int argc, char** argv) {
                                       {"tiles_written", summary->tiles_written}, {"seconds", summary->seconds},
                                       {"interrupted", summary->cancelled ? "yes" : "no"}});
   } else {
-    std::string table = slide::tile::format_summary(*summary, quiet);
+    std::string table = slide::tile::format_summary(*summary, log.quiet);
     std::fputs(table.c_str(), stderr);
   }
   if (summary->cancelled) return kExitInterrupted;

@@ -14,12 +14,16 @@
 #include <vector>
 
 #include "backend_options.h"
+#include "log_options.h"
+#include "stain_options.h"
 #include "slide/cache/bag.h"
 #include "slide/core/csv.h"
 #include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
+#include "slide/core/hash.h"
 #include "slide/core/log.h"
 #include "slide/train/embed.h"
+#include "slide/train/stain.h"
 #include "slide/train/vit.h"
 
 #include "interrupt.h"
@@ -89,7 +93,7 @@ int run_main(int argc, char** argv) {
   std::string weights, model, layer, dtype = "float32", compression = "none";
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int decode_threads = 1;
-  bool quiet = false, verbose = false, log_json = false;
+  slide::apps::LogOptions log;
 
   app.add_option("stores", opt.stores, "Tile stores (slide-tile output directories)")->required();
   app.add_option("-o,--out", opt.out_dir,
@@ -151,9 +155,11 @@ int run_main(int argc, char** argv) {
   app.add_option("--decode-threads", decode_threads, "JPEG decode threads, running one batch ahead of compute")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
-  app.add_flag("-q,--quiet", quiet, "Only warnings and errors; no progress");
-  app.add_flag("-v,--verbose", verbose, "Also debug records (one per bag written)");
-  app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
+  slide::apps::StainOptions stain_options;
+  slide::apps::add_stain_options(app, &stain_options,
+                                 "before any resize; each bag records the fitted target (attribute stain_normalization)",
+                                 "a bag's stain_normalization attribute");
+  slide::apps::add_log_options(app, &log, "one per bag written");
 
   try {
     app.parse(argc, argv);
@@ -163,9 +169,7 @@ int run_main(int argc, char** argv) {
   }
   slide::apps::install_interrupt_handlers(
       "\ninterrupt: discarding the current bag, writing bags.csv (Ctrl-C again to stop now)\n");
-  slide::core::set_log_json(log_json);
-  if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
-  if (verbose) slide::core::set_log_level(slide::core::LogLevel::kDebug);
+  slide::apps::apply_log_options(log);
   omp_set_num_threads(threads);
 
   auto dt = slide::cache::parse_feature_dtype(dtype);
@@ -183,8 +187,16 @@ int run_main(int argc, char** argv) {
     if (!ids.ok()) return fail(ids.status());
     opt.slide_ids.insert(opt.slide_ids.end(), ids->begin(), ids->end());
   }
+  {
+    auto stain = slide::train::stain_target_for_options(stain_options.method, stain_options.reference);
+    if (!stain.ok()) return fail(stain.status());
+    opt.stain = *stain;
+    if (opt.stain.method != slide::train::StainMethod::kNone)
+      slide::core::log_info("stain normalisation",
+                            {{"reference", stain_options.reference}, {"target", slide::train::stain_target_to_json(opt.stain)}});
+  }
   opt.decode_threads = decode_threads;
-  opt.progress = !quiet;
+  opt.progress = !log.quiet;
   opt.cancel = &g_cancel;
   opt.tool_version = std::string("slide-embed ") + SLIDE_VERSION;
 
@@ -203,7 +215,7 @@ int run_main(int argc, char** argv) {
     if (!layer.empty()) return fail(slide::core::invalid_argument("--layer applies to CNNs; a ViT takes --pool"));
     auto vit = slide::train::VitEncoder::load(weights, model, vit_heads, vit_pool, std::move(be), vit_image_size);
     if (!vit.ok()) return fail(vit.status());
-    auto sha = slide::train::sha256_file(weights);
+    auto sha = slide::core::sha256_file(weights);
     if (!sha.ok()) return fail(sha.status());
     const auto& c = (*vit)->config();
     slide::core::log_info("ViT", {{"width", static_cast<int64_t>(c.width)},

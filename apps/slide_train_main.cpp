@@ -35,8 +35,11 @@
 #include "slide/train/data_parallel.h"
 #include "slide/train/embed.h"
 #include "slide/train/fine_tune.h"
+#include "slide/train/stain.h"
 #include "slide/train/trainer.h"
 #include "backend_options.h"
+#include "log_options.h"
+#include "stain_options.h"
 #include "train_common.h"
 #include "slide_train_mil.h"
 #include "slide_train_predict.h"
@@ -110,7 +113,8 @@ int run_main(int argc, char** argv) {
   int device = -1;  // --device: unset
   double lr = 0.1, momentum = 0.9, weight_decay = 1e-4, warmup_epochs = 0, smoothing = 0, val_fraction = 0.2;
   uint64_t seed = 0;
-  bool nesterov = false, resume = false, no_augment = false, quiet = false, log_json = false;
+  bool nesterov = false, resume = false, no_augment = false;
+  slide::apps::LogOptions log;
   app.require_subcommand(0, 1);
   app.add_option("--data", data, "Tile stores to train on (labelled: patch folders or a manifest with labels)")
       ->check(CLI::ExistingDirectory);
@@ -256,6 +260,11 @@ int run_main(int argc, char** argv) {
                "best.safetensors, attention/ and test/ before training starts (without it or --resume, an --out holding "
                "a run is refused)");
   app.add_flag("--no-augment", no_augment, "No flips or rotations");
+  slide::apps::StainOptions stain_options;
+  slide::apps::add_stain_options(app, &stain_options,
+                                 "before augmentation and the caches; the target is recorded in the checkpoints' "
+                                 "state.json config and applied by evaluate and predict",
+                                 "state.json's config.stain_normalization, a bag's stain_normalization attribute");
   slide::apps::MilOptions mil;  // --features: attention MIL on feature bags (slide_train_mil.cpp)
   slide::apps::add_mil_options(app, &mil);
   slide::apps::MemoryOptions memory;  // --dry-run, --checkpoint-activations, --global-batch (slide_train_memory.cpp)
@@ -302,17 +311,15 @@ int run_main(int argc, char** argv) {
                  "Seconds a collective between ranks may take before the job stops with an error")
       ->capture_default_str()->check(number_option("dist-timeout"));
   app.add_flag("--sync-bn", sync_bn, "Batch norm statistics over all ranks' samples (default: per rank)");
-  app.add_flag("-q,--quiet", quiet, "Only warnings and errors");
-  app.add_flag("--log-json", log_json, "Log records as JSON lines on stderr");
+  slide::apps::add_log_options(app, &log, "the augmentation, cache and backend decisions, per-step details");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version exit 0; every usage error is exit code 2 (CLI11 has its own numbers).
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  slide::core::set_log_json(log_json);
+  slide::apps::apply_log_options(log);
   if (compute_threads > 0) omp_set_num_threads(compute_threads);
-  if (quiet) slide::core::set_log_level(slide::core::LogLevel::kWarn);
   if (sweep->parsed()) {
     std::error_code ec;
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
@@ -408,10 +415,16 @@ int run_main(int argc, char** argv) {
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
     (*be)->allocator().set_budget_bytes(*b);
   }
+  auto stain = slide::train::stain_target_for_options(stain_options.method, stain_options.reference);
+  if (!stain.ok()) return fail(stain.status());
   std::vector<std::string> all = data;
   all.insert(all.end(), val_data.begin(), val_data.end());
   auto ds = TileDataset::open(all, labels_csv);
   if (!ds.ok()) return fail(ds.status());
+  if (auto s = (*ds)->set_stain(*stain); !s.ok()) return fail(s);
+  if (stain->method != slide::train::StainMethod::kNone)
+    slide::core::log_info("stain normalisation", {{"reference", stain_options.reference},
+                                                  {"target", slide::train::stain_target_to_json(*stain)}});
   std::vector<size_t> train, val, held_out;
   if (test_fraction > 0) {
     if (!val_data.empty() || !test_data.empty())
@@ -581,6 +594,9 @@ int run_main(int argc, char** argv) {
   if (folds > 0) config["folds"] = folds, config["fold"] = std::max(fold, 0);
   if (test_fraction > 0) config["test_fraction"] = test_fraction;
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
+  // The fitted stain target (stain.h's JSON as an object): evaluate and predict apply it.
+  if (stain->method != slide::train::StainMethod::kNone)
+    config["stain_normalization"] = nlohmann::json::parse(slide::train::stain_target_to_json(*stain));
   state["config"] = config;
   if (resume && writer) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
@@ -594,6 +610,11 @@ int run_main(int argc, char** argv) {
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
+    if (saved.contains("config") && saved["config"].contains("stain_normalization") &&
+        !config.contains("stain_normalization"))
+      return fail(slide::core::invalid_argument("--resume: " + latest + " was made with --stain-normalize " +
+                                                saved["config"]["stain_normalization"].dump() +
+                                                "; rerun with the original options, or use a new --out"));
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;
@@ -633,7 +654,7 @@ int run_main(int argc, char** argv) {
     // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
     slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),
                                    static_cast<int64_t>(train.size()) - to.start_step * batch, "img/s",
-                                   writer && !quiet);
+                                   writer && !log.quiet);
     const auto epoch_t0 = std::chrono::steady_clock::now();
     int64_t steps_done = 0;
     to.on_step = [&](int64_t samples, double mean_loss) {

@@ -19,6 +19,7 @@
 #include "slide/train/embed.h"
 #include "slide/train/heatmap.h"
 #include "slide/train/predict.h"
+#include "slide/train/stain.h"
 #include "slide/train/trainer.h"
 #include "backend_options.h"
 #include "train_common.h"
@@ -78,6 +79,17 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   // The stores may list the classes in another order, or only some of them: labels are matched by name.
   if (auto s = (*ds)->remap_classes(classes); !s.ok())
     return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));
+  // The training run's stain normalisation (state.json config.stain_normalization), applied to
+  // these tiles as it was to the training tiles.
+  if (state.contains("config") && state["config"].is_object() && state["config"].contains("stain_normalization")) {
+    auto stain = slide::train::stain_target_from_json(state["config"]["stain_normalization"].dump());
+    if (!stain.ok())
+      return fail(slide::core::data_loss("--checkpoint " + o.checkpoint + ": state.json config.stain_normalization: " +
+                                         stain.status().message()));
+    if (auto s = (*ds)->set_stain(*stain); !s.ok()) return fail(s);
+    slide::core::log_info("stain normalisation from the checkpoint",
+                          {{"method", slide::train::stain_method_name(stain->method)}});
+  }
   warn_on_other_tiles(state, **ds);
   auto model = make_tile_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
                                state.value("width", int64_t{16}), 0);

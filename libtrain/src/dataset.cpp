@@ -156,6 +156,16 @@ Status TileDataset::decode_tile(size_t position, uint8_t* rgb) const {
       return slide::core::data_loss(where + ": raw payload size does not match its header");
     std::memcpy(rgb, payload.data(), bytes);
   }
+  if (stain_.method != StainMethod::kNone) SLIDE_RETURN_IF_ERROR_CTX(normalise_stain(stain_, rgb, S, S), where);
+  return slide::core::ok_status();
+}
+
+Status TileDataset::set_stain(const StainTarget& target) {
+  if (cache_.defined() || device_cache_.defined())
+    return slide::core::invalid_argument("stain normalisation must be set before the dataset is cached");
+  uint8_t probe[3] = {128, 128, 128};
+  SLIDE_RETURN_IF_ERROR_CTX(normalise_stain(target, probe, 1, 1), "stain normalisation");
+  stain_ = target;
   return slide::core::ok_status();
 }
 

@@ -1,6 +1,5 @@
 #include "slide/train/embed.h"
 
-#include <openssl/evp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -25,6 +24,7 @@
 #include "slide/tile/image.h"
 #include "slide/tile/store.h"
 #include "slide/core/csv.h"
+#include "slide/core/hash.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/dataset.h"
 #include "slide/train/resample.h"
@@ -569,32 +569,6 @@ Status FeatureExtractor::extract(const float* images, int64_t n, int64_t h, int6
 // ------------------------------------------------------------------------------------------------
 // Weights
 
-Result<std::string> sha256_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    if (!std::filesystem::exists(path, ec)) return slide::core::not_found(path + ": no such file");
-    return slide::core::permission_denied(path + ": cannot be read");
-  }
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) return slide::core::internal_error("SHA-256 init");
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    if (in.gcount() > 0) EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(in.gcount()));
-  }
-  if (in.bad()) return slide::core::internal_error(path + ": read error");
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx.get(), md, &len);
-  static const char kHex[] = "0123456789abcdef";
-  std::string hex;
-  for (unsigned i = 0; i < len; ++i) {
-    hex += kHex[md[i] >> 4];
-    hex += kHex[md[i] & 15];
-  }
-  return hex;
-}
 
 Result<EmbedModel> load_embed_model(const std::string& weights, const std::string& model, const std::string& layer) {
   std::error_code ec;
@@ -638,7 +612,7 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
   for (Parameter* p : params) named.push_back({p->name, &p->value});
   for (Buffer* b : buffers) named.push_back({b->name, &b->value});
   SLIDE_RETURN_IF_ERROR_CTX(load_safetensors(out.weights_path, named), "weights " + out.weights_path);
-  SLIDE_ASSIGN_OR_RETURN(out.weights_sha256, sha256_file(out.weights_path));
+  SLIDE_ASSIGN_OR_RETURN(out.weights_sha256, slide::core::sha256_file(out.weights_path));
   return out;
 }
 
@@ -659,10 +633,13 @@ struct SlideJob {
 };
 
 // Decodes tile `index` of `store` (S x S px) into `dst` (3 x E x E, normalised) and its
-// coordinates. With a resizer (S != E: the encoder's input size) the decoded 8-bit tile is first
-// resized to E x E as PIL's Image.resize(BICUBIC) (resample.h), on the calling decode thread.
+// coordinates. With a stain target (method not kNone) the decoded 8-bit tile is first
+// stain-normalised in place (stain.h). With a resizer (S != E: the encoder's input size) the
+// 8-bit tile is then resized to E x E as PIL's Image.resize(BICUBIC) (resample.h), on the calling
+// decode thread.
 Status decode_into(const slide::tile::StoreReader& store, const std::string& store_dir, uint64_t index, int64_t S,
-                   const BicubicResizer* resizer, const float (*lut)[256], float* dst, int64_t* xy) {
+                   const StainTarget& stain, const BicubicResizer* resizer, const float (*lut)[256], float* dst,
+                   int64_t* xy) {
   slide::tile::TileHeader hdr;
   std::vector<uint8_t> payload;
   const std::string where = "store " + store_dir + ": tile " + std::to_string(index);
@@ -678,6 +655,8 @@ Status decode_into(const slide::tile::StoreReader& store, const std::string& sto
   if (img.width != S || img.height != S)
     return slide::core::data_loss(where + " is " + std::to_string(img.width) + "x" + std::to_string(img.height) +
                                   ", not " + std::to_string(S) + "x" + std::to_string(S));
+  if (stain.method != StainMethod::kNone)
+    SLIDE_RETURN_IF_ERROR_CTX(normalise_stain(stain, img.pixels.data(), img.width, img.height), where);
   const uint8_t* px = img.pixels.data();
   int64_t E = S;
   if (resizer != nullptr) {
@@ -708,6 +687,13 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   const auto t0 = clock::now();
   if (opt.stores.empty()) return invalid_argument("no tile stores given");
   if (opt.batch < 1) return invalid_argument("--batch-size must be at least 1");
+  {
+    // An invalid target fails the run here, not every tile.
+    uint8_t probe[3] = {128, 128, 128};
+    SLIDE_RETURN_IF_ERROR_CTX(normalise_stain(opt.stain, probe, 1, 1), "stain normalisation");
+  }
+  const std::string stain_json =
+      opt.stain.method != StainMethod::kNone ? stain_target_to_json(opt.stain) : std::string();
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores;
   // Tiles of another size than the encoder's input are resized to it on the decode threads, as
   // the encoders' own transforms do (PIL's bicubic, antialiased: resample.h); one resizer (its
@@ -811,13 +797,19 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
         const int32_t want_input = resizer_for(tile_px) != nullptr ? static_cast<int32_t>(need) : 0;
         const int32_t had_input = a.encoder_input_px;
         if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
-            info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input) {
+            info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
+            a.stain_normalization != stain_json) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
+          // Named only when one side has it (the message stays as it was for runs without).
+          const bool any_stain = !a.stain_normalization.empty() || !stain_json.empty();
+          auto stain = [any_stain](const std::string& j) {
+            return any_stain ? ", stain normalisation " + (j.empty() ? std::string("none") : j) : std::string();
+          };
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +
               slide::cache::feature_dtype_name(info.dtype) + ", weights " + a.weights_sha256.substr(0, 12) +
-              input(had_input) + " (this run: " + model.model + ", layer " + extractor.layer() + input(want_input) +
-              "): remove it or write to another --out");
+              input(had_input) + stain(a.stain_normalization) + " (this run: " + model.model + ", layer " +
+              extractor.layer() + input(want_input) + stain(stain_json) + "): remove it or write to another --out");
         } else {
           o.skipped = true;
           o.tiles = info.num_tiles;
@@ -883,6 +875,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     attrs.tool_version = opt.tool_version;
     // Tiles resized to the encoder's input: recorded beside tile_size_px (the stored tiles' side).
     if (resizer_for(S) != nullptr) attrs.encoder_input_px = static_cast<int32_t>(need);
+    attrs.stain_normalization = stain_json;
     Open& op = open[j];
     op.start = clock::now();
     // Chunks no larger than the bag: a 20-tile bag is not padded to a 256-row chunk on disk.
@@ -959,7 +952,9 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       float* dst = b.images.data() + i * 3 * E * E;
       int64_t* xy = b.coords.data() + 2 * i;
       b.pending.push_back(pool.submit(
-          [store, dir, index, S, resizer, &lut, dst, xy] { return decode_into(*store, *dir, index, S, resizer, lut, dst, xy); }));
+          [store, dir, index, S, &opt, resizer, &lut, dst, xy] {
+            return decode_into(*store, *dir, index, S, opt.stain, resizer, lut, dst, xy);
+          }));
     }
   };
 

@@ -38,3 +38,28 @@ def snapshot(root):
             with open(p, "rb") as f:
                 snap[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
     return snap
+
+
+def store_tiles(store, slide_id):
+    """(images N x H x W x 3 uint8, coords N x 2) of a slide, read as README's Python example does."""
+    import io
+    import json
+    import struct
+
+    import lmdb
+    import numpy as np
+    from PIL import Image
+    env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+    slides, tiles = env.open_db(b"slides"), env.open_db(b"tiles")
+    imgs, coords = [], []
+    with env.begin() as txn:
+        rec = json.loads(txn.get(slide_id.encode(), db=slides))
+        for i in range(rec["first_tile_index"], rec["first_tile_index"] + rec["tile_count"]):
+            val = txn.get(struct.pack(">Q", i), db=tiles)
+            _, _, hdr, _, _, x, y, w, h, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", val)
+            img = (Image.open(io.BytesIO(val[hdr:hdr + n])).convert("RGB") if enc == 1
+                   else Image.frombytes("RGB", (w, h), val[hdr:hdr + n]))
+            imgs.append(np.asarray(img))
+            coords.append((x, y))
+    env.close()
+    return np.stack(imgs), np.array(coords, dtype=np.int64)

@@ -23,7 +23,7 @@ import h5py
 import lmdb
 import numpy as np
 from PIL import Image
-from e2e_util import slide_file_stem, snapshot
+from e2e_util import slide_file_stem, snapshot, store_tiles
 
 TILE = os.environ["SLIDE_TILE"]
 EMBED = os.environ["SLIDE_EMBED"]
@@ -36,24 +36,6 @@ PY = "/usr/bin/python3"
 
 def run(args, **kw):
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, **kw)
-
-
-def store_tiles(store, slide_id):
-    """(images N x H x W x 3 uint8, coords N x 2) of a slide, read as README's Python example does."""
-    env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
-    slides, tiles = env.open_db(b"slides"), env.open_db(b"tiles")
-    imgs, coords = [], []
-    with env.begin() as txn:
-        rec = json.loads(txn.get(slide_id.encode(), db=slides))
-        for i in range(rec["first_tile_index"], rec["first_tile_index"] + rec["tile_count"]):
-            val = txn.get(struct.pack(">Q", i), db=tiles)
-            _, _, hdr, _, _, x, y, w, h, _, enc, _, n = struct.unpack_from("<4sHHIiqqIIBBHI", val)
-            img = (Image.open(io.BytesIO(val[hdr:hdr + n])).convert("RGB") if enc == 1
-                   else Image.frombytes("RGB", (w, h), val[hdr:hdr + n]))
-            imgs.append(np.asarray(img))
-            coords.append((x, y))
-    env.close()
-    return np.stack(imgs), np.array(coords, dtype=np.int64)
 
 
 def torch_features(model, layer, images):

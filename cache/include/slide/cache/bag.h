@@ -29,6 +29,8 @@
 //     weights_sha256  string   SHA-256 (hex) of the weights file the features came from
 //     tool_version    string   "slide-embed <version>"
 //     format_version  int32    1 (kBagFormatVersion)
+//   and, only when they apply: encoder_input_px (int32, tiles resized to the encoder's input) and
+//     stain_normalization (string, JSON of the fitted stain target: slide-embed --stain-normalize)
 //
 // Atomicity: BagWriter writes `<path>.partial` and renames it to `<path>` in commit(): a bag that
 // exists under its final name is complete. A `.partial` file is garbage from a killed run; the
@@ -99,6 +101,11 @@ struct BagAttributes {
   // The side of the images the encoder ran on when the tiles were resized to its input size
   // (root attribute encoder_input_px, written only then); 0: the tiles went in as stored.
   int32_t encoder_input_px = 0;
+  // The stain normalisation the tiles went through before the encoder (slide-embed
+  // --stain-normalize): the fitted target as JSON (slide/train/stain.h stain_target_to_json, e.g.
+  // {"macenko_he":[[..],[..],[..]],"macenko_max_c":[..],"method":"macenko"}), root string attribute
+  // stain_normalization, written only then; "": none (and bags from before the option).
+  std::string stain_normalization;
 };
 
 struct BagWriterOptions {

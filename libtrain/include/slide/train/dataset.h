@@ -16,6 +16,7 @@
 #include "slide/tile/store.h"
 #include "slide/train/augment.h"
 #include "slide/train/backend.h"
+#include "slide/train/stain.h"
 #include "slide/train/tensor.h"
 
 namespace slide::train {
@@ -89,6 +90,13 @@ class TileDataset {
   const std::string& store_dir(uint32_t store) const { return store_dirs_.at(store); }
   const std::vector<TileRef>& tiles() const { return tiles_; }
   int64_t tile_size_px() const { return tile_size_; }
+
+  // Stain normalisation (stain.h) of every tile right after it is decoded, before augmentation,
+  // the normalisation to ImageNet's mean/std and the caches (cache_in_ram and cache_on_device then
+  // hold normalised tiles): call it before those. Default kNone: tiles as stored. Errors:
+  // kInvalidArgument for an invalid target (normalise_stain's checks), or when a cache is made.
+  [[nodiscard]] Status set_stain(const StainTarget& target);
+  const StainTarget& stain() const { return stain_; }
 
   // Decodes every tile once into host memory from `alloc` (tiles x S x S x 3 bytes), after which
   // load_batch copies from RAM instead of reading and decoding (the trick of pinning a dataset
@@ -171,6 +179,7 @@ class TileDataset {
   [[nodiscard]] Status decode_tile(size_t position, uint8_t* rgb) const;
   std::vector<TileRef> tiles_;
   int64_t tile_size_ = 0;
+  StainTarget stain_;  // applied by decode_tile after decoding (method kNone: not)
 };
 
 }  // namespace slide::train

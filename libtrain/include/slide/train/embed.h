@@ -26,6 +26,7 @@
 #include "slide/cache/bag.h"
 #include "slide/core/status.h"
 #include "slide/train/layers.h"
+#include "slide/train/stain.h"
 
 namespace slide::train {
 
@@ -146,9 +147,6 @@ class EngineEncoder final : public TileEncoder {
   std::string layer_;
 };
 
-// SHA-256 of a file's bytes (FIPS 180-4, through OpenSSL's libcrypto), lower-case hex.
-// Errors: kNotFound / kPermissionDenied / kInternal naming the path.
-[[nodiscard]] Result<std::string> sha256_file(const std::string& path);
 
 struct EmbedOptions {
   std::vector<std::string> stores;     // slide-tile store directories
@@ -165,6 +163,9 @@ struct EmbedOptions {
   std::string tool_version;            // "slide-embed 0.1.0"
   const std::atomic<bool>* cancel = nullptr;  // set by a signal handler: the current bag is discarded
   bool progress = true;                // progress lines with tiles/s on stderr
+  // Stain normalisation of every tile (slide/train/stain.h), on the decode threads right after
+  // decoding, before any resize and the encoder's mean/std; method kNone (the default): none.
+  StainTarget stain;
 };
 
 struct SlideOutcome {
@@ -201,6 +202,11 @@ struct EmbedSummary {
 // store, and each bag of such a store records E in the root attribute `encoder_input_px` (int32;
 // absent when the tiles went in as stored; tile_size_px stays S). A complete bag is reused only
 // when that attribute matches too. input_size() 0 (the CNNs): tiles go in at their size.
+// With options.stain (method other than kNone) each decoded 8-bit tile is stain-normalised in
+// place (normalise_stain) before the resize, and each bag records the target's JSON in the root
+// string attribute `stain_normalization` (absent without); a complete bag is reused only when that
+// attribute equals this run's (else kFailedPrecondition for that slide, as for another model).
+// Errors also: kInvalidArgument for an invalid stain target.
 [[nodiscard]] Result<EmbedSummary> embed_stores(TileEncoder& encoder, const EmbedModel& model,
                                                 const EmbedOptions& options);
 

@@ -610,11 +610,6 @@ int run_main(int argc, char** argv) {
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
-    if (saved.contains("config") && saved["config"].contains("stain_normalization") &&
-        !config.contains("stain_normalization"))
-      return fail(slide::core::invalid_argument("--resume: " + latest + " was made with --stain-normalize " +
-                                                saved["config"]["stain_normalization"].dump() +
-                                                "; rerun with the original options, or use a new --out"));
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;

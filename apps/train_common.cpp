@@ -380,6 +380,10 @@ slide::core::Status check_resume_config(const std::string& checkpoint, const nlo
     for (const auto& [key, value] : config.items())
       if (!was.contains(key) || was[key] != value)
         diffs += " --" + key + " " + (was.contains(key) ? was[key].dump() : "(unset)") + " -> " + value.dump() + ";";
+    // An option the run was made with and this one lacks (--freeze, --stain-normalize, ...) changes
+    // its math as much; --init only chose the first step's weights, which the checkpoint replaces.
+    for (const auto& [key, value] : was.items())
+      if (!config.contains(key) && key != "init") diffs += " --" + key + " " + value.dump() + " -> (unset);";
     if (!diffs.empty())
       return slide::core::invalid_argument("--resume: " + checkpoint + " was made with other options:" + diffs +
                                            " rerun with the original options, or use a new --out");

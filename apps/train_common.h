@@ -123,8 +123,9 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 
 // --resume's check of the options that change the math of a run: `config` (this run's) against
 // the "config" record of `saved` (the checkpoint's state.json). Errors: kInvalidArgument naming
-// `checkpoint` and every difference ("--lr 0.1 -> 0.2;"). A checkpoint without the record (made
-// before it existed) passes. Another `epochs` than saved["epochs"] is allowed, with a warning.
+// `checkpoint` and every difference ("--lr 0.1 -> 0.2;"), an option given now and not then or
+// then and not now included ("(unset)"; --init, which only chose the first weights, may be left
+// out). A checkpoint without the record (made before it existed) passes. Another `epochs` than saved["epochs"] is allowed, with a warning.
 [[nodiscard]] slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,
                                                       const nlohmann::json& config, long epochs);
 

@@ -579,6 +579,13 @@ class TestFineTune(Base):
         opt = read_safetensors(os.path.join(out, "checkpoints", "epoch-1-step-0", "optimizer.safetensors"))
         self.assertFalse(any(k.startswith(("conv1.", "layer1.", "layer3.")) for k in opt))
         self.assertTrue(any(k.startswith("layer4.") for k in opt))
+        # Resuming it without --freeze and --lr-backbone would change its math: refused, naming both;
+        # --init may be left out (the checkpoint's weights replace it).
+        r = self.train(out, "--model", "resnet18", "--val-fraction", "0", "--resume", epochs=2)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn(' --freeze "layer3" -> (unset);', r.stderr)
+        self.assertIn(" --lr_backbone 0.005 -> (unset);", r.stderr)
+        self.assertNotIn("--init", r.stderr)
 
         # Bad input: another architecture, an unknown layer, the classifier frozen.
         m34 = torchvision.models.resnet34(num_classes=3)

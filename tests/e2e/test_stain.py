@@ -491,6 +491,7 @@ class TestSlideTrain(Base):
                  "--width", "8", "--threads", "2", "--seed", "3", "--resume"])
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("stain", r.stderr)
+        self.assertIn("-> (unset);", r.stderr)
 
 
 if __name__ == "__main__":

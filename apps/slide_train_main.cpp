@@ -602,11 +602,9 @@ int run_main(int argc, char** argv) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     const std::string latest = checkpoints.empty() ? "" : checkpoints.back().string();
     if (latest.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
-    auto text = slide::core::read_file(latest + "/state.json");
-    if (!text.ok()) return fail(text.status());
-    nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
-    if (saved.is_discarded()) return fail(slide::core::data_loss(latest + "/state.json: not JSON"));
-    if (auto s = slide::apps::validate_run_state(latest + "/state.json", saved); !s.ok()) return fail(s);
+    auto record = slide::apps::open_checkpoint_record(latest);
+    if (!record.ok()) return fail(record.status().with_context("--resume"));
+    const nlohmann::json& saved = record->state;
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);

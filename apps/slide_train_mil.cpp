@@ -296,11 +296,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
     const std::string latest = checkpoints.back().string();
-    auto text = slide::core::read_file(latest + "/state.json");
-    if (!text.ok()) return fail(text.status());
-    nlohmann::json saved = nlohmann::json::parse(*text, nullptr, false);
-    if (saved.is_discarded()) return fail(slide::core::data_loss(latest + "/state.json: not JSON"));
-    if (auto s = validate_run_state(latest + "/state.json", saved); !s.ok()) return fail(s);
+    auto record = open_checkpoint_record(latest);
+    if (!record.ok()) return fail(record.status().with_context("--resume"));
+    const nlohmann::json& saved = record->state;
     if (saved["model"] != "abmil" || saved["classes"] != state["classes"] || saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);

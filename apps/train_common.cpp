@@ -274,7 +274,7 @@ slide::core::Result<CheckpointRecord> open_checkpoint_record(const std::string& 
         "model.safetensors, or a run's best.safetensors (next to the run's checkpoints/)");
   }
   SLIDE_ASSIGN_OR_RETURN_CTX(const std::string text, slide::core::read_file(r.state_file),
-                             "--checkpoint (a checkpoints/epoch-E-step-S directory)");
+                             "the checkpoint's record (a checkpoints/epoch-E-step-S directory holds it)");
   r.state = nlohmann::json::parse(text, nullptr, false);
   if (r.state.is_discarded())
     return slide::core::data_loss(r.state_file + ": not JSON (not a slide-train checkpoint record)");

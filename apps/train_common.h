@@ -97,7 +97,8 @@ std::string probability_text(float p);
 // A checkpoint given to evaluate or predict (--checkpoint), with its model's description:
 // `path` is a checkpoints/epoch-E-step-S directory (model.safetensors + state.json), a weights
 // file inside one, or a run's best.safetensors (described by the newest complete checkpoint of
-// the run's checkpoints/). The state.json is read and checked (validate_run_state).
+// the run's checkpoints/). The state.json is read and checked (validate_run_state). Used by
+// evaluate, predict and --resume (tile and MIL runs).
 struct CheckpointRecord {
   std::string weights, state_file;
   nlohmann::json state;

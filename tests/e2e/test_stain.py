@@ -474,6 +474,22 @@ class TestSlideTrain(Base):
         self.assertLess(err_pre, 1e-4)
         self.assertLess(err_pred, 1e-6)
         self.assertGreater(err_plain, 1e-3)
+        # A checkpoint whose recorded target is corrupt (a stain vector that is not numbers, a negative
+        # max concentration) is refused naming the field; no prediction is written.
+        for bad in ({"macenko_he": "x"}, {"macenko_max_c": [-1.0, 1.0]}):
+            forged = os.path.join(self.tmp, "forged")
+            shutil.rmtree(forged, ignore_errors=True)
+            shutil.copytree(ckpt, forged)
+            with open(os.path.join(forged, "state.json")) as f:
+                st = json.load(f)
+            st["config"]["stain_normalization"].update(bad)
+            with open(os.path.join(forged, "state.json"), "w") as f:
+                json.dump(st, f)
+            dest = os.path.join(self.tmp, "ev_forged")
+            r = run([train, "evaluate", "--checkpoint", forged, "--data", store, "--out", dest])
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("config.stain_normalization", r.stderr)
+            self.assertFalse(os.path.exists(os.path.join(dest, "predictions.csv")))
         # Training saw the normalised tiles: the same run without the option on the pre-normalised
         # store gives the same losses and the same weights, bit for bit.
         out_pre = os.path.join(self.tmp, "run_pre")

@@ -43,6 +43,7 @@
 #include "train_common.h"
 #include "slide_train_mil.h"
 #include "slide_train_predict.h"
+#include "launch.h"
 #include "slide_train_dist.h"
 #include "slide_train_memory.h"
 #include "slide_train_sweep.h"
@@ -304,13 +305,19 @@ int run_main(int argc, char** argv) {
   double dist_timeout = 300;
   bool sync_bn = false;
   app.add_option("--dist", dist,
-                 "auto (mpi when launched by mpirun or srun with several ranks, else local) | local | mpi | nccl "
-                 "(GPU ranks, with --backend cuda; built with NCCL)")
+                 "auto (socket in the ranks --gpus starts, nccl there with --backend cuda; mpi when launched by "
+                 "mpirun or srun with several ranks; else local) | local | mpi | socket | nccl (GPU ranks, with "
+                 "--backend cuda; built with NCCL)")
       ->capture_default_str();
   app.add_option("--dist-timeout", dist_timeout,
                  "Seconds a collective between ranks may take before the job stops with an error")
       ->capture_default_str()->check(number_option("dist-timeout"));
   app.add_flag("--sync-bn", sync_bn, "Batch norm statistics over all ranks' samples (default: per rank)");
+  int gpus = 0;
+  app.add_option("--gpus", gpus,
+                 "Start N ranks on this machine and supervise them, without MPI (as torchrun --nproc-per-node): "
+                 "one per GPU with --backend cuda (NCCL), N CPU ranks on host backends")
+      ->check(CLI::Range(1, 1024));
   slide::apps::add_log_options(app, &log, "the augmentation, cache and backend decisions, per-step details");
   try {
     app.parse(argc, argv);
@@ -320,6 +327,34 @@ int run_main(int argc, char** argv) {
   }
   slide::apps::apply_log_options(log);
   if (compute_threads > 0) omp_set_num_threads(compute_threads);
+  auto launched = launched_rank();
+  if (!launched.ok()) return fail(launched.status());
+  if (gpus > 0 && launched->world_size == 0) {
+    // The launcher (launch.h): N copies of this command without --gpus, supervised.
+    if (sweep->parsed() || eval->parsed() || predict->parsed() || !mil.features.empty() || folds > 0)
+      return fail(slide::core::invalid_argument(
+          "--gpus starts the ranks of one training run (tile classifiers); not with evaluate, predict, sweep, "
+          "--features or --folds"));
+    if (launch_world_size() > 1)
+      return fail(slide::core::invalid_argument(
+          "--gpus starts its own ranks: under mpirun or srun leave it out (each rank there is one process)"));
+    if (dist != "auto" && dist != "socket" && dist != "nccl")
+      return fail(slide::core::invalid_argument("--gpus with --dist " + dist +
+                                                ": the ranks it starts talk over sockets (host backends) or NCCL"));
+    if (device >= 0)
+      return fail(slide::core::invalid_argument("--device is for one process; with --gpus each rank takes GPU r"));
+    slide::apps::LaunchOptions lo;
+    lo.ranks = gpus;
+    std::error_code ec;
+    lo.exe = fs::read_symlink("/proc/self/exe", ec).string();
+    lo.args = slide::apps::args_without_gpus(argc, argv);
+    lo.stop_timeout_s = dist_timeout;
+    if (compute_threads == 0)
+      lo.threads_per_rank = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / gpus);
+    return slide::apps::run_launcher(lo);
+  }
+  // Ranks started by --gpus on GPUs join over NCCL (its unique id over the launcher's sockets).
+  if (launched->world_size > 0 && dist == "auto" && backend == "cuda") dist = "nccl";
   if (sweep->parsed()) {
     std::error_code ec;
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);

@@ -49,8 +49,9 @@ def params(run_dir, epoch):
     return {k: v for k, v in t.items() if "running_" not in k}
 
 
-def rank_pids(mpirun_pid):
-    """{rank: pid} of the processes mpirun started (its children carry OMPI_COMM_WORLD_RANK)."""
+def rank_pids(mpirun_pid, rank_variable=b"OMPI_COMM_WORLD_RANK"):
+    """{rank: pid} of the processes a launcher started (mpirun's children carry OMPI_COMM_WORLD_RANK,
+    slide-train --gpus's SLIDE_LAUNCH_RANK)."""
     out = {}
     for d in glob.glob("/proc/[0-9]*"):
         try:
@@ -60,8 +61,8 @@ def rank_pids(mpirun_pid):
                 continue
             with open(os.path.join(d, "environ"), "rb") as f:
                 env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            if b"OMPI_COMM_WORLD_RANK" in env:
-                out[int(env[b"OMPI_COMM_WORLD_RANK"])] = int(os.path.basename(d))
+            if rank_variable in env:
+                out[int(env[rank_variable])] = int(os.path.basename(d))
         except (OSError, ValueError, IndexError):
             continue
     return out

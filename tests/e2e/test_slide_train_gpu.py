@@ -161,6 +161,25 @@ class TestGpuRanks(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("ranks=2", r.stderr)
         self.assertIn("dist=nccl", r.stderr)
+        self.assert_same_weights(one, two)
+
+    def test_gpus_2_launcher_over_nccl_equals_one_gpu_with_two_micro_batches(self):
+        # slide-train --gpus 2: no MPI; the launcher's ranks take GPUs 0 and 1 and join over NCCL.
+        if gpu_count() < 2:
+            self.skipTest("needs two GPUs")
+        one, two = os.path.join(TMP, "gpus_one"), os.path.join(TMP, "gpus_two")
+        r = train(one, "--epochs", "2", "--accumulate", "2")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
+                "--gpus", "2"]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("ranks=2", r.stderr)
+        self.assertIn("dist=nccl", r.stderr)
+        self.assert_same_weights(one, two)
+
+    def assert_same_weights(self, one, two):
         a, b = weights(one, 2), weights(two, 2)
         for k in a:  # the same sums in another order (NCCL's ring): float rounding only
             scale = max(float(np.abs(a[k]).max()), 1e-6)

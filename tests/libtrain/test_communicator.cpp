@@ -1,6 +1,6 @@
 // The single-process parts of data parallelism: the batch split, the local communicator, the
 // factory's errors and the gradient buckets' layout. The collectives over real ranks are in
-// tests/dist/test_mpi.cpp (label mpi).
+// tests/dist/test_mpi.cpp (label mpi); the "socket" communicator's, over forked ranks, are here.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -8,6 +8,15 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <thread>
 
 #include "slide/train/communicator.h"
 #include "slide/train/data_parallel.h"
@@ -51,7 +60,7 @@ TEST_CASE("local communicator: one rank, collectives leave the data, bad argumen
   CHECK(comm.all_reduce(x, 1, DType::kI32, ReduceOp::kAverage, "i").code() == slide::core::StatusCode::kInvalidArgument);
   auto bad = make_communicator("nccl2", 10);
   CHECK(bad.status().code() == slide::core::StatusCode::kInvalidArgument);
-  CHECK(bad.status().message().find("'nccl2' is not one of auto, local, mpi, nccl") != std::string::npos);
+  CHECK(bad.status().message().find("'nccl2' is not one of auto, local, mpi, socket, nccl") != std::string::npos);
   CHECK(make_communicator("local", 0).status().code() == slide::core::StatusCode::kInvalidArgument);
   setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
   CHECK(launch_world_size() == 4);
@@ -180,4 +189,204 @@ TEST_CASE("gradient buckets overlapped with backward: each starts, in order, onc
   buckets->cancel_step();
   REQUIRE(buckets->start_step(comm, false).ok());
   REQUIRE(buckets->finish_step().ok());
+}
+
+namespace {
+
+// Ranks 1 .. P-1 forked, rank 0 this process, joined as slide-train --gpus joins them. Each
+// child runs `child(rank, fd)` and exits with its return value; returns the children's pids and
+// rank 0's sockets.
+struct Forked {
+  std::vector<pid_t> pids;
+  std::vector<int> fds0;
+};
+Forked fork_ranks(int world, const std::function<int(int, int)>& child) {
+  Forked f;
+  std::vector<int> ends1;
+  for (int r = 1; r < world; ++r) {
+    int sv[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    f.fds0.push_back(sv[0]), ends1.push_back(sv[1]);
+  }
+  for (int r = 1; r < world; ++r) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      for (int fd : f.fds0) ::close(fd);
+      for (size_t k = 0; k < ends1.size(); ++k)
+        if (static_cast<int>(k) != r - 1) ::close(ends1[k]);
+      ::_exit(child(r, ends1[static_cast<size_t>(r - 1)]));
+    }
+    f.pids.push_back(pid);
+  }
+  for (int fd : ends1) ::close(fd);
+  return f;
+}
+
+// The children's exit codes, in rank order.
+std::vector<int> reap(const Forked& f) {
+  std::vector<int> codes;
+  for (pid_t pid : f.pids) {
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    codes.push_back(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+  }
+  return codes;
+}
+
+// What rank r contributes: distinct, non-integer values, so the summation order shows in the bits.
+float value_f(int r, int64_t i) { return 0.1f * static_cast<float>(r + 1) + 1e-3f * static_cast<float>(i % 977); }
+
+// The collectives every rank runs; 0 when every result is what it must be.
+int collectives(Communicator& c, int world) {
+  const int r = c.rank();
+  // An all-reduce of 3M floats (12 MB: many partial reads and writes) sums in rank order.
+  const int64_t n = 3 << 20;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = value_f(r, i);
+  if (!c.all_reduce(x.data(), n, DType::kF32, ReduceOp::kSum, "f32 sum").ok()) return 10;
+  for (int64_t i = 0; i < n; ++i) {
+    float want = value_f(0, i);
+    for (int q = 1; q < world; ++q) want += value_f(q, i);
+    if (std::memcmp(&want, &x[static_cast<size_t>(i)], sizeof want) != 0) return 11;
+  }
+  double m[2] = {1.0 + r, -2.0 * r};
+  if (!c.all_reduce(m, 2, DType::kF64, ReduceOp::kAverage, "f64 mean").ok()) return 12;
+  double s0 = 0, s1 = 0;
+  for (int q = 0; q < world; ++q) s0 += 1.0 + q, s1 += -2.0 * q;
+  if (m[0] != s0 * (1.0 / world) || m[1] != s1 * (1.0 / world)) return 13;
+  int32_t k = r + 1;
+  if (!c.all_reduce(&k, 1, DType::kI32, ReduceOp::kSum, "i32 sum").ok() || k != world * (world + 1) / 2) return 14;
+  // A broadcast from the last rank (through rank 0), and an empty one.
+  std::vector<char> b(1000, static_cast<char>(r));
+  if (!c.broadcast(b.data(), b.size(), world - 1, "broadcast").ok()) return 15;
+  for (char v : b)
+    if (v != static_cast<char>(world - 1)) return 16;
+  if (!c.broadcast(nullptr, 0, 0, "empty broadcast").ok()) return 17;
+  std::vector<double> all;
+  if (!c.all_gather(0.5 * r, &all, "all-gather").ok() || all.size() != static_cast<size_t>(world)) return 18;
+  for (int q = 0; q < world; ++q)
+    if (all[static_cast<size_t>(q)] != 0.5 * q) return 19;
+  if (!c.barrier("barrier").ok()) return 20;
+  // The async form completes as the blocking one does.
+  float y = 1.0f;
+  auto w = c.all_reduce_async(&y, 1, DType::kF32, ReduceOp::kAverage, "async");
+  if (!w.ok() || !(*w)->wait().ok() || y != 1.0f) return 21;
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("socket communicator: 3 forked ranks; sums in rank order, broadcast, gather, barrier, bit-identical results") {
+  const int world = 3;
+  Forked f = fork_ranks(world, [&](int r, int fd) {
+    auto c = make_socket_communicator(r, world, {fd}, 60);
+    if (!c.ok()) return 2;
+    if ((*c)->rank() != r || (*c)->world_size() != world || (*c)->name() != "socket") return 3;
+    return collectives(**c, world);
+  });
+  // Rank 0 finds its rank and sockets in the environment, as a rank started by --gpus does.
+  std::string fds = std::to_string(f.fds0[0]) + "," + std::to_string(f.fds0[1]);
+  setenv(kLaunchWorldSizeEnv, "3", 1), setenv(kLaunchRankEnv, "0", 1), setenv(kLaunchFdsEnv, fds.c_str(), 1);
+  CHECK(launch_world_size() == 3);
+  auto c = make_communicator("auto", 60);
+  unsetenv(kLaunchWorldSizeEnv), unsetenv(kLaunchRankEnv), unsetenv(kLaunchFdsEnv);
+  REQUIRE(c.ok());
+  CHECK((*c)->name() == "socket");
+  CHECK((*c)->rank() == 0);
+  CHECK(collectives(**c, world) == 0);
+  CHECK(reap(f) == std::vector<int>{0, 0});
+}
+
+TEST_CASE("socket communicator: a dead peer fails the collective at once, naming it; later calls are refused") {
+  Forked f = fork_ranks(2, [](int, int) { return 3; });  // exits without a collective
+  auto c = make_socket_communicator(0, 2, f.fds0, 60);
+  REQUIRE(c.ok());
+  (*c)->set_step(7);
+  const auto t0 = std::chrono::steady_clock::now();
+  float x = 1;
+  const Status s = (*c)->all_reduce(&x, 1, DType::kF32, ReduceOp::kSum, "gradient bucket 1 of 1");
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  CHECK(s.code() == slide::core::StatusCode::kUnavailable);
+  CHECK(s.message().find("rank 0 of 2 at step 7: gradient bucket 1 of 1: rank 1 closed its connection") !=
+        std::string::npos);
+  CHECK((*c)->barrier("next").code() == slide::core::StatusCode::kFailedPrecondition);
+  CHECK(reap(f) == std::vector<int>{3});
+}
+
+TEST_CASE("socket communicator: a stopped peer gives kDeadlineExceeded at the deadline; other collectives are named") {
+  int release[2];
+  REQUIRE(::pipe(release) == 0);
+  // Rank 1 waits (alive, silent) until the parent writes to the pipe, then sends a barrier.
+  Forked f = fork_ranks(2, [&](int, int fd) {
+    char b;
+    ::close(release[1]);
+    (void)!::read(release[0], &b, 1);
+    auto c = make_socket_communicator(1, 2, {fd}, 5);
+    if (!c.ok()) return 2;
+    (void)(*c)->barrier("barrier");
+    return 0;
+  });
+  ::close(release[0]);
+  {
+    auto c = make_socket_communicator(0, 2, {f.fds0[0]}, 0.3);
+    REQUIRE(c.ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = (*c)->barrier("barrier before validation");
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(s.code() == slide::core::StatusCode::kDeadlineExceeded);
+    CHECK(s.message().find("did not complete within 0 s (--dist-timeout) waiting for rank 1") != std::string::npos);
+    CHECK(waited >= 0.29);
+    CHECK(waited < 3);
+  }
+  (void)!::write(release[1], "x", 1);
+  ::close(release[1]);
+  CHECK(reap(f) == std::vector<int>{0});
+
+  // Ranks in different collectives: rank 1 enters a barrier while rank 0 is in an all-reduce.
+  Forked g = fork_ranks(2, [](int, int fd) {
+    auto c = make_socket_communicator(1, 2, {fd}, 5);
+    if (!c.ok()) return 2;
+    (void)(*c)->barrier("barrier");
+    return 0;
+  });
+  auto c = make_socket_communicator(0, 2, g.fds0, 5);
+  REQUIRE(c.ok());
+  float x = 0;
+  const Status s = (*c)->all_reduce(&x, 1, DType::kF32, ReduceOp::kSum, "loss");
+  CHECK(s.code() == slide::core::StatusCode::kInternal);
+  CHECK(s.message().find("rank 1 sent a barrier of 0 bytes (collective #1) where an all-reduce of 4 bytes "
+                         "(collective #1) was expected") != std::string::npos);
+  c->reset();
+  CHECK(reap(g) == std::vector<int>{0});
+}
+
+TEST_CASE("launched_rank: the variables slide-train --gpus sets, and malformed ones named") {
+  unsetenv(kLaunchWorldSizeEnv), unsetenv(kLaunchRankEnv), unsetenv(kLaunchFdsEnv);
+  auto none = launched_rank();
+  REQUIRE(none.ok());
+  CHECK(none->world_size == 0);
+  CHECK(make_communicator("socket", 5).status().message().find("--dist socket is for the ranks") != std::string::npos);
+  setenv(kLaunchWorldSizeEnv, "4", 1), setenv(kLaunchRankEnv, "0", 1), setenv(kLaunchFdsEnv, "7,8,9", 1);
+  auto r0 = launched_rank();
+  REQUIRE(r0.ok());
+  CHECK(r0->rank == 0);
+  CHECK(r0->world_size == 4);
+  CHECK(r0->fds == std::vector<int>{7, 8, 9});
+  setenv(kLaunchRankEnv, "2", 1), setenv(kLaunchFdsEnv, "11", 1);
+  auto r2 = launched_rank();
+  REQUIRE(r2.ok());
+  CHECK(r2->rank == 2);
+  CHECK(r2->fds == std::vector<int>{11});
+  setenv(kLaunchRankEnv, "4", 1);
+  CHECK(launched_rank().status().message().find("SLIDE_LAUNCH_RANK='4': not a rank of 4") != std::string::npos);
+  setenv(kLaunchRankEnv, "1", 1), setenv(kLaunchFdsEnv, "3,x", 1);
+  CHECK(launched_rank().status().message().find("SLIDE_LAUNCH_FDS='3,x': not a list of descriptors") !=
+        std::string::npos);
+  setenv(kLaunchFdsEnv, "3,4", 1);
+  CHECK(launched_rank().status().message().find("rank 1 needs 1 socket(s)") != std::string::npos);
+  setenv(kLaunchWorldSizeEnv, "0", 1);
+  CHECK(launched_rank().status().code() == slide::core::StatusCode::kInvalidArgument);
+  unsetenv(kLaunchWorldSizeEnv), unsetenv(kLaunchRankEnv), unsetenv(kLaunchFdsEnv);
+  CHECK(make_socket_communicator(0, 3, {5}, 5).status().message().find("needs 2 socket(s), not 1") != std::string::npos);
 }

@@ -27,11 +27,7 @@ class LocalCommunicator final : public Communicator {
   }
   Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void* data, int64_t count, DType dtype, ReduceOp op,
                                                            const std::string& what) override {
-    struct Done final : CollectiveWork {
-      Status wait() override { return slide::core::ok_status(); }
-    };
-    SLIDE_RETURN_IF_ERROR(all_reduce(data, count, dtype, op, what));
-    return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());
+    return dist::all_reduce_now(*this, data, count, dtype, op, what);
   }
   Status broadcast(void*, size_t, int root, const std::string& what) override {
     if (root != 0) return slide::core::invalid_argument(what + ": broadcast from rank " + std::to_string(root) + " of 1");
@@ -61,9 +57,44 @@ std::string Communicator::describe(const std::string& what) const {
 }
 
 int launch_world_size() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
+  for (const char* name : {kLaunchWorldSizeEnv, "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
     if (const int n = env_int(name); n > 0) return n;
   return 1;
+}
+
+Result<LaunchedRank> launched_rank() {
+  LaunchedRank out;
+  const char* world = std::getenv(kLaunchWorldSizeEnv);
+  if (world == nullptr) {
+    out.world_size = 0;
+    return out;
+  }
+  const auto bad = [](const char* name, const char* value, const std::string& why) {
+    return slide::core::invalid_argument(std::string(name) + "='" + (value != nullptr ? value : "") + "': " + why +
+                                         " (set by slide-train --gpus for the ranks it starts)");
+  };
+  out.world_size = env_int(kLaunchWorldSizeEnv);
+  if (out.world_size < 1) return bad(kLaunchWorldSizeEnv, world, "not a world size");
+  const char* rank = std::getenv(kLaunchRankEnv);
+  if (rank != nullptr && std::strcmp(rank, "0") == 0)
+    out.rank = 0;
+  else if (const int r = env_int(kLaunchRankEnv); r > 0 && r < out.world_size)
+    out.rank = r;
+  else
+    return bad(kLaunchRankEnv, rank, "not a rank of " + std::to_string(out.world_size));
+  const char* fds = std::getenv(kLaunchFdsEnv);
+  for (const char* p = fds != nullptr ? fds : ""; *p != '\0';) {
+    char* end = nullptr;
+    const long fd = std::strtol(p, &end, 10);
+    if (end == p || fd < 0 || fd > (1L << 30) || (*end != ',' && *end != '\0'))
+      return bad(kLaunchFdsEnv, fds, "not a list of descriptors");
+    out.fds.push_back(static_cast<int>(fd));
+    p = *end == ',' ? end + 1 : end;
+  }
+  const size_t want = out.rank == 0 ? static_cast<size_t>(out.world_size - 1) : 1;
+  if (out.fds.size() != want)
+    return bad(kLaunchFdsEnv, fds, "rank " + std::to_string(out.rank) + " needs " + std::to_string(want) + " socket(s)");
+  return out;
 }
 
 ShardRange shard_range(size_t n, int rank, int world) {
@@ -75,14 +106,29 @@ namespace dist {
 std::unique_ptr<Communicator> make_local_communicator(double timeout_s) {
   return std::make_unique<LocalCommunicator>(timeout_s);
 }
+
+Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void* data, int64_t count, DType dtype,
+                                                        ReduceOp op, const std::string& what) {
+  struct Done final : CollectiveWork {
+    Status wait() override { return slide::core::ok_status(); }
+  };
+  SLIDE_RETURN_IF_ERROR(comm.all_reduce(data, count, dtype, op, what));
+  return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());
+}
 }  // namespace dist
 
 Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s) {
   if (!(timeout_s > 0))
     return slide::core::invalid_argument("the collective timeout must be positive, not " + std::to_string(timeout_s));
+  SLIDE_ASSIGN_OR_RETURN(LaunchedRank launched, launched_rank());
   std::string k = kind;
-  if (k == "auto") k = launch_world_size() > 1 ? "mpi" : "local";
+  if (k == "auto") k = launched.world_size > 0 ? "socket" : launch_world_size() > 1 ? "mpi" : "local";
   if (k == "local") return dist::make_local_communicator(timeout_s);
+  if (k == "socket") {
+    if (launched.world_size == 0)
+      return slide::core::invalid_argument("--dist socket is for the ranks that slide-train --gpus N starts");
+    return make_socket_communicator(launched.rank, launched.world_size, std::move(launched.fds), timeout_s);
+  }
   if (k == "mpi") {
 #ifdef SLIDE_WITH_MPI
     return dist::make_mpi_communicator(timeout_s);
@@ -92,12 +138,18 @@ Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind,
   }
   if (k == "nccl") {
 #ifdef SLIDE_WITH_NCCL
-    return dist::make_nccl_communicator(timeout_s);
+    if (launched.world_size > 0) {
+      SLIDE_ASSIGN_OR_RETURN(auto bootstrap, make_socket_communicator(launched.rank, launched.world_size,
+                                                                      std::move(launched.fds), timeout_s));
+      return dist::make_nccl_communicator(timeout_s, std::move(bootstrap));
+    }
+    SLIDE_ASSIGN_OR_RETURN(auto bootstrap, dist::make_mpi_communicator(timeout_s));
+    return dist::make_nccl_communicator(timeout_s, std::move(bootstrap));
 #else
     return slide::core::unimplemented("--dist nccl: this build has no NCCL (CUDA, NCCL and MPI are needed)");
 #endif
   }
-  return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi, nccl");
+  return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi, socket, nccl");
 }
 
 }  // namespace slide::train

@@ -6,7 +6,8 @@
 namespace slide::train {
 
 slide::core::Result<int> launcher_local_rank(const std::function<const char*(const char*)>& getenv_fn) {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK"}) {
+  for (const char* name : {"SLIDE_LAUNCH_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                           "LOCAL_RANK"}) {
     const char* v = getenv_fn(name);
     if (v == nullptr) continue;
     int rank = -1;

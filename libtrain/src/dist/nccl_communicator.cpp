@@ -1,5 +1,6 @@
 // The NCCL communicator: GPU ranks, one device each (the node-local rank's), NCCL's unique id
-// broadcast over MPI (the "mpi" communicator is the bootstrap and keeps MPI's lifetime).
+// broadcast over the bootstrap communicator ("mpi" under mpirun/srun, keeping MPI's lifetime;
+// "socket" under slide-train --gpus).
 //
 // Every collective is enqueued on this communicator's own CUDA stream, followed by an event;
 // wait() polls the event and ncclCommGetAsyncError against the deadline and, past it, aborts the
@@ -311,11 +312,10 @@ Status NcclWork::wait() {
 
 }  // namespace
 
-Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s) {
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s, std::unique_ptr<Communicator> bootstrap) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return slide::core::failed_precondition("--dist nccl: no CUDA device on this node");
-  SLIDE_ASSIGN_OR_RETURN(auto bootstrap, make_mpi_communicator(timeout_s));
   // The GPU the cuda backend opens too (make_backend: select_device without --device): the
   // launcher's node-local rank; more ranks on a node than GPUs is refused, not shared.
   SLIDE_ASSIGN_OR_RETURN(const int device,

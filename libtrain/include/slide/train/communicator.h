@@ -1,9 +1,10 @@
 // Communicator: the collectives that data-parallel training needs between ranks (DESIGN.md,
 // "Distributed"), behind one narrow interface with no MPI or NCCL type in it.
 //
-// Implementations: "local" (one rank, every collective is the identity) and "mpi" (CPU ranks,
-// Open MPI or any MPI-3 library: non-blocking collectives polled against a deadline). "nccl"
-// (GPU ranks; its unique id broadcast over MPI) fills the same interface: buffers live on
+// Implementations: "local" (one rank, every collective is the identity), "mpi" (CPU ranks,
+// Open MPI or any MPI-3 library: non-blocking collectives polled against a deadline) and
+// "socket" (the ranks `slide-train --gpus N` starts on one machine, over Unix sockets). "nccl"
+// (GPU ranks; its unique id broadcast over MPI or the launcher's sockets) fills the same interface: buffers live on
 // device(), and all_reduce_async lets a caller start a bucket's all-reduce while backward is still
 // producing the next bucket's gradients. make_communicator() in src/dist/communicator.cpp is the
 // one place that knows which implementations were built.
@@ -46,7 +47,7 @@ class CollectiveWork {
 class Communicator {
  public:
   virtual ~Communicator() = default;
-  virtual std::string name() const = 0;  // "local", "mpi", "nccl"
+  virtual std::string name() const = 0;  // "local", "mpi", "socket", "nccl"
   virtual int rank() const = 0;          // 0 .. world_size() - 1
   virtual int world_size() const = 0;
   virtual int local_rank() const = 0;    // rank among the ranks of this node (picks the GPU)
@@ -92,17 +93,53 @@ class Communicator {
   int64_t step_ = 0;
 };
 
-// The communicator for `kind`: "local", "mpi", or "auto" ("mpi" when launch_world_size() > 1,
-// else "local"). "mpi" initialises MPI (MPI_Init_thread, funneled: only the calling thread makes
-// MPI calls) and finalises it when destroyed; it works for a world of one too. `timeout_s` > 0
-// bounds every collective. Errors: kInvalidArgument (unknown kind, timeout_s <= 0),
-// kUnimplemented ("mpi" in a build without MPI), kInternal (MPI failed to start).
+// The communicator for `kind`: "local", "mpi", "socket", "nccl", or "auto" ("socket" in a rank
+// that `slide-train --gpus N` started, "mpi" when launch_world_size() > 1, else "local"). "mpi"
+// initialises MPI (MPI_Init_thread, funneled: only the calling thread makes MPI calls) and
+// finalises it when destroyed; it works for a world of one too. "socket" takes the rank, world
+// size and sockets from the environment the launcher set (launched_rank()). "nccl" bootstraps
+// over "socket" in such a rank, else over "mpi". `timeout_s` > 0 bounds every collective.
+// Errors: kInvalidArgument (unknown kind, timeout_s <= 0, "socket" outside a launched rank or
+// with a malformed environment), kUnimplemented ("mpi" or "nccl" in a build without them),
+// kInternal (MPI failed to start).
 [[nodiscard]] Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s);
 
-// The world size the launcher announced in the environment, before any MPI call: Open MPI's
-// OMPI_COMM_WORLD_SIZE (mpirun), PMIx/PMI's PMIX_SIZE / PMI_SIZE, Slurm's SLURM_STEP_NUM_TASKS
-// (srun, inside a job step); 1 when none is set or parsable.
+// The world size the launcher announced in the environment, before any MPI call: slidestream's
+// own SLIDE_LAUNCH_WORLD_SIZE (slide-train --gpus N), Open MPI's OMPI_COMM_WORLD_SIZE (mpirun),
+// PMIx/PMI's PMIX_SIZE / PMI_SIZE, Slurm's SLURM_STEP_NUM_TASKS (srun, inside a job step); 1
+// when none is set or parsable.
 int launch_world_size();
+
+// A rank started by `slide-train --gpus N` (apps/launch.h) finds itself in these environment
+// variables, which the launcher sets for each child it starts:
+//   SLIDE_LAUNCH_RANK        r, 0 .. P-1 (also SLIDE_LAUNCH_LOCAL_RANK: one machine)
+//   SLIDE_LAUNCH_WORLD_SIZE  P
+//   SLIDE_LAUNCH_FDS         the inherited socket descriptors, comma-separated: on rank 0 the
+//                            sockets to ranks 1 .. P-1 in order, on every other rank its one
+//                            socket to rank 0
+constexpr const char* kLaunchRankEnv = "SLIDE_LAUNCH_RANK";
+constexpr const char* kLaunchLocalRankEnv = "SLIDE_LAUNCH_LOCAL_RANK";
+constexpr const char* kLaunchWorldSizeEnv = "SLIDE_LAUNCH_WORLD_SIZE";
+constexpr const char* kLaunchFdsEnv = "SLIDE_LAUNCH_FDS";
+struct LaunchedRank {
+  int rank = 0;
+  int world_size = 1;
+  std::vector<int> fds;
+};
+// The rank this process is, from those variables: nullopt-like (world_size 0) when
+// SLIDE_LAUNCH_WORLD_SIZE is not set. Errors: kInvalidArgument naming a variable that is set but
+// malformed (a rank outside 0..P-1, descriptors that are not numbers, the wrong number of them).
+[[nodiscard]] Result<LaunchedRank> launched_rank();
+
+// The communicator of rank `rank` of `world_size` over connected stream sockets (the "socket"
+// kind; src/dist/socket_communicator.cpp): on rank 0, `fds` are the sockets to ranks 1 .. P-1 in
+// order; on every other rank, its one socket to rank 0. Takes the descriptors (closes them when
+// destroyed; sets them non-blocking and close-on-exec). Collectives go through rank 0, which sums
+// in rank order; a dead peer fails the collective at once (kUnavailable naming it), a stopped one
+// at the deadline (kDeadlineExceeded). Errors: kInvalidArgument (a rank outside 0..P-1, the wrong
+// number of descriptors), the fcntl error of a bad descriptor.
+[[nodiscard]] Result<std::unique_ptr<Communicator>> make_socket_communicator(int rank, int world_size,
+                                                                             std::vector<int> fds, double timeout_s);
 
 // The half-open range of a batch of `n` samples that rank `rank` of `world` takes:
 // [n * rank / world, n * (rank + 1) / world). Sizes differ by at most one over the ranks, the

@@ -10,9 +10,9 @@
 namespace slide::train {
 
 // The node-local rank the launcher gave this process, from the first of these environment
-// variables that is set: OMPI_COMM_WORLD_LOCAL_RANK (Open MPI's mpirun), SLURM_LOCALID (Slurm's
-// srun), MPI_LOCALRANKID (MPICH, Intel MPI), LOCAL_RANK (torchrun; slide-train --gpus N sets it
-// for its children). -1 when none is set. Errors: kInvalidArgument when the variable set is not a
+// variables that is set: SLIDE_LAUNCH_LOCAL_RANK (slide-train --gpus N, for the ranks it starts),
+// OMPI_COMM_WORLD_LOCAL_RANK (Open MPI's mpirun), SLURM_LOCALID (Slurm's srun), MPI_LOCALRANKID
+// (MPICH, Intel MPI), LOCAL_RANK (torchrun). -1 when none is set. Errors: kInvalidArgument when the variable set is not a
 // non-negative integer (naming it).
 [[nodiscard]] slide::core::Result<int> launcher_local_rank(
     const std::function<const char*(const char*)>& getenv_fn);

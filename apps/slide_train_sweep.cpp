@@ -19,6 +19,7 @@
 
 #include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
+#include "slide/core/file_name.h"
 #include "slide/core/log.h"
 #include "train_common.h"
 
@@ -149,7 +150,7 @@ std::string last_error(const std::string& log_path) {
   std::string line, last;
   while (std::getline(f, line))
     if (line.find("] error ") != std::string::npos) last = line.substr(line.find("] error ") + 8);
-  if (last.size() > 400) last = last.substr(0, 400) + "...";
+  if (last.size() > 400) last = slide::core::utf8_prefix(last, 400) + "...";  // valid UTF-8 for result.json
   return last;
 }
 

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "slide/core/file.h"
+#include "slide/core/file_name.h"
 #include "slide/core/log.h"
 #include "slide/tile/figure.h"
 #include "slide/tile/image.h"
@@ -198,7 +199,8 @@ class StateCheck {
   }
   void fail(const std::string& name, const nlohmann::json* v, const std::string& expected) {
     std::string was = v == nullptr ? "missing" : "is " + v->dump();
-    if (was.size() > 80) was = was.substr(0, 80) + "...";
+    // Cut at a UTF-8 character boundary: the message goes into JSON (logs, results.json).
+    if (was.size() > 80) was = slide::core::utf8_prefix(was, 80) + "...";
     status_ = slide::core::data_loss(file_ + ": field '" + name + "' " + was + ", expected " + expected +
                                      " (not a slide-train checkpoint record, or a damaged one)");
   }

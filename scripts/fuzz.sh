@@ -3,9 +3,10 @@
 # target, seconds, executions, new corpus units, crashes. The targets are built by
 # scripts/build.sh when a clang++ with libFuzzer is installed (Debian: clang libclang-rt-14-dev),
 # under build/tests/fuzz/build/; BUILD_DIR=<dir> picks another build. Name targets after SECONDS
-# to run only those (fuzz_store_mdb, which stops at LMDB's own crashes on corrupt pages, runs only
-# when named). The inputs found go to <build>/tests/fuzz/work/corpus/<target>/ (kept between runs);
-# a crash's input to <build>/tests/fuzz/work/artifacts/<target>/ and the exit status is 1.
+# to run only those (fuzz_store_mdb and fuzz_bag, which stop at LMDB's and HDF5's own crashes on
+# corrupt files, run only when named). The inputs found go to <build>/tests/fuzz/work/corpus/<target>/
+# (kept between runs); a crash's input to <build>/tests/fuzz/work/artifacts/<target>/ and the exit
+# status is 1.
 #   scripts/fuzz.sh SECONDS [TARGET...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,8 @@ bin_dir="$build/tests/fuzz/build"
 work="$build/tests/fuzz/work"
 targets=("$@")
 if ((${#targets[@]} == 0)); then
-  targets=(fuzz_tile_record fuzz_slide_record fuzz_csv fuzz_file_stem fuzz_store_meta fuzz_manifest fuzz_safetensors)
+  targets=(fuzz_tile_record fuzz_slide_record fuzz_csv fuzz_file_stem fuzz_store_meta fuzz_manifest fuzz_safetensors
+    fuzz_geojson fuzz_state_json)
 fi
 mkdir -p "$work/logs"
 status=0

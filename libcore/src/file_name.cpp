@@ -29,16 +29,19 @@ std::string slide_file_stem(std::string_view slide_id) {
   if (out[0] == '.') out[0] = '_';
   constexpr size_t kSuffix = 13;  // "~" + 12 hex digits
   if (out == slide_id && out.size() <= kMaxSlideStemBytes) return out;
-  if (out.size() > kMaxSlideStemBytes - kSuffix) {
-    size_t cut = kMaxSlideStemBytes - kSuffix;
-    // Back up to the first byte of a UTF-8 character (continuation bytes are 10xxxxxx).
-    while (cut > 0 && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80) --cut;
-    out.resize(cut);
-  }
+  if (out.size() > kMaxSlideStemBytes - kSuffix) out = utf8_prefix(out, kMaxSlideStemBytes - kSuffix);
   char hex[16];
   std::snprintf(hex, sizeof hex, "~%012llx",
                 static_cast<unsigned long long>(fnv1a64(slide_id) & 0xffffffffffffull));
   return out + hex;
+}
+
+std::string utf8_prefix(std::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return std::string(text);
+  size_t cut = max_bytes;
+  // Back up to the first byte of a UTF-8 character (continuation bytes are 10xxxxxx).
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(text.substr(0, cut));
 }
 
 }  // namespace slide::core

@@ -22,6 +22,12 @@ Status bad(const std::string& source, const std::string& what) {
   return slide::core::invalid_argument(source + ": " + what);
 }
 
+// An object's "type" when it is a string, else "" (json::value would throw on {"type": 5}).
+std::string type_of(const json& j) {
+  auto t = j.find("type");
+  return t != j.end() && t->is_string() ? t->get<std::string>() : std::string();
+}
+
 Status parse_ring(const json& ring, std::vector<std::array<double, 2>>& out, const std::string& where) {
   if (!ring.is_array()) return slide::core::invalid_argument(where + ": a ring is not an array");
   for (const json& p : ring) {
@@ -50,7 +56,7 @@ Status parse_polygon(const json& rings, const std::string& cls, Annotations& out
 
 Status parse_feature(const json& f, size_t index, Annotations& out) {
   const std::string where = out.source + ": feature " + std::to_string(index);
-  if (!f.is_object() || f.value("type", "") != "Feature")
+  if (!f.is_object() || type_of(f) != "Feature")
     return slide::core::invalid_argument(where + ": not a GeoJSON Feature");
   std::string cls;
   if (auto p = f.find("properties"); p != f.end() && p->is_object()) {
@@ -61,7 +67,9 @@ Status parse_feature(const json& f, size_t index, Annotations& out) {
   }
   auto g = f.find("geometry");
   if (g == f.end() || !g->is_object()) return slide::core::invalid_argument(where + ": no geometry");
-  const std::string type = g->value("type", "");
+  if (auto t = g->find("type"); t != g->end() && !t->is_string())
+    return slide::core::invalid_argument(where + ": geometry 'type' is a JSON " + t->type_name() + ", not a string");
+  const std::string type = type_of(*g);
   auto coords = g->find("coordinates");
   if (type != "Polygon" && type != "MultiPolygon")
     return slide::core::invalid_argument(where + ": geometry type '" + type +
@@ -95,11 +103,11 @@ Result<Annotations> parse_geojson(std::string_view text, const std::string& sour
   std::vector<const json*> features;
   if (doc.is_array()) {
     for (const json& f : doc) features.push_back(&f);
-  } else if (doc.is_object() && doc.value("type", "") == "FeatureCollection") {
+  } else if (doc.is_object() && type_of(doc) == "FeatureCollection") {
     auto fs = doc.find("features");
     if (fs == doc.end() || !fs->is_array()) return bad(source, "a FeatureCollection without a 'features' array");
     for (const json& f : *fs) features.push_back(&f);
-  } else if (doc.is_object() && doc.value("type", "") == "Feature") {
+  } else if (doc.is_object() && type_of(doc) == "Feature") {
     features.push_back(&doc);
   } else {
     return bad(source, "the top level is not a Feature, a FeatureCollection or an array of Features");

@@ -240,3 +240,15 @@ TEST_CASE("CSV: a UTF-8 byte-order mark (Excel's CSV UTF-8) before the header is
   CHECK(csv_line_is_blank("\xEF\xBB\xBF"));
   CHECK_FALSE(csv_line_is_blank("\xEF\xBB\xBFslide_id,path"));
 }
+
+TEST_CASE("utf8_prefix: at most N bytes, never half a character") {
+  using slide::core::utf8_prefix;
+  CHECK(utf8_prefix("abc", 5) == "abc");
+  CHECK(utf8_prefix("abcdef", 3) == "abc");
+  const std::string e = "a\xc3\xa9";  // "aé": é is 2 bytes
+  CHECK(utf8_prefix(e, 2) == "a");    // the cut would split é: back to its first byte
+  CHECK(utf8_prefix(e, 3) == e);
+  const std::string euro = "\xe2\x82\xac\xe2\x82\xac";  // "€€", 3 bytes each
+  CHECK(utf8_prefix(euro, 5) == "\xe2\x82\xac");
+  CHECK(utf8_prefix(euro, 2).empty());
+}

@@ -38,6 +38,10 @@ TEST_CASE("parse_geojson: bad inputs name the file and the fault") {
        "not closed"},
       {R"({"type":"FeatureCollection","features":[]})", "no Polygon"},
       {R"({"type":"Topology"})", "top level"},
+      // A "type" that is not a string (json::value threw type_error here; found by fuzz_geojson).
+      {R"({"type":5})", "top level"},
+      {R"([{"type":5}])", "not a GeoJSON Feature"},
+      {R"({"type":"Feature","geometry":{"type":7}})", "geometry 'type' is a JSON number, not a string"},
   };
   for (const Case& c : cases) {
     auto a = parse_geojson(c.text, "bad.geojson");

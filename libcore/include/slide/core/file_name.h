@@ -29,4 +29,9 @@ inline constexpr size_t kMaxSlideStemBytes = 200;
 
 [[nodiscard]] std::string slide_file_stem(std::string_view slide_id);
 
+// The longest prefix of `text` of at most `max_bytes` bytes that does not split a UTF-8
+// character (a cut inside one backs up to its first byte), so that a shortened message stays
+// valid UTF-8 where it goes into JSON. `text` itself when it fits.
+[[nodiscard]] std::string utf8_prefix(std::string_view text, size_t max_bytes);
+
 }  // namespace slide::core

@@ -7,6 +7,7 @@
 
 #include "slide/core/log.h"
 #include "slide/train/activation_checkpoint.h"
+#include "slide/train/offload.h"
 #include "slide/train/planner.h"
 
 namespace slide::apps {
@@ -17,6 +18,11 @@ void add_memory_options(CLI::App& app, MemoryOptions* o) {
   app.add_option("--checkpoint-activations", o->checkpoint_activations,
                  "Keep only segment inputs in forward and recompute in backward: none | stage (each ResNet "
                  "stage) | block (each residual block) | K (every K top-level layers)")
+      ->capture_default_str();
+  app.add_option("--offload-activations", o->offload_activations,
+                 "Move the activations saved for backward to host memory after each segment's forward and back "
+                 "before its backward (on a device: --backend cuda; the device peak falls, the gradients are the "
+                 "same): none | stage | block | K, segments as --checkpoint-activations")
       ->capture_default_str();
   app.add_flag("--dry-run", o->dry_run,
                "Print the memory plan (bytes per layer and the peak for the micro-batch) and exit");
@@ -41,6 +47,19 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
     SLIDE_ASSIGN_OR_RETURN(size_t segments, checkpoint_activations(model, o.checkpoint_activations));
     slide::core::log_info("activation checkpointing",
                           {{"mode", o.checkpoint_activations}, {"segments", static_cast<int64_t>(segments)}});
+  }
+  if (o.offload_activations != "none") {
+    if (o.checkpoint_activations != "none")
+      return slide::core::invalid_argument(
+          "--offload-activations with --checkpoint-activations: one or the other for now (offloading recomputed "
+          "segments is not built yet)");
+    if (be.device() == Device::kCpu)
+      return slide::core::invalid_argument(
+          "--offload-activations moves activations from a device to host memory; on --backend " + backend_name +
+          " they are in host memory already (--checkpoint-activations saves memory there)");
+    SLIDE_ASSIGN_OR_RETURN(size_t segments, offload_activations(model, o.offload_activations, cpu_allocator()));
+    slide::core::log_info("activation offload",
+                          {{"mode", o.offload_activations}, {"segments", static_cast<int64_t>(segments)}});
   }
   PlanOptions po;
   po.sample_shape = {3, tile_px, tile_px};

@@ -15,11 +15,12 @@ namespace slide::apps {
 
 struct MemoryOptions {
   std::string checkpoint_activations = "none";
+  std::string offload_activations = "none";
   bool dry_run = false;
   int64_t global_batch = 0;  // with --batch-size auto: samples per step; 0 = one micro-batch
 };
 
-// Adds --checkpoint-activations, --dry-run and --global-batch to `app`.
+// Adds --checkpoint-activations, --offload-activations, --dry-run and --global-batch to `app`.
 void add_memory_options(CLI::App& app, MemoryOptions* options);
 
 // What prepare_memory decided.
@@ -29,13 +30,13 @@ struct MemoryDecision {
 };
 
 // After the model and optimizer exist (their bytes live in the allocator), before the schedule:
-// wraps the model's segments (--checkpoint-activations), resolves --batch-size auto (*batch == 0)
+// wraps the model's segments (--checkpoint-activations, --offload-activations), resolves --batch-size auto (*batch == 0)
 // into the largest micro-batch that fits the budget (the allocator's, else the available memory)
 // confirmed by real steps, setting *batch and *accumulate (with --global-batch G: *batch = G,
 // *accumulate = ceil(G / micro-batch)); then plans the step at the micro-batch and logs the
 // predicted peak. With --dry-run the plan's table goes to stdout. `limit`: the largest
 // micro-batch worth trying (the training tiles). Errors: kInvalidArgument (a bad mode,
-// --global-batch without auto), kResourceExhausted (not even a micro-batch of 1 fits), those of
+// --global-batch without auto, offload on a host backend or with checkpointing), kResourceExhausted (not even a micro-batch of 1 fits), those of
 // the planner and of the probe steps.
 [[nodiscard]] slide::core::Result<MemoryDecision> prepare_memory(
     const MemoryOptions& options, slide::train::Backend& be, slide::train::Sequential& model, int64_t tile_px,

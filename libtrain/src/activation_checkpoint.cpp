@@ -21,17 +21,17 @@ class PassThrough final : public Layer {
 
 
 // Wraps every ResidualBlock found under `seq` (at any depth) in a one-layer segment.
-size_t wrap_blocks(Sequential& seq) {
+size_t wrap_blocks(Sequential& seq, const SegmentFactory& make) {
   size_t made = 0;
   for (size_t i = 0; i < seq.size(); ++i) {
     Layer& l = seq.at(i);
     if (dynamic_cast<ResidualBlock*>(&l) != nullptr) {
       std::vector<std::unique_ptr<Layer>> one;
       one.push_back(seq.replace(i, nullptr));
-      seq.replace(i, std::make_unique<CheckpointedSegment>(std::move(one), std::vector<std::string>{seq.name_at(i)}));
+      seq.replace(i, make(std::move(one), std::vector<std::string>{seq.name_at(i)}));
       ++made;
     } else if (auto* inner = dynamic_cast<Sequential*>(&l); inner != nullptr) {
-      made += wrap_blocks(*inner);
+      made += wrap_blocks(*inner, make);
     }
   }
   return made;
@@ -39,19 +39,55 @@ size_t wrap_blocks(Sequential& seq) {
 
 }  // namespace
 
-CheckpointedSegment::CheckpointedSegment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names)
+Segment::Segment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names)
     : layers_(std::move(layers)), names_(std::move(names)) {}
 
-Result<Tensor> CheckpointedSegment::forward(Backend& be, const Tensor& x, bool training) {
+Result<Tensor> Segment::run_forward(Backend& be, const Tensor& x, bool training, const char* suffix) {
   Tensor h = x;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto r = layers_[i]->forward(be, h, training);
     if (!r.ok()) {
       release();
-      return r.status().with_context("layer " + names_[i]);
+      return r.status().with_context("layer " + names_[i] + suffix);
     }
     h = std::move(*r);
   }
+  return h;
+}
+
+Result<Tensor> Segment::run_backward(Backend& be, const Tensor& dy) {
+  Tensor g = dy;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    auto r = layers_[i]->backward(be, g);
+    if (!r.ok()) {
+      release();
+      return r.status().with_context("layer " + names_[i] + " backward");
+    }
+    g = std::move(*r);
+    layers_[i]->release();
+  }
+  return g;
+}
+
+void Segment::collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) {
+  // prefix = join_name(parent prefix, names_[0]): recover the parent's prefix.
+  std::string parent;
+  if (prefix.size() > names_[0].size()) parent = prefix.substr(0, prefix.size() - names_[0].size() - 1);
+  buffers_.clear();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::vector<Buffer*> mine;
+    layers_[i]->collect(join_name(parent, names_[i]), params, &mine);
+    buffers_.insert(buffers_.end(), mine.begin(), mine.end());
+    if (buffers != nullptr) buffers->insert(buffers->end(), mine.begin(), mine.end());
+  }
+}
+
+void Segment::release() {
+  for (auto& l : layers_) l->release();
+}
+
+Result<Tensor> CheckpointedSegment::forward(Backend& be, const Tensor& x, bool training) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, run_forward(be, x, training));
   if (training) {
     // Keep only the boundary: the layers' saved activations go back to the allocator now.
     for (auto& l : layers_) l->release();
@@ -83,42 +119,27 @@ Result<Tensor> CheckpointedSegment::backward(Backend& be, const Tensor& dy) {
     release();
     return failed;
   }
-  Tensor g = dy;
-  for (size_t i = layers_.size(); i-- > 0;) {
-    auto r = layers_[i]->backward(be, g);
-    if (!r.ok()) {
-      release();
-      return r.status().with_context("layer " + names_[i] + " backward");
-    }
-    g = std::move(*r);
-    layers_[i]->release();
-  }
+  auto g = run_backward(be, dy);
   x_ = Tensor();
   training_forward_ = false;
   return g;
 }
 
-void CheckpointedSegment::collect(const std::string& prefix, std::vector<Parameter*>* params,
-                                  std::vector<Buffer*>* buffers) {
-  // prefix = join_name(parent prefix, names_[0]): recover the parent's prefix.
-  std::string parent;
-  if (prefix.size() > names_[0].size()) parent = prefix.substr(0, prefix.size() - names_[0].size() - 1);
-  buffers_.clear();
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    std::vector<Buffer*> mine;
-    layers_[i]->collect(join_name(parent, names_[i]), params, &mine);
-    buffers_.insert(buffers_.end(), mine.begin(), mine.end());
-    if (buffers != nullptr) buffers->insert(buffers->end(), mine.begin(), mine.end());
-  }
-}
-
 void CheckpointedSegment::release() {
-  for (auto& l : layers_) l->release();
+  Segment::release();
   x_ = Tensor();
   training_forward_ = false;
 }
 
 Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode) {
+  return wrap_segments(model, mode, "activation checkpointing",
+                       [](std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names) {
+                         return std::make_unique<CheckpointedSegment>(std::move(layers), std::move(names));
+                       });
+}
+
+Result<size_t> wrap_segments(Sequential& model, const std::string& mode, const std::string& what,
+                             const SegmentFactory& make) {
   size_t made = 0;
   if (mode == "none") return made;
   if (mode == "stage") {
@@ -136,17 +157,17 @@ Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode
         group.push_back(model.replace(j, std::make_unique<PassThrough>()));
         names.push_back(model.name_at(j));
       }
-      model.replace(i, std::make_unique<CheckpointedSegment>(std::move(group), std::move(names)));
+      model.replace(i, make(std::move(group), std::move(names)));
       ++made;
       i = end;
     }
   } else if (mode == "block") {
-    made = wrap_blocks(model);
+    made = wrap_blocks(model, make);
   } else {
     char* end = nullptr;
     const long k = std::strtol(mode.c_str(), &end, 10);
     if (mode.empty() || *end != '\0' || k < 1)
-      return invalid_argument("activation checkpointing '" + mode + "' is not one of none, stage, block, or a layer count");
+      return invalid_argument(what + " '" + mode + "' is not one of none, stage, block, or a layer count");
     for (size_t first = 0; first < model.size(); first += static_cast<size_t>(k)) {
       const size_t last = std::min(model.size(), first + static_cast<size_t>(k));
       std::vector<std::unique_ptr<Layer>> group;
@@ -155,11 +176,11 @@ Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode
         group.push_back(model.replace(j, std::make_unique<PassThrough>()));
         names.push_back(model.name_at(j));
       }
-      model.replace(first, std::make_unique<CheckpointedSegment>(std::move(group), std::move(names)));
+      model.replace(first, make(std::move(group), std::move(names)));
       ++made;
     }
   }
-  if (made == 0) return invalid_argument("activation checkpointing '" + mode + "': the model has nothing to wrap");
+  if (made == 0) return invalid_argument(what + " '" + mode + "': the model has nothing to wrap");
   model.collect("", nullptr, nullptr);  // the segments learn their batch norm buffers
   return made;
 }

@@ -80,6 +80,10 @@ class PlanBackend final : public Backend {
   std::string name() const override { return "plan"; }
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
+  // No bytes move in a plan (activation offload's copies): its tensors are never-touched
+  // reservations, and reading them would only cost time.
+  Status upload(const Tensor&, Tensor&) override { return ok_status(); }
+  Status download(const Tensor&, Tensor&) override { return ok_status(); }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor&, Conv2dParams, Tensor& y) override {
     return hold({conv_activation_scratch(x), blocked_weight_bytes(w), conv_activation_scratch(y)});

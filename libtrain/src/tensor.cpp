@@ -55,7 +55,41 @@ std::string shape_string(const Shape& s) {
 }
 
 Tensor::Storage::~Storage() {
-  if (alloc != nullptr) alloc->deallocate(ptr, bytes);
+  if (alloc != nullptr && ptr != nullptr) alloc->deallocate(ptr, bytes);
+}
+
+namespace {
+thread_local std::vector<Tensor::WeakStorage>* t_storage_capture = nullptr;
+}  // namespace
+
+std::vector<Tensor::WeakStorage>* Tensor::set_storage_capture(std::vector<WeakStorage>* sink) {
+  std::vector<WeakStorage>* before = t_storage_capture;
+  t_storage_capture = sink;
+  return before;
+}
+
+Tensor Tensor::WeakStorage::lock() const {
+  Tensor t;
+  std::shared_ptr<Storage> s = storage_.lock();
+  if (s == nullptr || s->alloc == nullptr) return t;
+  t.storage_ = std::move(s);
+  t.shape_ = {static_cast<int64_t>(t.storage_->bytes)};
+  t.numel_ = t.shape_[0];
+  t.dtype_ = DType::kU8;
+  t.device_ = t.storage_->alloc->device();
+  return t;
+}
+
+void Tensor::evict_storage() {
+  if (storage_ == nullptr || storage_->alloc == nullptr || storage_->ptr == nullptr) return;
+  storage_->alloc->deallocate(storage_->ptr, storage_->bytes);
+  storage_->ptr = nullptr;
+}
+
+Status Tensor::restore_storage(const std::string& what) {
+  if (!storage_evicted()) return slide::core::ok_status();
+  SLIDE_ASSIGN_OR_RETURN(storage_->ptr, storage_->alloc->allocate(storage_->bytes, what));
+  return slide::core::ok_status();
 }
 
 Result<Tensor> Tensor::empty(const Shape& shape, DType dtype, Allocator& alloc, const std::string& what) {
@@ -80,6 +114,11 @@ Result<Tensor> Tensor::empty(const Shape& shape, DType dtype, Allocator& alloc, 
     storage->bytes = bytes;
   }
   t.storage_ = std::move(storage);
+  if (t_storage_capture != nullptr && bytes > 0) {
+    WeakStorage w;
+    w.storage_ = t.storage_;
+    t_storage_capture->push_back(std::move(w));
+  }
   return t;
 }
 

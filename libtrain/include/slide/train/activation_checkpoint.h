@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,25 +24,20 @@
 
 namespace slide::train {
 
-// Runs `layers` (in order) as one checkpointed segment. Parameter names are unchanged: the
-// segment sits in its parent at the first layer's place and name, and its other layers' places
-// hold pass-through placeholders (see checkpoint_activations).
-class CheckpointedSegment final : public Layer {
+// A run of a parent Sequential's layers wrapped as one layer (activation checkpointing here,
+// activation offload in offload.h). Parameter names are unchanged: the segment sits in its parent
+// at the first layer's place and name, and its other layers' places hold pass-through
+// placeholders (see wrap_segments).
+class Segment : public Layer {
  public:
   // `names`: each layer's name in the parent Sequential; names[0] is the segment's own name there.
-  CheckpointedSegment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names);
-  // Training: runs the layers, then drops what they saved, keeping only x. Inference: runs them.
-  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
-  // Recomputes the segment's forward from the kept input (batch norm's running statistics put
-  // back as they were), then runs the layers' backward. Errors: kFailedPrecondition without a
-  // training forward; the layers' (kResourceExhausted for the recomputed activations).
-  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  Segment(std::vector<std::unique_ptr<Layer>> layers, std::vector<std::string> names);
   // `prefix` is the parent's prefix joined with names[0]; each layer gets the parent's prefix
   // joined with its own name, as if it were still in the parent.
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
   void release() override;
-  // Forwarded to the layers: the recompute in backward then draws the same Dropout masks and
-  // meets the other ranks' synchronised batch norms as the forward did.
+  // Forwarded to the layers: a recompute in backward then draws the same Dropout masks and meets
+  // the other ranks' synchronised batch norms as the forward did.
   void set_rng_seed(uint64_t seed) override {
     for (auto& l : layers_) l->set_rng_seed(seed);
   }
@@ -53,23 +49,51 @@ class CheckpointedSegment final : public Layer {
   }
   size_t layers() const { return layers_.size(); }
 
- private:
+ protected:
+  // The layers' forward in order (on error: release(), the error naming the layer + `suffix`).
+  Result<Tensor> run_forward(Backend& be, const Tensor& x, bool training, const char* suffix = "");
+  // The layers' backward in reverse order, each layer released once done (on error: release()).
+  Result<Tensor> run_backward(Backend& be, const Tensor& dy);
+
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<std::string> names_;
   std::vector<Buffer*> buffers_;  // the layers' batch norm statistics
+};
+
+// Runs `layers` (in order) as one checkpointed segment.
+class CheckpointedSegment final : public Segment {
+ public:
+  using Segment::Segment;
+  // Training: runs the layers, then drops what they saved, keeping only x. Inference: runs them.
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  // Recomputes the segment's forward from the kept input (batch norm's running statistics put
+  // back as they were), then runs the layers' backward. Errors: kFailedPrecondition without a
+  // training forward; the layers' (kResourceExhausted for the recomputed activations).
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void release() override;
+
+ private:
   Tensor x_;
   bool training_forward_ = false;
 };
 
-// Rewrites `model` in place so that its activations are checkpointed. `mode`:
+// Rewrites `model` in place, wrapping runs of its layers with `make` (which takes the layers and
+// their names in the parent). `mode`:
 // - "stage": every child that is itself a Sequential (ResNet's layer1..layer4) is one segment,
 //   and so is each run of other children between them (ResNet's stem, conv1..maxpool; its head);
 // - "block": every ResidualBlock (at any depth) is one segment;
-// - "K" (an integer >= 1): the model's top-level children in consecutive groups of K.
+// - "K" (an integer >= 1): the model's top-level children in consecutive groups of K;
 // - "none": nothing.
-// Parameter names and the computed function are unchanged (checkpoints stay interchangeable).
 // Returns the number of segments made. Errors: kInvalidArgument for another mode, or when the
-// mode finds nothing to wrap ("stage" on a model without stages).
+// mode finds nothing to wrap ("stage" on a model without stages); `what` names the feature.
+using SegmentFactory =
+    std::function<std::unique_ptr<Layer>(std::vector<std::unique_ptr<Layer>>, std::vector<std::string>)>;
+[[nodiscard]] Result<size_t> wrap_segments(Sequential& model, const std::string& mode, const std::string& what,
+                                           const SegmentFactory& make);
+
+// Rewrites `model` in place so that its activations are checkpointed: wrap_segments with
+// CheckpointedSegment (the modes above). Parameter names and the computed function are unchanged
+// (checkpoints stay interchangeable). Errors: as wrap_segments.
 [[nodiscard]] Result<size_t> checkpoint_activations(Sequential& model, const std::string& mode);
 
 }  // namespace slide::train

@@ -107,6 +107,34 @@ class Tensor {
   // in its stream order). Errors: the device's; no-op for an undefined tensor.
   [[nodiscard]] Status set_zero();
 
+  // ---- Moving a storage out of its device and back (activation offload, offload.h) ----
+ private:
+  struct Storage;
+
+ public:
+  // A weak reference to a tensor's storage: lock() gives the whole storage as a flat [bytes] u8
+  // tensor (plain, offset 0) while some tensor still holds it, else an undefined tensor.
+  class WeakStorage {
+   public:
+    Tensor lock() const;
+
+   private:
+    friend class Tensor;
+    std::weak_ptr<Storage> storage_;
+  };
+  // While a sink is set on this thread, every storage Tensor::empty makes is appended to it (a
+  // weak reference: the capture keeps nothing alive). Returns the sink it replaces, so scopes nest
+  // (an inner scope's storages go only to the inner sink). Pass nullptr to end a capture.
+  static std::vector<WeakStorage>* set_storage_capture(std::vector<WeakStorage>* sink);
+  // Frees the device memory of this tensor's storage, for every tensor sharing it, whose bytes
+  // the caller has copied elsewhere; raw() is null until restore_storage(). No-op when already
+  // evicted or undefined.
+  void evict_storage();
+  // Allocates the storage again from its allocator after evict_storage() (the caller then copies
+  // the bytes back). No-op when not evicted. Errors: the allocator's (kResourceExhausted).
+  [[nodiscard]] Status restore_storage(const std::string& what);
+  bool storage_evicted() const { return storage_ != nullptr && storage_->bytes > 0 && storage_->ptr == nullptr; }
+
  private:
   struct Storage {
     Allocator* alloc = nullptr;

@@ -12,6 +12,7 @@ packages=(
   libgeos-dev  # annotations: polygon geometry (libtile/src/annotations.cpp)
   libcairo2-dev fonts-dejavu-core  # figures: titles, colour bars, axes (libtile/src/figure.cpp)
   libhdf5-dev liblzf-dev libssl-dev libdnnl-dev libopenmpi-dev openmpi-bin
+  iproute2 util-linux  # the two-host test rig (tests/dist/two_hosts.sh: ip netns, unshare)
   libeigen3-dev  # stain normalisation: the symmetric eigensolver (libtrain/src/stain.cpp)
   python3 python3-lmdb python3-openslide python3-numpy python3-pil python3-h5py
   python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer

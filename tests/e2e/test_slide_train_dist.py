@@ -8,10 +8,12 @@ included, so the parameters must agree to float summation order; with --sync-bn,
 with one rank and one micro-batch.
 
 Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/), SLIDE_MPIEXEC
-(mpirun), and Open MPI's settings for root, oversubscription and containers (tests/CMakeLists.txt).
+(mpirun, or a command line that launches like it: test_slide_train_two_hosts.py gives the two-host
+rig's), and Open MPI's settings for root, oversubscription and containers (tests/CMakeLists.txt).
 """
 import glob
 import json
+import shlex
 import os
 import shutil
 import signal
@@ -28,7 +30,7 @@ from safetensors_io import read_safetensors
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
-MPIEXEC = os.environ.get("SLIDE_MPIEXEC", "mpirun")
+MPIEXEC = shlex.split(os.environ.get("SLIDE_MPIEXEC", "mpirun"))
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 # One oneDNN thread per rank: 2 ranks fill CI's 2 cores, 3 oversubscribe them.
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -49,16 +51,23 @@ def params(run_dir, epoch):
     return {k: v for k, v in t.items() if "running_" not in k}
 
 
-def rank_pids(mpirun_pid, rank_variable=b"OMPI_COMM_WORLD_RANK"):
+def rank_pids(mpirun_pid, rank_variable=b"OMPI_COMM_WORLD_RANK", marker=None):
     """{rank: pid} of the processes a launcher started (mpirun's children carry OMPI_COMM_WORLD_RANK,
-    slide-train --gpus's SLIDE_LAUNCH_RANK)."""
+    slide-train --gpus's SLIDE_LAUNCH_RANK). With `marker` (a run's --out), the ranks are found by
+    their command line instead of their parent: on the two-host rig a remote rank is the child of
+    Open MPI's daemon there, not of mpirun."""
     out = {}
     for d in glob.glob("/proc/[0-9]*"):
         try:
-            with open(os.path.join(d, "stat")) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != mpirun_pid:
-                continue
+            if marker is not None:
+                with open(os.path.join(d, "cmdline"), "rb") as f:
+                    if marker.encode() not in f.read().split(b"\0"):
+                        continue
+            else:
+                with open(os.path.join(d, "stat")) as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid != mpirun_pid:
+                    continue
             with open(os.path.join(d, "environ"), "rb") as f:
                 env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
             if rank_variable in env:
@@ -93,7 +102,7 @@ class Base(unittest.TestCase):
     def train(self, ranks, out, batch, epochs, *extra, timeout=300):
         cmd = self.args(out, batch, epochs, *extra)
         if ranks > 0:
-            cmd = [MPIEXEC, "-np", str(ranks)] + cmd
+            cmd = MPIEXEC + ["-np", str(ranks)] + cmd
         return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
 
     def assert_close(self, a, b, rtol=2e-4, atol=2e-5):
@@ -188,7 +197,7 @@ class TestEquivalence(Base):
 
 class TestFailure(Base):
     def start(self, ranks, out, batch, epochs, *extra):
-        cmd = [MPIEXEC, "-np", str(ranks)] + self.args(out, batch, epochs, *extra)
+        cmd = MPIEXEC + ["-np", str(ranks)] + self.args(out, batch, epochs, *extra)
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
     def wait_for(self, path, seconds=120):
@@ -203,7 +212,7 @@ class TestFailure(Base):
         out = os.path.join(self.tmp, "stopped")
         p = self.start(2, out, 5, 4, "--dist-timeout", "5")
         self.wait_for(os.path.join(out, "checkpoints", "epoch-1-step-0"))
-        pids = rank_pids(p.pid)
+        pids = rank_pids(p.pid, marker=out)
         self.assertEqual(sorted(pids), [0, 1])
         # A hung rank (stopped, not dead: the launcher sees nothing wrong).
         os.kill(pids[1], signal.SIGSTOP)
@@ -234,7 +243,7 @@ class TestFailure(Base):
         # Only rank 1 is interrupted (Ctrl-C reaches mpirun, which passes SIGTERM on to the ranks
         # odls_base_sigkill_timeout seconds later; scancel signals every task): the stop request
         # travels with the gradients, so rank 0 stops after the same step and writes the checkpoint.
-        os.kill(rank_pids(p.pid)[1], signal.SIGINT)
+        os.kill(rank_pids(p.pid, marker=out)[1], signal.SIGINT)
         _, err = p.communicate(timeout=60)
         self.assertNotEqual(p.returncode, 0, "the interrupt should land mid-run")
         self.assertEqual(err.count("interrupted; checkpoint written"), 1, err)  # rank 0 alone writes and logs
@@ -251,7 +260,7 @@ class TestFailure(Base):
         out = os.path.join(self.tmp, "killed")
         p = self.start(2, out, 5, 4, "--dist-timeout", "20")
         self.wait_for(os.path.join(out, "checkpoints", "epoch-2-step-0"))
-        pids = rank_pids(p.pid)
+        pids = rank_pids(p.pid, marker=out)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         _, err = p.communicate(timeout=60)

@@ -5,8 +5,12 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -55,6 +59,34 @@ TEST_CASE("all-reduce sums and averages f32, f64 and i32 in place") {
   for (size_t k = 0; k < i.size(); ++k) CHECK(i[k] == 10 * p * (p - 1) / 2 + p * static_cast<int32_t>(k));
   CHECK(comm().all_reduce(i.data(), 1, DType::kI32, ReduceOp::kAverage, "i32 mean").code() ==
         slide::core::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("all-reduce of uneven sizes: every rank the same bits, the sum within rounding (ring and MPI_Iallreduce)") {
+  // Sizes around the ring's chunking (fewer elements than ranks, one over a multiple, large);
+  // values that round, so a wrong chunk or a missing step shows. Run with the ring forced
+  // (SLIDE_ALLREDUCE_RING_MIN=0: the mpi_ranks*_ring entries) and with the default threshold.
+  const int p = comm().world_size(), r = comm().rank();
+  auto value = [](int rank, size_t k) { return 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(k % 997); };
+  for (size_t n : {size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{1000}, (size_t{1} << 20) + 3}) {
+    std::vector<float> f(n);
+    for (size_t k = 0; k < n; ++k) f[k] = value(r, k);
+    REQUIRE(comm().all_reduce(f.data(), static_cast<int64_t>(n), DType::kF32, ReduceOp::kAverage, "uneven").ok());
+    double worst = 0;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a of the result's bits
+    for (size_t k = 0; k < n; ++k) {
+      double want = 0;
+      for (int q = 0; q < p; ++q) want += value(q, k);
+      want /= p;
+      worst = std::max(worst, std::abs(f[k] - want) / std::abs(want));
+      uint32_t bits = 0;
+      std::memcpy(&bits, &f[k], sizeof bits);
+      h = (h ^ bits) * 1099511628211ull;
+    }
+    CHECK_MESSAGE(worst < 1e-6, "n=" << n);
+    std::vector<double> all;
+    REQUIRE(comm().all_gather(static_cast<double>(h >> 12), &all, "result hash").ok());  // 52 bits: exact in a double
+    for (double v : all) CHECK_MESSAGE(v == all[0], "n=" << n << ": ranks hold different bits");
+  }
 }
 
 TEST_CASE("several asynchronous all-reduces in flight complete, each with its own sum") {

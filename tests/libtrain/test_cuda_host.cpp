@@ -200,6 +200,12 @@ TEST_CASE("select_device: --device, else the launcher's node-local rank, else 0;
   auto over = select_device(-1, 2, getenv_fn);
   CHECK(over.status().code() == StatusCode::kFailedPrecondition);
   CHECK(over.status().message().find("node-local rank 2 but this node shows 2 GPU(s)") != std::string::npos);
+  // Slurm's --gpus-per-task=1: each rank sees one GPU, its own, whatever its local rank.
+  CHECK(select_device(-1, 1, getenv_fn).status().code() == StatusCode::kFailedPrecondition);
+  env["CUDA_VISIBLE_DEVICES"] = "5";
+  CHECK(*select_device(-1, 1, getenv_fn) == 0);
+  CHECK(select_device(-1, 2, getenv_fn).status().code() == StatusCode::kFailedPrecondition);  // two visible: refused
+  env.erase("CUDA_VISIBLE_DEVICES");
   auto bad_flag = select_device(8, 8, getenv_fn);
   CHECK(bad_flag.status().code() == StatusCode::kInvalidArgument);
   CHECK(select_device(-1, 0, getenv_fn).status().code() == StatusCode::kUnavailable);

@@ -32,6 +32,12 @@ slide::core::Result<int> select_device(int requested, int device_count,
   }
   SLIDE_ASSIGN_OR_RETURN(int local, launcher_local_rank(getenv_fn));
   if (local < 0) return 0;
+  // A launcher that gives each rank a GPU of its own hides the others (Slurm's --gpus-per-task=1,
+  // a CUDA_VISIBLE_DEVICES per rank): the one device this process sees is its own.
+  if (local >= device_count && device_count == 1) {
+    const char* visible = getenv_fn("CUDA_VISIBLE_DEVICES");
+    if (visible != nullptr && *visible != '\0') return 0;
+  }
   if (local >= device_count)
     return slide::core::failed_precondition(
         "node-local rank " + std::to_string(local) + " but this node shows " + std::to_string(device_count) +

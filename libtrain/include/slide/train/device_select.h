@@ -19,10 +19,12 @@ namespace slide::train {
 
 // The device index to open: `requested` (--device, -1 = unset) when given, else the local rank,
 // else 0. `device_count` is what the runtime reports for this process (after CUDA_VISIBLE_DEVICES).
-// Errors: kUnavailable when device_count is 0; kInvalidArgument for --device outside
-// [0, device_count); kFailedPrecondition when the local rank is >= device_count (more ranks on
-// this node than GPUs: two ranks would share one GPU and both run out of memory; the message says
-// to lower the ranks per node or pass --device).
+// One exception: a process that sees exactly one device while CUDA_VISIBLE_DEVICES is set takes
+// device 0 whatever its local rank (the launcher gave each rank its own GPU: Slurm's
+// --gpus-per-task=1). Errors: kUnavailable when device_count is 0; kInvalidArgument for --device
+// outside [0, device_count); kFailedPrecondition when the local rank is >= device_count otherwise
+// (more ranks on this node than GPUs: two ranks would share one GPU and both run out of memory;
+// the message says to lower the ranks per node or pass --device).
 [[nodiscard]] slide::core::Result<int> select_device(int requested, int device_count,
                                                     const std::function<const char*(const char*)>& getenv_fn);
 

@@ -41,6 +41,9 @@ std::string signal_text(int sig) {
   return abbrev != nullptr ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
 }
 
+// A rank's exit code as a shell reports it: its own, or 128 + the signal that killed it.
+int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
+
 struct Child {
   pid_t pid = -1;
   bool running = false;
@@ -221,7 +224,7 @@ int run_launcher(const LaunchOptions& o) {
       if (f.when - failures.front().when <= std::chrono::seconds(1) && WIFSIGNALED(f.status) &&
           !WIFSIGNALED(blamed->status))
         blamed = &f;
-    const int code = WIFSIGNALED(blamed->status) ? 128 + WTERMSIG(blamed->status) : WEXITSTATUS(blamed->status);
+    const int code = exit_code_of(blamed->status);
     slide::core::log_error("slide-train --gpus: rank " + std::to_string(blamed->rank) + " failed (" +
                            (WIFSIGNALED(blamed->status) ? "killed by " + signal_text(WTERMSIG(blamed->status))
                                                         : "exit code " + std::to_string(code)) +
@@ -231,7 +234,7 @@ int run_launcher(const LaunchOptions& o) {
   // No rank failed on its own: the worst exit code of them (0 when all are 0; 130 after Ctrl-C).
   int code = 0;
   for (const Child& c : children) {
-    const int k = WIFSIGNALED(c.status) ? 128 + WTERMSIG(c.status) : WEXITSTATUS(c.status);
+    const int k = exit_code_of(c.status);
     if (k != 0 && (code == 0 || code == kExitInterrupted)) code = k;
   }
   return code;

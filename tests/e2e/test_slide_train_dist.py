@@ -77,6 +77,27 @@ def rank_pids(mpirun_pid, rank_variable=b"OMPI_COMM_WORLD_RANK", marker=None):
     return out
 
 
+def kill_all(pids):
+    """SIGKILL every pid still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def hang_rank(p, pids, rank, timeout=60):
+    """Stops rank `rank` (SIGSTOP: hung, not dead, its connections open) and waits for the job `p`
+    to end; every rank is SIGKILLed afterwards, ended or not. Returns (seconds it took, stderr)."""
+    os.kill(pids[rank], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=timeout)
+    finally:
+        kill_all(pids.values())
+    return time.monotonic() - t0, err
+
+
 class Base(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -104,6 +125,13 @@ class Base(unittest.TestCase):
         if ranks > 0:
             cmd = MPIEXEC + ["-np", str(ranks)] + cmd
         return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+    def wait_for(self, path, seconds=120):
+        """Waits until `path` (a checkpoint directory) exists: progress, not a sleep."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not os.path.isdir(path):
+            time.sleep(0.01)
+        self.assertTrue(os.path.isdir(path), path)
 
     def assert_close(self, a, b, rtol=2e-4, atol=2e-5):
         self.assertEqual(sorted(a), sorted(b))
@@ -200,11 +228,6 @@ class TestFailure(Base):
         cmd = MPIEXEC + ["-np", str(ranks)] + self.args(out, batch, epochs, *extra)
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
-    def wait_for(self, path, seconds=120):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not os.path.isdir(path):
-            time.sleep(0.01)
-        self.assertTrue(os.path.isdir(path), path)
 
     def test_a_stopped_rank_times_out_the_others_and_a_resume_continues(self):
         ref = os.path.join(self.tmp, "ref_stop")
@@ -215,17 +238,8 @@ class TestFailure(Base):
         pids = rank_pids(p.pid, marker=out)
         self.assertEqual(sorted(pids), [0, 1])
         # A hung rank (stopped, not dead: the launcher sees nothing wrong).
-        os.kill(pids[1], signal.SIGSTOP)
-        t0 = time.monotonic()
-        try:
-            _, err = p.communicate(timeout=60)
-        finally:
-            for pid in pids.values():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.assertLess(time.monotonic() - t0, 40)
+        took, err = hang_rank(p, pids, 1)
+        self.assertLess(took, 40)
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(err, r"rank 0: .*rank 0 of 2 at step \d+: all-reduce of gradient bucket 1 of 1 .* "
                               r"did not complete within 5 s")

@@ -151,40 +151,30 @@ class TestGpuRanks(unittest.TestCase):
         mpiexec = os.environ.get("SLIDE_MPIEXEC", "")
         if gpu_count() < 2 or not mpiexec:
             self.skipTest("needs two GPUs and mpirun (SLIDE_MPIEXEC)")
-        one, two = os.path.join(TMP, "nccl_one"), os.path.join(TMP, "nccl_two")
-        r = train(one, "--epochs", "2", "--accumulate", "2")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
-                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
-                "--dist", "nccl"]
-        r = subprocess.run([mpiexec, "-np", "2"] + args, capture_output=True, text=True, timeout=600)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("ranks=2", r.stderr)
-        self.assertIn("dist=nccl", r.stderr)
-        self.assert_same_weights(one, two)
+        self.check_two_gpus("nccl", [mpiexec, "-np", "2"], ["--dist", "nccl"])
 
     def test_gpus_2_launcher_over_nccl_equals_one_gpu_with_two_micro_batches(self):
         # slide-train --gpus 2: no MPI; the launcher's ranks take GPUs 0 and 1 and join over NCCL.
         if gpu_count() < 2:
             self.skipTest("needs two GPUs")
-        one, two = os.path.join(TMP, "gpus_one"), os.path.join(TMP, "gpus_two")
+        self.check_two_gpus("gpus", [], ["--gpus", "2"])
+
+    def check_two_gpus(self, tag, launcher, extra):
+        """Two GPU ranks (started by `launcher` + slide-train ... `extra`) against one GPU with
+        --accumulate 2: the same weights up to float summation order."""
+        one, two = os.path.join(TMP, tag + "_one"), os.path.join(TMP, tag + "_two")
         r = train(one, "--epochs", "2", "--accumulate", "2")
         self.assertEqual(r.returncode, 0, r.stderr)
         args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
-                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
-                "--gpus", "2"]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda"]
+        r = subprocess.run(launcher + args + extra, capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("ranks=2", r.stderr)
         self.assertIn("dist=nccl", r.stderr)
-        self.assert_same_weights(one, two)
-
-    def assert_same_weights(self, one, two):
         a, b = weights(one, 2), weights(two, 2)
         for k in a:  # the same sums in another order (NCCL's ring): float rounding only
             scale = max(float(np.abs(a[k]).max()), 1e-6)
             self.assertLessEqual(float(np.abs(a[k] - b[k]).max()), 1e-4 * scale, k)
-
 
 def main():
     r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", STORE, "-q"], capture_output=True, text=True)

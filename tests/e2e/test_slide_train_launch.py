@@ -44,12 +44,6 @@ class Launched(dist.Base):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
                                 start_new_session=True)
 
-    def wait_for(self, path, seconds=120):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not os.path.isdir(path):
-            time.sleep(0.01)
-        self.assertTrue(os.path.isdir(path), path)
-
     def pids(self, p, ranks):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -116,18 +110,9 @@ class TestLaunchFailure(Launched):
         p = self.start(2, out, 5, 6, "--dist-timeout", "4")
         self.wait_for(os.path.join(out, "checkpoints", "epoch-1-step-0"))
         pids = self.pids(p, 2)
-        os.kill(pids[1], signal.SIGSTOP)  # hung, not dead: its socket stays open
-        t0 = time.monotonic()
-        try:
-            _, err = p.communicate(timeout=60)
-        finally:
-            for pid in pids.values():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        took, err = dist.hang_rank(p, pids, 1)  # hung, not dead: its socket stays open
         # Rank 0 times out after 4 s; the launcher stops rank 1 (SIGTERM, then SIGKILL 4 s later).
-        self.assertLess(time.monotonic() - t0, 30)
+        self.assertLess(took, 30)
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(err, r"rank 0 of 2 at step \d+: .* did not complete within 4 s \(--dist-timeout\) "
                               r"waiting for rank 1")

@@ -39,11 +39,7 @@ def link_down_test(dist):
             reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
             reader.start()
             try:
-                deadline = time.monotonic() + 120
-                ckpt = os.path.join(out, "checkpoints", "epoch-2-step-0")
-                while time.monotonic() < deadline and not os.path.isdir(ckpt):
-                    time.sleep(0.01)
-                self.assertTrue(os.path.isdir(ckpt))
+                self.wait_for(os.path.join(out, "checkpoints", "epoch-2-step-0"))
                 pids = dist.rank_pids(p.pid, marker=out)
                 link("down")
                 t0 = time.monotonic()
@@ -61,11 +57,7 @@ def link_down_test(dist):
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-                for pid in dist.rank_pids(p.pid, marker=out).values():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                dist.kill_all(dist.rank_pids(p.pid, marker=out).values())
             self.assertNotEqual(p.returncode, 0)
             # The newest complete checkpoint is intact: the run resumes on one host.
             r = self.train(2, out, 5, 40, "--resume", timeout=600)

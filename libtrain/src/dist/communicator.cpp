@@ -56,6 +56,17 @@ std::string Communicator::describe(const std::string& what) const {
          std::to_string(step_) + ": " + what;
 }
 
+std::string Communicator::deadline_message(const std::string& what, int peer) const {
+  return describe(what) + " did not complete within " + std::to_string(static_cast<int64_t>(timeout_s_)) +
+         " s (--dist-timeout)" +
+         (peer < 0 ? std::string(": another rank has stopped, died or fallen behind")
+                   : " waiting for rank " + std::to_string(peer) + ": it has stopped, died or fallen behind");
+}
+
+Status Communicator::broken_error(const std::string& what) const {
+  return slide::core::failed_precondition(describe(what) + ": an earlier collective failed; the job must stop");
+}
+
 int launch_world_size() {
   for (const char* name : {kLaunchWorldSizeEnv, "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"})
     if (const int n = env_int(name); n > 0) return n;
@@ -105,6 +116,25 @@ ShardRange shard_range(size_t n, int rank, int world) {
 namespace dist {
 std::unique_ptr<Communicator> make_local_communicator(double timeout_s) {
   return std::make_unique<LocalCommunicator>(timeout_s);
+}
+
+void add_into(void* y, const void* x, int64_t count, DType dtype) {
+  const auto add = [count](auto* out, const auto* in) {
+    for (int64_t i = 0; i < count; ++i) out[i] += in[i];
+  };
+  switch (dtype) {
+    case DType::kF32: add(static_cast<float*>(y), static_cast<const float*>(x)); break;
+    case DType::kF64: add(static_cast<double*>(y), static_cast<const double*>(x)); break;
+    default: add(static_cast<int32_t*>(y), static_cast<const int32_t*>(x)); break;
+  }
+}
+
+void scale_to_mean(void* data, int64_t count, DType dtype, int world_size) {
+  const double inv = 1.0 / world_size;
+  if (dtype == DType::kF32)
+    for (int64_t i = 0; i < count; ++i) static_cast<float*>(data)[i] *= static_cast<float>(inv);
+  else
+    for (int64_t i = 0; i < count; ++i) static_cast<double*>(data)[i] *= inv;
 }
 
 Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void* data, int64_t count, DType dtype,

@@ -8,6 +8,11 @@
 namespace slide::train::dist {
 
 std::unique_ptr<Communicator> make_local_communicator(double timeout_s);
+// The host arithmetic of the communicators that reduce on the host ("socket", the "mpi" ring):
+// y[i] += x[i] for i < count (f32, f64 or i32), and the sum turned into the mean, y[i] *= 1/P (f32
+// or f64; MPI's own reductions are sums, so every host communicator scales a mean the same way).
+void add_into(void* y, const void* x, int64_t count, DType dtype);
+void scale_to_mean(void* data, int64_t count, DType dtype, int world_size);
 // all_reduce_async for communicators whose collectives complete before they return ("local",
 // "socket"): runs comm.all_reduce and returns work that is already done. Errors: all_reduce's.
 [[nodiscard]] Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void* data, int64_t count,

@@ -226,21 +226,14 @@ class MpiCommunicator final : public Communicator {
   void abort_job(int exit_code) override { MPI_Abort(MPI_COMM_WORLD, exit_code); }
 
   void mark_broken() { broken_ = true; }
-  std::string deadline_message(const std::string& what) const {
-    return describe(what) + " did not complete within " + std::to_string(static_cast<int64_t>(timeout_s())) +
-           " s (--dist-timeout): another rank has stopped, died or fallen behind";
-  }
+  using Communicator::deadline_message;
   Status fail_internal(const std::string& what, int rc) {
     broken_ = true;
     return slide::core::internal_error(describe(what) + ": " + mpi_error_text(rc));
   }
 
  private:
-  Status usable(const std::string& what) const {
-    if (broken_)
-      return slide::core::failed_precondition(describe(what) + ": an earlier collective failed; the job must stop");
-    return slide::core::ok_status();
-  }
+  Status usable(const std::string& what) const { return broken_ ? broken_error(what) : slide::core::ok_status(); }
   MPI_Comm comm_;
   int rank_, size_, local_rank_;
   bool broken_ = false;
@@ -279,13 +272,7 @@ Status MpiWorkBase::wait() {
 
 void MpiWorkBase::complete(void* data, int64_t count, DType dtype, bool average) {
   done_ = true;
-  if (average && count > 0) {
-    const double inv = 1.0 / comm_->world_size();
-    if (dtype == DType::kF32)
-      for (int64_t i = 0; i < count; ++i) static_cast<float*>(data)[i] *= static_cast<float>(inv);
-    else
-      for (int64_t i = 0; i < count; ++i) static_cast<double*>(data)[i] *= inv;
-  }
+  if (average) scale_to_mean(data, count, dtype, comm_->world_size());
 }
 
 Status MpiWork::progress() {
@@ -347,29 +334,8 @@ Status MpiRingWork::post() {
 }
 
 void MpiRingWork::reduce() {
-  const int p = size_, s = step_;
-  const int k = ((rank_ - s - 1) % p + p) % p;
-  const int64_t n = chunk_count(k);
-  switch (dtype_) {
-    case DType::kF32: {
-      float* y = reinterpret_cast<float*>(at(k));
-      const float* x = reinterpret_cast<const float*>(recv_.get());
-      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-      break;
-    }
-    case DType::kF64: {
-      double* y = reinterpret_cast<double*>(at(k));
-      const double* x = reinterpret_cast<const double*>(recv_.get());
-      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-      break;
-    }
-    default: {
-      int32_t* y = reinterpret_cast<int32_t*>(at(k));
-      const int32_t* x = reinterpret_cast<const int32_t*>(recv_.get());
-      for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-      break;
-    }
-  }
+  const int p = size_, k = ((rank_ - step_ - 1) % p + p) % p;
+  add_into(at(k), recv_.get(), chunk_count(k), dtype_);
 }
 
 Status MpiRingWork::progress() {

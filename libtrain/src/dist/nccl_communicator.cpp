@@ -182,10 +182,7 @@ class NcclCommunicator final : public Communicator {
   }
   void release(Staging* s) { free_.push_back(s); }
   ncclComm_t nccl() const { return comm_; }
-  std::string deadline_message(const std::string& what) const {
-    return describe(what) + " did not complete within " + std::to_string(static_cast<int64_t>(timeout_s())) +
-           " s (--dist-timeout): another rank has stopped, died or fallen behind";
-  }
+  using Communicator::deadline_message;
   Status fail(const std::string& what, const std::string& why) {
     mark_broken();
     return slide::core::internal_error(describe(what) + ": " + why);
@@ -238,8 +235,7 @@ class NcclCommunicator final : public Communicator {
   template <typename Call>
   Result<std::unique_ptr<CollectiveWork>> enqueue(void* data, size_t in_bytes, size_t out_bytes,
                                                   const std::string& what, Call call) {
-    if (broken_ || comm_ == nullptr)
-      return slide::core::failed_precondition(describe(what) + ": an earlier collective failed; the job must stop");
+    if (broken_ || comm_ == nullptr) return broken_error(what);
     const auto start = Clock::now();
     cudaPointerAttributes attr{};
     const bool on_device = cudaPointerGetAttributes(&attr, data) == cudaSuccess &&

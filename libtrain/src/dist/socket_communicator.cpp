@@ -92,19 +92,9 @@ class SocketCommunicator final : public Communicator {
     scratch_.resize(bytes);
     for (int r = 1; r < world_; ++r) {
       SLIDE_RETURN_IF_ERROR(recv(o, r, scratch_.data(), bytes));
-      switch (dtype) {
-        case DType::kF32: add<float>(data, count); break;
-        case DType::kF64: add<double>(data, count); break;
-        default: add<int32_t>(data, count); break;
-      }
+      add_into(data, scratch_.data(), count, dtype);
     }
-    if (op == ReduceOp::kAverage && count > 0) {
-      const double inv = 1.0 / world_;
-      if (dtype == DType::kF32)
-        for (int64_t i = 0; i < count; ++i) static_cast<float*>(data)[i] *= static_cast<float>(inv);
-      else
-        for (int64_t i = 0; i < count; ++i) static_cast<double*>(data)[i] *= inv;
-    }
+    if (op == ReduceOp::kAverage) scale_to_mean(data, count, dtype, world_);
     for (int r = 1; r < world_; ++r) SLIDE_RETURN_IF_ERROR(send(o, r, data, bytes));
     return slide::core::ok_status();
   }
@@ -179,18 +169,7 @@ class SocketCommunicator final : public Communicator {
     return {kind, ++sequence_, &what, Clock::now() + timeout};
   }
 
-  template <typename T>
-  void add(void* data, int64_t count) {
-    T* y = static_cast<T*>(data);
-    const T* x = reinterpret_cast<const T*>(scratch_.data());
-    for (int64_t i = 0; i < count; ++i) y[i] += x[i];
-  }
-
-  Status usable(const std::string& what) const {
-    if (broken_)
-      return slide::core::failed_precondition(describe(what) + ": an earlier collective failed; the job must stop");
-    return slide::core::ok_status();
-  }
+  Status usable(const std::string& what) const { return broken_ ? broken_error(what) : slide::core::ok_status(); }
 
   int fd_of(int peer) const { return rank_ == 0 ? fds_[static_cast<size_t>(peer - 1)] : fds_[0]; }
 
@@ -206,10 +185,7 @@ class SocketCommunicator final : public Communicator {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o.deadline - Clock::now()).count();
       if (left <= 0) {
         broken_ = true;
-        return Status(slide::core::StatusCode::kDeadlineExceeded,
-                      describe(*o.what) + " did not complete within " +
-                          std::to_string(static_cast<int64_t>(timeout_s())) + " s (--dist-timeout) waiting for rank " +
-                          std::to_string(peer) + ": it has stopped, died or fallen behind");
+        return Status(slide::core::StatusCode::kDeadlineExceeded, deadline_message(*o.what, peer));
       }
       pollfd p{fd_of(peer), events, 0};
       const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));

@@ -85,8 +85,14 @@ class Communicator {
 
  protected:
   explicit Communicator(double timeout_s) : timeout_s_(timeout_s) {}
-  // "rank R of P at step S: <what> did not complete within T s (...)": the deadline message.
+  // "rank R of P at step S: <what>": how every error of a collective begins.
   std::string describe(const std::string& what) const;
+  // kDeadlineExceeded's text: "<describe(what)> did not complete within T s (--dist-timeout)",
+  // then ": another rank has stopped, died or fallen behind", or, when the rank waited for is
+  // known (`peer` >= 0), " waiting for rank N: it has stopped, died or fallen behind".
+  std::string deadline_message(const std::string& what, int peer = -1) const;
+  // kFailedPrecondition for a collective called after an earlier one failed.
+  Status broken_error(const std::string& what) const;
 
  private:
   double timeout_s_;

@@ -359,6 +359,22 @@ TEST_CASE("socket communicator: a stopped peer gives kDeadlineExceeded at the de
                          "(collective #1) was expected") != std::string::npos);
   c->reset();
   CHECK(reap(g) == std::vector<int>{0});
+
+  // Bytes that are not a message at all (another program on the socket): named, never read as
+  // data or as a length.
+  Forked h = fork_ranks(2, [](int, int fd) {
+    const char junk[24] = "GET / HTTP/1.1\r\n\r\n";
+    return ::write(fd, junk, sizeof junk) == static_cast<ssize_t>(sizeof junk) ? 0 : 2;
+  });
+  auto k = make_socket_communicator(0, 2, h.fds0, 5);
+  REQUIRE(k.ok());
+  float y = 0;
+  const Status junk = (*k)->all_reduce(&y, 1, DType::kF32, ReduceOp::kSum, "loss");
+  CHECK(junk.code() == slide::core::StatusCode::kInternal);
+  CHECK(junk.message().find("rank 1 sent bytes that are not a slidestream message") != std::string::npos);
+  CHECK(y == 0.0f);
+  k->reset();
+  CHECK(reap(h) == std::vector<int>{0});
 }
 
 TEST_CASE("launched_rank: the variables slide-train --gpus sets, and malformed ones named") {

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -522,9 +523,31 @@ int run_main(int argc, char** argv) {
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
   if (batch == 0 && comm->world_size() > 1)  // each rank would find its own size
     return fail(slide::core::invalid_argument("--batch-size auto is for one rank: run it alone, then give the size"));
+  // A resumed run fits its steps as the run it continues did (its state.json's "memory"), not by
+  // timing again: micro-batches change batch norm's statistics, so a different split would not
+  // resume exactly. Rank 0 reads it; prepare_memory gives rank 0's decision to every rank.
+  std::optional<slide::apps::MemoryDecision> recorded_memory;
+  if (resume && writer && !memory.dry_run) {
+    const std::vector<fs::path> checkpoints = list_checkpoints(out + "/checkpoints");
+    if (!checkpoints.empty()) {
+      // Validated (validate_run_state); a damaged record is refused with its field named below.
+      auto record = slide::apps::open_checkpoint_record(checkpoints.back().string());
+      if (record.ok() && record->state.contains("memory")) {
+        const nlohmann::json& m = record->state["memory"];
+        slide::apps::MemoryDecision d;
+        d.strategy = m["strategy"].get<std::string>();
+        d.segments = m["segments"].get<std::string>();
+        d.accumulate = m["accumulate"].get<int64_t>();
+        d.ranks = m["ranks"].get<int64_t>();
+        // On another world size the split is the user's to give (ranks x micro-batches).
+        if (d.ranks == comm->world_size()) recorded_memory = d;
+      }
+    }
+  }
   auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
                                                  momentum, backend, static_cast<int64_t>(train.size()), &batch,
-                                                 &accumulate);
+                                                 &accumulate, comm.get(),
+                                                 recorded_memory ? &*recorded_memory : nullptr);
   if (!memory_plan.ok()) return fail(memory_plan.status());
   if (memory.dry_run) return kExitOk;
   const int64_t steps_per_epoch = (static_cast<int64_t>(train.size()) + batch - 1) / batch;
@@ -614,7 +637,11 @@ int run_main(int argc, char** argv) {
                           {"best_val_balanced_accuracy", -1.0},
                           // The tiles the model was trained on: evaluate and predict warn on others.
                           {"tile_size_px", (*ds)->tile_size_px()},
-                          {"tile_mpp_um", (*ds)->slide_record((*ds)->tiles()[train.front()].slide).tile_mpp_um}};
+                          {"tile_mpp_um", (*ds)->slide_record((*ds)->tiles()[train.front()].slide).tile_mpp_um},
+                          // How the steps fit the memory budget (--memory-strategy): --resume does the same.
+                          {"memory", {{"strategy", memory_plan->strategy}, {"segments", memory_plan->segments},
+                                      {"accumulate", memory_plan->accumulate},
+                                      {"ranks", comm->world_size()}}}};
   // What changes the math of a run: --resume refuses a run whose options differ (epochs aside).
   nlohmann::json config = {{"model", model_name}, {"width", width}, {"dropout", dropout}, {"optimizer", optimizer},
                      {"lr", lr}, {"momentum", momentum}, {"nesterov", nesterov}, {"weight_decay", weight_decay},
@@ -698,6 +725,8 @@ int run_main(int argc, char** argv) {
     progress.finish();
     if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
     accumulate = std::max(accumulate, st->accumulate);  // after out-of-memory recovery: the finer split
+    if (state.contains("memory"))
+      state["memory"]["accumulate"] = accumulate, state["memory"]["ranks"] = comm->world_size();
     state["optimizer_steps"] = run.opt->steps();
     if (!st->completed) {
       state["epoch"] = epoch;

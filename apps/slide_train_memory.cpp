@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 #include "slide/core/log.h"
-#include "slide/train/activation_checkpoint.h"
-#include "slide/train/offload.h"
+#include "slide/train/memory_strategy.h"
 #include "slide/train/planner.h"
 
 namespace slide::apps {
@@ -15,6 +15,13 @@ namespace slide::apps {
 using namespace slide::train;
 
 void add_memory_options(CLI::App& app, MemoryOptions* o) {
+  app.add_option("--memory-strategy", o->memory_strategy,
+                 "How a step that does not fit the memory budget is made to fit: auto (the planner weighs "
+                 "micro-batching, activation checkpointing and offload by their measured cost and takes the "
+                 "cheapest; nothing changes when the step fits) | micro-batch | checkpoint | offload (that one, with "
+                 "micro-batches as needed) | off (the step as asked; a step out of memory halves its micro-batches)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "micro-batch", "checkpoint", "offload", "off"}));
   app.add_option("--checkpoint-activations", o->checkpoint_activations,
                  "Keep only segment inputs in forward and recompute in backward: none | stage (each ResNet "
                  "stage) | block (each residual block) | K (every K top-level layers)")
@@ -33,8 +40,37 @@ void add_memory_options(CLI::App& app, MemoryOptions* o) {
 
 namespace {
 
-size_t available_bytes() {
-  return static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+using slide::core::invalid_argument;
+
+Mechanism mechanism_of(const std::string& name) {
+  return name == "checkpoint" ? Mechanism::kCheckpoint : name == "offload" ? Mechanism::kOffload : Mechanism::kNone;
+}
+
+// What may be weighed: the mechanisms in order of preference and their segment modes.
+Result<StrategyRequest> request_for(const MemoryOptions& o, const Backend& be, const std::string& backend_name) {
+  const bool ck = o.checkpoint_activations != "none", off = o.offload_activations != "none";
+  if (ck && off)
+    return invalid_argument(
+        "--offload-activations with --checkpoint-activations: one or the other for now (offloading recomputed "
+        "segments is not built yet)");
+  if ((off || o.memory_strategy == "offload") && be.device() == Device::kCpu)
+    return invalid_argument(std::string(off ? "--offload-activations" : "--memory-strategy offload") +
+                            " moves activations from a device to host memory; on --backend " + backend_name +
+                            " they are in host memory already (--checkpoint-activations saves memory there)");
+  const std::string& s = o.memory_strategy;
+  if ((ck && (s == "offload" || s == "micro-batch")) || (off && (s == "checkpoint" || s == "micro-batch")))
+    return invalid_argument("--memory-strategy " + s + " with --" + (ck ? "checkpoint" : "offload") +
+                            "-activations: the option names another mechanism");
+  StrategyRequest r;
+  if (ck || off) {
+    r.mechanisms = {ck ? Mechanism::kCheckpoint : Mechanism::kOffload};
+    r.segment_modes = {ck ? o.checkpoint_activations : o.offload_activations};
+  } else if (s == "micro-batch" || s == "off") {
+    r.mechanisms = {Mechanism::kNone};
+  } else if (s == "checkpoint" || s == "offload") {
+    r.mechanisms = {mechanism_of(s)};
+  }
+  return r;
 }
 
 }  // namespace
@@ -42,25 +78,9 @@ size_t available_bytes() {
 Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Sequential& model, int64_t tile_px,
                                       int64_t classes, const std::string& optimizer, double momentum,
                                       const std::string& backend_name, int64_t limit, int64_t* batch,
-                                      int64_t* accumulate) {
-  if (o.checkpoint_activations != "none") {
-    SLIDE_ASSIGN_OR_RETURN(size_t segments, checkpoint_activations(model, o.checkpoint_activations));
-    slide::core::log_info("activation checkpointing",
-                          {{"mode", o.checkpoint_activations}, {"segments", static_cast<int64_t>(segments)}});
-  }
-  if (o.offload_activations != "none") {
-    if (o.checkpoint_activations != "none")
-      return slide::core::invalid_argument(
-          "--offload-activations with --checkpoint-activations: one or the other for now (offloading recomputed "
-          "segments is not built yet)");
-    if (be.device() == Device::kCpu)
-      return slide::core::invalid_argument(
-          "--offload-activations moves activations from a device to host memory; on --backend " + backend_name +
-          " they are in host memory already (--checkpoint-activations saves memory there)");
-    SLIDE_ASSIGN_OR_RETURN(size_t segments, offload_activations(model, o.offload_activations, cpu_allocator()));
-    slide::core::log_info("activation offload",
-                          {{"mode", o.offload_activations}, {"segments", static_cast<int64_t>(segments)}});
-  }
+                                      int64_t* accumulate, Communicator* comm, const MemoryDecision* recorded) {
+  SLIDE_ASSIGN_OR_RETURN(StrategyRequest req, request_for(o, be, backend_name));
+  if (o.global_batch > 0 && *batch != 0) return invalid_argument("--global-batch goes with --batch-size auto");
   PlanOptions po;
   po.sample_shape = {3, tile_px, tile_px};
   po.classes = classes;
@@ -73,11 +93,81 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   SLIDE_ASSIGN_OR_RETURN(MemoryPlan one, plan_memory(model, po));
   const size_t state = one.parameter_bytes + one.gradient_bytes + one.optimizer_bytes;
   po.other_bytes = alloc.current_bytes() > state ? alloc.current_bytes() - state : 0;
-  if (o.global_batch > 0 && *batch != 0)
-    return slide::core::invalid_argument("--global-batch goes with --batch-size auto");
+  size_t budget = alloc.budget_bytes();
+  if (budget == Allocator::kUnlimited) {
+    SLIDE_ASSIGN_OR_RETURN(size_t free_bytes, be.available_memory_bytes());
+    budget = alloc.current_bytes() + free_bytes;
+  }
+
+  // The candidate to apply: the resumed run's, the one forced, or the planner's choice.
+  StrategyCandidate chosen;
+  chosen.mechanism = req.mechanisms.front();
+  chosen.segments = chosen.mechanism == Mechanism::kNone ? "none" : req.segment_modes.front();
+  std::string strategy_table;
+  const int64_t asked_micro = *batch == 0 ? 0 : (*batch + *accumulate - 1) / *accumulate;
+  const int64_t request_batch = *batch != 0 ? *batch : o.global_batch;  // 0: auto without a global batch
+  const bool weigh = o.memory_strategy != "off" && recorded == nullptr && request_batch > 0;
+  if (recorded != nullptr) {
+    chosen.mechanism = mechanism_of(recorded->strategy);
+    chosen.segments = recorded->segments;
+    if (*batch != 0) *accumulate = std::max(*accumulate, recorded->accumulate);
+    slide::core::log_info("memory strategy (as recorded by the run resumed)",
+                          {{"strategy", recorded->strategy}, {"segments", recorded->segments},
+                           {"accumulate", recorded->accumulate}});
+  } else if (weigh) {
+    req.batch = request_batch;
+    req.micro_batch = *batch != 0 ? asked_micro : std::min(limit, o.global_batch);
+    req.budget_bytes = budget;
+    bool fits_as_asked = false;
+    if (req.mechanisms.size() > 1) {  // auto: nothing to weigh when the plain step fits
+      po.micro_batch = req.micro_batch;
+      SLIDE_ASSIGN_OR_RETURN(MemoryPlan p, plan_memory(model, po));
+      fits_as_asked = p.peak_bytes <= budget;
+    }
+    if (!fits_as_asked) {
+      SLIDE_ASSIGN_OR_RETURN(StrategyPlan sp, plan_memory_strategy(be, model, po, req, cpu_allocator()));
+      strategy_table = sp.table();
+      if (sp.chosen >= 0) {
+        chosen = sp.candidates[static_cast<size_t>(sp.chosen)];
+        if (*batch != 0 && chosen.micro_batch < asked_micro)
+          *accumulate = (*batch + chosen.micro_batch - 1) / chosen.micro_batch;
+        slide::core::log_info("memory strategy", {{"chosen", chosen.name()},
+                                                  {"micro_batch", chosen.micro_batch},
+                                                  {"accumulate", *batch != 0 ? *accumulate : int64_t{0}},
+                                                  {"why", sp.why}});
+        if (!o.dry_run)
+          for (size_t at = 0, nl; at < strategy_table.size(); at = nl + 1) {
+            nl = strategy_table.find('\n', at);
+            slide::core::log_debug(strategy_table.substr(at, nl - at));
+          }
+      } else {
+        slide::core::log_warn("memory strategy: the plan says nothing fits the budget; trying the step as asked "
+                              "(a step out of memory halves its micro-batches)",
+                              {{"budget", format_bytes(budget)}});
+      }
+    }
+  }
+  // Rank 0's decision is every rank's: timings, free memory and a resumed record (read by rank 0
+  // only) may differ between ranks, and every rank must split its micro-batches alike.
+  if (comm != nullptr && comm->world_size() > 1) {
+    struct Pick {
+      int64_t mechanism, accumulate;
+      char segments[48];
+    } pick{static_cast<int64_t>(chosen.mechanism), *accumulate, {}};
+    if (chosen.segments.size() >= sizeof pick.segments)
+      return invalid_argument("segments mode '" + chosen.segments + "' is too long");
+    chosen.segments.copy(pick.segments, chosen.segments.size());
+    SLIDE_RETURN_IF_ERROR(comm->broadcast(&pick, sizeof pick, 0, "memory strategy"));
+    chosen.mechanism = static_cast<Mechanism>(std::clamp<int64_t>(pick.mechanism, 0, 2));
+    chosen.segments.assign(pick.segments, strnlen(pick.segments, sizeof pick.segments));
+    *accumulate = pick.accumulate;
+  }
+  if (chosen.mechanism != Mechanism::kNone) {
+    SLIDE_ASSIGN_OR_RETURN(size_t segments, apply_strategy(model, chosen, cpu_allocator()));
+    slide::core::log_info(chosen.mechanism == Mechanism::kCheckpoint ? "activation checkpointing" : "activation offload",
+                          {{"mode", chosen.segments}, {"segments", static_cast<int64_t>(segments)}});
+  }
   if (*batch == 0) {
-    const size_t budget = alloc.budget_bytes() == Allocator::kUnlimited ? alloc.current_bytes() + available_bytes()
-                                                                         : alloc.budget_bytes();
     const int64_t upto = std::max<int64_t>(1, o.global_batch > 0 ? std::min(limit, o.global_batch) : limit);
     auto found = auto_micro_batch(be, model, po, budget, upto, [](int64_t n, bool fits) {
       slide::core::log_info("--batch-size auto: real step", {{"micro_batch", n}, {"fits", fits ? "yes" : "no"}});
@@ -93,13 +183,19 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   }
   po.micro_batch = (*batch + *accumulate - 1) / *accumulate;
   SLIDE_ASSIGN_OR_RETURN(MemoryPlan plan, plan_memory(model, po));
-  if (o.dry_run) std::fputs(plan.table().c_str(), stdout);
+  if (o.dry_run) {
+    std::fputs(strategy_table.c_str(), stdout);
+    std::fputs(plan.table().c_str(), stdout);
+  }
   slide::core::log_info("memory plan", {{"micro_batch", po.micro_batch}, {"peak", format_bytes(plan.peak_bytes)},
                                         {"peak_bytes", static_cast<int64_t>(plan.peak_bytes)},
                                         {"saved_activations", format_bytes(plan.saved_bytes)}, {"at", plan.peak_at}});
   MemoryDecision d;
   d.peak_bytes = plan.peak_bytes;
   d.step_bytes = plan.peak_bytes - plan.parameter_bytes - plan.gradient_bytes - plan.optimizer_bytes - plan.other_bytes;
+  d.strategy = mechanism_name(chosen.mechanism);
+  d.segments = chosen.segments;
+  d.accumulate = *accumulate;
   return d;
 }
 

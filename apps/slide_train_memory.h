@@ -9,39 +9,59 @@
 #include <string>
 
 #include "slide/core/status.h"
+#include "slide/train/communicator.h"
 #include "slide/train/layers.h"
 
 namespace slide::apps {
 
 struct MemoryOptions {
+  std::string memory_strategy = "auto";
   std::string checkpoint_activations = "none";
   std::string offload_activations = "none";
   bool dry_run = false;
   int64_t global_batch = 0;  // with --batch-size auto: samples per step; 0 = one micro-batch
 };
 
-// Adds --checkpoint-activations, --offload-activations, --dry-run and --global-batch to `app`.
+// Adds --memory-strategy, --checkpoint-activations, --offload-activations, --dry-run and
+// --global-batch to `app`.
 void add_memory_options(CLI::App& app, MemoryOptions* options);
 
 // What prepare_memory decided.
 struct MemoryDecision {
   size_t step_bytes = 0;  // the plan's peak beyond weights, gradients and optimizer state
   size_t peak_bytes = 0;  // the plan's whole peak
+  // How the step fits (memory_strategy.h): "micro-batch", "checkpoint" or "offload", the
+  // segments ("none" with micro-batch) and the micro-batches per step. Recorded in the run's
+  // state, so that --resume makes the same choice instead of timing again.
+  std::string strategy = "micro-batch", segments = "none";
+  int64_t accumulate = 1;
+  int64_t ranks = 1;  // the world size it was made for: a resume on another applies none of it
 };
 
 // After the model and optimizer exist (their bytes live in the allocator), before the schedule:
-// wraps the model's segments (--checkpoint-activations, --offload-activations), resolves --batch-size auto (*batch == 0)
-// into the largest micro-batch that fits the budget (the allocator's, else the available memory)
-// confirmed by real steps, setting *batch and *accumulate (with --global-batch G: *batch = G,
-// *accumulate = ceil(G / micro-batch)); then plans the step at the micro-batch and logs the
-// predicted peak. With --dry-run the plan's table goes to stdout. `limit`: the largest
-// micro-batch worth trying (the training tiles). Errors: kInvalidArgument (a bad mode,
-// --global-batch without auto, offload on a host backend or with checkpointing), kResourceExhausted (not even a micro-batch of 1 fits), those of
-// the planner and of the probe steps.
+// - decides how the step fits the budget (the allocator's, else the backend's free memory):
+//   --memory-strategy auto, when the requested micro-batch's plan does not fit, weighs
+//   micro-batching, checkpointing and offload (plan_memory_strategy) and takes the cheapest;
+//   micro-batch | checkpoint | offload force one (with micro-batches as needed);
+//   --checkpoint-activations / --offload-activations name the mechanism and its segments; off
+//   keeps the step as asked (an out-of-memory step then halves its micro-batches). Sets
+//   *accumulate when micro-batches are needed; on several ranks, rank 0's choice is every rank's
+//   (`comm`, may be null for one rank);
+// - resolves --batch-size auto (*batch == 0) into the largest micro-batch that fits, confirmed
+//   by real steps, setting *batch and *accumulate (with --global-batch G: *batch = G,
+//   *accumulate = ceil(G / micro-batch));
+// - plans the step at the micro-batch and logs the predicted peak. With --dry-run the plan's
+//   table (and the strategy table when one was weighed) goes to stdout.
+// `recorded`: the decision of the run being resumed (or null): applied as it was, not weighed
+// again. `limit`: the largest micro-batch worth trying (the training tiles). Errors:
+// kInvalidArgument (a bad mode, --global-batch without auto, offload on a host backend, two
+// mechanisms at once), kResourceExhausted (with --batch-size auto, not even a micro-batch of 1
+// fits), those of the planner, the probe steps and the broadcast.
 [[nodiscard]] slide::core::Result<MemoryDecision> prepare_memory(
     const MemoryOptions& options, slide::train::Backend& be, slide::train::Sequential& model, int64_t tile_px,
     int64_t classes, const std::string& optimizer, double momentum, const std::string& backend_name, int64_t limit,
-    int64_t* batch, int64_t* accumulate);
+    int64_t* batch, int64_t* accumulate, slide::train::Communicator* comm = nullptr,
+    const MemoryDecision* recorded = nullptr);
 
 // --cache auto: keep the decoded dataset `where` ("on the device", "in RAM") when it fits beside
 // the training step within what is left of that memory's budget, with a tenth of it spare

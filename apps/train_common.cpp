@@ -246,6 +246,16 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
   c.string(s, "best_metric", "best_metric", true);
   c.integer(s, "best_epoch", "best_epoch", 1, true);
   c.kind(s, "config", "config", true, true);
+  // How the steps fit the memory budget (slide_train_memory.h's MemoryDecision); optional.
+  if (c.kind(s, "memory", "memory", true, true)) {
+    const nlohmann::json& m = s["memory"];
+    c.string(m, "strategy", "memory.strategy");
+    c.string(m, "segments", "memory.segments");
+    c.integer(m, "accumulate", "memory.accumulate", 1);
+    c.integer(m, "ranks", "memory.ranks", 1);
+    if (c.status().ok() && m["strategy"] != "micro-batch" && m["strategy"] != "checkpoint" && m["strategy"] != "offload")
+      c.fail("memory.strategy", &m["strategy"], "micro-batch, checkpoint or offload");
+  }
   if (c.status().ok() && s["model"] == "abmil") {
     if (c.kind(s, "mil", "mil", true)) {
       for (const char* key : {"in_features", "hidden", "attention"}) c.integer(s["mil"], key, std::string("mil.") + key, 1);

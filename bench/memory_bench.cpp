@@ -2,7 +2,9 @@
 // activation checkpointing (--checkpoint-activations stage: the stem, ResNet's four stages and the
 // head, close to Chen et al.'s sqrt(n) segments), the measured peak of live tensors and the
 // images/s of real SGD steps at one batch size (the fastest of the timed steps), the planner's
-// peak beside it, and the largest micro-batch that the planner fits in a 4 GiB budget each way.
+// peak beside it, and the largest micro-batch that the planner fits in a 4 GiB budget each way;
+// and for activation offload (issue 13, stage segments) the planned peak and largest micro-batch
+// (planned only: offload moves activations off a device, and this bench runs on the host).
 // bench/memory_bench.sh prints the peers' figures beside these.
 //
 // usage: memory_bench [--batch 16] [--steps 3] [--size 224] [--budget 4G] [--models resnet18,resnet50]
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "slide/train/activation_checkpoint.h"
+#include "slide/train/offload.h"
 #include "slide/train/optimizer.h"
 #include "slide/train/planner.h"
 
@@ -35,8 +38,11 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
   auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 3, 0);
   if (!net.ok()) return std::fprintf(stderr, "%s\n", net.status().to_string().c_str()), 1;
+  // "offload": --offload-activations stage, planned only (the copies need a device; the planner
+  // counts what stays on it).
+  const bool offload = mode == "offload";
   if (mode != "none") {
-    auto made = checkpoint_activations(**net, mode);
+    auto made = offload ? offload_activations(**net, "stage", cpu_allocator()) : checkpoint_activations(**net, mode);
     if (!made.ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), 1;
   }
   std::vector<Parameter*> params;
@@ -56,6 +62,7 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   auto largest = largest_planned_micro_batch(**net, po, budget, 4096);
   if (!largest.ok()) return std::fprintf(stderr, "%s\n", largest.status().to_string().c_str()), 1;
   out->largest_batch = *largest;
+  if (offload) return 0;
 
   Tensor x = *Tensor::empty({batch, 3, size, size}, DType::kF32, cpu_allocator());
   Tensor y = *Tensor::empty({batch}, DType::kI32, cpu_allocator());
@@ -105,9 +112,10 @@ int main(int argc, char** argv) {
   std::stringstream list(models);
   std::string model;
   while (std::getline(list, model, ',')) {
-    Figures plain, ckpt;
+    Figures plain, ckpt, off;
     if (run(model, "none", batch, size, steps, *budget, **be, &plain) != 0) return 1;
     if (run(model, "stage", batch, size, steps, *budget, **be, &ckpt) != 0) return 1;
+    if (run(model, "offload", batch, size, steps, *budget, **be, &off) != 0) return 1;
     for (auto [mode, f] : {std::pair<const char*, Figures*>{"none", &plain}, {"stage", &ckpt}})
       std::printf("%-9s checkpoint=%-5s batch=%ld peak_mib=%.1f planned_mib=%.1f images_per_s=%.2f "
                   "largest_batch_in_%s=%ld\n",
@@ -117,6 +125,11 @@ int main(int argc, char** argv) {
                 model.c_str(), ckpt.peak_mib / plain.peak_mib, 100.0 * (plain.images_per_s / ckpt.images_per_s - 1),
                 budget_text.c_str(), static_cast<double>(ckpt.largest_batch) / static_cast<double>(plain.largest_batch),
                 static_cast<long>(plain.largest_batch), static_cast<long>(ckpt.largest_batch));
+    std::printf("%-9s offload (stage, planned; its time needs a device): planned peak at batch %ld %.1f MiB, "
+                "largest batch in %s x%.2f (%ld -> %ld)\n",
+                model.c_str(), static_cast<long>(batch), off.planned_mib, budget_text.c_str(),
+                static_cast<double>(off.largest_batch) / static_cast<double>(plain.largest_batch),
+                static_cast<long>(plain.largest_batch), static_cast<long>(off.largest_batch));
     std::fflush(stdout);
   }
   return 0;

@@ -86,6 +86,14 @@ void Segment::release() {
   for (auto& l : layers_) l->release();
 }
 
+std::vector<std::unique_ptr<Layer>> Segment::take_layers(std::vector<std::string>* names) {
+  release();
+  if (names != nullptr) *names = names_;
+  names_.clear();
+  buffers_.clear();
+  return std::move(layers_);
+}
+
 Result<Tensor> CheckpointedSegment::forward(Backend& be, const Tensor& x, bool training) {
   SLIDE_ASSIGN_OR_RETURN(Tensor h, run_forward(be, x, training));
   if (training) {
@@ -183,6 +191,24 @@ Result<size_t> wrap_segments(Sequential& model, const std::string& mode, const s
   if (made == 0) return invalid_argument(what + " '" + mode + "': the model has nothing to wrap");
   model.collect("", nullptr, nullptr);  // the segments learn their batch norm buffers
   return made;
+}
+
+size_t unwrap_segments(Sequential& model) {
+  size_t removed = 0;
+  for (size_t i = 0; i < model.size(); ++i) {
+    if (auto* seg = dynamic_cast<Segment*>(&model.at(i)); seg != nullptr) {
+      std::vector<std::string> names;
+      std::vector<std::unique_ptr<Layer>> layers = seg->take_layers(&names);
+      // wrap_segments groups consecutive layers: the segment sits at the first one's place, the
+      // pass-throughs at the others'.
+      for (size_t j = 0; j < layers.size(); ++j) model.replace(i + j, std::move(layers[j]));
+      ++removed;
+    } else if (auto* inner = dynamic_cast<Sequential*>(&model.at(i)); inner != nullptr) {
+      removed += unwrap_segments(*inner);
+    }
+  }
+  if (removed > 0) model.collect("", nullptr, nullptr);
+  return removed;
 }
 
 }  // namespace slide::train

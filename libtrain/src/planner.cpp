@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <initializer_list>
 
@@ -320,7 +321,7 @@ Result<int64_t> largest_planned_micro_batch(Sequential& model, PlanOptions optio
   return lo;
 }
 
-Status probe_step(Backend& be, Sequential& model, const PlanOptions& o, int64_t n) {
+Status probe_step(Backend& be, Sequential& model, const PlanOptions& o, int64_t n, ProbeTimes* times) {
   if (n < 1) return invalid_argument("probe step: micro-batch " + std::to_string(n));
   // Batch norm statistics are swapped for copies around the probe and put back after it.
   std::vector<Parameter*> params;
@@ -346,14 +347,26 @@ Status probe_step(Backend& be, Sequential& model, const PlanOptions& o, int64_t 
     SLIDE_ASSIGN_OR_RETURN(next_images, Tensor::empty(in_shape, o.dtype, a, "next image batch (probe)"));
     SLIDE_ASSIGN_OR_RETURN(next_labels, Tensor::empty({n}, DType::kI32, a, "next label batch (probe)"));
   }
+  using Clock = std::chrono::steady_clock;
+  if (times != nullptr) SLIDE_RETURN_IF_ERROR(be.synchronize());
+  const auto start = Clock::now();
   SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, images, true));
+  if (times != nullptr) {
+    SLIDE_RETURN_IF_ERROR(be.synchronize());
+    times->forward_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
   SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty(logits.shape(), logits.dtype(), a, "probabilities (probe)"));
   double loss = 0;
   SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_forward(logits, labels, Tensor(), 0.0, probs, &loss));
   logits = Tensor();
   SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(probs.shape(), probs.dtype(), a, "logit gradient (probe)"));
   SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(probs, labels, Tensor(), 0.0, dlogits));
-  return model.backward(be, dlogits).status();
+  SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
+  if (times != nullptr) {
+    SLIDE_RETURN_IF_ERROR(be.synchronize());
+    times->step_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return ok_status();
 }
 
 Result<AutoBatch> auto_micro_batch(Backend& be, Sequential& model, const PlanOptions& options, size_t budget_bytes,

@@ -113,8 +113,11 @@ class TestOomRecovery(Base):
         budget = "%dK" % int(peak8 * 1.25 * 1024)
         self.assertGreater(peak32, 2 * peak8 * 1.25)  # 32 (and 16) cannot fit
 
+        # --memory-strategy off: the step as asked, so the out-of-memory recovery in the step is what
+        # fits it (auto would split it before the first step: the next test).
         tight = os.path.join(self.tmp, "tight")
-        r = self.train(tight, "--model", "small", "--batch-size", "32", "--memory-budget", budget)
+        r = self.train(tight, "--model", "small", "--batch-size", "32", "--memory-budget", budget,
+                       "--memory-strategy", "off")
         self.assertEqual(r.returncode, 0, r.stderr)
         warnings = [l for l in r.stderr.splitlines() if "out of memory in a step" in l]
         self.assertEqual(len(warnings), 1, r.stderr)  # logged once, with the new sizes
@@ -147,6 +150,40 @@ class TestOomRecovery(Base):
                     if "running" not in k)
         print("batch norm: largest relative weight difference, 8x4 against 32x1, one epoch: %.3g" % worst)
         self.assertLess(worst, 0.25)
+
+        # --memory-strategy auto (the default): the planner splits the step before it runs (the small
+        # CNN has no stages or blocks to checkpoint, so micro-batching is the only candidate): no
+        # step runs out of memory, and the weights are the explicit --accumulate 4 run's, bit for bit.
+        auto = os.path.join(self.tmp, "auto")
+        r = self.train(auto, "--model", "small", "--batch-size", "32", "--memory-budget", budget)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("out of memory", r.stderr)
+        self.assertRegex(r.stderr, r"memory strategy chosen=micro-batch micro_batch=8 accumulate=4")
+        measured = int(re.search(r"peak tensor memory: (\d+) bytes", r.stderr).group(1))
+        self.assertLessEqual(measured, int(budget[:-1]) * 1024)
+        d = read_safetensors(os.path.join(auto, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+        for k in b:
+            np.testing.assert_array_equal(d[k], b[k], err_msg=k)
+        with open(os.path.join(auto, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertEqual(json.load(f)["memory"], {"strategy": "micro-batch", "segments": "none", "accumulate": 4,
+                                                   "ranks": 1})
+        # The dry run shows the weighing.
+        r = self.train(os.path.join(self.tmp, "auto-plan"), "--model", "small", "--batch-size", "32",
+                       "--memory-budget", budget, "--dry-run")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("memory strategy: a step of 32 samples, micro-batch 32 asked for", r.stdout)
+        self.assertRegex(r.stdout, r"micro-batch +8 +4 .*<- chosen")
+        self.assertIn("memory plan for micro-batch 8", r.stdout)
+
+    def test_offload_strategy_on_the_cpu_is_refused(self):
+        r = self.train(os.path.join(self.tmp, "off-cpu"), "--model", "small", "--memory-strategy", "offload")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--memory-strategy offload moves activations from a device to host memory", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "off-cpu", "checkpoints")))
+        r = self.train(os.path.join(self.tmp, "mixed"), "--model", "small", "--memory-strategy", "micro-batch",
+                       "--checkpoint-activations", "2")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("the option names another mechanism", r.stderr)
 
     def test_no_split_left_is_a_clear_error(self):
         r = self.train(os.path.join(self.tmp, "tiny"), "--model", "small", "--batch-size", "4",

@@ -48,6 +48,9 @@ class Segment : public Layer {
     if (!layers_.empty()) layers_.front()->set_input_gradient(needed);
   }
   size_t layers() const { return layers_.size(); }
+  // Gives the layers back, with their names in the parent (unwrap_segments); the segment is empty
+  // afterwards.
+  std::vector<std::unique_ptr<Layer>> take_layers(std::vector<std::string>* names);
 
  protected:
   // The layers' forward in order (on error: release(), the error naming the layer + `suffix`).
@@ -90,6 +93,12 @@ using SegmentFactory =
     std::function<std::unique_ptr<Layer>(std::vector<std::unique_ptr<Layer>>, std::vector<std::string>)>;
 [[nodiscard]] Result<size_t> wrap_segments(Sequential& model, const std::string& mode, const std::string& what,
                                            const SegmentFactory& make);
+
+// Undoes wrap_segments (any factory, any mode, at any depth): each segment's layers go back to
+// their places in their parent, in place of the pass-through placeholders. Returns the number of
+// segments removed. The memory-strategy planner (memory_strategy.h) wraps, plans and unwraps to
+// weigh the strategies on one model. Call it between steps (no saved activations).
+size_t unwrap_segments(Sequential& model);
 
 // Rewrites `model` in place so that its activations are checkpointed: wrap_segments with
 // CheckpointedSegment (the modes above). Parameter names and the computed function are unchanged

@@ -86,8 +86,14 @@ struct MemoryPlan {
 // (the images and labels of two micro-batches, forward, loss, backward), on zero images with
 // label 0; parameter gradients are zeroed and batch norm's running statistics put back
 // afterwards, the saved activations released. Ok when it fits; kResourceExhausted when it does
-// not; other errors are the layers'.
-[[nodiscard]] Status probe_step(Backend& be, Sequential& model, const PlanOptions& options, int64_t n);
+// not; other errors are the layers'. With `times`, the step is timed (wall clock, the backend
+// synchronised at each mark): the forward alone, and forward + loss + backward.
+struct ProbeTimes {
+  double forward_seconds = 0;
+  double step_seconds = 0;
+};
+[[nodiscard]] Status probe_step(Backend& be, Sequential& model, const PlanOptions& options, int64_t n,
+                                ProbeTimes* times = nullptr);
 
 // --batch-size auto: the largest micro-batch in [1, limit] whose real step fits the budget, found
 // from the plan (largest_planned_micro_batch) and confirmed by real steps (probe_step): when the

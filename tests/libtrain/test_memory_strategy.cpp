@@ -1,0 +1,192 @@
+// The memory planner's choice among micro-batching, activation checkpointing and offload (issue
+// 13 item 3, memory_strategy.h): the time model and the choice as pure functions; wrapping undone
+// exactly (unwrap_segments); and the whole planner on the simulated device (`reference-sim`)
+// with ResNet-18, where every candidate it says fits has a planned peak within the budget, the
+// model comes back unwrapped, and the chosen strategy's real step fits the budget.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "slide/train/activation_checkpoint.h"
+#include "slide/train/memory_strategy.h"
+#include "slide/train/offload.h"
+#include "slide/train/planner.h"
+#include "slide/train/trainer.h"
+
+using namespace slide::train;
+
+TEST_SUITE_BEGIN("memory");
+
+namespace {
+
+std::unique_ptr<Sequential> resnet18() {
+  auto m = make_resnet(cpu_allocator(), DType::kF32, 18, 3, 5);
+  REQUIRE_MESSAGE(m.ok(), m.status().to_string());
+  return std::move(*m);
+}
+
+std::vector<std::pair<std::string, Parameter*>> parameters(Sequential& m) {
+  std::vector<Parameter*> ps;
+  m.collect("", &ps, nullptr);
+  std::vector<std::pair<std::string, Parameter*>> out;
+  for (Parameter* p : ps) out.emplace_back(p->name, p);
+  return out;
+}
+
+StrategyCandidate candidate(Mechanism m, int64_t micro, int64_t batch, double seconds) {
+  StrategyCandidate c;
+  c.mechanism = m;
+  c.segments = m == Mechanism::kNone ? "none" : "stage";
+  c.micro_batch = micro;
+  c.micro_batches = micro > 0 ? (batch + micro - 1) / micro : 0;
+  c.seconds = seconds;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("memory strategy: the step time model and the cheapest candidate") {
+  StepCost c;
+  c.micro_batch_seconds = 0.01;
+  c.sample_seconds = 0.1;
+  c.forward_fraction = 0.5;
+  c.copy_bytes_per_second = 1e9;
+  // 32 samples in 4 micro-batches of 8: 4 x 0.01 + 32 x 0.1.
+  CHECK(predict_step_seconds(c, 32, 8, false, 0) == doctest::Approx(3.24));
+  CHECK(predict_step_seconds(c, 32, 8, true, 0) == doctest::Approx(3.24 * 1.5));
+  // 1e8 bytes each way per micro-batch: 8e8 bytes at 1e9 B/s.
+  CHECK(predict_step_seconds(c, 32, 8, false, 100000000) == doctest::Approx(3.24 + 0.8));
+  CHECK(predict_step_seconds(c, 32, 7, false, 0) == doctest::Approx(5 * 0.01 + 3.2));  // 5 of at most 7
+  c.copy_bytes_per_second = 0;
+  CHECK(std::isinf(predict_step_seconds(c, 32, 8, false, 1)));
+
+  // A large fixed cost per micro-batch (a GPU at micro-batch 1): recomputing beats 32 micro-batches.
+  c.micro_batch_seconds = 1.0;
+  c.sample_seconds = 0.01;
+  c.forward_fraction = 1.0 / 3;
+  std::vector<StrategyCandidate> cs = {
+      candidate(Mechanism::kNone, 1, 32, predict_step_seconds(c, 32, 1, false, 0)),
+      candidate(Mechanism::kCheckpoint, 32, 32, predict_step_seconds(c, 32, 32, true, 0))};
+  CHECK(cs[0].seconds == doctest::Approx(32.32));
+  CHECK(cheapest_candidate(cs) == 1);
+  // Ties go to the earlier (simpler) one; a candidate that does not fit is never chosen.
+  cs[1].seconds = cs[0].seconds;
+  CHECK(cheapest_candidate(cs) == 0);
+  cs[0].micro_batch = 0;
+  CHECK(cheapest_candidate(cs) == 1);
+  cs[1].micro_batch = 0;
+  CHECK(cheapest_candidate(cs) == -1);
+  // Without predictions (one fits, or the timing failed): the first that fits.
+  std::vector<StrategyCandidate> unpredicted = {candidate(Mechanism::kNone, 0, 8, -1),
+                                                candidate(Mechanism::kCheckpoint, 4, 8, -1),
+                                                candidate(Mechanism::kOffload, 8, 8, -1)};
+  CHECK(cheapest_candidate(unpredicted) == 1);
+  CHECK(candidate(Mechanism::kOffload, 8, 8, -1).name() == "offload stage");
+  CHECK(candidate(Mechanism::kNone, 8, 8, -1).name() == "micro-batch");
+}
+
+TEST_CASE("unwrap_segments gives every layer back to its place") {
+  auto m = resnet18();
+  const auto before = parameters(*m);
+  for (const char* mode : {"stage", "block", "3"}) {
+    for (int offload = 0; offload < 2; ++offload) {
+      auto made = offload ? offload_activations(*m, mode, cpu_allocator()) : checkpoint_activations(*m, mode);
+      REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+      CHECK(parameters(*m) == before);  // wrapped: the same names and the same parameters
+      CHECK(unwrap_segments(*m) == *made);
+      CHECK(parameters(*m) == before);
+      for (size_t i = 0; i < m->size(); ++i) CHECK(dynamic_cast<Segment*>(&m->at(i)) == nullptr);
+      CHECK(unwrap_segments(*m) == 0u);
+    }
+  }
+  // Wrapping again after an unwrap works as on a fresh model.
+  auto again = checkpoint_activations(*m, "stage");
+  REQUIRE(again.ok());
+  CHECK(*again == 6u);
+}
+
+TEST_CASE("memory strategy on the simulated device: ResNet-18, a budget that fits half the micro-batch") {
+  auto made = make_backend("reference-sim");
+  REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+  Backend& be = **made;
+  auto m = resnet18();
+  REQUIRE(move_to_device(be, *m).ok());
+  const auto before = parameters(*m);
+  PlanOptions po;
+  po.sample_shape = {3, 16, 16};
+  po.classes = 5;
+  po.backend = "reference";
+  po.momentum = 0;  // no optimizer state: none is allocated here
+  auto peak_at = [&](int64_t n) {
+    po.micro_batch = n;
+    auto p = plan_memory(*m, po);
+    REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+    return p->peak_bytes;
+  };
+  const size_t p4 = peak_at(4), p8 = peak_at(8);
+  StrategyRequest req;
+  req.batch = 16;
+  req.micro_batch = 8;
+  req.budget_bytes = (p4 + p8) / 2;
+  auto sp = plan_memory_strategy(be, *m, po, req, cpu_allocator());
+  REQUIRE_MESSAGE(sp.ok(), sp.status().to_string());
+  MESSAGE(sp->table());
+  CHECK(parameters(*m) == before);  // left unwrapped
+  for (size_t i = 0; i < m->size(); ++i) CHECK(dynamic_cast<Segment*>(&m->at(i)) == nullptr);
+  // micro-batch; checkpoint stage and block; offload stage and block (a device backend).
+  REQUIRE(sp->candidates.size() == 5);
+  const StrategyCandidate& plain = sp->candidates[0];
+  CHECK(plain.mechanism == Mechanism::kNone);
+  CHECK(plain.micro_batch >= 4);
+  CHECK(plain.micro_batch < 8);
+  int fitting = 0;
+  for (const StrategyCandidate& c : sp->candidates) {
+    if (!c.fits()) continue;
+    ++fitting;
+    CHECK(c.peak_bytes <= req.budget_bytes);
+    CHECK(c.micro_batches == (req.batch + c.micro_batch - 1) / c.micro_batch);
+    CHECK(c.seconds > 0);
+    if (c.mechanism == Mechanism::kOffload) CHECK(c.offloaded_bytes > 0);
+    if (c.mechanism != Mechanism::kNone) CHECK(c.micro_batch >= plain.micro_batch);  // they save memory
+  }
+  CHECK(fitting >= 2);
+  CHECK(sp->cost.measured_steps == 4);  // two sizes, each a warm-up and a timed step
+  CHECK(sp->cost.sample_seconds > 0);
+  CHECK(sp->cost.copy_bytes_per_second > 0);
+  REQUIRE(sp->chosen >= 0);
+  const StrategyCandidate& chosen = sp->candidates[static_cast<size_t>(sp->chosen)];
+  for (const StrategyCandidate& c : sp->candidates)
+    if (c.fits()) CHECK(chosen.seconds <= c.seconds);
+
+  // The chosen strategy's real step fits the budget (the planner counts what the step holds).
+  REQUIRE(apply_strategy(*m, chosen, cpu_allocator()).ok());
+  be.allocator().set_budget_bytes(req.budget_bytes);
+  po.micro_batch = chosen.micro_batch;
+  const Status real = probe_step(be, *m, po, chosen.micro_batch);
+  CHECK_MESSAGE(real.ok(), real.to_string());
+  // And the step as asked does not (why a strategy was needed).
+  unwrap_segments(*m);
+  CHECK(probe_step(be, *m, po, req.micro_batch).code() == slide::core::StatusCode::kResourceExhausted);
+  be.allocator().set_budget_bytes(Allocator::kUnlimited);
+
+  // Forcing one mechanism plans only it; a budget below every plan chooses nothing.
+  StrategyRequest only;
+  only = req;
+  only.mechanisms = {Mechanism::kCheckpoint};
+  only.segment_modes = {"block"};
+  auto ck = plan_memory_strategy(be, *m, po, only, cpu_allocator());
+  REQUIRE(ck.ok());
+  REQUIRE(ck->candidates.size() == 1);
+  CHECK(ck->chosen == 0);
+  CHECK(ck->cost.measured_steps == 0);  // nothing to weigh
+  only.budget_bytes = 1024;
+  auto none = plan_memory_strategy(be, *m, po, only, cpu_allocator());
+  REQUIRE(none.ok());
+  CHECK(none->chosen == -1);
+  CHECK(none->table().find("does not fit") != std::string::npos);
+}
+
+TEST_SUITE_END();

@@ -60,6 +60,11 @@ TEST_CASE("memory strategy: the step time model and the cheapest candidate") {
   // 1e8 bytes each way per micro-batch: 8e8 bytes at 1e9 B/s.
   CHECK(predict_step_seconds(c, 32, 8, false, 100000000) == doctest::Approx(3.24 + 0.8));
   CHECK(predict_step_seconds(c, 32, 7, false, 0) == doctest::Approx(5 * 0.01 + 3.2));  // 5 of at most 7
+  // Copies beside the compute cost only what they take beyond it.
+  c.copies_overlap = true;
+  CHECK(predict_step_seconds(c, 32, 8, false, 100000000) == doctest::Approx(3.24));
+  CHECK(predict_step_seconds(c, 32, 8, false, 1000000000) == doctest::Approx(8.0));
+  c.copies_overlap = false;
   c.copy_bytes_per_second = 0;
   CHECK(std::isinf(predict_step_seconds(c, 32, 8, false, 1)));
 
@@ -156,6 +161,7 @@ TEST_CASE("memory strategy on the simulated device: ResNet-18, a budget that fit
   CHECK(sp->cost.measured_steps == 4);  // two sizes, each a warm-up and a timed step
   CHECK(sp->cost.sample_seconds > 0);
   CHECK(sp->cost.copy_bytes_per_second > 0);
+  CHECK(sp->cost.copies_overlap);  // the simulated device's copy thread
   REQUIRE(sp->chosen >= 0);
   const StrategyCandidate& chosen = sp->candidates[static_cast<size_t>(sp->chosen)];
   for (const StrategyCandidate& c : sp->candidates)

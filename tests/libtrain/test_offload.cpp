@@ -6,11 +6,13 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "slide/tile/pipeline.h"
+#include "slide/train/copy_engine.h"
 #include "slide/train/offload.h"
 #include "slide/train/planner.h"
 #include "slide/train/trainer.h"
@@ -123,7 +125,9 @@ TEST_CASE("activation offload: identical gradients and running statistics, lower
             format_bytes(b.peak), " offloaded; planned peaks ", format_bytes(plan_plain->peak_bytes), " and ",
             format_bytes(plan_off->peak_bytes), "; saving measured ", measured_saving / 1048576.0,
             " MiB, planned ", predicted_saving / 1048576.0, " MiB");
-    CHECK(b.peak < a.peak * 3 / 4);
+    // Two segments' activations may be on the device at once (the one computing and the one
+    // copying): with ResNet's six stage segments that keeps 4/5 of the plain peak or less.
+    CHECK(b.peak < a.peak * 17 / 20);
     CHECK(plan_off->peak_bytes < plan_plain->peak_bytes);
     CHECK(std::abs(predicted_saving - measured_saving) <= 0.15 * measured_saving);
     for (size_t i = 0; i < pp.size(); ++i) {
@@ -153,6 +157,51 @@ TEST_CASE("activation offload: identical gradients and running statistics, lower
   REQUIRE(small.ok());
   CHECK(offload_activations(**small, "sometimes", cpu_allocator()).status().message().find(
             "activation offload 'sometimes' is not one of none, stage, block, or a layer count") != std::string::npos);
+}
+
+TEST_CASE("activation offload: the schedule waits for slow copies; every engine gives the same step") {
+  // A copy thread that sleeps 20 ms before each copy: every copy to the host is still running when
+  // the next segment's forward ends, and every prefetch when its segment's backward starts, so the
+  // schedule must wait for them (the gradients would be wrong otherwise). The synchronous engine
+  // (what runs without a copy engine, and what the planner runs) gives the same peak and bits.
+  Tensor images, labels;
+  std::vector<size_t> batch;
+  for (size_t i = 0; i < 4; ++i) batch.push_back(i * 90);
+  REQUIRE(lung32().load_batch(batch, {}, 0, nullptr, cpu_allocator(), &images, &labels).ok());
+  auto be = sim();
+  REQUIRE(be->copy_engine() != nullptr);
+  CHECK(be->copy_engine()->asynchronous());
+  auto plain = resnet(18);
+  REQUIRE(move_to_device(*be, *plain).ok());
+  std::vector<Parameter*> pp;
+  plain->collect("", &pp, nullptr);
+  const Step a = step(*be, *plain, images, labels);
+  REQUIRE_MESSAGE(a.status.ok(), a.status.to_string());
+  auto slow = make_thread_copy_engine(std::chrono::milliseconds(20));
+  SyncCopyEngine sync;
+  size_t first_peak = 0;
+  for (CopyEngine* engine : {static_cast<CopyEngine*>(nullptr), slow.get(), static_cast<CopyEngine*>(&sync)}) {
+    auto off = resnet(18);
+    REQUIRE(offload_activations(*off, "block", cpu_allocator(), engine).ok());
+    REQUIRE(move_to_device(*be, *off).ok());
+    std::vector<Parameter*> po_;
+    off->collect("", &po_, nullptr);
+    const size_t host_before = cpu_allocator().current_bytes();
+    const Step b = step(*be, *off, images, labels);
+    REQUIRE_MESSAGE(b.status.ok(), b.status.to_string());
+    CHECK(cpu_allocator().current_bytes() == host_before);
+    if (first_peak == 0) first_peak = b.peak;
+    CHECK(b.peak == first_peak);  // the same schedule, whatever the copies' speed
+    CHECK(b.peak < a.peak);
+    for (size_t i = 0; i < pp.size(); ++i) CHECK(host_copy(*be, pp[i]->grad) == host_copy(*be, po_[i]->grad));
+  }
+  // A copy in the wrong direction or of another size is refused.
+  auto d = Tensor::empty({8}, DType::kU8, be->allocator());
+  auto h = Tensor::empty({4}, DType::kU8, cpu_allocator());
+  REQUIRE(d.ok());
+  REQUIRE(h.ok());
+  CHECK(slow->start(*be, *d, *h, CopyDirection::kToHost).status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(slow->start(*be, *d, *d, CopyDirection::kToDevice).status().code() == slide::core::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("Tensor storage capture, eviction and restore") {

@@ -7,6 +7,7 @@
 #include <cudnn.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "conv_plan.h"
+#include "slide/core/log.h"
+#include "slide/train/copy_engine.h"
 #include "cuda_check.h"
 #include "kernels.h"
 #include "kernels/formulas.h"
@@ -65,12 +68,121 @@ class CudaDeviceMemory final : public RawDeviceMemory {
   cudaStream_t stream_;
 };
 
+// Pinned (page-locked) host memory for the copy engine: cudaMemcpyAsync from and to it is a DMA
+// that runs beside the compute stream; from pageable memory it would be staged by the host.
+// Cached by size (CachingDeviceAllocator) since cudaHostAlloc costs milliseconds. Tensors on it
+// are host tensors (Device::kCpu).
+class PinnedHostMemory final : public RawDeviceMemory {
+ public:
+  explicit PinnedHostMemory(int device) : device_(device) {}
+  Device device() const override { return Device::kCpu; }
+  Result<void*> malloc(size_t bytes) override {
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cuda_status(e, "cudaHostAlloc", SLIDE_CUDA_WHERE);
+    }
+    return p;
+  }
+  void free(void* p) override { (void)cudaFreeHost(p); }  // teardown only: no caller to report to
+  Status zero(void* p, size_t bytes) override {
+    std::memset(p, 0, bytes);
+    return ok_status();
+  }
+  Status copy(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return ok_status();
+  }
+
+ private:
+  int device_;
+};
+
+// Activation offload's copies (copy_engine.h) on a copy stream of their own. Each copy is queued
+// after everything the compute stream holds so far (an event recorded there, waited for by the
+// copy stream: the data to send is written, and the memory to fill is no longer read), and
+// records an event of its own that wait() synchronises the host on. So after wait() the bytes are
+// there, the source may be freed (its block goes back to the caching allocator, whose next user
+// is queued on the compute stream after the copy is complete) and later compute sees the
+// destination. Host buffers are pinned (PinnedHostMemory). One thread (the training thread) uses it.
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  explicit CudaCopyEngine(int device, cudaStream_t compute) : device_(device), compute_(compute) {}
+  ~CudaCopyEngine() override {
+    (void)cudaSetDevice(device_);
+    for (auto& [ticket, e] : pending_) (void)cudaEventSynchronize(e), (void)cudaEventDestroy(e);
+    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
+    if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
+    if (copy_ != nullptr) (void)cudaStreamDestroy(copy_);
+  }
+  Status init() {
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    SLIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+    SLIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    pinned_ = std::make_unique<CachingDeviceAllocator>(std::make_unique<PinnedHostMemory>(device_));
+    return ok_status();
+  }
+
+  Result<uint64_t> start(Backend& be, const Tensor& src, Tensor& dst, CopyDirection dir) override {
+    SLIDE_RETURN_IF_ERROR(validate_copy(be, src, dst, dir));
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    cudaEvent_t done = nullptr;
+    if (!spare_.empty()) {
+      done = spare_.back();
+      spare_.pop_back();
+    } else {
+      SLIDE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    }
+    const uint64_t ticket = ++last_;
+    pending_[ticket] = done;  // destroyed by the destructor should a call below fail
+    // The copy stream waits for the compute stream's work so far (cudaStreamWaitEvent uses the
+    // event as recorded at the time of the call, so ready_ can be recorded again next time).
+    SLIDE_CUDA_CHECK(cudaEventRecord(ready_, compute_));
+    SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, ready_, 0));
+    if (src.bytes() > 0)
+      SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(),
+                                       dir == CopyDirection::kToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                                       copy_));
+    SLIDE_CUDA_CHECK(cudaEventRecord(done, copy_));
+    return ticket;
+  }
+
+  Status wait(uint64_t ticket) override {
+    auto it = pending_.find(ticket);
+    if (it == pending_.end()) return slide::core::invalid_argument("cuda copy engine: no copy " + std::to_string(ticket));
+    const cudaEvent_t e = it->second;
+    pending_.erase(it);
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    const cudaError_t r = cudaEventSynchronize(e);
+    spare_.push_back(e);
+    if (r != cudaSuccess) return cuda_status(r, "cudaEventSynchronize (activation offload copy)", SLIDE_CUDA_WHERE);
+    return ok_status();
+  }
+
+  bool asynchronous() const override { return true; }
+  Allocator* host_allocator() override { return pinned_.get(); }
+
+ private:
+  int device_;
+  cudaStream_t compute_;
+  cudaStream_t copy_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
+  std::unordered_map<uint64_t, cudaEvent_t> pending_;
+  std::vector<cudaEvent_t> spare_;
+  uint64_t last_ = 0;
+  std::unique_ptr<CachingDeviceAllocator> pinned_;
+};
+
 struct DeviceState {
   int device = 0;
   cudaStream_t stream = nullptr;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   std::unique_ptr<CachingDeviceAllocator> alloc;
+  std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
+  bool copy_failed = false;
   std::mutex mu;  // guards algos
   std::unordered_map<ConvKey, int, ConvKeyHash> algos;  // the algorithm that ran for each shape
 };
@@ -217,6 +329,22 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
     return ok_status();
+  }
+
+  // The device's copy engine, made on first use. Should its stream or events not be made, offload
+  // copies synchronously instead (said once).
+  CopyEngine* copy_engine() override {
+    if (!st_->copy && !st_->copy_failed) {
+      auto engine = std::make_unique<CudaCopyEngine>(st_->device, st_->stream);
+      if (Status s = engine->init(); !s.ok()) {
+        st_->copy_failed = true;
+        slide::core::log_warn("cuda: no copy stream for activation offload; its copies will be synchronous",
+                              {{"why", s.to_string()}});
+        return nullptr;
+      }
+      st_->copy = std::move(engine);
+    }
+    return st_->copy.get();
   }
 
   Result<size_t> available_memory_bytes() override {

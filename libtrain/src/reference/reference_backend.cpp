@@ -12,6 +12,7 @@
 #include "cross_entropy.h"
 #include "kernels/formulas.h"
 #include "op_checks.h"
+#include "slide/train/copy_engine.h"
 
 namespace slide::train {
 
@@ -41,6 +42,12 @@ class ReferenceBackend final : public Backend {
   std::string name() const override { return alloc_.device() == Device::kSim ? "reference-sim" : "reference"; }
   Device device() const override { return alloc_.device(); }
   Allocator& allocator() override { return alloc_; }
+  // The simulated device offloads on a copy thread, as a GPU does on its copy stream.
+  CopyEngine* copy_engine() override {
+    if (alloc_.device() != Device::kSim) return nullptr;
+    if (!engine_) engine_ = make_thread_copy_engine();
+    return engine_.get();
+  }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
@@ -683,6 +690,7 @@ class ReferenceBackend final : public Backend {
 
   Allocator& alloc_;
   const detail::DTypes dtypes_;  // f32 and f64, plain layouts, on alloc_'s device
+  std::unique_ptr<CopyEngine> engine_;
 };
 
 }  // namespace

@@ -42,6 +42,8 @@ struct Pool2dParams {
 };
 int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad);
 
+class CopyEngine;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -63,6 +65,10 @@ class Backend {
   // party (a communicator on its own stream) reads what the ops wrote. Host backends run ops to
   // completion before returning: nothing to wait for. Errors: the device's.
   [[nodiscard]] virtual Status synchronize() { return slide::core::ok_status(); }
+  // Asynchronous copies between this device and host memory, beside the ops (copy_engine.h; for
+  // activation offload), or null: offload then copies synchronously with upload / download.
+  // Owned by the backend (or its device); the training thread calls it.
+  virtual CopyEngine* copy_engine() { return nullptr; }
 
   // Bytes the device could still give, before any budget: the host's available memory
   // (sysconf's available pages) for backends in host memory, the GPU's free memory

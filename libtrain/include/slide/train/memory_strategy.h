@@ -9,7 +9,7 @@
 //   its forward in backward. Cost: the forward once more.
 // - offload (offload.h): each segment's saved activations go to host memory after its forward
 //   and come back before its backward. Cost: those bytes both ways over the host-device copy
-//   bandwidth. The copies are synchronous in this version, so none of it is hidden.
+//   bandwidth, hidden behind the compute where the backend copies beside it (a copy stream).
 //
 // How a choice is made (plan_memory_strategy): every candidate (mechanism x segment mode) is
 // planned on the model (planner.h: wrap, plan, unwrap) for the largest micro-batch up to the
@@ -38,6 +38,7 @@ struct StepCost {
   double sample_seconds = 0;         // time per sample of forward + backward
   double forward_fraction = 1.0 / 3; // forward's share of forward + backward (what a recompute repeats)
   double copy_bytes_per_second = 0;  // host <-> device copies (0: not measured; offload not weighed)
+  bool copies_overlap = false;       // the backend's copy engine runs beside its ops (copy_engine.h)
   int measured_steps = 0;            // real steps run to measure this
 };
 
@@ -46,7 +47,8 @@ struct StepCost {
 //   base = k * micro_batch_seconds + batch * sample_seconds
 //   + base * forward_fraction                          when `recompute`
 //   + 2 * k * offloaded_bytes / copy_bytes_per_second  when offloaded_bytes > 0 (per micro-batch,
-//                                                      each way; infinite without a bandwidth)
+//                                                      each way; infinite without a bandwidth);
+//   with copies_overlap the copies run beside the compute instead: max(that compute, the copies)
 double predict_step_seconds(const StepCost& cost, int64_t batch, int64_t micro_batch, bool recompute,
                             size_t offloaded_bytes);
 
@@ -96,11 +98,12 @@ int cheapest_candidate(const std::vector<StrategyCandidate>& candidates);
 // warm-up step (kernel selection, primitive caches), and fits StepCost's line through the two
 // (one point: all of it per sample). `model` may be wrapped: `recompute` (checkpointed) takes
 // the recomputed forward off the step's time; `offloaded_bytes_per_sample` (offloaded) takes
-// the copies off, at `copy_bytes_per_second`. Errors: probe_step's (kResourceExhausted when a
-// step does not fit).
+// the copies off, at `copy_bytes_per_second`, unless `copies_overlap`. Errors: probe_step's
+// (kResourceExhausted when a step does not fit).
 [[nodiscard]] Result<StepCost> measure_step_cost(Backend& be, Sequential& model, const PlanOptions& options,
                                                  int64_t micro_batch, bool recompute,
-                                                 double offloaded_bytes_per_sample, double copy_bytes_per_second);
+                                                 double offloaded_bytes_per_sample, double copy_bytes_per_second,
+                                                 bool copies_overlap = false);
 
 // Bytes per second of an upload plus a download of `bytes` (device memory from be's allocator,
 // host memory from `host`), the second of two rounds. Errors: the allocators' and the copies'.

@@ -21,6 +21,7 @@
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
 #include "slide/core/log.h"
+#include "sweep_grid.h"
 #include "train_common.h"
 
 extern char** environ;
@@ -34,110 +35,6 @@ using slide::core::Result;
 using slide::core::Status;
 
 constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitSomeFailed = 3, kExitInterrupted = 130;
-
-// One trial: its options in order (name without dashes, value; a flag has value "true").
-using Trial = std::vector<std::pair<std::string, std::string>>;
-
-std::string trim(const std::string& s) {
-  const auto a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
-  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
-}
-
-std::string unquote(const std::string& v) {
-  if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) return v.substr(1, v.size() - 2);
-  return v;
-}
-
-// `[a, "b", 3]` -> {a, b, 3}: commas outside quotes split.
-std::vector<std::string> split_list(const std::string& body) {
-  std::vector<std::string> out;
-  std::string cur;
-  char quote = 0;
-  for (char c : body) {
-    if (quote) {
-      cur += c;
-      if (c == quote) quote = 0;
-    } else if (c == '"' || c == '\'') {
-      quote = c;
-      cur += c;
-    } else if (c == ',') {
-      out.push_back(unquote(trim(cur)));
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  if (!trim(cur).empty()) out.push_back(unquote(trim(cur)));
-  return out;
-}
-
-Result<std::vector<Trial>> read_toml_grid(const std::string& path, const std::string& text) {
-  std::vector<std::pair<std::string, std::vector<std::string>>> axes;
-  std::istringstream in(text);
-  std::string line;
-  int n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    std::string t = trim(line);
-    if (const auto hash = t.find('#'); hash != std::string::npos && t.find('"') == std::string::npos) t = trim(t.substr(0, hash));
-    if (t.empty() || (t.front() == '[' && t.find('=') == std::string::npos)) continue;  // [section]
-    const auto eq = t.find('=');
-    if (eq == std::string::npos)
-      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": expected 'option = value' or 'option = [v1, v2]'");
-    std::string key = trim(t.substr(0, eq)), value = trim(t.substr(eq + 1));
-    if (key.rfind("--", 0) == 0) key = key.substr(2);
-    if (key.empty() || value.empty())
-      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": an option name and a value are needed");
-    std::vector<std::string> values;
-    if (value.front() == '[') {
-      if (value.back() != ']') return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": a list must end with ']' on its line");
-      values = split_list(value.substr(1, value.size() - 2));
-      if (values.empty()) return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": an empty list");
-    } else {
-      values = {unquote(value)};
-    }
-    axes.push_back({key, values});
-  }
-  if (axes.empty()) return slide::core::invalid_argument(path + ": no options");
-  std::vector<Trial> trials{Trial{}};
-  for (const auto& [key, values] : axes) {  // the cartesian product, the last axis fastest
-    std::vector<Trial> next;
-    for (const Trial& t : trials)
-      for (const std::string& v : values) {
-        Trial u = t;
-        u.push_back({key, v});
-        next.push_back(std::move(u));
-      }
-    trials = std::move(next);
-  }
-  return trials;
-}
-
-Result<std::vector<Trial>> read_csv_grid(const std::string& path, const std::string& text) {
-  std::istringstream in(text);
-  std::string line;
-  std::vector<std::string> header;
-  std::vector<Trial> trials;
-  int n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    if (trim(line).empty() || trim(line).front() == '#') continue;
-    std::vector<std::string> cells = split_list(line);
-    while (cells.size() < header.size() && !line.empty() && line.back() == ',') cells.push_back("");  // trailing empties
-    if (header.empty()) {
-      for (auto& c : cells) header.push_back(c.rfind("--", 0) == 0 ? c.substr(2) : c);
-      continue;
-    }
-    if (cells.size() > header.size())
-      return slide::core::invalid_argument(path + ":" + std::to_string(n) + ": more cells than the header names");
-    Trial t;
-    for (size_t i = 0; i < cells.size(); ++i)
-      if (!cells[i].empty()) t.push_back({header[i], cells[i]});
-    trials.push_back(std::move(t));
-  }
-  if (trials.empty()) return slide::core::invalid_argument(path + ": no trials (a header row, then one row per trial)");
-  return trials;
-}
 
 std::string trial_id(size_t i) {
   std::string n = std::to_string(i);

@@ -18,7 +18,7 @@ work="$build/tests/fuzz/work"
 targets=("$@")
 if ((${#targets[@]} == 0)); then
   targets=(fuzz_tile_record fuzz_slide_record fuzz_csv fuzz_file_stem fuzz_store_meta fuzz_manifest fuzz_safetensors
-    fuzz_geojson fuzz_state_json)
+    fuzz_geojson fuzz_state_json fuzz_sweep_grid)
 fi
 mkdir -p "$work/logs"
 status=0

@@ -256,6 +256,20 @@ class TestSweep(Base):
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("bad.toml:1", r.stderr)
+        # Found by fuzz_sweep_grid: a product of long lists is refused before it fills memory, and
+        # a name left with dashes ("----lr") would not be one option on a trial's command line.
+        for name, text, message in (
+                ("huge.toml", "lr = [%s]\nwidth = [%s]\n" % (",".join(str(i) for i in range(400)),
+                                                                ",".join(str(i) for i in range(300))),
+                 "huge.toml:2: the grid spans more than 100000 trials"),
+                ("dashes.toml", "----lr = [0.1]\n", "dashes.toml:1: '--lr' is not an option name")):
+            grid = os.path.join(self.tmp, name)
+            with open(grid, "w") as f:
+                f.write(text)
+            r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", os.path.join(self.tmp, name + ".out")],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(message, r.stderr)
 
     def test_toml_grid_is_a_product(self):
         grid = os.path.join(self.tmp, "grid.toml")

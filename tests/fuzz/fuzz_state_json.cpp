@@ -10,6 +10,8 @@
 //     epoch, step_in_epoch, optimizer_steps >= 0 and epochs >= 1 as int64; classes as >= 2
 //     strings; history one object per completed epoch with epoch >= 1 and numbers (val_roc_auc
 //     may be null); "abmil": mil's sizes >= 1 and dropout a number; tile models: width >= 1;
+//     memory (when present): strategy micro-batch|checkpoint|offload, segments a string,
+//     accumulate and ranks >= 1;
 //   - check_resume_config with the record's own config (and epochs) passes; with no config at all
 //     it fails (kInvalidArgument naming the checkpoint) exactly when the record's config names an
 //     option other than init.
@@ -64,6 +66,13 @@ void check_usable(const nlohmann::json& s) {
   if (s.contains("best_epoch")) SLIDE_FUZZ_CHECK(as_int(s["best_epoch"]) >= 1);
   if (s.contains("best_score")) (void)s["best_score"].get<double>();
   if (s.contains("config")) SLIDE_FUZZ_CHECK(s["config"].is_object());
+  if (s.contains("memory")) {  // read by --resume (slide_train_main.cpp)
+    const nlohmann::json& m = s["memory"];
+    const std::string strategy = m["strategy"].get<std::string>();
+    SLIDE_FUZZ_CHECK(strategy == "micro-batch" || strategy == "checkpoint" || strategy == "offload");
+    (void)m["segments"].get<std::string>();
+    SLIDE_FUZZ_CHECK(as_int(m["accumulate"]) >= 1 && as_int(m["ranks"]) >= 1);
+  }
   if (s["model"] == "abmil") {
     for (const char* key : {"in_features", "hidden", "attention"}) SLIDE_FUZZ_CHECK(as_int(s["mil"][key]) >= 1);
     (void)s["mil"]["dropout"].get<double>();

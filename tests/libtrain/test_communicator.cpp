@@ -18,6 +18,7 @@
 #include <functional>
 #include <thread>
 
+#include "slide/train/backend.h"
 #include "slide/train/communicator.h"
 #include "slide/train/data_parallel.h"
 
@@ -117,7 +118,11 @@ class RecordingComm final : public Communicator {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   int local_rank() const override { return 0; }
-  Device device() const override { return Device::kCpu; }
+  Device device() const override { return dev; }
+  Result<bool> start_after(const DeviceFence&) override {
+    started.push_back("after a fence");
+    return orders;
+  }
   Status all_reduce(void*, int64_t, DType, ReduceOp, const std::string& what) override {
     started.push_back(what);
     return slide::core::ok_status();
@@ -138,6 +143,8 @@ class RecordingComm final : public Communicator {
   }
   void abort_job(int) override {}
   std::vector<std::string> started;
+  Device dev = Device::kCpu;  // where its collectives take buffers
+  bool orders = false;        // whether start_after orders them (NCCL's does)
 };
 
 }  // namespace
@@ -189,6 +196,38 @@ TEST_CASE("gradient buckets overlapped with backward: each starts, in order, onc
   buckets->cancel_step();
   REQUIRE(buckets->start_step(comm, false).ok());
   REQUIRE(buckets->finish_step().ok());
+}
+
+TEST_CASE("gradient buckets on a device: each bucket's all-reduce is ordered after a fence of backward's work") {
+  // The simulated device gives fences as the cuda backend does (an event on its stream); a
+  // communicator of that device that can order after them (NCCL) gets one before every bucket,
+  // so the host never waits for backward (it used to synchronise the device per bucket).
+  auto be = make_backend("reference-sim").value();
+  auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 1).value();
+  REQUIRE(move_to_device(*be, *model).ok());
+  std::vector<Parameter*> params;
+  model->collect("", &params, nullptr);
+  auto buckets = GradientBuckets::make(params, be->allocator(), 8192, be.get()).value();
+  const size_t n = buckets->bucket_count();
+  REQUIRE(n > 2);
+  RecordingComm comm;
+  comm.dev = Device::kSim;
+  for (bool orders : {true, false}) {
+    comm.orders = orders;
+    comm.started.clear();
+    REQUIRE(buckets->start_step(comm, false).ok());
+    for (auto it = params.rbegin(); it != params.rend(); ++it) REQUIRE(buckets->gradients_ready({*it}).ok());
+    auto stop = buckets->finish_step();
+    REQUIRE_MESSAGE(stop.ok(), stop.status().to_string());
+    CHECK_FALSE(*stop);
+    // fence, bucket 1, fence, bucket 2, ...: every collective behind a fence made just before it
+    // (a communicator that cannot order after it says so, and the device is synchronised instead).
+    REQUIRE(comm.started.size() == 2 * n);
+    for (size_t b = 0; b < n; ++b) {
+      CHECK(comm.started[2 * b] == "after a fence");
+      CHECK(comm.started[2 * b + 1].find("gradient bucket " + std::to_string(b + 1) + " of ") != std::string::npos);
+    }
+  }
 }
 
 namespace {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "conv_plan.h"
+#include "cuda_fence.h"
 #include "slide/core/log.h"
 #include "slide/train/copy_engine.h"
 #include "cuda_check.h"
@@ -329,6 +330,16 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
     return ok_status();
+  }
+
+  // An event on the compute stream, after every op queued so far.
+  Result<std::unique_ptr<DeviceFence>> fence() override {
+    SLIDE_CUDA_CHECK(cudaSetDevice(st_->device));
+    cudaEvent_t e = nullptr;
+    SLIDE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    auto f = std::make_unique<CudaFence>(e);  // destroys the event on the error path too
+    SLIDE_CUDA_CHECK(cudaEventRecord(e, st_->stream));
+    return std::unique_ptr<DeviceFence>(std::move(f));
   }
 
   // The device's copy engine, made on first use. Should its stream or events not be made, offload

@@ -106,9 +106,18 @@ Status GradientBuckets::launch(size_t b) {
     if (!p->grad.shares_storage(flat_))
       return slide::core::failed_precondition("gradient of " + p->name +
                                               " was replaced after the gradient buckets were made");
-  // Device gradients: the communicator runs on its own stream; everything the backend queued
-  // (backward up to here) finishes first.
-  if (device_ != nullptr && !staged_) SLIDE_RETURN_IF_ERROR(device_->synchronize());
+  // Device gradients: the communicator runs on its own stream, after everything the backend
+  // queued (backward up to here): ordered on the device behind a fence where the communicator can
+  // (NCCL: an event its stream waits for, so the host goes on queueing backward), else by waiting
+  // for the backend here.
+  if (device_ != nullptr && !staged_) {
+    SLIDE_ASSIGN_OR_RETURN(std::unique_ptr<DeviceFence> fence, device_->fence());
+    bool ordered = false;
+    if (fence) {
+      SLIDE_ASSIGN_OR_RETURN(ordered, comm_->start_after(*fence));
+    }
+    if (!ordered) SLIDE_RETURN_IF_ERROR(device_->synchronize());
+  }
   // The communicator's buffer: a host pointer, or a device one that only the communicator reads.
   float* flat = reduced().ptr<float>();
   SLIDE_ASSIGN_OR_RETURN(auto w, comm_->all_reduce_async(flat + bk.offset, bk.count, DType::kF32, ReduceOp::kSum,

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/cuda_fence.h"
 #include "dist/communicators.h"
 #include "slide/train/device_select.h"
 
@@ -140,6 +141,17 @@ class NcclCommunicator final : public Communicator {
     return enqueue(data, bytes, bytes, what, [&](void* buf, size_t) {
       return ncclAllReduce(buf, buf, static_cast<size_t>(count), type, nop, comm_, stream_);
     });
+  }
+
+  // The stream of every later collective waits, on the device, for the cuda backend's fence
+  // (cudaStreamWaitEvent uses the event as recorded now).
+  Result<bool> start_after(const DeviceFence& fence) override {
+    const auto* f = dynamic_cast<const cuda::CudaFence*>(&fence);
+    if (f == nullptr) return false;
+    if (broken_ || comm_ == nullptr) return broken_error("ordering after the backend's work");
+    if (const cudaError_t e = cudaStreamWaitEvent(stream_, f->event(), 0); e != cudaSuccess)
+      return fail("ordering after the backend's work", cudaGetErrorString(e));
+    return true;
   }
 
   Status broadcast(void* data, size_t bytes, int root, const std::string& what) override {

@@ -42,6 +42,12 @@ class ReferenceBackend final : public Backend {
   std::string name() const override { return alloc_.device() == Device::kSim ? "reference-sim" : "reference"; }
   Device device() const override { return alloc_.device(); }
   Allocator& allocator() override { return alloc_; }
+  // The simulated device gives fences (its ops are complete when they return, so there is nothing
+  // to wait for), so that the code ordering a communicator after them runs in the CPU tests.
+  Result<std::unique_ptr<DeviceFence>> fence() override {
+    if (alloc_.device() != Device::kSim) return std::unique_ptr<DeviceFence>();
+    return std::unique_ptr<DeviceFence>(std::make_unique<DeviceFence>());
+  }
   // The simulated device offloads on a copy thread, as a GPU does on its copy stream.
   CopyEngine* copy_engine() override {
     if (alloc_.device() != Device::kSim) return nullptr;

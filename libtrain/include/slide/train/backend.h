@@ -44,6 +44,14 @@ int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad);
 
 class CopyEngine;
 
+// A point in a device's queue of ops (a CUDA event on cuda): work on another queue (a
+// communicator's stream) can be ordered after it on the device, so the host need not wait
+// (Backend::fence, Communicator::start_after). Destroying it does not wait for it.
+class DeviceFence {
+ public:
+  virtual ~DeviceFence() = default;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -69,6 +77,9 @@ class Backend {
   // activation offload), or null: offload then copies synchronously with upload / download.
   // Owned by the backend (or its device); the training thread calls it.
   virtual CopyEngine* copy_engine() { return nullptr; }
+  // A fence after every op queued so far on this backend's device, or null where ops are complete
+  // when they return (host backends: nothing to order after). Errors: the device's.
+  [[nodiscard]] virtual Result<std::unique_ptr<DeviceFence>> fence() { return std::unique_ptr<DeviceFence>(); }
 
   // Bytes the device could still give, before any budget: the host's available memory
   // (sysconf's available pages) for backends in host memory, the GPU's free memory

@@ -27,6 +27,8 @@
 
 namespace slide::train {
 
+class DeviceFence;  // backend.h
+
 enum class ReduceOp : uint8_t { kSum = 0, kAverage = 1 };
 
 // A collective in flight, from Communicator::all_reduce_async.
@@ -70,6 +72,14 @@ class Communicator {
   [[nodiscard]] virtual Result<std::unique_ptr<CollectiveWork>> all_reduce_async(void* data, int64_t count,
                                                                                  DType dtype, ReduceOp op,
                                                                                  const std::string& what) = 0;
+  // Orders the collectives started after this call behind `fence` on the device (NCCL: its stream
+  // waits for the fence's event), so that a caller with device buffers need not synchronise its
+  // backend on the host first. Returns false when this communicator cannot (host communicators,
+  // or a fence of another kind): the caller then synchronises. Errors: the device's.
+  [[nodiscard]] virtual Result<bool> start_after(const DeviceFence& fence) {
+    (void)fence;
+    return false;
+  }
   // data[0 .. bytes) of rank `root` copied to every rank. Errors: as all_reduce, and
   // kInvalidArgument for a root outside 0 .. world_size() - 1.
   [[nodiscard]] virtual Status broadcast(void* data, size_t bytes, int root, const std::string& what) = 0;

@@ -281,6 +281,11 @@ int run_main(int argc, char** argv) {
   app.add_option("--random-resized-crop", crop_min_scale,
                  "Smallest area fraction of torchvision's RandomResizedCrop, resized back to the tile size (1 = off)")
       ->capture_default_str()->check(number_option("random-resized-crop"));
+  float stain_sigma = 0;
+  app.add_option("--stain-augment", stain_sigma,
+                 "Stain augmentation (HED jitter, Tellez et al. 2018): each of haematoxylin, eosin and DAB scaled "
+                 "by U(1-s, 1+s) and shifted by U(-s, s) per tile (0 = off; 0.05 is mild)")
+      ->capture_default_str()->check(number_option("stain-augment"));
   std::string best_metric = "balanced_accuracy";
   app.add_option("--best-metric", best_metric,
                  "Validation metric that picks best.safetensors: balanced_accuracy | accuracy | roc_auc | loss")
@@ -654,6 +659,7 @@ int run_main(int argc, char** argv) {
   if (!init_weights.empty()) config["init"] = init_weights;
   if (!freeze_until.empty()) config["freeze"] = freeze_until;
   if (folds > 0) config["folds"] = folds, config["fold"] = std::max(fold, 0);
+  if (stain_sigma > 0) config["stain_augment"] = stain_sigma;
   if (test_fraction > 0) config["test_fraction"] = test_fraction;
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   // The fitted stain target (stain.h's JSON as an object): evaluate and predict apply it.
@@ -703,6 +709,7 @@ int run_main(int argc, char** argv) {
       to.augment.brightness = color_jitter[0], to.augment.contrast = color_jitter[1],
       to.augment.saturation = color_jitter[2], to.augment.hue = color_jitter[3];
     to.augment.crop_min_scale = crop_min_scale;
+    to.augment.stain_sigma = stain_sigma;
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;

@@ -44,6 +44,7 @@ const std::map<std::string, NumberRule>& number_rules() {
       {"dropout", {0, 0.95, false, false, false, "in [0, 0.95]"}},
       {"mil-dropout", {0, 0.99, false, false, false, "in [0, 0.99]"}},
       {"random-resized-crop", {0.01, 1, false, false, false, "in [0.01, 1]"}},
+      {"stain-augment", {0, 0.5, false, false, false, "in [0, 0.5]"}},
       {"dist-timeout", {0, kInf, true, true, false, "a finite number > 0"}},
       {"epochs", {1, kInf, false, true, true, "an integer >= 1"}},
   };

@@ -107,12 +107,19 @@ AugmentRecord draw_augment(const Augmentation& aug, uint64_t seed, uint64_t posi
     const JitterFactors f = draw_jitter(aug, rng);
     r.brightness = f.brightness, r.contrast = f.contrast, r.saturation = f.saturation, r.hue = f.hue;
   }
+  if (aug.stain_jitter()) {
+    r.stain = 1;
+    for (int k = 0; k < 3; ++k) {
+      r.stain_alpha[k] = uniform(rng, 1 - aug.stain_sigma, 1 + aug.stain_sigma);
+      r.stain_beta[k] = uniform(rng, -aug.stain_sigma, aug.stain_sigma);
+    }
+  }
   return r;
 }
 
 bool is_identity(const AugmentRecord& r) {
   return !r.crop && r.flip == 0 && r.rot == 0 && r.brightness == 1 && r.contrast == 1 && r.saturation == 1 &&
-         r.hue == 0;
+         r.hue == 0 && !r.stain;
 }
 
 void augment_image(const uint8_t* rgb, int64_t size, const AugmentRecord& r, float* chw, float* scratch) {
@@ -133,6 +140,8 @@ void augment_image(const uint8_t* rgb, int64_t size, const AugmentRecord& r, flo
     for (int64_t k = 0; k < 3 * n; ++k) hwc[k] = rgb[k] / 255.0f;
   }
   apply_jitter(JitterFactors{r.brightness, r.contrast, r.saturation, r.hue}, hwc, n);
+  if (r.stain)
+    for (int64_t k = 0; k < n; ++k) formulas::hed_jitter(hwc + 3 * k, r.stain_alpha, r.stain_beta);
   for (int64_t y = 0; y < size; ++y)
     for (int64_t x = 0; x < size; ++x) {
       int64_t sy, sx;

@@ -1,3 +1,4 @@
+#include <cmath>
 #include "op_checks.h"
 
 #include <string>
@@ -314,6 +315,10 @@ Status validate_augment_record(const AugmentRecord& r, int64_t n, int64_t size) 
                             std::to_string(size) + "-px tile");
   if (r.flip < 0 || r.flip > 1 || r.rot < 0 || r.rot > 3)
     return invalid_argument("gather_augment: flip " + std::to_string(r.flip) + ", rotation " + std::to_string(r.rot));
+  if (r.stain != 0 && r.stain != 1) return invalid_argument("gather_augment: stain flag " + std::to_string(r.stain));
+  for (int k = 0; k < 3; ++k)
+    if (!std::isfinite(r.stain_alpha[k]) || !std::isfinite(r.stain_beta[k]))
+      return invalid_argument("gather_augment: a stain factor is not finite");
   return ok_status();
 }
 

@@ -629,6 +629,25 @@ class TestRoughEdges(Base):
     --dry-run needs no --out, a .pth names the converter, other tiles are warned about, an
     unlabelled store says so, probabilities never exceed 1."""
 
+    def test_stain_augment_trains_is_recorded_and_checked(self):
+        # --stain-augment (issue 16 item 3): an epoch trains with it, the config records it (so a
+        # resume without it is refused), and weights differ from the run without it.
+        plain, stained = os.path.join(self.tmp, "nostain"), os.path.join(self.tmp, "stain")
+        self.assertEqual(self.train(plain, epochs=1).returncode, 0)
+        r = self.train(stained, "--stain-augment", "0.05", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(stained, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertAlmostEqual(json.load(f)["config"]["stain_augment"], 0.05, places=6)
+        a = read_safetensors(os.path.join(plain, "best.safetensors"))
+        b = read_safetensors(os.path.join(stained, "best.safetensors"))
+        self.assertTrue(any(not np.array_equal(a[k], b[k]) for k in a))
+        r = self.train(stained, "--resume", epochs=2)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("stain_augment", r.stderr)
+        r = self.train(os.path.join(self.tmp, "stain-bad"), "--stain-augment", "0.9", epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("in [0, 0.5]", r.stderr)
+
     def test_logs_and_messages(self):
         # slide-tile -q on 360 patches: nothing on stderr; --log-json: JSON records only.
         store = os.path.join(self.tmp, "q")
@@ -837,6 +856,22 @@ class TestAugment(unittest.TestCase):
                 got = ours("crop", x, y, w, h)
                 err = float(np.abs(got - want.permute(1, 2, 0).numpy()).max())
                 self.assertLess(err, 1e-5, "crop %s: max |ours - torchvision| = %g" % ((x, y, w, h), err))
+            # Stain augmentation (--stain-augment): HED jitter against scikit-image's rgb2hed / hed2rgb
+            # written here in NumPy from its documented algorithm (skimage.color.colorconv).
+            rgb_from_hed = np.array([[0.65, 0.70, 0.29], [0.07, 0.99, 0.11], [0.27, 0.57, 0.78]])
+            hed_from_rgb = np.linalg.inv(rgb_from_hed)
+            log_adjust = np.log(1e-6)
+            px = img.astype(np.float64).reshape(-1, 3)
+            stains = np.maximum((np.log(np.maximum(px, 1e-6)) / log_adjust) @ hed_from_rgb, 0)
+            for alpha, beta in [((1, 1, 1), (0, 0, 0)), ((1.04, 0.97, 1.01), (0.02, -0.03, 0.01)),
+                                ((0.8, 1.2, 1.0), (-0.1, 0.1, 0.0))]:
+                jittered = stains * np.array(alpha) + np.array(beta)
+                want = np.clip(np.exp((jittered * log_adjust) @ rgb_from_hed), 0, 1).reshape(img.shape)
+                got = ours("hed", *alpha, *beta)
+                err = float(np.abs(got - want).max())
+                self.assertLess(err, 2e-5, "hed %s %s: max |ours - numpy| = %g" % (alpha, beta, err))
+                if beta != (0, 0, 0):
+                    self.assertGreater(float(np.abs(got - img).max()), 0.01)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -3,13 +3,17 @@
 // torchvision itself is the e2e TestAugment.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
 #include "slide/train/augment.h"
 #include "slide/train/layers.h"
 #include "test_util.h"
+#include "../../libtrain/src/kernels/formulas.h"
 
 using namespace slide::train;
 using slide::train::testing::dot_f64;
@@ -54,6 +58,92 @@ TEST_CASE("colour jitter: torchvision's brightness, contrast, saturation and hue
   for (size_t i = 0; i < src.size(); ++i) CHECK(h[i] == doctest::Approx(src[i]).epsilon(1e-5));
   // The identity changes nothing.
   CHECK(run({}) == src);
+}
+
+namespace {
+
+// scikit-image's rgb2hed / hed2rgb (skimage.color.colorconv: combine_stains / separate_stains) in
+// double, written from its documented algorithm, with hed_from_rgb inverted here (Cramer's rule)
+// from the published rgb_from_hed: the reference for formulas::hed_jitter.
+void hed_jitter_f64(const double* rgb, const double* alpha, const double* beta, double* out) {
+  const double m[3][3] = {{0.65, 0.70, 0.29}, {0.07, 0.99, 0.11}, {0.27, 0.57, 0.78}};
+  const double det = m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) -
+                     m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0]) +
+                     m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]);
+  double inv[3][3];
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 3; ++j) {
+      const int a = (j + 1) % 3, b = (j + 2) % 3, c = (i + 1) % 3, d = (i + 2) % 3;
+      inv[i][j] = (m[a][c] * m[b][d] - m[a][d] * m[b][c]) / det;  // cofactor, transposed
+    }
+  const double log_adjust = std::log(1e-6);
+  double hed[3];
+  for (int k = 0; k < 3; ++k) {
+    double s = 0;
+    for (int c = 0; c < 3; ++c) s += std::log(std::max(rgb[c], 1e-6)) / log_adjust * inv[c][k];
+    hed[k] = std::max(s, 0.0) * alpha[k] + beta[k];
+  }
+  for (int c = 0; c < 3; ++c) {
+    double l = 0;
+    for (int k = 0; k < 3; ++k) l += hed[k] * log_adjust * m[k][c];
+    out[c] = std::min(1.0, std::max(0.0, std::exp(l)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("stain augmentation: HED jitter as scikit-image's colour deconvolution; draws in range, appended") {
+  // H&E-like pixels (pink, purple, near white, dark), factors at and around the identity.
+  const std::vector<std::array<float, 3>> pixels = {
+      {0.91f, 0.55f, 0.75f}, {0.45f, 0.30f, 0.62f}, {0.97f, 0.96f, 0.98f}, {0.12f, 0.08f, 0.20f}, {0, 0.5f, 1}};
+  const std::vector<std::array<float, 6>> factors = {
+      {1, 1, 1, 0, 0, 0}, {1.05f, 0.95f, 1.02f, 0.03f, -0.04f, 0.01f}, {0.8f, 1.2f, 1.0f, -0.1f, 0.1f, 0}};
+  double worst = 0;
+  for (const auto& px : pixels)
+    for (const auto& f : factors) {
+      float p[3] = {px[0], px[1], px[2]};
+      slide::train::formulas::hed_jitter(p, f.data(), f.data() + 3);
+      const double rgb[3] = {px[0], px[1], px[2]}, a[3] = {f[0], f[1], f[2]}, b[3] = {f[3], f[4], f[5]};
+      double want[3];
+      hed_jitter_f64(rgb, a, b, want);
+      for (int c = 0; c < 3; ++c) worst = std::max(worst, std::abs(double(p[c]) - want[c]));
+    }
+  MESSAGE("HED jitter: largest difference from the double reference ", worst);
+  CHECK(worst < 2e-5);
+
+  Augmentation aug;
+  aug.flips_rotations = true;
+  aug.brightness = 0.2f;
+  aug.crop_min_scale = 0.5f;
+  Augmentation stained = aug;
+  stained.stain_sigma = 0.05f;
+  CHECK(stained.any());
+  for (uint64_t pos = 0; pos < 200; ++pos) {
+    const AugmentRecord r = draw_augment(aug, 7, pos, 32), s = draw_augment(stained, 7, pos, 32);
+    // The stain factors are drawn after everything else: the other draws are unchanged.
+    CHECK(std::memcmp(&r, &s, offsetof(AugmentRecord, stain)) == 0);
+    CHECK(r.stain == 0);
+    REQUIRE(s.stain == 1);
+    for (int k = 0; k < 3; ++k) {
+      CHECK(s.stain_alpha[k] >= 0.95f);
+      CHECK(s.stain_alpha[k] <= 1.05f);
+      CHECK(std::abs(s.stain_beta[k]) <= 0.05f);
+    }
+    const AugmentRecord again = draw_augment(stained, 7, pos, 32);
+    CHECK(std::memcmp(&again, &s, sizeof s) == 0);
+  }
+  // A stained record is not the identity, and changes the image.
+  AugmentRecord id;
+  CHECK(is_identity(id));
+  AugmentRecord st = id;
+  st.stain = 1, st.stain_alpha[0] = 1.05f, st.stain_beta[1] = 0.03f;
+  CHECK_FALSE(is_identity(st));
+  std::vector<uint8_t> tile(4 * 4 * 3);
+  for (size_t i = 0; i < tile.size(); ++i) tile[i] = static_cast<uint8_t>(60 + 11 * i % 180);
+  std::vector<float> plain(3 * 16), stain(3 * 16), scratch(3 * 16);
+  augment_image(tile.data(), 4, id, plain.data(), scratch.data());
+  augment_image(tile.data(), 4, st, stain.data(), scratch.data());
+  CHECK(plain != stain);
 }
 
 TEST_CASE("colour jitter factors stay within ColorJitter's ranges") {

@@ -316,6 +316,7 @@ TEST_CASE("sim device: gather_augment on a dataset cached on the device makes lo
   aug.flips_rotations = true;
   aug.brightness = 0.3f, aug.contrast = 0.3f, aug.saturation = 0.3f, aug.hue = 0.1f;
   aug.crop_min_scale = 0.4f;
+  aug.stain_sigma = 0.05f;
   const std::vector<size_t> positions = {0, 7, 7, 100, 359, 42, 3};
   for (const Augmentation& a : {aug, Augmentation{}}) {
     for (uint64_t seed : {1u, 99u}) {

@@ -422,6 +422,7 @@ __global__ void gather_augment_kernel(const uint8_t* tiles, int64_t N, int64_t S
     float p[3];
     cropped_pixel(tile, S, r, sy, sx, p);
     fm::jitter_rest(p, r.contrast, mean, r.saturation, r.hue);
+    if (r.stain) fm::hed_jitter(p, r.stain_alpha, r.stain_beta);
     for (int c = 0; c < 3; ++c) out[(c * S + y) * S + x] = fm::imagenet_normalize(p[c], c);
   }
 }

@@ -362,6 +362,32 @@ SLIDE_HD void jitter_rest(float* p, float contrast, float mean, float saturation
   if (hue != 0) jitter_hue(p, hue);
 }
 
+// Stain augmentation in HED space (Tellez et al. 2018, "Whole-slide mitosis detection in H&E
+// breast histology using PHH3 as a reference to train distilled stain-invariant convolutional
+// networks"; the HEDJitter transform of histology pipelines): the pixel's optical density split
+// into haematoxylin, eosin and DAB by colour deconvolution (Ruifrok & Johnston 2001, with
+// scikit-image's rgb2hed / hed2rgb conventions: rgb floored at 1e-6, densities log(rgb) /
+// log(1e-6) projected with hed_from_rgb = inverse of rgb_from_hed = [[0.65, 0.70, 0.29], [0.07,
+// 0.99, 0.11], [0.27, 0.57, 0.78]], negative stains set to 0), each stain s -> s * alpha[c] +
+// beta[c], then back to RGB (exp(-(s * -log(1e-6)) @ rgb_from_hed)), clamped to [0, 1].
+SLIDE_HD void hed_jitter(float* p, const float* alpha, const float* beta) {
+  // hed_from_rgb = inv(rgb_from_hed), row-major (numpy.linalg.inv, 9 significant digits).
+  const float from_rgb[9] = {1.877982737f,  -1.007678686f, -0.556115818f, -0.065908062f, 1.134730372f,
+                             -0.135521799f, -0.601907363f, -0.480414188f, 1.573588072f};
+  const float to_rgb[9] = {0.65f, 0.70f, 0.29f, 0.07f, 0.99f, 0.11f, 0.27f, 0.57f, 0.78f};
+  const float log_adjust = -13.815510558f;  // log(1e-6)
+  float od[3], hed[3];
+  for (int c = 0; c < 3; ++c) od[c] = logf(p[c] > 1e-6f ? p[c] : 1e-6f) / log_adjust;
+  for (int k = 0; k < 3; ++k) {
+    const float s = od[0] * from_rgb[0 * 3 + k] + od[1] * from_rgb[1 * 3 + k] + od[2] * from_rgb[2 * 3 + k];
+    hed[k] = (s > 0 ? s : 0.0f) * alpha[k] + beta[k];
+  }
+  for (int c = 0; c < 3; ++c) {
+    const float log_rgb = (hed[0] * to_rgb[0 * 3 + c] + hed[1] * to_rgb[1 * 3 + c] + hed[2] * to_rgb[2 * 3 + c]) * log_adjust;
+    p[c] = clamp01(expf(log_rgb));
+  }
+}
+
 // Output (y, x) of an S x S image rotated by rot x 90 degrees, then flipped horizontally (flip 1),
 // takes source pixel (*sy, *sx).
 SLIDE_HD void flip_rotate_source(int64_t y, int64_t x, int64_t size, int flip, int rot, int64_t* sy, int64_t* sx) {

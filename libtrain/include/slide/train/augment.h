@@ -25,10 +25,14 @@ struct Augmentation {
   bool flips_rotations = false;  // random horizontal flip and rotation by k x 90 degrees
   float brightness = 0, contrast = 0, saturation = 0, hue = 0;  // ColorJitter's arguments; 0 = off
   float crop_min_scale = 1;  // RandomResizedCrop's smallest area fraction in (0, 1]; 1 = off
+  // Stain augmentation (HED jitter, formulas::hed_jitter): each stain s -> s * alpha + beta with
+  // alpha ~ U(1 - sigma, 1 + sigma), beta ~ U(-sigma, sigma) per stain and image; 0 = off.
+  float stain_sigma = 0;
 
   bool color_jitter() const { return brightness > 0 || contrast > 0 || saturation > 0 || hue > 0; }
   bool random_crop() const { return crop_min_scale < 1; }
-  bool any() const { return flips_rotations || color_jitter() || random_crop(); }
+  bool stain_jitter() const { return stain_sigma > 0; }
+  bool any() const { return flips_rotations || color_jitter() || random_crop() || stain_jitter(); }
 };
 
 // The factors one image gets (identity: 1, 1, 1, 0).
@@ -66,14 +70,18 @@ struct AugmentRecord {
   int32_t crop_x = 0, crop_y = 0, crop_w = 0, crop_h = 0;
   int32_t padding = 0;                 // explicit, so that every byte of a record is defined
   float brightness = 1, contrast = 1, saturation = 1, hue = 0;  // JitterFactors
+  int32_t stain = 0;                   // 1: HED jitter with the factors below, after the colour jitter
+  int32_t padding2 = 0;
+  float stain_alpha[3] = {1, 1, 1}, stain_beta[3] = {0, 0, 0};
 };
-static_assert(sizeof(AugmentRecord) == 56 && alignof(AugmentRecord) == 8,
+static_assert(sizeof(AugmentRecord) == 88 && alignof(AugmentRecord) == 8,
               "AugmentRecord is shared with device code: keep its layout");
 
 // The draws of tile `position` (TileDataset positions) for batch seed `seed` and S x S tiles: a
 // generator seeded by (seed, position) draws the flip and rotation (when aug.flips_rotations),
-// then the crop box (aug.random_crop()), then the jitter factors (aug.color_jitter()). `index` is
-// left 0 for the caller.
+// then the crop box (aug.random_crop()), then the jitter factors (aug.color_jitter()), then the
+// stain factors (aug.stain_jitter(): alpha then beta for H, E, D in turn). `index` is left 0 for
+// the caller.
 AugmentRecord draw_augment(const Augmentation& aug, uint64_t seed, uint64_t position, int64_t size);
 
 // Tile `rgb` (S x S x 3 uint8) augmented as `r` says and normalised with ImageNet's mean and std

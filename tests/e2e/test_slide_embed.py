@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import struct
@@ -403,6 +404,41 @@ class TestResume(TwoSlides):
                 np.testing.assert_array_equal(a["coords"][:], b["coords"][:])
                 self.assertEqual(dict(a.attrs), dict(b.attrs))
         self.assertEqual(read_text(os.path.join(ref, "bags.csv")), read_text(os.path.join(out, "bags.csv")))
+
+    def test_full_disk_keeps_complete_bags_and_a_rerun_finishes(self):
+        # Issue 17 item 4: a file-size limit makes the second bag's writes fail (EFBIG) the way a
+        # full disk does (ENOSPC). The first bag stays complete, the failing one never looks
+        # complete, the error names the file, and a rerun without the limit finishes the same bags.
+        ref = os.path.join(self.tmp, "ref-full")
+        r = run(self.args(ref))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        first, second = (os.path.getsize(os.path.join(ref, n)) for n in
+                         ("CMU-1-Small-Region.h5", "TCGA-CR-7395-01A-01-TS1.h5"))
+        cap = first + 64 * 1024
+        self.assertGreater(second, cap)
+
+        def limit():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+
+        out = os.path.join(self.tmp, "full")
+        r = subprocess.run(self.args(out), capture_output=True, text=True, preexec_fn=limit)
+        print("slide-embed under a %d-byte file limit: exit %d; %s" % (cap, r.returncode, r.stderr.strip()[-600:]))
+        self.assertEqual(r.returncode, 1, r.stderr)  # failed, not killed by a signal
+        self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
+        self.assertIn("TCGA-CR-7395-01A-01-TS1.h5.partial", r.stderr)
+        names = os.listdir(out)
+        self.assertIn("CMU-1-Small-Region.h5", names)
+        self.assertNotIn("TCGA-CR-7395-01A-01-TS1.h5", names)
+        with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as a, \
+                h5py.File(os.path.join(ref, "CMU-1-Small-Region.h5"), "r") as b:
+            np.testing.assert_array_equal(a["features"][:], b["features"][:])
+        r = run(self.args(out))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".partial")])
+        with h5py.File(os.path.join(out, "TCGA-CR-7395-01A-01-TS1.h5"), "r") as a, \
+                h5py.File(os.path.join(ref, "TCGA-CR-7395-01A-01-TS1.h5"), "r") as b:
+            np.testing.assert_array_equal(a["features"][:], b["features"][:])
 
     def test_ctrl_c_exits_130_and_leaves_no_partial(self):
         out = os.path.join(self.tmp, "interrupted")

@@ -528,25 +528,31 @@ int run_main(int argc, char** argv) {
   // Memory: activation checkpointing, --batch-size auto, the plan (slide_train_memory.cpp).
   if (batch == 0 && comm->world_size() > 1)  // each rank would find its own size
     return fail(slide::core::invalid_argument("--batch-size auto is for one rank: run it alone, then give the size"));
+  // --resume: the newest complete checkpoint, read (and validated, validate_run_state) once, here,
+  // by rank 0, the rank that writes them; its weights and state are loaded below.
+  const std::string ckpt_dir = out + "/checkpoints";
+  std::string resume_from;
+  nlohmann::json resumed_state;
   // A resumed run fits its steps as the run it continues did (its state.json's "memory"), not by
   // timing again: micro-batches change batch norm's statistics, so a different split would not
-  // resume exactly. Rank 0 reads it; prepare_memory gives rank 0's decision to every rank.
+  // resume exactly. prepare_memory gives rank 0's decision to every rank.
   std::optional<slide::apps::MemoryDecision> recorded_memory;
   if (resume && writer && !memory.dry_run) {
-    const std::vector<fs::path> checkpoints = list_checkpoints(out + "/checkpoints");
-    if (!checkpoints.empty()) {
-      // Validated (validate_run_state); a damaged record is refused with its field named below.
-      auto record = slide::apps::open_checkpoint_record(checkpoints.back().string());
-      if (record.ok() && record->state.contains("memory")) {
-        const nlohmann::json& m = record->state["memory"];
-        slide::apps::MemoryDecision d;
-        d.strategy = m["strategy"].get<std::string>();
-        d.segments = m["segments"].get<std::string>();
-        d.accumulate = m["accumulate"].get<int64_t>();
-        d.ranks = m["ranks"].get<int64_t>();
-        // On another world size the split is the user's to give (ranks x micro-batches).
-        if (d.ranks == comm->world_size()) recorded_memory = d;
-      }
+    const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
+    if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
+    resume_from = checkpoints.back().string();
+    auto record = slide::apps::open_checkpoint_record(resume_from);
+    if (!record.ok()) return fail(record.status().with_context("--resume"));
+    resumed_state = std::move(record->state);
+    if (resumed_state.contains("memory")) {
+      const nlohmann::json& m = resumed_state["memory"];
+      slide::apps::MemoryDecision d;
+      d.strategy = m["strategy"].get<std::string>();
+      d.segments = m["segments"].get<std::string>();
+      d.accumulate = m["accumulate"].get<int64_t>();
+      d.ranks = m["ranks"].get<int64_t>();
+      // On another world size the split is the user's to give (ranks x micro-batches).
+      if (d.ranks == comm->world_size()) recorded_memory = d;
     }
   }
   auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
@@ -632,7 +638,6 @@ int run_main(int argc, char** argv) {
     weights = *w;
   }
 
-  const std::string ckpt_dir = out + "/checkpoints";
   if (auto s = writer && overwrite ? slide::apps::remove_earlier_run(out) : slide::core::ok_status(); !s.ok())
     return fail(s);
   if (auto s = writer ? slide::core::make_dirs(ckpt_dir) : slide::core::ok_status(); !s.ok()) return fail(s);
@@ -666,13 +671,9 @@ int run_main(int argc, char** argv) {
   if (stain->method != slide::train::StainMethod::kNone)
     config["stain_normalization"] = nlohmann::json::parse(slide::train::stain_target_to_json(*stain));
   state["config"] = config;
-  if (resume && writer) {
-    const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
-    const std::string latest = checkpoints.empty() ? "" : checkpoints.back().string();
-    if (latest.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
-    auto record = slide::apps::open_checkpoint_record(latest);
-    if (!record.ok()) return fail(record.status().with_context("--resume"));
-    const nlohmann::json& saved = record->state;
+  if (resume && writer) {  // read above (not a dry run: that has returned)
+    const std::string& latest = resume_from;
+    const nlohmann::json& saved = resumed_state;
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);

@@ -42,10 +42,6 @@ namespace {
 
 using slide::core::invalid_argument;
 
-Mechanism mechanism_of(const std::string& name) {
-  return name == "checkpoint" ? Mechanism::kCheckpoint : name == "offload" ? Mechanism::kOffload : Mechanism::kNone;
-}
-
 // What may be weighed: the mechanisms in order of preference and their segment modes.
 Result<StrategyRequest> request_for(const MemoryOptions& o, const Backend& be, const std::string& backend_name) {
   const bool ck = o.checkpoint_activations != "none", off = o.offload_activations != "none";
@@ -68,7 +64,7 @@ Result<StrategyRequest> request_for(const MemoryOptions& o, const Backend& be, c
   } else if (s == "micro-batch" || s == "off") {
     r.mechanisms = {Mechanism::kNone};
   } else if (s == "checkpoint" || s == "offload") {
-    r.mechanisms = {mechanism_of(s)};
+    r.mechanisms = {mechanism_named(s)};
   }
   return r;
 }
@@ -108,7 +104,7 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   const int64_t request_batch = *batch != 0 ? *batch : o.global_batch;  // 0: auto without a global batch
   const bool weigh = o.memory_strategy != "off" && recorded == nullptr && request_batch > 0;
   if (recorded != nullptr) {
-    chosen.mechanism = mechanism_of(recorded->strategy);
+    chosen.mechanism = mechanism_named(recorded->strategy);
     chosen.segments = recorded->segments;
     if (*batch != 0) *accumulate = std::max(*accumulate, recorded->accumulate);
     slide::core::log_info("memory strategy (as recorded by the run resumed)",

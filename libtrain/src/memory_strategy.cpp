@@ -23,16 +23,6 @@ int64_t effective_micro_batch(int64_t batch, int64_t largest) {
   return (batch + k - 1) / k;
 }
 
-// Wraps `model` for (mechanism, segments); kNone wraps nothing.
-Result<size_t> wrap(Sequential& model, Mechanism m, const std::string& segments, Allocator& host) {
-  switch (m) {
-    case Mechanism::kNone: return size_t{0};
-    case Mechanism::kCheckpoint: return checkpoint_activations(model, segments);
-    case Mechanism::kOffload: return offload_activations(model, segments, host);
-  }
-  return size_t{0};
-}
-
 // Unwraps on every path out of a scope.
 struct Unwrap {
   Sequential& model;
@@ -151,8 +141,17 @@ Result<StepCost> measure_step_cost(Backend& be, Sequential& model, const PlanOpt
   return c;
 }
 
+Mechanism mechanism_named(const std::string& name) {
+  return name == "checkpoint" ? Mechanism::kCheckpoint : name == "offload" ? Mechanism::kOffload : Mechanism::kNone;
+}
+
 Result<size_t> apply_strategy(Sequential& model, const StrategyCandidate& candidate, Allocator& host) {
-  return wrap(model, candidate.mechanism, candidate.segments, host);
+  switch (candidate.mechanism) {
+    case Mechanism::kNone: return size_t{0};
+    case Mechanism::kCheckpoint: return checkpoint_activations(model, candidate.segments);
+    case Mechanism::kOffload: return offload_activations(model, candidate.segments, host);
+  }
+  return size_t{0};
 }
 
 Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const PlanOptions& options,
@@ -180,7 +179,7 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
       c.segments = mode;
       size_t saved_wrapped = 0;
       {
-        auto wrapped = wrap(model, m, mode, host);
+        auto wrapped = apply_strategy(model, c, host);
         Unwrap unwrap{model};
         if (!wrapped.ok()) {
           if (wrapped.status().code() == StatusCode::kInvalidArgument) continue;  // nothing to wrap
@@ -233,7 +232,7 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
   }
   Status measured;
   {
-    auto wrapped = wrap(model, first.mechanism, first.segments, host);
+    auto wrapped = apply_strategy(model, first, host);
     Unwrap unwrap{model};
     measured = wrapped.status();
     if (measured.ok()) {

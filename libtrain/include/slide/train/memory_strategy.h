@@ -29,8 +29,9 @@ namespace slide::train {
 
 enum class Mechanism { kNone, kCheckpoint, kOffload };
 
-// "micro-batch", "checkpoint", "offload".
+// "micro-batch", "checkpoint", "offload"; mechanism_named is its inverse (kNone for any other name).
 const char* mechanism_name(Mechanism m);
+Mechanism mechanism_named(const std::string& name);
 
 // The time model of one training step, measured on the backend (measure_step_cost). Seconds.
 struct StepCost {

@@ -167,6 +167,26 @@ class TestOomRecovery(Base):
         with open(os.path.join(auto, "checkpoints", "epoch-1-step-0", "state.json")) as f:
             self.assertEqual(json.load(f)["memory"], {"strategy": "micro-batch", "segments": "none", "accumulate": 4,
                                                    "ranks": 1})
+        # A damaged memory record is refused on --resume, naming the file and field; nothing changes.
+        state_file = os.path.join(auto, "checkpoints", "epoch-1-step-0", "state.json")
+        with open(state_file) as f:
+            record = json.load(f)
+        for bad, field in (({"strategy": "teleport", "segments": "none", "accumulate": 4, "ranks": 1},
+                            "memory.strategy"),
+                           ({"strategy": "micro-batch", "segments": "none", "accumulate": 0, "ranks": 1},
+                            "memory.accumulate"),
+                           ("micro-batch", "memory")):
+            record["memory"] = bad
+            with open(state_file, "w") as f:
+                json.dump(record, f)
+            before = {n: open(os.path.join(auto, "checkpoints", "epoch-1-step-0", n), "rb").read()
+                      for n in os.listdir(os.path.join(auto, "checkpoints", "epoch-1-step-0"))}
+            r = self.train(auto, "--model", "small", "--batch-size", "32", "--memory-budget", budget, "--resume")
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("DATA_LOSS", r.stderr)
+            self.assertIn(state_file + ": field '" + field + "'", r.stderr)
+            self.assertEqual(before, {n: open(os.path.join(auto, "checkpoints", "epoch-1-step-0", n), "rb").read()
+                                      for n in os.listdir(os.path.join(auto, "checkpoints", "epoch-1-step-0"))})
         # The dry run shows the weighing.
         r = self.train(os.path.join(self.tmp, "auto-plan"), "--model", "small", "--batch-size", "32",
                        "--memory-budget", budget, "--dry-run")

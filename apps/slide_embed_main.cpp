@@ -239,20 +239,12 @@ int run_main(int argc, char** argv) {
     auto cnn = slide::train::load_embed_model(weights, model, layer);
     if (!cnn.ok()) return fail(cnn.status());
     loaded = std::move(*cnn);
-    if (be->name() == "cpu") {
-      // cpu (also auto without a GPU): the fused oneDNN path (batch norm folded, ReLU and residual
-      // add fused), which needs no backend object.
-      auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer);
-      if (!extractor.ok()) return fail(extractor.status());
-      loaded.net.reset();  // the extractor holds folded copies of the weights
-      slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
-      encoder = std::move(*extractor);
-    } else {
-      // Any other backend: the engine's inference forward on its device.
-      auto engine = slide::train::EngineEncoder::create(std::move(loaded.net), loaded.layer, std::move(be));
-      if (!engine.ok()) return fail(engine.status().with_context("--backend " + backend));
-      encoder = std::move(*engine);
-    }
+    // The inference graph (batch norm folded, ReLU and residual adds fused) on the chosen backend.
+    auto extractor = slide::train::FeatureExtractor::create(*loaded.net, loaded.layer, std::move(be));
+    if (!extractor.ok()) return fail(extractor.status().with_context("--backend " + backend));
+    loaded.net.reset();  // the extractor holds folded copies of the weights
+    slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
+    encoder = std::move(*extractor);
   }
   slide::core::log_info("model", {{"model", loaded.model},
                                   {"layer", loaded.layer},

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +99,25 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   std::vector<Buffer*> buffers;
   (*model)->collect("", &params, &buffers);
   if (auto s = load_safetensors(ck->weights, named(params, buffers)); !s.ok()) return fail(s);
+  // The fused path (cpu and cuda): the model's inference graph cut at "fc" (inference_graph.h:
+  // batch norm folded into the convolutions, the residual adds and ReLUs fused), built from the
+  // host weights and prepared on the backend once; else (--no-fused, the reference backends, or a
+  // model the graph does not support) the engine's forward in inference mode.
+  std::optional<InferenceGraph> graph;
+  if (o.fused && ((*be)->name() == "cpu" || (*be)->name() == "cuda")) {
+    auto cut = find_cut(**model, "fc");
+    if (!cut.ok()) return fail(cut.status());
+    auto g = InferenceGraph::build(**model, *cut);
+    if (g.ok()) {
+      if (auto s = g->prepare(**be); !s.ok()) return fail(s.with_context("fused inference on " + o.backend));
+      graph.emplace(std::move(*g));
+    } else if (g.status().code() == slide::core::StatusCode::kUnimplemented) {
+      slide::core::log_debug("fused inference does not support this model; using the engine's forward",
+                             {{"reason", g.status().to_string()}});
+    } else {
+      return fail(g.status());
+    }
+  }
   if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + o.backend));
   std::vector<size_t> all((*ds)->tiles().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
@@ -108,20 +128,8 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   }
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, o.threads)));
   std::vector<float> probs;
-  // The fused path (cpu): logits through embed.h's FeatureExtractor cut at "fc" (batch norm folded
-  // into the convolutions, ReLU and residual adds fused, blocked layouts); else, or for a model it
-  // does not support, the engine's forward in inference mode.
-  std::unique_ptr<FeatureExtractor> extractor;
-  if (o.fused && (*be)->name() == "cpu") {
-    auto ex = FeatureExtractor::create(**model, "fc");
-    if (ex.ok()) extractor = std::move(*ex);
-    else if (ex.status().code() == slide::core::StatusCode::kUnimplemented)
-      slide::core::log_debug("fused inference does not support this model; using the engine's forward",
-                             {{"reason", ex.status().to_string()}});
-    else return fail(ex.status());
-  }
   const LogitsFn logits = [&](const Tensor& images) -> Result<Tensor> {
-    if (extractor != nullptr) return extractor->forward(images, (*be)->allocator());
+    if (graph.has_value()) return graph->run(**be, images);
     return (*model)->forward(**be, images, false);
   };
   // Metrics when every tile has a label (evaluate refuses a slide without one); probabilities
@@ -228,7 +236,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
                           "moved slides; their ids at debug level)",
                           {{"slides", grid_fallbacks}});
   nlohmann::json metrics = {{"tiles", st->samples}, {"classes", classes}, {"checkpoint", ck->weights},
-                            {"inference", extractor != nullptr ? "fused" : "engine"},
+                            {"inference", graph.has_value() ? "fused" : "engine"},
                             {"seconds", st->seconds}, {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}};
   if (labelled) {
     metrics["loss"] = st->loss, metrics["accuracy"] = st->accuracy;
@@ -242,12 +250,12 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   if (labelled)
     slide::core::log_info(mode, {{"tiles", st->samples}, {"accuracy", st->accuracy},
                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},
-                                 {"inference", extractor != nullptr ? "fused" : "engine"},
+                                 {"inference", graph.has_value() ? "fused" : "engine"},
                                  {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
   else
     slide::core::log_info(mode, {{"tiles", st->samples}, {"slides", static_cast<int64_t>(slides.size())},
                                  {"labels", "none: no metrics"},
-                                 {"inference", extractor != nullptr ? "fused" : "engine"},
+                                 {"inference", graph.has_value() ? "fused" : "engine"},
                                  {"tiles_per_s", st->samples / std::max(1e-9, st->seconds)}});
   return 0;
 }

@@ -32,7 +32,7 @@ struct TileInferenceOptions {
   int threads = 1;                // decode threads
   std::string backend = "cpu";
   int device = -1;
-  bool fused = true;              // the fused inference path on cpu (embed.h's FeatureExtractor)
+  bool fused = true;              // the inference graph on cpu and cuda (inference_graph.h)
   bool overwrite = false;
   bool heatmaps = true;           // predict: per-class heatmaps
   // > 0: only the tiles slide-train --test-fraction held out of these stores (TileDataset::hold_out

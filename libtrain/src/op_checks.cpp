@@ -79,6 +79,24 @@ Result<ConvDims> validate_conv2d_forward(const Tensor& x, const Tensor& w, const
   return d;
 }
 
+Result<ConvDims> validate_fused_conv2d_inference(const Backend* self, const Tensor& x, const FusedConvWeights& w,
+                                                 Conv2dParams p, const Tensor* residual, const Tensor& y,
+                                                 DTypes dtypes) {
+  const char* op = "fused_conv2d_inference";
+  if (w.owner() != self) return invalid_argument(std::string(op) + ": the weights were prepared by another backend");
+  SLIDE_ASSIGN_OR_RETURN(ConvDims d, conv_dims(op, "x", x, w.weight(), p));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, {d.N, d.K, d.P, d.Q}));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "b", w.bias(), {d.K}));
+  if (residual != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "residual", *residual, {d.N, d.K, d.P, d.Q}));
+  const Tensor none;
+  SLIDE_RETURN_IF_ERROR(want_dtype(
+      op, {{"x", &x}, {"w", &w.weight()}, {"b", &w.bias()}, {"residual", residual ? residual : &none}, {"y", &y}},
+      dtypes));
+  if (x.defined() && y.defined() && x.raw() == y.raw() && x.bytes() > 0)
+    return invalid_argument(std::string(op) + ": y must not share x's storage");
+  return d;
+}
+
 Result<ConvDims> validate_conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, const Tensor& dx,
                                                DTypes dtypes) {
   const char* op = "conv2d_backward_data";

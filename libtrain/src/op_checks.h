@@ -40,6 +40,10 @@ struct LinearDims {
 
 [[nodiscard]] Result<ConvDims> validate_conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b,
                                                        Conv2dParams p, const Tensor& y, DTypes dtypes);
+// Also: the weights prepared by `self`, residual (may be null) of y's shape, y not aliasing x.
+[[nodiscard]] Result<ConvDims> validate_fused_conv2d_inference(const Backend* self, const Tensor& x,
+                                                               const FusedConvWeights& w, Conv2dParams p,
+                                                               const Tensor* residual, const Tensor& y, DTypes dtypes);
 [[nodiscard]] Result<ConvDims> validate_conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p,
                                                              const Tensor& dx, DTypes dtypes);
 [[nodiscard]] Result<ConvDims> validate_conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p,

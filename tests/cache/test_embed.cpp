@@ -42,12 +42,13 @@ double rel_err(const std::vector<float>& a, const float* b, size_t n) {
   return err / scale;
 }
 
+// `graph_backend`: where the inference graph runs (null: cpu, FeatureExtractor's default).
 void check_cut(Backend& be, Sequential& model, const std::string& layer, int64_t n, int64_t h, int64_t w,
-               double tol) {
+               double tol, const char* graph_backend = nullptr) {
   CAPTURE(layer);
   auto cut = find_cut(model, layer);
   REQUIRE_MESSAGE(cut.ok(), cut.status().to_string());
-  auto ex = FeatureExtractor::create(model, layer);
+  auto ex = FeatureExtractor::create(model, layer, graph_backend ? backend(graph_backend) : nullptr);
   REQUIRE_MESSAGE(ex.ok(), ex.status().to_string());
   const std::vector<float> x = random_images(n, h, w, 7);
   auto t = Tensor::empty({n, 3, h, w}, DType::kF32, cpu_allocator());
@@ -83,6 +84,29 @@ TEST_CASE("fused inference equals the engine's forward: resnet18, every cut, aga
   for (const char* layer : {"relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc"}) {
     check_cut(*ref, **model, layer, 2, 40, 48, 1e-4);
   }
+}
+
+TEST_CASE("one inference graph on every backend: reference and the simulated device equal the engine's forward") {
+  auto model = make_resnet(cpu_allocator(), DType::kF32, 18, 5, 11);
+  REQUIRE(model.ok());
+  randomise_bn(**model, 3);
+  auto ref = backend("reference");
+  for (const char* graph : {"reference", "reference-sim"}) {
+    CAPTURE(graph);
+    for (const char* layer : {"relu", "maxpool", "layer2", "layer4", "fc"}) check_cut(*ref, **model, layer, 2, 40, 48, 1e-4, graph);
+  }
+  // The same graph on the reference backend and on the simulated device gives the same bits (the
+  // same ops; the device only adds the uploads and downloads).
+  auto a = FeatureExtractor::create(**model, "layer3", backend("reference"));
+  auto b = FeatureExtractor::create(**model, "layer3", backend("reference-sim"));
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK((*b)->backend().name() == "reference-sim");
+  const std::vector<float> x = random_images(3, 32, 32, 9);
+  std::vector<float> fa(3 * 256), fb(3 * 256);
+  REQUIRE((*a)->extract(x.data(), 3, 32, 32, fa.data()).ok());
+  REQUIRE((*b)->extract(x.data(), 3, 32, 32, fb.data()).ok());
+  CHECK(fa == fb);
 }
 
 TEST_CASE("fused inference equals the engine's forward: resnet50 layer3 (CLAM's cut) and layer4, cpu backend") {

@@ -173,9 +173,10 @@ class TestTorchvision(Base):
 
 
 class TestEngine(Base):
-    """CNNs off the cpu backend run the training engine's inference forward on the backend's device:
-    on the simulated device (the device paths without a GPU: model moved once, batches uploaded,
-    features downloaded) the bags equal the host reference backend's bit for bit, and torchvision's."""
+    """CNNs run one inference graph (batch norm folded, residual adds and ReLUs fused) on every
+    backend: on the simulated device (the device paths without a GPU: weights prepared once, batches
+    uploaded, features downloaded) the bags equal the host reference backend's bit for bit, cpu's
+    (oneDNN's fused primitives) within float rounding, and torchvision's."""
 
     def test_resnet18_on_the_simulated_device_equals_host_and_torchvision(self):
         import torch
@@ -184,7 +185,7 @@ class TestEngine(Base):
         model, weights = self.random_weights("resnet18", seed=5)
         ids = ["lung_aca/lungaca1", "lung_n/lungn10", "lung_scc/lungscc100"]
         feats = {}
-        for backend in ("reference", "reference-sim"):
+        for backend in ("reference", "reference-sim", "cpu"):
             out = os.path.join(self.tmp, "engine_" + backend)
             r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--slides", ",".join(ids),
                            "--backend", backend, "--batch-size", "2")
@@ -196,11 +197,12 @@ class TestEngine(Base):
                     self.assertEqual(f.attrs["layer"], "avgpool")
         for sid in ids:
             np.testing.assert_array_equal(feats["reference"][sid], feats["reference-sim"][sid])
+            self.assertLess(rel_err(feats["cpu"][sid], feats["reference"][sid]), 1e-5, sid)
             images, _ = store_tiles(store, sid)
             want = torch_features(model, "layer4", images)
             self.assertEqual(feats["reference-sim"][sid].shape, (1, 512))
             err = rel_err(feats["reference-sim"][sid], want)
-            self.assertLess(err, 1e-4, "%s: engine features vs torchvision: %.3g" % (sid, err))
+            self.assertLess(err, 1e-4, "%s: reference-sim features vs torchvision: %.3g" % (sid, err))
 
     def test_cuda_without_a_gpu_is_a_usage_error(self):
         store = self.tile("lc64b", "--patches", LC, "--tile-size", "64")

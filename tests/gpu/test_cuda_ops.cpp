@@ -108,6 +108,53 @@ TEST_CASE("cuda vs reference: conv2d forward, backward data, backward weights (+
   }
 }
 
+TEST_CASE("cuda vs reference: fused inference convolution (cuDNN's bias + residual + ReLU; in place; no ReLU)") {
+  struct Case {
+    int64_t N, C, H, W, K, R;
+    Conv2dParams p;
+    bool relu, residual, in_place;
+  };
+  for (Case c : {Case{1, 3, 13, 11, 5, 7, {2, 3}, true, false, false}, Case{3, 13, 9, 9, 16, 3, {1, 1}, true, true, true},
+                 Case{3, 13, 9, 9, 16, 3, {1, 1}, true, true, false}, Case{3, 13, 8, 10, 4, 1, {2, 0}, false, false, false},
+                 Case{1, 16, 6, 6, 16, 1, {1, 0}, false, true, true}}) {
+    CAPTURE(c.C);
+    CAPTURE(c.R);
+    CAPTURE(c.relu);
+    CAPTURE(c.residual);
+    CAPTURE(c.in_place);
+    const int64_t P = conv_out_extent(c.H, c.R, c.p.stride, c.p.pad), Q = conv_out_extent(c.W, c.R, c.p.stride, c.p.pad);
+    Pair x = make({c.N, c.C, c.H, c.W}, 1), w = make({c.K, c.C, c.R, c.R}, 2), b = make({c.K}, 3),
+         z = make({c.N, c.K, P, Q}, 5, -2, 2), y = make({c.N, c.K, P, Q});
+    auto pd = ref().prepare_fused_conv2d(w.d, b.d);
+    auto pg = gpu().prepare_fused_conv2d(w.f, b.f);  // host tensors in: uploaded by the default prepare
+    REQUIRE_MESSAGE(pd.ok(), pd.status().to_string());
+    REQUIRE_MESSAGE(pg.ok(), pg.status().to_string());
+    CHECK((*pg)->weight().device() == Device::kCuda);
+    Tensor X = up(x.f), Z = up(z.f), Y = up(y.f);
+    Pair& out = c.in_place ? z : y;
+    Tensor& OUT = c.in_place ? Z : Y;
+    OK(ref().fused_conv2d_inference(x.d, **pd, c.p, c.relu, c.residual ? &z.d : nullptr, out.d));
+    OK(gpu().fused_conv2d_inference(X, **pg, c.p, c.relu, c.residual ? &Z : nullptr, OUT));
+    down(OUT, out.f);
+    compare("fused conv y", out, 1e-4);
+    // Again with the cached algorithm: the same bits (deterministic algorithms only).
+    if (!c.in_place) {
+      Tensor Y2 = up(y.f);
+      OK(gpu().fused_conv2d_inference(X, **pg, c.p, c.relu, c.residual ? &Z : nullptr, Y2));
+      Pair again = make(out.d.shape());
+      down(Y2, again.f);
+      CHECK(std::memcmp(again.f.raw(), out.f.raw(), out.f.bytes()) == 0);
+    }
+  }
+  // Weights prepared by another backend are refused.
+  Pair x = make({1, 3, 8, 8}, 1), w = make({4, 3, 3, 3}, 2), y = make({1, 4, 6, 6});
+  auto pd = ref().prepare_fused_conv2d(w.d, Tensor());
+  REQUIRE(pd.ok());
+  Tensor X = up(x.f), Y = up(y.f);
+  CHECK(gpu().fused_conv2d_inference(X, **pd, Conv2dParams{1, 0}, true, nullptr, Y).code() ==
+        StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("cuda vs reference: batch norm training, inference, backward") {
   for (Shape s : {Shape{3, 13, 5, 7}, Shape{1, 3, 4, 4}}) {
     const int64_t C = s[1];

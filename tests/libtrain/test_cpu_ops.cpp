@@ -4,9 +4,12 @@
 // pre-filled so that the accumulate (+=) rule is checked too.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "slide/train/backend.h"
 #include "slide/train/layers.h"
@@ -246,4 +249,124 @@ TEST_CASE("cpu: a ResNet's activations stay blocked from layer to layer") {
   }
   CHECK(h.layout() == Layout::kPlain);  // the logits
   (*net)->release();
+}
+
+namespace {
+
+// y = act(conv(x, w) + b + z) by plain loops in double: the fused inference convolution's formula
+// (backend.h), independent of the backends' composition.
+std::vector<double> naive_fused(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor* z, bool relu,
+                                Conv2dParams p) {
+  const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3), K = w.dim(0), R = w.dim(2), S = w.dim(3);
+  const int64_t P = conv_out_extent(H, R, p.stride, p.pad), Q = conv_out_extent(W, S, p.stride, p.pad);
+  std::vector<double> y(static_cast<size_t>(N * K * P * Q));
+  const double* xd = x.data<double>();
+  const double* wd = w.data<double>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t i = 0; i < P; ++i)
+        for (int64_t j = 0; j < Q; ++j) {
+          double acc = b.data<double>()[k];
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t s = 0; s < S; ++s) {
+                const int64_t h = i * p.stride - p.pad + r, ww = j * p.stride - p.pad + s;
+                if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                acc += xd[((n * C + c) * H + h) * W + ww] * wd[((k * C + c) * R + r) * S + s];
+              }
+          const size_t o = static_cast<size_t>(((n * K + k) * P + i) * Q + j);
+          if (z != nullptr) acc += z->data<double>()[o];
+          y[o] = relu ? std::max(acc, 0.0) : acc;
+        }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("cpu vs reference: fused inference convolution (bias, residual add, ReLU; in place)") {
+  Backend& ref = backend("reference");
+  Backend& cpu = backend("cpu");
+  struct Case {
+    int64_t C, K, R;
+    Conv2dParams p;
+    bool relu, residual, in_place;
+  };
+  for (const Case c : {Case{3, 5, 7, {2, 3}, true, false, false}, Case{13, 16, 3, {1, 1}, true, true, true},
+                       Case{16, 16, 1, {1, 0}, false, true, false}, Case{16, 32, 3, {2, 1}, true, true, false},
+                       Case{13, 7, 1, {2, 0}, false, false, false}}) {
+    CAPTURE(c.C);
+    CAPTURE(c.K);
+    CAPTURE(c.R);
+    CAPTURE(c.relu);
+    CAPTURE(c.residual);
+    CAPTURE(c.in_place);
+    const int64_t H = 9, W = 11;
+    const int64_t P = conv_out_extent(H, c.R, c.p.stride, c.p.pad), Q = conv_out_extent(W, c.R, c.p.stride, c.p.pad);
+    Pair x = make({2, c.C, H, W}, 31), w = make({c.K, c.C, c.R, c.R}, 32), b = make({c.K}, 33);
+    Pair z = make({2, c.K, P, Q}, 34, -2, 2), y = make({2, c.K, P, Q});
+    auto pd = ref.prepare_fused_conv2d(w.d, b.d);
+    auto pf = cpu.prepare_fused_conv2d(w.f, b.f);
+    REQUIRE_MESSAGE(pd.ok(), pd.status().to_string());
+    REQUIRE_MESSAGE(pf.ok(), pf.status().to_string());
+    const std::vector<double> want = naive_fused(x.d, w.d, b.d, c.residual ? &z.d : nullptr, c.relu, c.p);
+    Pair& out = c.in_place ? z : y;  // in place: the residual is overwritten by the output
+    BOTH(fused_conv2d_inference(x.d, **pd, c.p, c.relu, c.residual ? &z.d : nullptr, out.d),
+         fused_conv2d_inference(x.f, **pf, c.p, c.relu, c.residual ? &z.f : nullptr, out.f));
+    // The reference's composition equals the formula ...
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(out.d.data<double>()[i] - want[i]));
+    CHECK(worst < 1e-12);
+    // ... and cpu's fused primitive equals the reference.
+    auto plain = cpu.to_plain(out.f);
+    REQUIRE(plain.ok());
+    compare("fused conv y", Pair{out.d, *plain}, 1e-5);
+    // Run again with the same prepared weights (their reorder is kept): the same bits.
+    if (!c.in_place) {
+      Pair y2 = make({2, c.K, P, Q});
+      REQUIRE(cpu.fused_conv2d_inference(x.f, **pf, c.p, c.relu, c.residual ? &z.f : nullptr, y2.f).ok());
+      auto p2 = cpu.to_plain(y2.f);
+      REQUIRE(p2.ok());
+      CHECK(std::memcmp(p2->raw(), plain->raw(), plain->bytes()) == 0);
+    }
+  }
+}
+
+TEST_CASE("cpu: fused inference convolution on blocked activations, in place over a blocked or plain shortcut") {
+  Backend& ref = backend("reference");
+  Backend& cpu = backend("cpu");
+  const Conv2dParams cp{1, 1};
+  // A blocked input, as the convolution before it leaves it.
+  Pair x0 = make({2, 16, 8, 8}, 41), w0 = make({16, 16, 3, 3}, 42), x = make({2, 16, 8, 8});
+  BOTH(conv2d_forward(x0.d, w0.d, Tensor(), cp, x.d), conv2d_forward(x0.f, w0.f, Tensor(), cp, x.f));
+  REQUIRE(x.f.layout() != Layout::kPlain);
+  Pair w = make({16, 16, 3, 3}, 43), b = make({16}, 44);
+  auto pd = ref.prepare_fused_conv2d(w.d, b.d);
+  auto pf = cpu.prepare_fused_conv2d(w.f, b.f);
+  REQUIRE(pd.ok());
+  REQUIRE(pf.ok());
+  // Shortcut blocked (the ResNet block's identity shortcut, written over in place, no copy) ...
+  Pair zb = make({2, 16, 8, 8});
+  BOTH(conv2d_forward(x0.d, w.d, Tensor(), cp, zb.d), conv2d_forward(x0.f, w.f, Tensor(), cp, zb.f));
+  REQUIRE(zb.f.layout() != Layout::kPlain);
+  void* before = zb.f.raw();
+  BOTH(fused_conv2d_inference(x.d, **pd, cp, true, &zb.d, zb.d), fused_conv2d_inference(x.f, **pf, cp, true, &zb.f, zb.f));
+  CHECK(zb.f.raw() == before);
+  CHECK(zb.f.layout() != Layout::kPlain);
+  auto p1 = cpu.to_plain(zb.f);
+  REQUIRE(p1.ok());
+  compare("in place over a blocked shortcut", Pair{zb.d, *p1}, 1e-5);
+  // ... and plain (copied aside first, then the output takes the primitive's layout).
+  Pair zp = make({2, 16, 8, 8}, 45);
+  BOTH(fused_conv2d_inference(x.d, **pd, cp, true, &zp.d, zp.d), fused_conv2d_inference(x.f, **pf, cp, true, &zp.f, zp.f));
+  auto p2 = cpu.to_plain(zp.f);
+  REQUIRE(p2.ok());
+  compare("in place over a plain shortcut", Pair{zp.d, *p2}, 1e-5);
+
+  // Errors: weights of another backend, y aliasing x, a residual of another shape.
+  Pair y = make({2, 16, 8, 8}), bad = make({2, 16, 4, 4});
+  CHECK(cpu.fused_conv2d_inference(x.f, **pd, cp, true, nullptr, y.f).code() == StatusCode::kInvalidArgument);
+  CHECK(cpu.fused_conv2d_inference(y.f, **pf, cp, true, nullptr, y.f).code() == StatusCode::kInvalidArgument);
+  CHECK(cpu.fused_conv2d_inference(x.f, **pf, cp, true, &bad.f, y.f).code() == StatusCode::kInvalidArgument);
+  CHECK(ref.fused_conv2d_inference(x.d, **pd, cp, true, &bad.d, y.d).code() == StatusCode::kInvalidArgument);
+  CHECK(cpu.prepare_fused_conv2d(b.f, b.f).status().code() == StatusCode::kInvalidArgument);
 }

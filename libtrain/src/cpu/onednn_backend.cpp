@@ -61,6 +61,15 @@ std::string key_of(const char* op, std::initializer_list<int64_t> v) {
   return k;
 }
 
+// Fused convolution weights on cpu: the plain f32 weights and their reorders into the layouts the
+// primitives asked for (OneDnnBackend::fused_weights makes them on first use; not thread-safe,
+// like the backend).
+class CpuFusedConvWeights final : public FusedConvWeights {
+ public:
+  CpuFusedConvWeights(const Backend* owner, Tensor w, Tensor b) : FusedConvWeights(owner, std::move(w), std::move(b)) {}
+  mutable std::vector<std::pair<memory::desc, Tensor>> reordered;
+};
+
 class OneDnnBackend final : public Backend {
  public:
   explicit OneDnnBackend(Allocator& alloc)
@@ -92,6 +101,66 @@ class OneDnnBackend final : public Backend {
       if (b.defined()) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
       dnnl::convolution_forward(pd).execute(strm_, args);
       from_pd(y_pd, y);
+    });
+  }
+
+  // The fused inference convolution: oneDNN's forward_inference convolution with the bias, a sum
+  // post-op for the residual (dst holds z before the primitive runs) and an eltwise_relu post-op.
+  // The weights are reordered into the layout each primitive wants once, kept in the prepared
+  // weights (CpuFusedConvWeights), and shared by every batch size that wants the same layout.
+  Result<std::shared_ptr<const FusedConvWeights>> prepare_fused_conv2d(const Tensor& w, const Tensor& b) override {
+    SLIDE_ASSIGN_OR_RETURN(auto plain, Backend::prepare_fused_conv2d(w, b));
+    if (plain->weight().dtype() != DType::kF32)
+      return slide::core::unimplemented("prepare_fused_conv2d: cpu has f32 only");
+    return std::shared_ptr<const FusedConvWeights>(
+        std::make_shared<CpuFusedConvWeights>(this, plain->weight(), plain->bias()));
+  }
+
+  Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& w, Conv2dParams p, bool relu,
+                                const Tensor* residual, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_fused_conv2d_inference(this, x, w, p, residual, y, kCpuTypes));
+    const auto* prepared = dynamic_cast<const CpuFusedConvWeights*>(&w);
+    if (prepared == nullptr) return slide::core::invalid_argument("fused_conv2d_inference: weights not prepared by cpu");
+    return run("fused_conv2d_inference", [&] {
+      const bool sum = residual != nullptr;
+      auto& pd = cached<dnnl::convolution_forward::primitive_desc>(
+          key_of("conv_fused", {d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, sum, relu}), [&] {
+            auto [src, wei, bmd, dst] = conv_mds(d, true);
+            dnnl::convolution_forward::desc desc(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+                                                 src, wei, bmd, dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
+            dnnl::post_ops po;
+            if (sum) po.append_sum(1.f);
+            if (relu) po.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+            dnnl::primitive_attr attr;
+            attr.set_post_ops(po);
+            return dnnl::convolution_forward::primitive_desc(desc, attr, eng_);
+          });
+      memory dst;
+      if (sum) {
+        // The sum post-op adds to what dst holds: z must be there, in the primitive's dst layout.
+        const memory::desc z_md = md_of(*residual);
+        memory z = mem(z_md, *residual);
+        const bool in_place = residual->raw() == y.raw();
+        if (in_place && z_md == pd.dst_desc()) {
+          dst = z;  // the block's shortcut becomes its output, no copy
+        } else {
+          if (in_place) {  // z would be overwritten by its own reorder: copy it aside first
+            memory aside = scratch(z_md);
+            dnnl::reorder(z, aside).execute(strm_, z, aside);
+            z = aside;
+          }
+          dst = out_mem(pd.dst_desc(), y);
+          dnnl::reorder(z, dst).execute(strm_, z, dst);
+        }
+      } else {
+        dst = out_mem(pd.dst_desc(), y);
+      }
+      dnnl::convolution_forward(pd).execute(strm_, {{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
+                                                    {DNNL_ARG_WEIGHTS, fused_weights(*prepared, pd.weights_desc())},
+                                                    {DNNL_ARG_BIAS, mem(pd.bias_desc(), w.bias())},
+                                                    {DNNL_ARG_DST, dst}});
+      from_pd(dst, y);
     });
   }
 
@@ -705,6 +774,22 @@ class OneDnnBackend final : public Backend {
     if (got.get_data_handle() == t.raw()) return;
     memory dst = mem(md_of(t), t);
     dnnl::reorder(got, dst).execute(strm_, got, dst);
+  }
+
+  // A prepared convolution's weights in layout `want`: the plain ones, or a reorder made once and
+  // kept in `w` (from the allocator; bad_alloc when it refuses, which run() reports).
+  memory fused_weights(const CpuFusedConvWeights& w, const memory::desc& want) {
+    memory plain_w = mem(md_of(w.weight()), w.weight());
+    if (want == plain_w.get_desc()) return plain_w;
+    for (const auto& [md, t] : w.reordered)
+      if (md == want) return mem(want, t);
+    auto t = Tensor::empty({static_cast<int64_t>(want.get_size())}, DType::kU8, alloc_,
+                           "fused convolution weights (reordered)");
+    if (!t.ok()) throw std::bad_alloc();
+    memory m = mem(want, *t);
+    dnnl::reorder(plain_w, m).execute(strm_, plain_w, m);
+    w.reordered.emplace_back(want, *t);
+    return m;
   }
 
   dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias) {

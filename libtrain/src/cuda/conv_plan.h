@@ -17,7 +17,9 @@
 
 namespace slide::train::cuda {
 
-enum class ConvDirection : uint8_t { kForward = 0, kBackwardData = 1, kBackwardFilter = 2 };
+// kForwardFused: cudnnConvolutionBiasActivationForward (Backend::fused_conv2d_inference), whose
+// algorithm is chosen and cached apart from the plain forward's.
+enum class ConvDirection : uint8_t { kForward = 0, kBackwardData = 1, kBackwardFilter = 2, kForwardFused = 3 };
 
 struct ConvKey {
   ConvDirection direction = ConvDirection::kForward;

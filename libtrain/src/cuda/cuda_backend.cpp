@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "conv_plan.h"
@@ -184,8 +185,9 @@ struct DeviceState {
   std::unique_ptr<CachingDeviceAllocator> alloc;
   std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
   bool copy_failed = false;
-  std::mutex mu;  // guards algos
+  std::mutex mu;  // guards algos and unfused
   std::unordered_map<ConvKey, int, ConvKeyHash> algos;  // the algorithm that ran for each shape
+  std::unordered_set<ConvKey, ConvKeyHash> unfused;     // fused shapes cuDNN answered NOT_SUPPORTED
 };
 
 Status init_device(int device, DeviceState* st) {
@@ -259,6 +261,19 @@ struct ConvDesc {
     SLIDE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, p.pad, p.pad, p.stride, p.stride, 1, 1,
                                                       CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
     SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, CUDNN_FMA_MATH));
+    return ok_status();
+  }
+};
+
+struct ActivationDesc {
+  cudnnActivationDescriptor_t d = nullptr;
+  ~ActivationDesc() {
+    if (d) (void)cudnnDestroyActivationDescriptor(d);
+  }
+  // ReLU, NaN propagated (as torch.relu).
+  Status set_relu() {
+    SLIDE_CUDNN_CHECK(cudnnCreateActivationDescriptor(&d));
+    SLIDE_CUDNN_CHECK(cudnnSetActivationDescriptor(d, CUDNN_ACTIVATION_RELU, CUDNN_PROPAGATE_NAN, 0.0));
     return ok_status();
   }
 };
@@ -395,6 +410,76 @@ class CudaBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(run_conv(key, candidates, workspace, run));
     if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.K, d.P * d.Q, st_->stream));
     return ok_status();
+  }
+
+  // The fused inference convolution on cudnnConvolutionBiasActivationForward (cuDNN's legacy API,
+  // as every convolution here): y = ReLU(1 * conv(x) + alpha2 * z + bias), alpha2 = 1 with a
+  // residual z, else 0 with z = y (as PyTorch's cudnn_convolution_relu). cuDNN runs the identity
+  // activation only with IMPLICIT_PRECOMP_GEMM, so a convolution without ReLU (a downsample) is
+  // conv2d_forward (+ add). A residual that is y itself is first copied aside: an algorithm that
+  // cuDNN runs as convolution, then epilogue, would write y before reading z. A shape cuDNN
+  // answers NOT_SUPPORTED for is remembered and runs composed (conv2d_forward, add, relu_forward).
+  // The weights are the default prepare's: plain copies on the device.
+  Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& wts, Conv2dParams p, bool relu,
+                                const Tensor* residual, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_fused_conv2d_inference(this, x, wts, p, residual, y, kDTypes));
+    if (d.N * d.K * d.P * d.Q == 0) return ok_status();
+    const Tensor& w = wts.weight();
+    const Tensor& b = wts.bias();
+    Tensor aside;
+    const Tensor* z = residual;
+    if (z != nullptr && z->raw() == y.raw()) {
+      SLIDE_ASSIGN_OR_RETURN(aside, Tensor::empty(z->shape(), DType::kF32, *st_->alloc, "fused convolution residual"));
+      SLIDE_CUDA_CHECK(cudaMemcpyAsync(aside.raw(), z->raw(), z->bytes(), cudaMemcpyDeviceToDevice, st_->stream));
+      z = &aside;
+    }
+    auto composed = [&]() -> Status {
+      SLIDE_RETURN_IF_ERROR(conv2d_forward(x, w, b, p, y));
+      if (z != nullptr) SLIDE_RETURN_IF_ERROR(add(y, *z, y));
+      if (relu) SLIDE_RETURN_IF_ERROR(relu_forward(y, y));
+      return ok_status();
+    };
+    const ConvKey key{ConvDirection::kForwardFused, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    bool unsupported = !relu;
+    if (!unsupported) {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      unsupported = st_->unfused.count(key) > 0;
+    }
+    if (unsupported) return composed();
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
+    TensorDesc bias_d;
+    SLIDE_RETURN_IF_ERROR(bias_d.set(1, d.K, 1, 1));
+    ActivationDesc act;
+    SLIDE_RETURN_IF_ERROR(act.set_relu());
+    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
+      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+      int n = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                               CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+      return candidates_of(perf, n);
+    };
+    auto workspace = [&](int algo) -> Result<size_t> {
+      size_t bytes = 0;
+      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
+      return bytes;
+    };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, alpha2 = z != nullptr ? 1.f : 0.f;
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBiasActivationForward(
+          st_->cudnn, &one, ds.x.d, f32(x), ds.w.d, f32(w), ds.conv.d, static_cast<cudnnConvolutionFwdAlgo_t>(algo),
+          ws, ws_bytes, &alpha2, ds.y.d, z != nullptr ? f32(*z) : f32(y), bias_d.d, f32(b), act.d, ds.y.d, f32(y)));
+      return ok_status();
+    };
+    const Status fused = run_conv(key, candidates, workspace, run);
+    if (fused.code() != StatusCode::kUnimplemented) return fused;
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      st_->unfused.insert(key);
+    }
+    return composed();
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {

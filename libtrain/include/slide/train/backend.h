@@ -43,6 +43,25 @@ struct Pool2dParams {
 int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad);
 
 class CopyEngine;
+class Backend;
+
+// The weights of a fused inference convolution, prepared by one backend (prepare_fused_conv2d):
+// w [K,C,R,S] and b [K] (zeros when the model's convolution has none), plain, on that backend's
+// device; a backend may keep more (cpu: the weights reordered into the blocked layout each
+// primitive wants, made on first use and kept). Immutable to its users; not thread-safe (like the
+// backend that made it).
+class FusedConvWeights {
+ public:
+  FusedConvWeights(const Backend* owner, Tensor w, Tensor b) : owner_(owner), w_(std::move(w)), b_(std::move(b)) {}
+  virtual ~FusedConvWeights() = default;
+  const Tensor& weight() const { return w_; }
+  const Tensor& bias() const { return b_; }
+  const Backend* owner() const { return owner_; }
+
+ private:
+  const Backend* owner_;
+  Tensor w_, b_;
+};
 
 // A point in a device's queue of ops (a CUDA event on cuda): work on another queue (a
 // communicator's stream) can be ordered after it on the device, so the host need not wait
@@ -105,6 +124,23 @@ class Backend {
   // dw[K,C,R,S] += sum_n x (*) dy; db[K] += sum_{n,p,q} dy (db may be undefined).
   [[nodiscard]] virtual Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw,
                                                        Tensor& db) = 0;
+
+  // --- Fused inference convolution (the inference graph's, inference_graph.h) -------------------
+  // A convolution of an inference graph: batch norm folded into its weights and bias, the residual
+  // add and the ReLU of a ResNet block fused into it (cuDNN's y = act(alpha1 conv(x) + alpha2 z +
+  // bias), oneDNN's sum and eltwise post-ops):
+  //   y[N,K,P,Q] = act(conv(x, w) + b[K] + z),   act = ReLU when `relu`, else the identity,
+  // z = *residual ([N,K,P,Q]) or nothing when residual is null. y may be *residual (in place: the
+  // block's shortcut is overwritten by its output), never x. The weights come prepared for this
+  // backend (prepare_fused_conv2d), so that a backend reorders or uploads them once, not per batch.
+  // Errors: those of conv2d_forward, kInvalidArgument for a residual of another shape or weights
+  // prepared by another backend.
+  [[nodiscard]] virtual Result<std::shared_ptr<const FusedConvWeights>> prepare_fused_conv2d(const Tensor& w,
+                                                                                            const Tensor& b);
+  // This default composes conv2d_forward, add and relu_forward (the reference: one more pass over y
+  // per fused op, and a scratch tensor of y's size with a residual); cpu and cuda fuse.
+  [[nodiscard]] virtual Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& w, Conv2dParams p,
+                                                      bool relu, const Tensor* residual, Tensor& y);
 
   // --- Batch normalisation over (N, H, W) per channel (Ioffe & Szegedy, 2015) -------------------
   // Training: mean/var of the batch (biased var for normalising; PyTorch updates the running var

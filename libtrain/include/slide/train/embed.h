@@ -1,14 +1,15 @@
 // Feature extraction for slide-level MIL: a trained or pretrained CNN cut at a named layer, run for
 // inference over the tiles of slide-tile stores, one HDF5 feature bag per slide (slide/cache/bag.h).
 //
-// The inference path (FeatureExtractor) compiles the model once per batch shape into oneDNN
-// primitives: batch norm folded into the preceding convolution (w' = w * g / sqrt(v + eps),
-// b' = beta - mean * g / sqrt(v + eps): Ioffe & Szegedy's inference transform), ReLU and the
-// residual add fused into the convolution as post-ops (sum, then eltwise_relu), activations kept
-// in oneDNN's blocked layouts from the first convolution to the pooling, and the weights
-// reordered once. Global average pooling after a 4-D cut gives one D-vector per tile: cutting
-// torchvision's ResNet-50 after `layer3` gives CLAM's 1024-d features (Lu et al., Nature BME 2021,
-// extract_features_fp.py: resnet50_baseline = conv1..layer3 + AdaptiveAvgPool2d(1)).
+// The CNN encoder (FeatureExtractor) runs the model's inference graph (inference_graph.h) through
+// the op list on any backend: batch norm folded into the preceding convolution (w' = w * g /
+// sqrt(v + eps), b' = beta - mean * g / sqrt(v + eps): Ioffe & Szegedy's inference transform),
+// ReLU and the residual add fused into the convolution (Backend::fused_conv2d_inference: oneDNN's
+// sum and eltwise_relu post-ops on cpu, with activations kept in blocked layouts and the weights
+// reordered once; cuDNN's fused convolution-bias-activation on cuda). Global average pooling
+// after a 4-D cut gives one D-vector per tile: cutting torchvision's ResNet-50 after `layer3`
+// gives CLAM's 1024-d features (Lu et al., Nature BME 2021, extract_features_fp.py:
+// resnet50_baseline = conv1..layer3 + AdaptiveAvgPool2d(1)).
 //
 // embed_stores() streams the stores' tiles in order, in batches that may span slides (so stores of
 // small slides or patches still run full batches): tiles are read and JPEG-decoded on a thread
@@ -25,6 +26,7 @@
 
 #include "slide/cache/bag.h"
 #include "slide/core/status.h"
+#include "slide/train/inference_graph.h"
 #include "slide/train/layers.h"
 #include "slide/train/stain.h"
 
@@ -85,25 +87,32 @@ class TileEncoder {
   [[nodiscard]] virtual Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) = 0;
 };
 
-// The inference path. Not thread-safe (one per thread); oneDNN parallelises each primitive over
-// OMP_NUM_THREADS (or every core).
+// The CNN encoder: the model's inference graph (inference_graph.h: batch norm folded, the
+// residual add and ReLU fused into the convolutions) on a backend, any of them (cpu: oneDNN with
+// blocked layouts; cuda: cuDNN's fused convolutions; reference). Each batch is uploaded, run and
+// its features downloaded. Not thread-safe (one per thread); oneDNN parallelises each primitive
+// over OMP_NUM_THREADS (or every core).
 class FeatureExtractor final : public TileEncoder {
  public:
-  // Copies and folds the weights of children 0..cut of `model` (the model may be destroyed
-  // afterwards). Supported: Conv2d (+ BatchNorm2d, + ReLU), MaxPool2d, ResNet blocks
-  // (BasicBlock, Bottleneck), GlobalAvgPool, Linear (only last). Errors: kInvalidArgument for a
-  // bad cut, kUnimplemented for another layer kind (naming it).
-  [[nodiscard]] static Result<std::unique_ptr<FeatureExtractor>> create(Sequential& model, const std::string& layer);
+  // Folds children 0..cut of `model` (host copies of the weights: the model may be destroyed
+  // afterwards) and prepares them on `be` (null: the cpu backend on cpu_allocator()). Supported:
+  // Conv2d (+ BatchNorm2d, + ReLU), MaxPool2d, ResNet blocks (BasicBlock, Bottleneck),
+  // GlobalAvgPool, Linear (only last). Errors: kInvalidArgument for a bad cut, kUnimplemented for
+  // another layer kind (naming it), the backend's (preparing the weights on its device).
+  [[nodiscard]] static Result<std::unique_ptr<FeatureExtractor>> create(Sequential& model, const std::string& layer,
+                                                                        std::unique_ptr<Backend> be = nullptr);
   ~FeatureExtractor();
 
-  // D for `in_channels` x size x size inputs (the output width of the cut).
-  int64_t feature_dim() const override;
-  const std::string& layer() const override;
+  // D (the output width of the cut).
+  int64_t feature_dim() const override { return graph_.feature_dim(); }
+  const std::string& layer() const override { return layer_; }
+  // The backend the graph runs on.
+  const Backend& backend() const { return *be_; }
 
   // images: n x 3 x h x w f32, plain NCHW, normalised (ImageNet mean/std); features: n x D f32,
-  // row-major, overwritten. The first call for a shape compiles its primitives (tens of ms);
-  // later calls reuse them. Errors: kInvalidArgument (n < 1, an input too small for the cut),
-  // kInternal (oneDNN's error, with its message), kResourceExhausted (out of memory).
+  // row-major, overwritten. The first call for a shape creates its primitives (cpu: tens of ms);
+  // later calls reuse them. Errors: kInvalidArgument (n < 1, an input too small for the cut,
+  // naming the layer), the backend's (kInternal with oneDNN's message, kResourceExhausted).
   [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
 
   // extract() on a tensor: images [N,3,H,W] f32 (plain, contiguous, in host memory) -> a new
@@ -112,38 +121,10 @@ class FeatureExtractor final : public TileEncoder {
   // allocator's, extract()'s.
   [[nodiscard]] Result<Tensor> forward(const Tensor& images, Allocator& alloc);
 
-  struct Impl;
-
  private:
-  explicit FeatureExtractor(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
-};
-
-// A CNN cut at a layer on the training engine's inference forward (engine_features: children
-// 0..cut with batch norm's running statistics, then global average pooling of a 4-D output), on
-// any backend: slide-embed's CNN path off the cpu backend (cuda, reference, reference-sim). The
-// model is moved to the backend's device once; each batch is uploaded and its features
-// downloaded. Equal to FeatureExtractor's features up to float summation order (the fold of batch
-// norm into the convolutions changes the rounding). Not thread-safe (one per thread).
-class EngineEncoder final : public TileEncoder {
- public:
-  // Takes `model` and `be`; the cut is find_cut(layer). The feature width is found by one forward
-  // of a 1 x 3 x 64 x 64 zero image. Errors: find_cut's, move_to_device's, the backend's.
-  [[nodiscard]] static Result<std::unique_ptr<EngineEncoder>> create(std::unique_ptr<Sequential> model,
-                                                                     const std::string& layer,
-                                                                     std::unique_ptr<Backend> be);
-  int64_t feature_dim() const override { return dim_; }
-  const std::string& layer() const override { return layer_; }
-  // As TileEncoder::extract. Errors also: kInvalidArgument for n < 1 or an input too small for the
-  // cut (naming the layer), kResourceExhausted past the device's budget.
-  [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
-
- private:
-  EngineEncoder() = default;
+  FeatureExtractor(InferenceGraph graph, std::unique_ptr<Backend> be, std::string layer);
+  InferenceGraph graph_;
   std::unique_ptr<Backend> be_;
-  std::unique_ptr<Sequential> model_;
-  size_t cut_ = 0;
-  int64_t dim_ = 0;
   std::string layer_;
 };
 

@@ -1,0 +1,55 @@
+// Backend::prepare_fused_conv2d and Backend::fused_conv2d_inference's defaults: the fused inference
+// convolution composed from the op list (conv2d_forward, add, relu_forward). The reference backend
+// runs these (they are the oracle of the fused versions); cpu (oneDNN post-ops) and cuda
+// (cudnnConvolutionBiasActivationForward) override both.
+#include <memory>
+#include <string>
+
+#include "slide/train/backend.h"
+
+namespace slide::train {
+
+Result<std::shared_ptr<const FusedConvWeights>> Backend::prepare_fused_conv2d(const Tensor& w, const Tensor& b) {
+  if (!w.defined() || w.rank() != 4)
+    return slide::core::invalid_argument("prepare_fused_conv2d: w must be [K,C,R,S], is " +
+                                         (w.defined() ? shape_string(w.shape()) : std::string("undefined")));
+  SLIDE_ASSIGN_OR_RETURN(Tensor wd, to_device(*this, w, "fused convolution weights"));
+  Tensor bd;
+  if (b.defined()) {
+    if (b.shape() != Shape{w.dim(0)})
+      return slide::core::invalid_argument("prepare_fused_conv2d: b is " + shape_string(b.shape()) + ", expected [" +
+                                           std::to_string(w.dim(0)) + "]");
+    SLIDE_ASSIGN_OR_RETURN(bd, to_device(*this, b, "fused convolution bias"));
+  } else {
+    SLIDE_ASSIGN_OR_RETURN(Tensor zeros, Tensor::zeros({w.dim(0)}, w.dtype(), cpu_allocator(), "zero bias"));
+    SLIDE_ASSIGN_OR_RETURN(bd, to_device(*this, zeros, "fused convolution bias"));
+  }
+  return std::shared_ptr<const FusedConvWeights>(std::make_shared<FusedConvWeights>(this, std::move(wd), std::move(bd)));
+}
+
+Status Backend::fused_conv2d_inference(const Tensor& x, const FusedConvWeights& w, Conv2dParams p, bool relu,
+                                       const Tensor* residual, Tensor& y) {
+  // The composed ops check shapes, dtypes, layouts and devices; here what they cannot see (kept
+  // free of op_checks.cpp, so that the fuzz targets' small libtrain links Backend's vtable alone).
+  const char* op = "fused_conv2d_inference";
+  if (w.owner() != this)
+    return slide::core::invalid_argument(std::string(op) + ": the weights were prepared by another backend");
+  if (residual != nullptr && (!residual->defined() || residual->shape() != y.shape()))
+    return slide::core::invalid_argument(std::string(op) + ": residual " +
+                                         (residual->defined() ? shape_string(residual->shape()) : "undefined") +
+                                         " differs from y " + shape_string(y.shape()));
+  if (x.defined() && x.raw() != nullptr && x.raw() == y.raw())
+    return slide::core::invalid_argument(std::string(op) + ": y must not share x's storage");
+  if (residual == nullptr) {
+    SLIDE_RETURN_IF_ERROR(conv2d_forward(x, w.weight(), w.bias(), p, y));
+  } else {
+    // y may be *residual: the convolution goes to scratch, then y = conv + z (add allows y == b).
+    SLIDE_ASSIGN_OR_RETURN(Tensor c, Tensor::empty(y.shape(), y.dtype(), allocator(), "fused convolution scratch"));
+    SLIDE_RETURN_IF_ERROR(conv2d_forward(x, w.weight(), w.bias(), p, c));
+    SLIDE_RETURN_IF_ERROR(add(c, *residual, y));
+  }
+  if (relu) SLIDE_RETURN_IF_ERROR(relu_forward(y, y));
+  return slide::core::ok_status();
+}
+
+}  // namespace slide::train

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -142,10 +143,9 @@ Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& p
       size_t found = 0;
       for (const auto& e : entries) {
         if (!is_slide_extension(e.path().extension().string())) continue;
-        // Anything named like a slide that is not a directory is an input: a regular file is
-        // tiled, and a FIFO, a socket, a symlink loop or a dangling link fails as that one slide,
-        // named in the summary, rather than being skipped unseen.
-        if (entry_type(e) == fs::file_type::directory) continue;
+        // Anything named like a slide is an input: a regular file is tiled, and a directory, a
+        // FIFO, a socket, a symlink loop or a dangling link fails as that one slide, named in the
+        // summary, rather than being skipped unseen (folders are not searched recursively).
         out.push_back({e.path().stem().string(), e.path().string(), "", false});
         ++found;
       }
@@ -176,6 +176,18 @@ Result<std::vector<SlideInput>> collect_inputs(const std::vector<std::string>& p
     }
   }
   if (out.empty()) return slide::core::invalid_argument("no input slides: give slide files, directories, --manifest or --patches");
+  // Ids and labels are text in the store's JSON records (and in bags, CSVs and HDF5 attributes
+  // later): bytes of a name in another encoding (a Latin-1 file name) are escaped as %XX, so the
+  // id stays exact and two such names never become one.
+  for (auto& s : out) {
+    for (std::string* text : {&s.slide_id, &s.label}) {
+      std::string escaped = slide::core::utf8_or_escaped(*text);
+      if (escaped == *text) continue;
+      log_warn("not valid UTF-8: bytes escaped as %XX",
+               {{"what", text == &s.label ? "label" : "slide id"}, {"now", escaped}, {"input", slide::core::utf8_or_escaped(s.path)}});
+      *text = std::move(escaped);
+    }
+  }
   std::map<std::string, std::string> seen;
   for (const auto& s : out) {
     auto [it, inserted] = seen.emplace(s.slide_id, s.path);
@@ -349,10 +361,23 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   double mpp = props.mpp_x_um;
   rec->mpp_source = props.mpp_source;
   if (mpp <= 0) {
-    if (opt_.source_mpp_um <= 0)
+    if (opt_.source_mpp_um <= 0) {
+      // A vendor's extension read as a plain TIFF: OpenSlide did not recognise the file, which for
+      // a real scan usually means it is damaged (a truncated .svs loses the directories that
+      // identify it). Say so, since --source-mpp would not mend it.
+      std::string ext = std::filesystem::path(in.path).extension().string();
+      std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+      const bool vendor_ext = ext == ".svs" || ext == ".ndpi" || ext == ".scn" || ext == ".mrxs" || ext == ".vms" ||
+                              ext == ".vmu" || ext == ".svslide" || ext == ".bif";
+      const std::string hint = vendor_ext && props.vendor == "tiff"
+                                   ? " (OpenSlide did not recognise this " + ext +
+                                         " file as its vendor's format and it was read as a plain TIFF: it may be "
+                                         "truncated or damaged)"
+                                   : "";
       return slide::core::failed_precondition(
           in.path + ": the slide has no resolution (µm/px) in its vendor metadata or TIFF resolution tags; pass "
-                    "--source-mpp with its level-0 µm/px");
+                    "--source-mpp with its level-0 µm/px" + hint);
+    }
     mpp = opt_.source_mpp_um;
     rec->mpp_source = "override";
   }

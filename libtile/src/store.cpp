@@ -11,6 +11,7 @@
 #include "slide/tile/store.h"
 
 #include <lmdb.h>
+#include <setjmp.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -20,6 +21,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -296,10 +298,58 @@ class TxnGuard {
   MDB_txn* txn_;
 };
 
+// LMDB's consistency checks (mdb_assert: a page of the wrong type, a branch page with one key)
+// call the environment's assert callback and then abort(): a flipped byte in data.mdb would kill
+// every reader. Readers therefore make their LMDB calls through lmdb_guarded, which arms a
+// per-thread jump point: the callback jumps back to it and the call returns MDB_CORRUPTED, with
+// LMDB's message kept for lmdb_status. Only read transactions are guarded: jumping out of one
+// leaves nothing held but its reader slot, which mdb_txn_abort releases (a cursor LMDB was
+// moving is closed by its owner as usual). Between the jump point and LMDB's frames there are
+// only frames without non-trivial destructors (lmdb_guarded's own and LMDB's C), as siglongjmp
+// requires. Unguarded calls (a writer's) still abort, after the callback has said which file.
+struct LmdbAssertGuard {
+  sigjmp_buf jump;
+  bool armed = false;
+  char message[400] = {};
+};
+LmdbAssertGuard& lmdb_assert_guard() {
+  thread_local LmdbAssertGuard guard;
+  return guard;
+}
+
+extern "C" void on_lmdb_assert(MDB_env* env, const char* message) {
+  LmdbAssertGuard& g = lmdb_assert_guard();
+  std::snprintf(g.message, sizeof g.message, "%s", message);
+  if (g.armed) {
+    g.armed = false;
+    siglongjmp(g.jump, 1);
+  }
+  const char* dir = nullptr;
+  if (mdb_env_get_path(env, &dir) != 0 || dir == nullptr) dir = "?";
+  std::fprintf(stderr, "store %s: data.mdb is damaged (LMDB's check failed: %s); stopping\n", dir, message);
+}
+
+// fn(args...) with LMDB's assertion failures returned as MDB_CORRUPTED instead of aborting.
+template <typename... Params, typename... Args>
+int lmdb_guarded(int (*fn)(Params...), Args... args) {
+  // No local lives across the jump (each use asks for the thread's guard again).
+  if (sigsetjmp(lmdb_assert_guard().jump, 0) != 0) return MDB_CORRUPTED;
+  lmdb_assert_guard().message[0] = '\0';
+  lmdb_assert_guard().armed = true;
+  const int rc = fn(args...);
+  lmdb_assert_guard().armed = false;
+  return rc;
+}
+
 // Maps an LMDB return code to a Status: errno values as the OS meant them (ENOSPC/EDQUOT is a
-// full disk), LMDB's own codes for a broken file as DataLoss, the rest Internal.
+// full disk), LMDB's own codes for a broken file as DataLoss, the rest Internal. MDB_CORRUPTED
+// from lmdb_guarded carries LMDB's failed check.
 Status lmdb_status(int rc, const std::string& what) {
   std::string m = what + ": " + mdb_strerror(rc);
+  if (rc == MDB_CORRUPTED && lmdb_assert_guard().message[0] != '\0') {
+    m += " (LMDB's check failed: " + std::string(lmdb_assert_guard().message) + ")";
+    lmdb_assert_guard().message[0] = '\0';  // told once
+  }
   switch (rc) {
     case ENOSPC:
     case EFBIG:
@@ -393,7 +443,7 @@ std::vector<std::pair<std::string, std::string>> meta_entries(const StoreMeta& m
 
 Result<std::optional<std::string>> get_string(MDB_txn* txn, MDB_dbi dbi, const std::string& key) {
   MDB_val k = as_val(key), v;
-  int rc = mdb_get(txn, dbi, &k, &v);
+  int rc = lmdb_guarded(mdb_get, txn, dbi, &k, &v);
   if (rc == MDB_NOTFOUND) return std::optional<std::string>();
   if (rc != 0) return lmdb_status(rc, "read meta " + key);
   return std::optional<std::string>(std::string(static_cast<const char*>(v.mv_data), v.mv_size));
@@ -518,7 +568,8 @@ Result<std::vector<SlideRecord>> read_slides(MDB_txn* txn, MDB_dbi dbi) {
   if (rc != 0) return lmdb_status(rc, "open cursor on slides");
   std::unique_ptr<MDB_cursor, void (*)(MDB_cursor*)> cur(raw, mdb_cursor_close);
   MDB_val k, v;
-  for (rc = mdb_cursor_get(raw, &k, &v, MDB_FIRST); rc == 0; rc = mdb_cursor_get(raw, &k, &v, MDB_NEXT)) {
+  for (rc = lmdb_guarded(mdb_cursor_get, raw, &k, &v, MDB_FIRST); rc == 0;
+       rc = lmdb_guarded(mdb_cursor_get, raw, &k, &v, MDB_NEXT)) {
     std::string id(static_cast<const char*>(k.mv_data), k.mv_size);
     auto rec = slide_record_from_json(std::string(static_cast<const char*>(v.mv_data), v.mv_size));
     if (!rec.ok()) return rec.status().with_context("slide '" + id + "'");
@@ -535,7 +586,7 @@ Result<std::vector<SlideRecord>> read_slides(MDB_txn* txn, MDB_dbi dbi) {
 Status open_dbis(MDB_txn* txn, MDB_dbi* meta, MDB_dbi* slides, MDB_dbi* tiles) {
   const std::pair<const char*, MDB_dbi*> dbs[] = {{kMetaDb, meta}, {kSlidesDb, slides}, {kTilesDb, tiles}};
   for (const auto& [name, out] : dbs) {
-    int rc = mdb_dbi_open(txn, name, 0, out);
+    int rc = lmdb_guarded(mdb_dbi_open, txn, name, 0u, out);
     if (rc == MDB_NOTFOUND)
       return slide::core::data_loss(std::string("not a slidestream store: no \"") + name + "\" database");
     if (rc != 0) return lmdb_status(rc, std::string("open database ") + name);
@@ -790,7 +841,9 @@ Result<std::unique_ptr<StoreWriter>> StoreWriter::open(const std::string& dir, c
   if (rc == 0) rc = mdb_env_set_mapsize(raw_env, std::max<size_t>(options.initial_map_bytes, 1 << 16));
   if (rc != 0) return lmdb_status(rc, "configure environment").with_context(where);
   // Default flags: every commit is synced, so a committed slide survives a crash.
-  rc = mdb_env_open(raw_env, dir.c_str(), 0, 0664);
+  // A writer's LMDB checks still abort (see on_lmdb_assert), but name the file first.
+  rc = mdb_env_set_assert(raw_env, on_lmdb_assert);
+  if (rc == 0) rc = mdb_env_open(raw_env, dir.c_str(), 0, 0664);
   if (rc != 0) return lmdb_status(rc, "open environment").with_context(where);
   SLIDE_RETURN_IF_ERROR(check_data_file_size(raw_env, dir));
 
@@ -1016,7 +1069,7 @@ struct StoreReader::Impl {
   // Begins a read transaction; the caller holds resize_mu shared (released and re-taken here
   // around a resize).
   int begin_read(std::shared_lock<std::shared_mutex>& lock, MDB_txn** txn) const {
-    int rc = mdb_txn_begin(env.get(), nullptr, MDB_RDONLY, txn);
+    int rc = lmdb_guarded(mdb_txn_begin, env.get(), static_cast<MDB_txn*>(nullptr), static_cast<unsigned>(MDB_RDONLY), txn);
     if (rc != MDB_MAP_RESIZED) return rc;
     lock.unlock();
     {
@@ -1025,7 +1078,7 @@ struct StoreReader::Impl {
     }
     lock.lock();
     if (rc != 0) return rc;
-    return mdb_txn_begin(env.get(), nullptr, MDB_RDONLY, txn);
+    return lmdb_guarded(mdb_txn_begin, env.get(), static_cast<MDB_txn*>(nullptr), static_cast<unsigned>(MDB_RDONLY), txn);
   }
 };
 
@@ -1049,7 +1102,8 @@ Result<std::unique_ptr<StoreReader>> StoreReader::open(const std::string& dir) {
     rc = mdb_env_set_maxdbs(raw, 4);
     // 0 adopts the size the file was written with instead of LMDB's 10 MiB default.
     if (rc == 0) rc = mdb_env_set_mapsize(raw, 0);
-    if (rc == 0) rc = mdb_env_open(raw, dir.c_str(), flags, 0664);
+    if (rc == 0) rc = mdb_env_set_assert(raw, on_lmdb_assert);
+    if (rc == 0) rc = lmdb_guarded(mdb_env_open, raw, dir.c_str(), flags, static_cast<mdb_mode_t>(0664));
     if (rc != 0) impl->env.reset();
     return rc;
   };
@@ -1077,7 +1131,7 @@ Result<std::unique_ptr<StoreReader>> StoreReader::open(const std::string& dir) {
     std::sort(r.slides.begin(), r.slides.end(),
               [](const SlideRecord& a, const SlideRecord& b) { return a.index < b.index; });
     MDB_stat ms;
-    rc = mdb_stat(raw, r.tiles_dbi, &ms);
+    rc = lmdb_guarded(mdb_stat, raw, r.tiles_dbi, &ms);
     if (rc != 0) return lmdb_status(rc, "stat tiles").with_context(where);
     r.tile_count = ms.ms_entries;
     // Committed, not aborted, so the database handles opened in it stay valid for the env.
@@ -1101,9 +1155,13 @@ Status StoreReader::read_tile(uint64_t index, TileHeader* header, std::vector<ui
   TxnGuard txn(raw);
   auto key = tile_key(index);
   MDB_val k = as_val(key.data(), key.size()), v;
-  rc = mdb_get(raw, r.tiles_dbi, &k, &v);
-  if (rc == MDB_NOTFOUND)
+  rc = lmdb_guarded(mdb_get, raw, r.tiles_dbi, &k, &v);
+  if (rc == MDB_NOTFOUND) {
+    if (index < r.tile_count)  // the meta counts it, the B-tree lacks it: damaged, not a caller's mistake
+      return slide::core::data_loss(what + " is missing although the store holds " + std::to_string(r.tile_count) +
+                                    " tiles: data.mdb is damaged (tile it again into a new store)");
     return slide::core::out_of_range(what + " is not in the store (" + std::to_string(r.tile_count) + " tiles)");
+  }
   if (rc != 0) return lmdb_status(rc, "read").with_context(what);
   TileHeader h;
   std::span<const uint8_t> body;

@@ -108,7 +108,7 @@ Status decode_into(const slide::tile::StoreReader& store, const std::string& sto
   slide::tile::TileHeader hdr;
   std::vector<uint8_t> payload;
   const std::string where = "store " + store_dir + ": tile " + std::to_string(index);
-  SLIDE_RETURN_IF_ERROR_CTX(store.read_tile(index, &hdr, &payload), where);
+  SLIDE_RETURN_IF_ERROR(store.read_tile(index, &hdr, &payload));  // names the store and the tile
   slide::tile::RgbImage img;
   if (hdr.encoding == slide::tile::TileEncoding::kJpeg) {
     SLIDE_ASSIGN_OR_RETURN_CTX(img, slide::tile::decode_jpeg(payload), where);
@@ -166,7 +166,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   const int64_t need = extractor.input_size();
   std::map<int64_t, std::unique_ptr<const BicubicResizer>> resizers;
   for (const auto& dir : opt.stores) {
-    SLIDE_ASSIGN_OR_RETURN_CTX(auto r, slide::tile::StoreReader::open(dir), "store " + dir);
+    SLIDE_ASSIGN_OR_RETURN(auto r, slide::tile::StoreReader::open(dir));  // its errors name the store
     const int64_t have = r->meta().tile_size_px;
     if (need > 0 && have != need) {
       if (resizers.count(have) == 0) {

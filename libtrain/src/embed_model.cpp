@@ -100,7 +100,7 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
   std::vector<NamedTensor> named;
   for (Parameter* p : params) named.push_back({p->name, &p->value});
   for (Buffer* b : buffers) named.push_back({b->name, &b->value});
-  SLIDE_RETURN_IF_ERROR_CTX(load_safetensors(out.weights_path, named), "weights " + out.weights_path);
+  SLIDE_RETURN_IF_ERROR(load_safetensors(out.weights_path, named));  // its errors name the file
   SLIDE_ASSIGN_OR_RETURN(out.weights_sha256, slide::core::sha256_file(out.weights_path));
   return out;
 }

@@ -264,8 +264,11 @@ Result<Tensor> BagDataset::load(size_t position, Allocator& alloc) const {
   const BagRef& b = bags_.at(position);
   SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(b.path));
   if (reader->num_tiles() != b.tiles || reader->feature_dim() != feature_dim_)
-    return slide::core::data_loss("bag " + b.path + " changed since it was listed (" + std::to_string(reader->num_tiles()) +
-                                  " x " + std::to_string(reader->feature_dim()) + ")");
+    return slide::core::data_loss("bag " + b.path + " holds " + std::to_string(reader->num_tiles()) + " x " +
+                                  std::to_string(reader->feature_dim()) + " features but was listed with " +
+                                  std::to_string(b.tiles) + " x " + std::to_string(feature_dim_) +
+                                  " (its directory's bags.csv, or its first read): it changed since, or bags.csv is "
+                                  "stale; rerun slide-embed on its store");
   SLIDE_ASSIGN_OR_RETURN(Tensor t, Tensor::empty({b.tiles, feature_dim_}, DType::kF32, alloc, "bag " + b.slide_id));
   SLIDE_RETURN_IF_ERROR(reader->read_features(0, b.tiles, std::span<float>(t.data<float>(), static_cast<size_t>(t.numel()))));
   return t;

@@ -252,3 +252,22 @@ TEST_CASE("utf8_prefix: at most N bytes, never half a character") {
   CHECK(utf8_prefix(euro, 5) == "\xe2\x82\xac");
   CHECK(utf8_prefix(euro, 2).empty());
 }
+
+TEST_CASE("utf8_or_escaped: valid UTF-8 unchanged, every stray byte as %XX") {
+  using slide::core::utf8_or_escaped;
+  using slide::core::utf8_sequence_length;
+  CHECK(utf8_or_escaped("TCGA-A1-0001") == "TCGA-A1-0001");
+  CHECK(utf8_or_escaped("Pr\xc3\xa4parat \xe2\x82\xac \xf0\x9f\x94\xac") == "Pr\xc3\xa4parat \xe2\x82\xac \xf0\x9f\x94\xac");
+  CHECK(utf8_or_escaped("Pr\xe4parat") == "Pr%E4parat");            // Latin-1 a-umlaut
+  CHECK(utf8_or_escaped("my slide \xff") == "my slide %FF");
+  CHECK(utf8_or_escaped("\xc0\xaf") == "%C0%AF");                   // overlong '/'
+  CHECK(utf8_or_escaped("\xed\xa0\x80") == "%ED%A0%80");            // a surrogate
+  CHECK(utf8_or_escaped("\xf4\x90\x80\x80") == "%F4%90%80%80");     // above U+10FFFF
+  CHECK(utf8_or_escaped("\xe2\x82") == "%E2%82");                   // cut short
+  CHECK(utf8_or_escaped("a\x80" "b") == "a%80b");                   // a lone continuation byte
+  CHECK(utf8_or_escaped(std::string("\0x", 2)) == std::string("\0x", 2));  // NUL is valid UTF-8
+  // Two names that differ only in a stray byte stay two ids.
+  CHECK(utf8_or_escaped("a\xfe") != utf8_or_escaped("a\xff"));
+  CHECK(utf8_sequence_length("\xf0\x9f\x94\xac", 0) == 4);
+  CHECK(utf8_sequence_length("\xe0\x80\x80", 0) == 0);  // overlong 3-byte form
+}

@@ -34,4 +34,16 @@ inline constexpr size_t kMaxSlideStemBytes = 200;
 // valid UTF-8 where it goes into JSON. `text` itself when it fits.
 [[nodiscard]] std::string utf8_prefix(std::string_view text, size_t max_bytes);
 
+// The length of the well-formed UTF-8 sequence at text[i] (1-4; Unicode 15, table 3-7: no
+// overlong forms, no surrogates, nothing above U+10FFFF), or 0 when text[i] does not start one.
+// i < text.size().
+[[nodiscard]] size_t utf8_sequence_length(std::string_view text, size_t i);
+
+// `text` with every byte that is not part of a well-formed UTF-8 sequence written as "%XX"
+// (upper-case hex): valid UTF-8 comes back unchanged, anything else becomes valid UTF-8 without
+// losing which bytes it had (a Latin-1 file name "Pr\xE4parat" becomes "Pr%E4parat"). For slide
+// ids and labels, which go into JSON, HDF5 attributes and CSVs as text: a file name of another
+// encoding would otherwise be replaced by U+FFFD there, and two names could become one.
+[[nodiscard]] std::string utf8_or_escaped(std::string_view text);
+
 }  // namespace slide::core

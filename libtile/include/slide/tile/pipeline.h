@@ -38,14 +38,16 @@ struct SlideInput {
 
 // Expands inputs into slides, in a deterministic order:
 // - a file: one slide, id = file name without its extension;
-// - a directory: every entry in it (not recursive) that is not a directory and whose extension
-//   is a slide format (.svs .tif .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif; .czi is not
-//   OpenSlide 3.4), sorted by name; entries that are not regular files (FIFOs, sockets, symlink
+// - a directory: every entry in it (not recursive) whose extension is a slide format (.svs .tif
+//   .tiff .ndpi .vms .vmu .scn .mrxs .svslide .bif; .czi is not OpenSlide 3.4), sorted by name;
+//   entries that are not regular files (directories named like slides, FIFOs, sockets, symlink
 //   loops, dangling links) are listed too, so that they fail as slides, named in the summary;
 // - manifests: CSV with a header line `slide_id,path[,label][,annotations]` (paths relative to
 //   the CSV's directory; annotations: a GeoJSON file for that slide), in file order;
 // - patch folders: DIR/<class>/*.{jpg,jpeg,png,tif,tiff}, classes and files sorted by name, id
 //   "<class>/<file stem>", label = class.
+// Ids and labels that are not valid UTF-8 (a file name in Latin-1) have their stray bytes escaped
+// as %XX (slide::core::utf8_or_escaped), with a warning: they are text in the store's records.
 // Never throws (std::filesystem's error_code overloads throughout).
 // Errors: kNotFound (a path that does not exist), errno's code for a directory that cannot be
 // listed, naming it; kInvalidArgument (bad CSV line, with the line

@@ -226,8 +226,9 @@ class StoreReader {
   const std::vector<SlideRecord>& slides() const;
   // Number of tiles (entries of the tiles database).
   uint64_t tile_count() const;
-  // Reads tile `index`: header and payload (the payload is copied). Errors: kOutOfRange (no such
-  // tile), kDataLoss (bad record).
+  // Reads tile `index`: header and payload (the payload is copied). Errors: kOutOfRange (index at or
+  // past tile_count()), kDataLoss (bad record, or a tile below tile_count() missing: a damaged
+  // data.mdb).
   [[nodiscard]] Status read_tile(uint64_t index, TileHeader* header, std::vector<uint8_t>* payload) const;
 
   struct Impl;

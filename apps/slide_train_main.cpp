@@ -713,6 +713,7 @@ int run_main(int argc, char** argv) {
     to.augment.stain_sigma = stain_sigma;
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;
+    to.refit_on_oom = memory_plan->refit;
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
     // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
     slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),

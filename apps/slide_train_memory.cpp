@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "slide/core/log.h"
 #include "slide/train/memory_strategy.h"
@@ -187,6 +190,9 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
                                         {"peak_bytes", static_cast<int64_t>(plan.peak_bytes)},
                                         {"saved_activations", format_bytes(plan.saved_bytes)}, {"at", plan.peak_at}});
   MemoryDecision d;
+  if (o.memory_strategy == "auto" && chosen.mechanism == Mechanism::kNone && be.device() != Device::kCpu &&
+      std::find(req.mechanisms.begin(), req.mechanisms.end(), Mechanism::kOffload) != req.mechanisms.end())
+    d.refit = offload_refit(be, model, po, budget, req.segment_modes);
   d.peak_bytes = plan.peak_bytes;
   d.step_bytes = plan.peak_bytes - plan.parameter_bytes - plan.gradient_bytes - plan.optimizer_bytes - plan.other_bytes;
   d.strategy = mechanism_name(chosen.mechanism);

@@ -11,6 +11,7 @@
 #include "slide/core/status.h"
 #include "slide/train/communicator.h"
 #include "slide/train/layers.h"
+#include "slide/train/oom_recovery.h"
 
 namespace slide::apps {
 
@@ -36,6 +37,14 @@ struct MemoryDecision {
   std::string strategy = "micro-batch", segments = "none";
   int64_t accumulate = 1;
   int64_t ranks = 1;  // the world size it was made for: a resume on another applies none of it
+  // With --memory-strategy auto on a device backend, when the step runs without offload: the
+  // out-of-memory fallback (TrainOptions::refit_on_oom, issue 13 item 4). Once per run, a step
+  // out of memory plans again at the micro-batch that failed (plan_memory_strategy: the plain
+  // step and offload, its time measured) and wraps the model for offload when the plan predicts
+  // that cheaper than halving the micro-batch (offload_refit_candidate); else, or later, the
+  // micro-batch halves as before. Null otherwise. Not recorded for --resume: a resumed run that
+  // runs out of memory again makes the same choice.
+  slide::train::RefitFn refit;
 };
 
 // After the model and optimizer exist (their bytes live in the allocator), before the schedule:

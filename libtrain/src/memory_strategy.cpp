@@ -5,7 +5,11 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include "slide/core/log.h"
 #include "slide/train/activation_checkpoint.h"
 #include "slide/train/copy_engine.h"
 #include "slide/train/offload.h"
@@ -78,6 +82,34 @@ int cheapest_candidate(const std::vector<StrategyCandidate>& cs) {
     }
     const double b = cs[static_cast<size_t>(best)].seconds;
     if (c.seconds >= 0 && (b < 0 || c.seconds < b)) best = i;
+  }
+  return best;
+}
+
+int offload_refit_candidate(const StrategyPlan& plan, int64_t batch, int64_t micro_count) {
+  if (batch < 1 || micro_count < 1) return -1;
+  const int64_t micro_now = micro_batches_of(batch, micro_count);  // samples per micro-batch now
+  if (micro_now <= 1) {  // nothing left to halve: the first fitting offload candidate, timed or not
+    for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
+      const StrategyCandidate& c = plan.candidates[static_cast<size_t>(i)];
+      if (c.fits() && c.mechanism == Mechanism::kOffload) return i;
+    }
+    return -1;
+  }
+  if (plan.cost.measured_steps <= 0 || !(plan.cost.copy_bytes_per_second > 0)) return -1;
+  double halved = std::numeric_limits<double>::infinity();
+  if (micro_now > 1) halved = predict_step_seconds(plan.cost, batch, (micro_now + 1) / 2, false, 0);
+  int best = -1;
+  double best_seconds = halved;
+  for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
+    const StrategyCandidate& c = plan.candidates[static_cast<size_t>(i)];
+    if (!c.fits() || c.mechanism != Mechanism::kOffload) continue;
+    // Offload at the micro-batch that just failed without it, or the plan's (smaller) one.
+    const int64_t micro = std::min(c.micro_batch, micro_now);
+    const auto per_sample = static_cast<double>(c.offloaded_bytes) / static_cast<double>(c.micro_batch);
+    const auto bytes = static_cast<size_t>(per_sample * static_cast<double>(micro));
+    const double t = predict_step_seconds(plan.cost, batch, micro, false, bytes);
+    if (t < best_seconds) best = i, best_seconds = t;
   }
   return best;
 }
@@ -305,5 +337,52 @@ std::string StrategyPlan::table() const {
   }
   return s;
 }
+
+RefitFn offload_refit(Backend& be, Sequential& model, const PlanOptions& options, size_t budget,
+                      const std::vector<std::string>& segment_modes) {
+  auto tried = std::make_shared<bool>(false);
+  return [&be, &model, options, budget, segment_modes, tried](int64_t micro_count,
+                                                              int64_t step_samples) -> Result<int64_t> {
+    if (*tried || micro_count < 1 || step_samples < 1) return int64_t{0};
+    *tried = true;  // one try per run: later, out of memory halves the micro-batch as before
+    const int64_t micro_now = (step_samples + micro_count - 1) / micro_count;
+    PlanOptions po = options;
+    // What else lives on the device now (a --cache device dataset, ...), as prepare_memory counts it.
+    po.micro_batch = 1;
+    SLIDE_ASSIGN_OR_RETURN(MemoryPlan one, plan_memory(model, po));
+    const size_t state = one.parameter_bytes + one.gradient_bytes + one.optimizer_bytes;
+    const size_t live = be.allocator().current_bytes();
+    po.other_bytes = live > state ? live - state : 0;
+    StrategyRequest req;
+    req.batch = step_samples;
+    req.micro_batch = micro_now;
+    req.budget_bytes = budget;
+    req.mechanisms = {Mechanism::kNone, Mechanism::kOffload};
+    req.segment_modes = segment_modes;
+    // A plan that cannot be made changes nothing: the step's own recovery goes on as before.
+    auto planned = plan_memory_strategy(be, model, po, req, cpu_allocator());
+    if (!planned.ok()) {
+      slide::core::log_info("out of memory in a step: no offload plan at this micro-batch",
+                            {{"micro_batch", micro_now}, {"why", planned.status().to_string()}});
+      return int64_t{0};
+    }
+    const StrategyPlan& sp = *planned;
+    const int pick = offload_refit_candidate(sp, step_samples, micro_count);
+    if (pick < 0) {
+      slide::core::log_info("out of memory in a step: the plan finds halving the micro-batch cheaper than offload",
+                            {{"micro_batch", micro_now}});
+      return int64_t{0};
+    }
+    const StrategyCandidate& c = sp.candidates[static_cast<size_t>(pick)];
+    SLIDE_ASSIGN_OR_RETURN(size_t segments, apply_strategy(model, c, cpu_allocator()));
+    const int64_t micro = std::min(c.micro_batch, micro_now);
+    slide::core::log_warn("out of memory in a step: activation offload from now on, which the plan predicts cheaper "
+                          "than halving the micro-batch",
+                          {{"segments", c.segments}, {"segment_count", static_cast<int64_t>(segments)},
+                           {"micro_batch", micro}, {"offloaded_per_micro_batch", format_bytes(c.offloaded_bytes)}});
+    return (step_samples + micro - 1) / micro;
+  };
+}
+
 
 }  // namespace slide::train

@@ -185,6 +185,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   // Not with --sync-bn: a rank that re-split its step would meet the others' synchronised batch
   // norms a different number of times; out of memory there is an error, as without recovery.
   StepRecovery recovery(model, options.oom_recovery && !options.sync_batch_norm);
+  recovery.set_refit(options.refit_on_oom);
   model.set_input_gradient(false);  // the input is data: no gradient to compute for it
   int64_t micro_count = options.accumulate;
   size_t step_first = 0;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
 
 #include "slide/tile/pipeline.h"
@@ -191,6 +192,89 @@ TEST_CASE("OOM recovery: a budget that fits micro-batch 8 but not 32; batch 32 f
   MESSAGE("largest weight difference after 3 steps: ", worst, " (largest weight ", scale, ")");
   // Float sums in another order: a few ulps of the weights, never more.
   CHECK(worst <= 1e-6 * std::max(1.0, scale));
+}
+
+TEST_CASE("OOM recovery: a refit (the planner's offload fallback) reruns the step fitted another way, before halving") {
+  // RefitFn (oom_recovery.h): here the "other way" is a larger budget, which stands for the
+  // memory activation offload frees on a device; slide-train's refit wraps the model for offload
+  // (apps/slide_train_memory.cpp, offload_refit_candidate). The step must rerun with the
+  // micro-batch count the refit gives, not halved, and end with the unconstrained weights.
+  slide::core::ThreadPool pool(2);
+  BudgetGuard restore;
+  const std::vector<size_t> tiles = first_tiles(64);  // 2 steps of 32
+  Schedule sched;
+  sched.kind = "constant";
+  sched.base_lr = 0.05;
+  auto model0 = no_bn_cnn(7);
+  auto p8 = plan_memory(*model0, plan_options(8));
+  auto p32 = plan_memory(*model0, plan_options(32));
+  REQUIRE(p8.ok());
+  REQUIRE(p32.ok());
+  const size_t state = p8->parameter_bytes + p8->gradient_bytes + p8->optimizer_bytes;
+  const size_t tight = (p8->peak_bytes - state) * 5 / 4, roomy = (p32->peak_bytes - state) * 2;
+
+  // refit: what the refit function does; returns the weights, the stats and the refit's calls.
+  auto train = [&](const std::function<Result<int64_t>(int64_t, int64_t, size_t)>& refit, size_t budget,
+                   EpochStats* stats, int* calls) -> Result<std::vector<std::vector<float>>> {
+    auto model = no_bn_cnn(7);
+    std::vector<Parameter*> params;
+    model->collect("", &params, nullptr);
+    auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());
+    REQUIRE(opt.ok());
+    const size_t base = cpu_allocator().current_bytes();
+    cpu_allocator().set_budget_bytes(base + budget);
+    TrainOptions o;
+    o.batch_size = 32;
+    o.augment = {};
+    *calls = 0;
+    if (refit)
+      o.refit_on_oom = [&, base](int64_t count, int64_t samples) {
+        ++*calls;
+        return refit(count, samples, base);
+      };
+    auto st = train_epoch(cpu(), *model, **opt, sched, lung(), tiles, o, 13, &pool);
+    cpu_allocator().set_budget_bytes(Allocator::kUnlimited);
+    if (!st.ok()) return st.status();
+    *stats = *st;
+    std::vector<std::vector<float>> w;
+    for (auto* p : params) w.emplace_back(p->value.data<float>(), p->value.data<float>() + p->value.numel());
+    return w;
+  };
+  EpochStats free_run, refit_run, halved_run, failed_run;
+  int calls = 0;
+  auto w_free = train(nullptr, roomy, &free_run, &calls);
+  REQUIRE_MESSAGE(w_free.ok(), w_free.status().to_string());
+  CHECK(free_run.oom_retries == 0);
+
+  // The refit makes room and keeps the split: one rerun, one micro-batch per step, the same bits
+  // as the unconstrained run (the same sums in the same order).
+  auto w_refit = train(
+      [&](int64_t count, int64_t samples, size_t base) -> Result<int64_t> {
+        CHECK(count == 1);
+        CHECK(samples == 32);
+        cpu_allocator().set_budget_bytes(base + roomy);
+        return count;
+      },
+      tight, &refit_run, &calls);
+  REQUIRE_MESSAGE(w_refit.ok(), w_refit.status().to_string());
+  CHECK(calls == 1);
+  CHECK(refit_run.oom_retries == 1);
+  CHECK(refit_run.accumulate == 1);
+  CHECK(*w_refit == *w_free);
+
+  // A refit that changes nothing (returns 0): the micro-batches halve as before.
+  auto w_halved = train([](int64_t, int64_t, size_t) -> Result<int64_t> { return int64_t{0}; }, tight, &halved_run,
+                        &calls);
+  REQUIRE_MESSAGE(w_halved.ok(), w_halved.status().to_string());
+  CHECK(calls == 2);  // asked again at 2 micro-batches, then 4 fit
+  CHECK(halved_run.accumulate == 4);
+  CHECK(halved_run.oom_retries == 2);
+
+  // Its error ends the run, named.
+  auto w_failed = train([](int64_t, int64_t, size_t) -> Result<int64_t> { return slide::core::internal_error("refit broke"); },
+                        tight, &failed_run, &calls);
+  REQUIRE_FALSE(w_failed.ok());
+  CHECK(w_failed.status().message().find("refit broke") != std::string::npos);
 }
 
 TEST_CASE("OOM recovery with batch norm: running statistics are put back before the rerun") {

@@ -13,6 +13,7 @@
 #include "slide/train/activation_checkpoint.h"
 #include "slide/train/memory_strategy.h"
 #include "slide/train/offload.h"
+#include "slide/train/oom_recovery.h"
 #include "slide/train/planner.h"
 #include "slide/train/trainer.h"
 
@@ -91,6 +92,104 @@ TEST_CASE("memory strategy: the step time model and the cheapest candidate") {
   CHECK(cheapest_candidate(unpredicted) == 1);
   CHECK(candidate(Mechanism::kOffload, 8, 8, -1).name() == "offload stage");
   CHECK(candidate(Mechanism::kNone, 8, 8, -1).name() == "micro-batch");
+}
+
+TEST_CASE("offload_refit_candidate: offload after an out-of-memory step when the plan predicts it cheaper than halving") {
+  StrategyPlan plan;
+  plan.cost.micro_batch_seconds = 0.05;
+  plan.cost.sample_seconds = 0.01;
+  plan.cost.copy_bytes_per_second = 1e9;
+  plan.cost.copies_overlap = true;
+  plan.cost.measured_steps = 4;
+  StrategyCandidate plain = candidate(Mechanism::kNone, 8, 32, -1);
+  StrategyCandidate off = candidate(Mechanism::kOffload, 16, 32, -1);
+  off.offloaded_bytes = 16 * 1000000;  // 1 MB a sample
+  plan.candidates = {plain, off};
+  // 32 samples in 2 micro-batches of 16 ran out of memory. Halving: 4 x 0.05 + 0.32 = 0.52 s.
+  // Offload at 16: 2 x 0.05 + 0.32 = 0.42 s of compute, copies 2 x 2 x 16 MB at 1 GB/s = 0.064 s
+  // beside it: 0.42 s. Offload wins.
+  CHECK(offload_refit_candidate(plan, 32, 2) == 1);
+  // Copies in series and slow: 0.42 + 2 x 2 x 16 MB / 0.1 GB/s = 1.06 s > 0.52 s: halve.
+  plan.cost.copies_overlap = false;
+  plan.cost.copy_bytes_per_second = 1e8;
+  CHECK(offload_refit_candidate(plan, 32, 2) == -1);
+  // One sample per micro-batch already: nothing to halve, so offload wins, timed or not.
+  CHECK(offload_refit_candidate(plan, 32, 32) == 1);
+  StrategyPlan untimed = plan;
+  untimed.cost = StepCost{};
+  CHECK(offload_refit_candidate(untimed, 32, 32) == 1);
+  // The failed micro-batch (4) is below the candidate's 16: offload runs at 4, its bytes scaled.
+  plan.cost.copies_overlap = true;
+  plan.cost.copy_bytes_per_second = 1e9;
+  CHECK(offload_refit_candidate(plan, 32, 8) == 1);  // halving 16 x 0.05 + 0.32 = 1.12 s; offload 0.72 s
+  // No fitting offload candidate, no measured time, no bandwidth: -1.
+  StrategyPlan none = plan;
+  none.candidates = {plain, candidate(Mechanism::kOffload, 0, 32, -1)};
+  CHECK(offload_refit_candidate(none, 32, 2) == -1);
+  StrategyPlan unmeasured = plan;
+  unmeasured.cost.measured_steps = 0;
+  CHECK(offload_refit_candidate(unmeasured, 32, 2) == -1);
+  StrategyPlan no_bandwidth = plan;
+  no_bandwidth.cost.copy_bytes_per_second = 0;
+  CHECK(offload_refit_candidate(no_bandwidth, 32, 2) == -1);
+  // A checkpoint candidate is never the answer (the fallback is offload only).
+  StrategyPlan ck = plan;
+  ck.candidates = {plain, candidate(Mechanism::kCheckpoint, 16, 32, -1)};
+  CHECK(offload_refit_candidate(ck, 32, 2) == -1);
+}
+
+TEST_CASE("offload_refit on the simulated device: a step out of memory without offload is refitted with offload") {
+  auto made = make_backend("reference-sim");
+  REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+  Backend& be = **made;
+  auto m = resnet18();
+  REQUIRE(move_to_device(be, *m).ok());
+  PlanOptions po;
+  po.sample_shape = {3, 48, 48};  // batch norm needs 2 values per channel at micro-batch 1: layer4 is 2x2
+  po.classes = 5;
+  po.backend = "reference";
+  po.momentum = 0;
+  auto peak_at = [&](int64_t n) {
+    po.micro_batch = n;
+    auto p = plan_memory(*m, po);
+    REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+    return p->peak_bytes;
+  };
+  // One sample per micro-batch ran out of memory without offload: the budget lies between the
+  // planned peaks at micro-batch 1 with offload (block segments) and without, so halving has
+  // nothing left and offload is the only way; the refit must take it, and the step then fits.
+  const size_t p1 = peak_at(1);
+  StrategyCandidate off;
+  off.mechanism = Mechanism::kOffload;
+  off.segments = "block";
+  REQUIRE(apply_strategy(*m, off, cpu_allocator()).ok());
+  const size_t p1_offload = peak_at(1);
+  unwrap_segments(*m);
+  REQUIRE(p1_offload < p1);
+  const size_t budget = (p1_offload + p1) / 2;
+  MESSAGE("planned peak at micro-batch 1: ", p1, " bytes, with block offload ", p1_offload, "; budget ", budget);
+  RefitFn refit = offload_refit(be, *m, po, budget, {"stage", "block"});
+  auto count = refit(4, 4);  // 4 samples in 4 micro-batches of 1
+  REQUIRE_MESSAGE(count.ok(), count.status().to_string());
+  CHECK(*count == 4);
+  int segments = 0;
+  for (size_t i = 0; i < m->size(); ++i) segments += dynamic_cast<Segment*>(&m->at(i)) != nullptr ? 1 : 0;
+  CHECK(segments > 0);
+  // Offload saves little at micro-batch 1 (the weights, gradients and optimizer state dominate the
+  // peak), so the real steps are held to the budget within 16 KiB (batch norm's small temporaries).
+  be.allocator().set_budget_bytes(budget + 16 * 1024);
+  po.micro_batch = 1;
+  const Status real = probe_step(be, *m, po, 1);
+  CHECK_MESSAGE(real.ok(), real.to_string());
+  unwrap_segments(*m);
+  CHECK(probe_step(be, *m, po, 1).code() == slide::core::StatusCode::kResourceExhausted);  // why it was needed
+  be.allocator().set_budget_bytes(Allocator::kUnlimited);
+  REQUIRE(apply_strategy(*m, off, cpu_allocator()).ok());  // as the refit left it, for the next call
+  // Once per run: a second out-of-memory step is the halving's.
+  auto again = refit(4, 4);
+  REQUIRE(again.ok());
+  CHECK(*again == 0);
+  unwrap_segments(*m);
 }
 
 TEST_CASE("unwrap_segments gives every layer back to its place") {

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "slide/train/oom_recovery.h"
 #include "slide/train/planner.h"
 
 namespace slide::train {
@@ -94,6 +95,27 @@ struct StrategyPlan {
 // prediction count as equal to each other and lose to predicted ones only when those are
 // cheaper); ties go to the earlier candidate. -1 when none fits.
 int cheapest_candidate(const std::vector<StrategyCandidate>& candidates);
+
+// Out of memory in a step run in `micro_count` micro-batches of a `batch`-sample step, without
+// offload (issue 13 item 4): the index of the fitting offload candidate of `plan` whose predicted
+// step (predict_step_seconds with plan.cost, at the failed micro-batch or the candidate's smaller
+// one, its offloaded bytes scaled per sample) is cheaper than the step rerun with the micro-batch
+// halved and nothing offloaded; -1 when none is (or the plan measured no step time or copy
+// bandwidth). With one sample per micro-batch there is no halving left: the first fitting
+// offload candidate, whatever the time model says.
+int offload_refit_candidate(const StrategyPlan& plan, int64_t batch, int64_t micro_count);
+
+// The out-of-memory fallback to offload (issue 13 item 4), for TrainOptions::refit_on_oom: once
+// (later calls return 0), at a step of `step_samples` that ran out of memory in `micro_count`
+// micro-batches without offload, plans again at that micro-batch (plan_memory_strategy with the
+// plain step and offload in `segment_modes`, `budget`, `options` with what else lives in be's
+// allocator now as other_bytes) and, when offload_refit_candidate picks an offload candidate,
+// wraps `model` for it (apply_strategy, host memory from cpu_allocator()) and returns the
+// micro-batch count to rerun with; else 0 (the caller halves). `model` must be unwrapped, and it
+// and `be` must outlive the function. A plan that cannot be made (a shape the planner refuses)
+// returns 0 with a log line. Errors: apply_strategy's.
+[[nodiscard]] RefitFn offload_refit(Backend& be, Sequential& model, const PlanOptions& options, size_t budget,
+                                    const std::vector<std::string>& segment_modes);
 
 // Times real steps (probe_step) at `micro_batch` and about half of it, each after one untimed
 // warm-up step (kernel selection, primitive caches), and fits StepCost's line through the two

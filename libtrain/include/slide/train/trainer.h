@@ -14,6 +14,7 @@
 
 #include "slide/core/thread_pool.h"
 #include "slide/train/dataset.h"
+#include "slide/train/oom_recovery.h"
 #include "slide/train/optimizer.h"
 
 namespace slide::train {
@@ -63,6 +64,9 @@ struct TrainOptions {
   // split (EpochStats::accumulate). The update is the same up to float rounding (see above).
   // false, or with sync_batch_norm (ranks must run the same micro-batches): the error is returned.
   bool oom_recovery = true;
+  // Tried on out of memory in a step before its micro-batches are split finer (oom_recovery.h
+  // RefitFn; slide-train: the planner's offload fallback). Null: never.
+  RefitFn refit_on_oom;
 };
 
 // Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.

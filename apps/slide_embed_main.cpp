@@ -23,6 +23,7 @@
 #include "slide/core/hash.h"
 #include "slide/core/log.h"
 #include "slide/train/embed.h"
+#include "slide/train/model_registry.h"
 #include "slide/train/stain.h"
 #include "slide/train/vit.h"
 
@@ -110,7 +111,8 @@ int run_main(int argc, char** argv) {
                  "torchvision names (scripts/convert_torchvision_weights.py makes one from a .pth)")
       ->required();
   app.add_option("--model", model,
-                 "Architecture of a safetensors --weights file: resnet18, resnet34, resnet50 (a checkpoint names its "
+                 "Architecture of a safetensors --weights file: " + slide::train::cnn_family_names() +
+                     " (a checkpoint names its "
                  "own); or a Vision Transformer with timm's names, one of " + slide::train::vit_preset_list() +
                      " (vit: any, the architecture read from the weights; uni: UNI, ViT-L/16; uni2-h: UNI2-h, "
                      "ViT-g/14; virchow2: Virchow2, ViT-H/14, class token + mean; gigapath: Prov-GigaPath's tile "

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "slide/core/file.h"
+#include "slide/train/model_registry.h"
 #include "slide/core/file_name.h"
 #include "slide/core/log.h"
 #include "slide/tile/figure.h"
@@ -123,12 +124,7 @@ slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const 
 slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(const std::string& name,
                                                                              int64_t classes, int64_t width,
                                                                              uint64_t seed, double dropout) {
-  using namespace slide::train;
-  if (name == "small") return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed, dropout);
-  if (name == "resnet18") return make_resnet(cpu_allocator(), DType::kF32, 18, classes, seed, dropout);
-  if (name == "resnet34") return make_resnet(cpu_allocator(), DType::kF32, 34, classes, seed, dropout);
-  if (name == "resnet50") return make_resnet(cpu_allocator(), DType::kF32, 50, classes, seed, dropout);
-  return slide::core::invalid_argument("model '" + name + "' is not one of small, resnet18, resnet34, resnet50");
+  return slide::train::make_cnn(name, classes, width, seed, dropout);  // the families: model_registry.h
 }
 
 nlohmann::json metric_or_null(double value) { return value < 0 ? nlohmann::json(nullptr) : nlohmann::json(value); }

@@ -11,6 +11,7 @@
 #include "slide/core/hash.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/embed.h"
+#include "slide/train/model_registry.h"
 #include "slide/train/vit.h"
 
 namespace slide::train {
@@ -26,7 +27,10 @@ std::vector<std::string> cut_points(Sequential& model) {
   return out;
 }
 
-std::string default_layer(const std::string& model) { return model == "resnet50" ? "layer3" : "avgpool"; }
+std::string default_layer(const std::string& model) {
+  const CnnFamily* f = find_cnn_family(model);
+  return f != nullptr ? f->default_cut : "avgpool";
+}
 
 Result<size_t> find_cut(Sequential& model, const std::string& layer) {
   for (size_t i = 0; i < model.size(); ++i) {
@@ -76,20 +80,16 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
     out.weights_path = weights + "/model.safetensors";
   } else {
     if (!std::filesystem::exists(weights, ec)) return slide::core::not_found("--weights " + weights + ": no such file");
-    if (model.empty()) return invalid_argument("--model is needed with a safetensors file (resnet18, resnet34, resnet50)");
+    if (model.empty()) return invalid_argument("--model is needed with a safetensors file (" + cnn_family_names() + ")");
     out.model = model;
     out.weights_path = weights;
     SLIDE_ASSIGN_OR_RETURN(const auto shapes, read_safetensors_shapes(weights));
     const auto fc = shapes.find("fc.weight");
     if (fc != shapes.end() && fc->second.size() == 2) classes = fc->second[0];
   }
-  Result<std::unique_ptr<Sequential>> net = invalid_argument("model '" + out.model +
-                                                             "' is not one of resnet18, resnet34, resnet50, small (or a ViT: " +
-                                                             vit_preset_list() + ")");
-  if (out.model == "small") net = make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, 0);
-  if (out.model == "resnet18") net = make_resnet(cpu_allocator(), DType::kF32, 18, classes, 0);
-  if (out.model == "resnet34") net = make_resnet(cpu_allocator(), DType::kF32, 34, classes, 0);
-  if (out.model == "resnet50") net = make_resnet(cpu_allocator(), DType::kF32, 50, classes, 0);
+  Result<std::unique_ptr<Sequential>> net = invalid_argument("model '" + out.model + "' is not one of " +
+                                                             cnn_family_names() + " (or a ViT: " + vit_preset_list() + ")");
+  if (find_cnn_family(out.model) != nullptr) net = make_cnn(out.model, classes, width, 0);
   if (!net.ok()) return net.status();
   out.net = std::move(*net);
   out.layer = layer.empty() ? default_layer(out.model) : layer;

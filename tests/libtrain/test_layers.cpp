@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "slide/train/layers.h"
+#include "slide/train/model_registry.h"
 #include "test_util.h"
 
 using slide::core::StatusCode;
@@ -160,4 +161,28 @@ TEST_CASE("resnet18/34/50: torchvision's parameter counts and names; a forward o
   auto dx = (*net)->backward(**cpu, dy);
   REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
   CHECK(dx->shape() == x.shape());
+}
+
+TEST_CASE("model registry: every CNN family builds by name, with its default cut among its layers") {
+  CHECK(cnn_family_names() == "small, resnet18, resnet34, resnet50");
+  for (const CnnFamily& f : cnn_families()) {
+    CAPTURE(f.name);
+    auto m = make_cnn(f.name, 7, 8, 3);
+    REQUIRE_MESSAGE(m.ok(), m.status().to_string());
+    bool has_cut = std::string(f.default_cut) == "avgpool";  // a GlobalAvgPool, by any name
+    for (size_t i = 0; i < (*m)->size(); ++i) has_cut = has_cut || (*m)->name_at(i) == f.default_cut;
+    CHECK(has_cut);
+    // The classifier has `classes` outputs.
+    std::vector<Parameter*> ps;
+    (*m)->collect("", &ps, nullptr);
+    REQUIRE(!ps.empty());
+    CHECK(ps.back()->value.dim(0) == 7);
+    CHECK(find_cnn_family(f.name) == &f);
+  }
+  CHECK(std::string(find_cnn_family("resnet50")->default_cut) == "layer3");
+  CHECK(find_cnn_family("resnet101") == nullptr);
+  auto bad = make_cnn("resnet101", 2, 8, 1);
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(bad.status().message().find("small, resnet18, resnet34, resnet50") != std::string::npos);
 }

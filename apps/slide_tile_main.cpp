@@ -28,8 +28,10 @@
 #include "slide/core/log.h"
 #include "slide/tile/image.h"
 #include "slide/tile/pipeline.h"
+#include "slide/tile/stain.h"
 #include "slide/tile/store.h"
 #include "log_options.h"
+#include "stain_options.h"
 
 #include "interrupt.h"
 
@@ -86,6 +88,7 @@ int run_info(const std::string& store_dir, bool json) {
     j["passthrough"] = meta.passthrough;
     j["tissue_options"] = meta.tissue_options;
     j["annotation_options"] = meta.annotation_options;
+    j["stain_normalization"] = meta.stain_normalization;
     j["command_line"] = meta.command_line;
     j["label_names"] = meta.label_names;
     j["tile_count"] = (*reader)->tile_count();
@@ -106,6 +109,7 @@ int run_info(const std::string& store_dir, bool json) {
               static_cast<unsigned long long>(meta.seed), meta.thumbnail_mpp_um, meta.passthrough ? "on" : "off");
   if (!meta.tissue_options.empty()) std::printf("tissue       %s\n", meta.tissue_options.c_str());
   if (!meta.annotation_options.empty()) std::printf("annotations  %s\n", meta.annotation_options.c_str());
+  if (!meta.stain_normalization.empty()) std::printf("stain        %s\n", meta.stain_normalization.c_str());
   std::printf("slides       %zu complete, %llu tiles\n", slides.size(),
               static_cast<unsigned long long>((*reader)->tile_count()));
   std::printf("labels      ");
@@ -311,6 +315,11 @@ int run_main(int argc, char** argv) {
   app.add_option("--min-label-overlap", opt.min_label_overlap, "Fraction of a tile a class must cover to label it")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
+  slide::apps::StainOptions stain_norm;
+  slide::apps::add_stain_options(app, &stain_norm,
+                                 "at tiling time, before the tile is encoded (pass-through off); the store records the "
+                                 "fitted target (slide-tile info: stain) and a rerun with another is refused",
+                                 "slide-tile info --json's stain_normalization, a bag's stain_normalization attribute");
   slide::apps::add_log_options(app, &log,
                                "per slide: the tissue mask's threshold and what its filters removed; per level: "
                                "pass-through and direct-decode decisions");
@@ -371,6 +380,14 @@ int run_main(int argc, char** argv) {
   opt.command_line = join_argv(argc, argv);
   opt.progress = !log.quiet;
   opt.cancel = &g_cancel;
+  {
+    auto target = slide::tile::stain_target_for_options(stain_norm.method, stain_norm.reference);
+    if (!target.ok()) return fail(target.status());
+    opt.stain = *target;
+    if (opt.stain.method != slide::tile::StainMethod::kNone)
+      slide::core::log_info("stain normalisation at tiling time",
+                            {{"reference", stain_norm.reference}, {"target", slide::tile::stain_target_to_json(opt.stain)}});
+  }
 
   auto collected = slide::tile::collect_inputs(inputs, manifests, patch_dirs);
   if (!collected.ok()) return fail(collected.status());

@@ -1,5 +1,6 @@
-// --stain-normalize and --stain-reference, as slide-train and slide-embed take them (the target is
-// fitted by slide::train::stain_target_for_options, stain.h).
+// --stain-normalize and --stain-reference, as slide-tile (at tiling time), slide-train and
+// slide-embed (at load time) take them (the target is fitted by stain_target_for_options,
+// slide/tile/stain.h).
 #pragma once
 
 #include <CLI/CLI.hpp>

@@ -259,7 +259,7 @@ Status TilingRun::tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecor
   std::vector<uint8_t> payload;
   std::string ext = lower(fs::path(in.path).extension().string());
   bool copy_jpeg = opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && (ext == ".jpg" || ext == ".jpeg") &&
-                   img.width == T && img.height == T;
+                   img.width == T && img.height == T && opt_.stain.method == StainMethod::kNone;
   if (copy_jpeg) {
     // The patch is already a JPEG of the right size: keep its bytes (no generation loss).
     SLIDE_ASSIGN_OR_RETURN(std::string bytes, slide::core::read_file(in.path));
@@ -267,6 +267,7 @@ Status TilingRun::tile_patch(const SlideInput& in, SlideOutcome* out, SlideRecor
     rec->passthrough = true;
   } else {
     SLIDE_ASSIGN_OR_RETURN(RgbImage fitted, fit_patch(std::move(img), T, in.path));
+    SLIDE_RETURN_IF_ERROR_CTX(normalise_stain(opt_.stain, fitted.pixels.data(), T, T), in.path + ": stain normalisation");
     if (opt_.encoding == TileEncoding::kJpeg) {
       SLIDE_ASSIGN_OR_RETURN(payload, encode_jpeg(fitted.pixels.data(), T, T, opt_.jpeg_quality));
     } else {
@@ -432,8 +433,8 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   std::vector<int32_t> tile_labels;
   SLIDE_RETURN_IF_ERROR(apply_annotations(in, rec, &plan, &tile_labels));
 
-  const bool passthrough =
-      opt_.passthrough && opt_.encoding == TileEncoding::kJpeg && can_pass_through(*reader, plan);
+  const bool passthrough = opt_.passthrough && opt_.encoding == TileEncoding::kJpeg &&
+                           opt_.stain.method == StainMethod::kNone && can_pass_through(*reader, plan);
   rec->passthrough = passthrough;
   out->passthrough = passthrough;
 
@@ -448,8 +449,9 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
   const SlideReader& rd = *reader;
   const TileEncoding encoding = opt_.encoding;
   const int quality = opt_.jpeg_quality;
-  auto make_payload_or_throw = [&rd, &plan, T, encoding, quality,
-                                passthrough](const TileSpec& t) -> Result<std::vector<uint8_t>> {
+  const StainTarget stain = opt_.stain;
+  auto make_payload_or_throw = [&rd, &plan, T, encoding, quality, passthrough,
+                                stain](const TileSpec& t) -> Result<std::vector<uint8_t>> {
     if (passthrough) {
       auto raw = rd.read_raw_jpeg_tile(plan.level, t.col, t.row);
       // A copied tile is never decoded here otherwise: check it decodes cleanly, or a source
@@ -460,6 +462,7 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     }
     std::vector<uint8_t> rgb(static_cast<size_t>(3) * T * T);
     Status s = read_tile(rd, plan, t, rgb.data());
+    if (s.ok()) s = normalise_stain(stain, rgb.data(), T, T);  // kNone: nothing to do
     if (!s.ok())
       return s.with_context("tile (x0=" + std::to_string(t.x_l0) + ", y0=" + std::to_string(t.y_l0) + ")");
     if (encoding == TileEncoding::kRawRgb) return rgb;
@@ -621,6 +624,7 @@ Result<RunSummary> run_tiling(const std::vector<SlideInput>& inputs, const std::
   meta.passthrough = options.passthrough;
   meta.tissue_options = tissue_options_text(options.tissue);
   meta.annotation_options = annotation_options_text(options);
+  meta.stain_normalization = stain_target_to_json(options.stain);
   meta.command_line = options.command_line;
   StoreWriterOptions wopt;
   wopt.tiles_per_txn = options.tiles_per_txn;

@@ -436,6 +436,7 @@ std::vector<std::pair<std::string, std::string>> meta_entries(const StoreMeta& m
       {"passthrough", meta.passthrough ? "true" : "false"},
       {"tissue_options", meta.tissue_options},
       {"annotation_options", meta.annotation_options},
+      {"stain_normalization", meta.stain_normalization},
       {"command_line", meta.command_line},
       {"label_names", labels_json(meta.label_names)},
   };
@@ -546,6 +547,8 @@ Result<StoreMeta> read_meta(MDB_txn* txn, MDB_dbi dbi) {
   m.tissue_options = tissue.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> annotations, get_string(txn, dbi, "annotation_options"));
   m.annotation_options = annotations.value_or("");
+  SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> stain, get_string(txn, dbi, "stain_normalization"));
+  m.stain_normalization = stain.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> cmd, get_string(txn, dbi, "command_line"));
   m.command_line = cmd.value_or("");
   SLIDE_ASSIGN_OR_RETURN(std::optional<std::string> labels, get_string(txn, dbi, "label_names"));
@@ -806,6 +809,11 @@ std::string meta_differences(const StoreMeta& stored, const StoreMeta& asked) {
   if (stored.annotation_options != asked.annotation_options && !stored.annotation_options.empty() &&
       !asked.annotation_options.empty())
     add("annotation_options", "'" + stored.annotation_options + "'", "'" + asked.annotation_options + "'");
+  // A store from before the key holds unnormalised tiles.
+  const std::string none_stain = "{\"method\":\"none\"}";
+  const std::string stored_stain = stored.stain_normalization.empty() ? none_stain : stored.stain_normalization;
+  const std::string asked_stain = asked.stain_normalization.empty() ? none_stain : asked.stain_normalization;
+  if (stored_stain != asked_stain) add("stain_normalization", stored_stain, asked_stain);
   // Pass-through only ever applies to JPEG stores.
   if (stored.passthrough != asked.passthrough && stored.encoding == TileEncoding::kJpeg &&
       asked.encoding == TileEncoding::kJpeg)

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
-"""Stain normalisation (libtrain/include/slide/train/stain.h) on real H&E tiles from two sources:
+"""Stain normalisation (libtile/include/slide/tile/stain.h) on real H&E tiles from two sources:
 LC25000 lung patches (Borkowski et al. 2019) and Kather 2016 colorectal patches (another lab,
 scanner and stain), and tiles of the CMU-1 slide. The C++ code runs through libtrain_tests'
-`stain_io` suite (SLIDE_STAIN_JOB) and through slide-embed; the oracle is a NumPy transcription of
+`stain_io` suite (SLIDE_STAIN_JOB), through slide-tile (at tiling time) and through slide-embed;
+the oracle is a NumPy transcription of
 the documented algorithm written here (CIE L*a*b* for Reinhard, Macenko's steps), with NumPy's own
 eigh / lstsq / percentile.
 
@@ -244,6 +245,67 @@ class TestAgainstNumpy(Base):
                 self.assertGreaterEqual(closer, 0.75 * tissue, "%d of %d tiles closer" % (closer, tissue))
                 report.append("macenko: %d of %d tissue tiles closer to the reference's Lab means" % (closer, tissue))
         print("\n".join(report), file=sys.stderr)
+
+
+class TestSlideTile(Base):
+    """slide-tile --stain-normalize: every tile of the store is the tile tiled without it,
+    normalised (the NumPy transform with the recorded target, within rounding); the store records
+    the target; pass-through is off; a rerun with another normalisation is refused."""
+
+    def test_tiles_are_normalised_at_tiling_time_and_the_target_recorded(self):
+        tile = os.environ["SLIDE_TILE"]
+        ref_path = first(os.path.join(LC, "lung_aca", "*"))
+        cmu = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
+        plain, norm = os.path.join(self.tmp, "tile_plain"), os.path.join(self.tmp, "tile_norm")
+        common = [cmu, "--mpp", "1.0", "--tile-size", "128", "--encoding", "raw", "-q"]
+        r = run([tile] + common + ["-o", plain])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        stain = ["--stain-normalize", "reinhard", "--stain-reference", ref_path]
+        r = run([tile] + common + ["-o", norm] + stain)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = run([tile, "info", norm, "--json"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        target = json.loads(json.loads(r.stdout)["stain_normalization"])
+        self.assertEqual(target["method"], "reinhard")
+        want = reinhard_fit(load_rgb(ref_path))
+        for key in ("reinhard_mean", "reinhard_std"):
+            np.testing.assert_allclose(np.asarray(target[key]), want[key], rtol=1e-9, atol=1e-9, err_msg=key)
+        self.assertIn("stain        {\"method\":\"reinhard\"", run([tile, "info", norm]).stdout)
+        a, ca = store_tiles(plain, "CMU-1-Small-Region")
+        b, cb = store_tiles(norm, "CMU-1-Small-Region")
+        self.assertEqual(len(a), len(b))
+        self.assertGreater(len(a), 10)
+        np.testing.assert_array_equal(ca, cb)
+        worst = 0.0
+        for i in range(len(a)):
+            exp = reinhard_normalise(target, a[i])
+            diff = np.abs(b[i].astype(int) - exp.astype(int))
+            worst = max(worst, diff.mean())
+            self.assertLessEqual(diff.max(), 2, "tile %d" % i)
+        self.assertLessEqual(worst, 0.05)
+        self.assertGreater(np.abs(b.astype(int) - a.astype(int)).mean(), 1.0)  # they did change
+        print("slide-tile --stain-normalize reinhard: %d tiles, C++ vs NumPy worst mean |diff| %.4f"
+              % (len(a), worst), file=sys.stderr)
+        # A rerun into the store with another normalisation, or none, is refused as any other changed
+        # setting is (exit 1, naming it: e2e_tile_TestSettings); the same one finds every slide complete.
+        for other in (["--stain-normalize", "macenko", "--stain-reference", ref_path], []):
+            r = run([tile] + common + ["-o", norm] + other)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("stain_normalization=", r.stderr)
+        r = run([tile] + common + ["-o", norm] + stain)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # JPEG tiles aligned with the source's own (CMU at 0.5 um/px, 240 px) would be copied; with
+        # normalisation they are decoded, normalised and encoded: pass-through is off.
+        jpeg = os.path.join(self.tmp, "tile_jpeg")
+        r = run([tile, cmu, "--mpp", "0.5", "--tile-size", "240", "--min-tissue", "0", "-q", "-o", jpeg] + stain)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rec = json.loads(run([tile, "info", jpeg, "--json"]).stdout)["slides"][0]
+        self.assertFalse(rec["passthrough"])
+        # A bad reference is a usage error naming the file.
+        r = run([tile] + common + ["-o", os.path.join(self.tmp, "tile_bad"), "--stain-normalize", "reinhard",
+                                   "--stain-reference", os.path.join(self.tmp, "nope.png")])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("nope.png", r.stderr)
 
 
 def torch_features(model, images):

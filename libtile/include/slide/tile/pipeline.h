@@ -23,6 +23,7 @@
 
 #include "slide/core/status.h"
 #include "slide/tile/grid.h"
+#include "slide/tile/stain.h"
 #include "slide/tile/store.h"
 #include "slide/tile/tissue.h"
 
@@ -63,6 +64,10 @@ struct TileJobOptions {
   int jpeg_quality = 90;
   double source_mpp_um = 0;   // used when a slide has no mpp of its own (0 = none)
   bool passthrough = true;    // copy aligned source JPEG tiles without re-encoding
+  // Stain normalisation at tiling time (stain.h; method kNone: tiles as read): each tile's pixels
+  // are normalised to the target before they are encoded, so pass-through is off; the store's
+  // meta records the target (StoreMeta::stain_normalization) and a rerun with another is refused.
+  StainTarget stain;
   int threads = 2;            // read + encode workers
   int shard_index = 0;        // this run writes slides k with k % shard_count == shard_index
   int shard_count = 1;

@@ -105,6 +105,10 @@ struct StoreMeta {
   // "none", or "roi_only=... min_roi_overlap=... label_from_annotations=... min_label_overlap=...");
   // "" in stores made before it was recorded, which are then not compared.
   std::string annotation_options;
+  // The stain normalisation the tiles went through at tiling time (stain.h stain_target_to_json:
+  // {"method":"none"}, or the fitted Reinhard / Macenko target); "" in stores made before it was
+  // recorded, which hold unnormalised tiles (compared as {"method":"none"}).
+  std::string stain_normalization;
   std::string command_line;
   std::vector<std::string> label_names;
 };

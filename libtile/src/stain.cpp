@@ -1,7 +1,7 @@
 // Stain normalisation (Reinhard 2001, Macenko 2009): the formulas and their sources are in
 // slide/train/stain.h. Re-implemented from the papers and the documented steps of TIAToolbox's
 // tiatoolbox.tools.stainnorm / stainextract and HEnorm_python; no code copied.
-#include "slide/train/stain.h"
+#include "slide/tile/stain.h"
 
 #include <Eigen/Dense>
 #include <algorithm>
@@ -12,7 +12,7 @@
 #include "slide/core/file.h"
 #include "slide/tile/image.h"
 
-namespace slide::train {
+namespace slide::tile {
 
 namespace {
 
@@ -380,4 +380,4 @@ Result<StainTarget> stain_target_from_json(const std::string& text) {
   return t;
 }
 
-}  // namespace slide::train
+}  // namespace slide::tile

@@ -387,19 +387,8 @@ class CudaBackend final : public Backend {
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p));
     const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
-    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
-      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-      int n = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
-                                                               CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-      return candidates_of(perf, n);
-    };
-    auto workspace = [&](int algo) -> Result<size_t> {
-      size_t bytes = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
-                                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
-      return bytes;
-    };
+    auto candidates = [&] { return forward_candidates(ds); };
+    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1, zero = 0;
       SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, f32(x), ds.w.d, f32(w), ds.conv.d,
@@ -453,19 +442,8 @@ class CudaBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(bias_d.set(1, d.K, 1, 1));
     ActivationDesc act;
     SLIDE_RETURN_IF_ERROR(act.set_relu());
-    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
-      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-      int n = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
-                                                               CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-      return candidates_of(perf, n);
-    };
-    auto workspace = [&](int algo) -> Result<size_t> {
-      size_t bytes = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
-                                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
-      return bytes;
-    };
+    auto candidates = [&] { return forward_candidates(ds); };
+    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1, alpha2 = z != nullptr ? 1.f : 0.f;
       SLIDE_CUDNN_CHECK(cudnnConvolutionBiasActivationForward(
@@ -858,6 +836,22 @@ class CudaBackend final : public Backend {
 
   // Runs a convolution with the cached algorithm for `key`, or chooses one: cuDNN's candidates in
   // conv_plan.h's order, the first whose workspace the budget grants.
+  // cuDNN's forward algorithms for `ds`, best first (the heuristics; for conv2d_forward and the
+  // fused inference convolution alike), and an algorithm's workspace bytes.
+  Result<std::vector<AlgoCandidate>> forward_candidates(const ConvDescs& ds) const {
+    cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+    int n = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                             CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+    return candidates_of(perf, n);
+  }
+  Result<size_t> forward_workspace(const ConvDescs& ds, int algo) const {
+    size_t bytes = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
+                                                              static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
+    return bytes;
+  }
+
   template <typename Candidates, typename Workspace, typename Run>
   Status run_conv(const ConvKey& key, Candidates candidates, Workspace workspace, Run run) {
     int cached = -1;

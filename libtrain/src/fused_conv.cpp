@@ -3,8 +3,8 @@
 // runs these (they are the oracle of the fused versions); cpu (oneDNN post-ops) and cuda
 // (cudnnConvolutionBiasActivationForward) override both.
 #include <memory>
-#include <string>
 
+#include "op_checks.h"
 #include "slide/train/backend.h"
 
 namespace slide::train {
@@ -29,17 +29,10 @@ Result<std::shared_ptr<const FusedConvWeights>> Backend::prepare_fused_conv2d(co
 
 Status Backend::fused_conv2d_inference(const Tensor& x, const FusedConvWeights& w, Conv2dParams p, bool relu,
                                        const Tensor* residual, Tensor& y) {
-  // The composed ops check shapes, dtypes, layouts and devices; here what they cannot see (kept
-  // free of op_checks.cpp, so that the fuzz targets' small libtrain links Backend's vtable alone).
-  const char* op = "fused_conv2d_inference";
-  if (w.owner() != this)
-    return slide::core::invalid_argument(std::string(op) + ": the weights were prepared by another backend");
-  if (residual != nullptr && (!residual->defined() || residual->shape() != y.shape()))
-    return slide::core::invalid_argument(std::string(op) + ": residual " +
-                                         (residual->defined() ? shape_string(residual->shape()) : "undefined") +
-                                         " differs from y " + shape_string(y.shape()));
-  if (x.defined() && x.raw() != nullptr && x.raw() == y.raw())
-    return slide::core::invalid_argument(std::string(op) + ": y must not share x's storage");
+  // The shapes and the aliasing; the composed ops check dtypes, layouts and devices themselves.
+  SLIDE_RETURN_IF_ERROR(detail::validate_fused_conv2d_inference(this, x, w, p, residual, y,
+                                                                detail::DTypes{true, true, true, device()})
+                            .status());
   if (residual == nullptr) {
     SLIDE_RETURN_IF_ERROR(conv2d_forward(x, w.weight(), w.bias(), p, y));
   } else {

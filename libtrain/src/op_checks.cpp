@@ -3,6 +3,18 @@
 
 #include <string>
 
+namespace slide::train {
+
+// backend.h's output extent, defined beside the shape checks that use it (and that every backend,
+// and the fuzz targets' small libtrain, links).
+int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad) {
+  if (stride < 1) return 0;
+  const int64_t span = in + 2 * int64_t{pad} - kernel;
+  return span < 0 ? 0 : span / stride + 1;
+}
+
+}  // namespace slide::train
+
 namespace slide::train::detail {
 
 namespace {

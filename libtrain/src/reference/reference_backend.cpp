@@ -16,12 +16,6 @@
 
 namespace slide::train {
 
-int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad) {
-  if (stride < 1) return 0;
-  const int64_t span = in + 2 * int64_t{pad} - kernel;
-  return span < 0 ? 0 : span / stride + 1;
-}
-
 namespace {
 
 using slide::core::ok_status;

@@ -1,20 +1,13 @@
 #include "slide/train/embed.h"
 
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <functional>
 #include <future>
 #include <map>
-#include <optional>
 #include <set>
-#include <tuple>
-
-#include <nlohmann/json.hpp>
 
 #include "slide/core/file.h"
 #include "slide/core/log.h"
@@ -24,10 +17,8 @@
 #include "slide/tile/store.h"
 #include "slide/core/csv.h"
 #include "slide/core/hash.h"
-#include "slide/train/checkpoint.h"
 #include "slide/train/dataset.h"
 #include "slide/train/resample.h"
-#include "slide/train/vit.h"
 
 namespace slide::train {
 
@@ -51,17 +42,6 @@ Result<std::unique_ptr<FeatureExtractor>> FeatureExtractor::create(Sequential& m
 FeatureExtractor::FeatureExtractor(InferenceGraph graph, std::unique_ptr<Backend> be, std::string layer)
     : graph_(std::move(graph)), be_(std::move(be)), layer_(std::move(layer)) {}
 FeatureExtractor::~FeatureExtractor() = default;
-
-Result<Tensor> FeatureExtractor::forward(const Tensor& images, Allocator& alloc) {
-  if (images.rank() != 4 || images.dim(1) != 3 || images.dtype() != DType::kF32 || images.device() != Device::kCpu ||
-      images.layout() != Layout::kPlain)
-    return invalid_argument("fused forward: images of shape " + shape_string(images.shape()) +
-                            ", expected [N, 3, H, W] f32, plain, in host memory");
-  SLIDE_ASSIGN_OR_RETURN(Tensor out, Tensor::empty({images.dim(0), graph_.feature_dim()}, DType::kF32, alloc,
-                                                   layer_ == "fc" ? "logits" : "features"));
-  SLIDE_RETURN_IF_ERROR(extract(images.data<float>(), images.dim(0), images.dim(2), images.dim(3), out.data<float>()));
-  return out;
-}
 
 Status FeatureExtractor::extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) {
   if (n < 1 || h < 1 || w < 1)

@@ -14,26 +14,17 @@ namespace {
 using slide::core::invalid_argument;
 using slide::core::ok_status;
 
-// The weights of one fused convolution, folded on the host, and their prepared form.
+// The weights of one fused convolution, folded on the host, and their prepared form (on a host
+// backend the prepared weights share w's and b's storage: one copy).
 struct ConvNode {
   std::string name;  // the model's path to the convolution ("layer1.0.conv2"), for errors
   Conv2dParams p;
   bool relu = false;
-  std::vector<float> w;  // K x C x R x S, batch norm folded in
-  std::vector<float> b;  // K
+  Tensor w;  // [K, C, R, S] f32 in host memory, batch norm folded in
+  Tensor b;  // [K]
   int64_t K = 0, C = 0, R = 0, S = 0;
   std::shared_ptr<const FusedConvWeights> prepared;
 };
-
-std::vector<float> to_vector(const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  if (t.dtype() == DType::kF64) {
-    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(t.data<double>()[i]);
-  } else {
-    std::memcpy(v.data(), t.data<float>(), v.size() * sizeof(float));
-  }
-  return v;
-}
 
 Status host_f32_or_f64(const Tensor& t, const std::string& what) {
   if (!t.defined()) return ok_status();
@@ -44,6 +35,18 @@ Status host_f32_or_f64(const Tensor& t, const std::string& what) {
   return ok_status();
 }
 
+// An f32 copy in host memory of t (f32, or f64 rounded), which host_f32_or_f64 accepted.
+Result<Tensor> f32_copy(const Tensor& t, const char* what) {
+  SLIDE_ASSIGN_OR_RETURN(Tensor out, Tensor::empty(t.shape(), DType::kF32, cpu_allocator(), what));
+  float* o = out.data<float>();
+  if (t.dtype() == DType::kF64) {
+    for (int64_t i = 0; i < t.numel(); ++i) o[i] = static_cast<float>(t.data<double>()[i]);
+  } else {
+    std::memcpy(o, t.data<float>(), t.bytes());
+  }
+  return out;
+}
+
 Result<ConvNode> conv_node(const Conv2d& c, const std::string& name) {
   SLIDE_RETURN_IF_ERROR(host_f32_or_f64(c.weight.value, name + ".weight"));
   SLIDE_RETURN_IF_ERROR(host_f32_or_f64(c.bias.value, name + ".bias"));
@@ -52,8 +55,12 @@ Result<ConvNode> conv_node(const Conv2d& c, const std::string& name) {
   const Shape& ws = c.weight.value.shape();
   n.K = ws[0], n.C = ws[1], n.R = ws[2], n.S = ws[3];
   n.p = c.params();
-  n.w = to_vector(c.weight.value);
-  n.b = c.bias.value.defined() ? to_vector(c.bias.value) : std::vector<float>(static_cast<size_t>(n.K), 0.f);
+  SLIDE_ASSIGN_OR_RETURN(n.w, f32_copy(c.weight.value, "inference convolution weights"));
+  if (c.bias.value.defined()) {
+    SLIDE_ASSIGN_OR_RETURN(n.b, f32_copy(c.bias.value, "inference convolution bias"));
+  } else {
+    SLIDE_ASSIGN_OR_RETURN(n.b, Tensor::zeros({n.K}, DType::kF32, cpu_allocator(), "inference convolution bias"));
+  }
   return n;
 }
 
@@ -65,24 +72,20 @@ Status fold_bn(ConvNode* s, const BatchNorm2d& bn, const std::string& name) {
   if (bn.weight.value.numel() != s->K)
     return invalid_argument("inference graph: " + name + " has " + std::to_string(bn.weight.value.numel()) +
                             " channels after a convolution of " + std::to_string(s->K));
-  const std::vector<float> g = to_vector(bn.weight.value), beta = to_vector(bn.bias.value),
-                           mean = to_vector(bn.running_mean.value), var = to_vector(bn.running_var.value);
+  SLIDE_ASSIGN_OR_RETURN(const Tensor g, f32_copy(bn.weight.value, "batch norm weight"));
+  SLIDE_ASSIGN_OR_RETURN(const Tensor beta, f32_copy(bn.bias.value, "batch norm bias"));
+  SLIDE_ASSIGN_OR_RETURN(const Tensor mean, f32_copy(bn.running_mean.value, "batch norm mean"));
+  SLIDE_ASSIGN_OR_RETURN(const Tensor var, f32_copy(bn.running_var.value, "batch norm variance"));
+  float* w = s->w.data<float>();
+  float* b = s->b.data<float>();
   const int64_t per_k = s->C * s->R * s->S;
   for (int64_t k = 0; k < s->K; ++k) {
-    const double scale = static_cast<double>(g[k]) / std::sqrt(static_cast<double>(var[k]) + bn.eps());
-    for (int64_t i = 0; i < per_k; ++i) {
-      float& w = s->w[static_cast<size_t>(k * per_k + i)];
-      w = static_cast<float>(static_cast<double>(w) * scale);
-    }
-    s->b[k] = static_cast<float>(beta[k] + (static_cast<double>(s->b[k]) - mean[k]) * scale);
+    const double scale =
+        static_cast<double>(g.data<float>()[k]) / std::sqrt(static_cast<double>(var.data<float>()[k]) + bn.eps());
+    for (int64_t i = k * per_k; i < (k + 1) * per_k; ++i) w[i] = static_cast<float>(static_cast<double>(w[i]) * scale);
+    b[k] = static_cast<float>(beta.data<float>()[k] + (static_cast<double>(b[k]) - mean.data<float>()[k]) * scale);
   }
   return ok_status();
-}
-
-Result<Tensor> host_tensor(const std::vector<float>& v, const Shape& shape, const char* what) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor t, Tensor::empty(shape, DType::kF32, cpu_allocator(), what));
-  std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
-  return t;
 }
 
 std::string join(const std::string& where, const std::string& name) { return where.empty() ? name : where + "." + name; }
@@ -184,12 +187,11 @@ Status flatten(Layer& layer, const std::string& where, std::vector<Node>* nodes,
     n.kind = Node::kLinear;
     SLIDE_RETURN_IF_ERROR(host_f32_or_f64(lin->weight.value, where + ".weight"));
     SLIDE_RETURN_IF_ERROR(host_f32_or_f64(lin->bias.value, where + ".bias"));
-    const int64_t O = lin->weight.value.dim(0), I = lin->weight.value.dim(1);
-    SLIDE_ASSIGN_OR_RETURN(n.lw, host_tensor(to_vector(lin->weight.value), {O, I}, "inference linear weights"));
+    SLIDE_ASSIGN_OR_RETURN(n.lw, f32_copy(lin->weight.value, "inference linear weights"));
     if (lin->bias.value.defined()) {
-      SLIDE_ASSIGN_OR_RETURN(n.lb, host_tensor(to_vector(lin->bias.value), {O}, "inference linear bias"));
+      SLIDE_ASSIGN_OR_RETURN(n.lb, f32_copy(lin->bias.value, "inference linear bias"));
     }
-    *channels = O;
+    *channels = n.lw.dim(0);
   } else {
     return slide::core::unimplemented(where + ": layer kind not supported by the inference graph");
   }
@@ -198,9 +200,7 @@ Status flatten(Layer& layer, const std::string& where, std::vector<Node>* nodes,
 }
 
 Status prepare_conv(Backend& be, ConvNode* c) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor w, host_tensor(c->w, {c->K, c->C, c->R, c->S}, "inference convolution weights"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor b, host_tensor(c->b, {c->K}, "inference convolution bias"));
-  auto prepared = be.prepare_fused_conv2d(w, b);
+  auto prepared = be.prepare_fused_conv2d(c->w, c->b);
   if (!prepared.ok()) return prepared.status().with_context(c->name);
   c->prepared = std::move(*prepared);
   return ok_status();

@@ -1,5 +1,6 @@
-// slide-train evaluate's fused path: evaluate() with logits from embed.h's FeatureExtractor cut at
-// "fc" (batch norm folded, ReLU and residual adds fused, blocked layouts) against evaluate() with
+// slide-train evaluate's fused path: evaluate() with logits from the model's inference graph cut at
+// "fc" (inference_graph.h: batch norm folded, ReLU and residual adds fused, blocked layouts; built,
+// prepared and run as apps/slide_train_predict.cpp does) against evaluate() with
 // the engine's forward, on real tiles (the LC25000 lung subset tiled at 32 px), for the small CNN
 // and ResNet-18 with batch norm statistics and affine parameters away from 0/1, so that a wrong
 // fold shows in the probabilities. The layer-by-layer comparison of the two paths is in
@@ -29,7 +30,7 @@ const TileDataset& lc25000() {
 
 using testing::randomise_bn;
 
-// evaluate() through the engine and through the fused extractor agree on every figure.
+// evaluate() through the engine and through the inference graph agree on every figure.
 void check_same(Sequential& model, const std::vector<size_t>& positions, int64_t batch) {
   auto be = make_backend("cpu");
   REQUIRE(be.ok());
@@ -37,9 +38,12 @@ void check_same(Sequential& model, const std::vector<size_t>& positions, int64_t
   std::vector<float> p_engine, p_fused;
   auto engine = evaluate(**be, model, lc25000(), positions, batch, &pool, &p_engine);
   REQUIRE_MESSAGE(engine.ok(), engine.status().to_string());
-  auto ex = FeatureExtractor::create(model, "fc");
-  REQUIRE_MESSAGE(ex.ok(), ex.status().to_string());
-  const LogitsFn fused_logits = [&](const Tensor& images) { return (*ex)->forward(images, (*be)->allocator()); };
+  auto cut = find_cut(model, "fc");
+  REQUIRE_MESSAGE(cut.ok(), cut.status().to_string());
+  auto graph = InferenceGraph::build(model, *cut);
+  REQUIRE_MESSAGE(graph.ok(), graph.status().to_string());
+  REQUIRE(graph->prepare(**be).ok());
+  const LogitsFn fused_logits = [&](const Tensor& images) { return graph->run(**be, images); };
   auto fused = evaluate(**be, fused_logits, lc25000(), positions, batch, &pool, &p_fused);
   REQUIRE_MESSAGE(fused.ok(), fused.status().to_string());
   CHECK(fused->samples == static_cast<int64_t>(positions.size()));

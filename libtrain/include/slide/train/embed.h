@@ -115,11 +115,6 @@ class FeatureExtractor final : public TileEncoder {
   // naming the layer), the backend's (kInternal with oneDNN's message, kResourceExhausted).
   [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
 
-  // extract() on a tensor: images [N,3,H,W] f32 (plain, contiguous, in host memory) -> a new
-  // [N,D] f32 tensor from `alloc`. With the cut at "fc" these are the model's logits (slide-train
-  // evaluate's fused path, trainer.h LogitsFn). Errors: kInvalidArgument (not [N,3,H,W] f32), the
-  // allocator's, extract()'s.
-  [[nodiscard]] Result<Tensor> forward(const Tensor& images, Allocator& alloc);
 
  private:
   FeatureExtractor(InferenceGraph graph, std::unique_ptr<Backend> be, std::string layer);

@@ -89,9 +89,7 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   Allocator& alloc = be.allocator();
   // The training state already lives in the allocator; the plan adds its own figure for it, so
   // what else is live (class weights, ...) is the rest.
-  SLIDE_ASSIGN_OR_RETURN(MemoryPlan one, plan_memory(model, po));
-  const size_t state = one.parameter_bytes + one.gradient_bytes + one.optimizer_bytes;
-  po.other_bytes = alloc.current_bytes() > state ? alloc.current_bytes() - state : 0;
+  SLIDE_ASSIGN_OR_RETURN(po.other_bytes, live_bytes_beside_state(model, po, alloc));
   size_t budget = alloc.budget_bytes();
   if (budget == Allocator::kUnlimited) {
     SLIDE_ASSIGN_OR_RETURN(size_t free_bytes, be.available_memory_bytes());

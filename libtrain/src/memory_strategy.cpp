@@ -348,11 +348,7 @@ RefitFn offload_refit(Backend& be, Sequential& model, const PlanOptions& options
     const int64_t micro_now = (step_samples + micro_count - 1) / micro_count;
     PlanOptions po = options;
     // What else lives on the device now (a --cache device dataset, ...), as prepare_memory counts it.
-    po.micro_batch = 1;
-    SLIDE_ASSIGN_OR_RETURN(MemoryPlan one, plan_memory(model, po));
-    const size_t state = one.parameter_bytes + one.gradient_bytes + one.optimizer_bytes;
-    const size_t live = be.allocator().current_bytes();
-    po.other_bytes = live > state ? live - state : 0;
+    SLIDE_ASSIGN_OR_RETURN(po.other_bytes, live_bytes_beside_state(model, po, be.allocator()));
     StrategyRequest req;
     req.batch = step_samples;
     req.micro_batch = micro_now;

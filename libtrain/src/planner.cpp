@@ -303,6 +303,13 @@ Result<MemoryPlan> plan_memory(Sequential& model, const PlanOptions& o) {
   return plan;
 }
 
+Result<size_t> live_bytes_beside_state(Sequential& model, const PlanOptions& options, const Allocator& alloc) {
+  SLIDE_ASSIGN_OR_RETURN(MemoryPlan p, plan_memory(model, options));
+  const size_t state = p.parameter_bytes + p.gradient_bytes + p.optimizer_bytes;
+  const size_t live = alloc.current_bytes();
+  return live > state ? live - state : 0;
+}
+
 Result<int64_t> largest_planned_micro_batch(Sequential& model, PlanOptions options, size_t budget_bytes,
                                             int64_t limit) {
   auto fits = [&](int64_t n) -> Result<bool> {

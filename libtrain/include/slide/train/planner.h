@@ -77,6 +77,13 @@ struct MemoryPlan {
 // layers' own shape errors.
 [[nodiscard]] Result<MemoryPlan> plan_memory(Sequential& model, const PlanOptions& options);
 
+// What PlanOptions::other_bytes should say for `model` in `alloc` now: the live bytes beyond its
+// training state (parameters, gradients and optimizer state as plan_memory counts them with
+// `options`), i.e. a dataset on the device, class weights, ...; 0 when nothing else is live.
+// Errors: plan_memory's.
+[[nodiscard]] Result<size_t> live_bytes_beside_state(Sequential& model, const PlanOptions& options,
+                                                     const Allocator& alloc);
+
 // The largest micro-batch in [1, limit] whose planned peak fits `budget_bytes` (bisection over the
 // plan; the peak grows with the micro-batch). 0 when not even 1 fits. Errors: plan_memory's.
 [[nodiscard]] Result<int64_t> largest_planned_micro_batch(Sequential& model, PlanOptions options,

@@ -190,12 +190,9 @@ int run_main(int argc, char** argv) {
     opt.slide_ids.insert(opt.slide_ids.end(), ids->begin(), ids->end());
   }
   {
-    auto stain = slide::train::stain_target_for_options(stain_options.method, stain_options.reference);
+    auto stain = slide::apps::stain_target_of(stain_options, "stain normalisation");
     if (!stain.ok()) return fail(stain.status());
     opt.stain = *stain;
-    if (opt.stain.method != slide::train::StainMethod::kNone)
-      slide::core::log_info("stain normalisation",
-                            {{"reference", stain_options.reference}, {"target", slide::train::stain_target_to_json(opt.stain)}});
   }
   opt.decode_threads = decode_threads;
   opt.progress = !log.quiet;

@@ -381,12 +381,9 @@ int run_main(int argc, char** argv) {
   opt.progress = !log.quiet;
   opt.cancel = &g_cancel;
   {
-    auto target = slide::tile::stain_target_for_options(stain_norm.method, stain_norm.reference);
+    auto target = slide::apps::stain_target_of(stain_norm, "stain normalisation at tiling time");
     if (!target.ok()) return fail(target.status());
     opt.stain = *target;
-    if (opt.stain.method != slide::tile::StainMethod::kNone)
-      slide::core::log_info("stain normalisation at tiling time",
-                            {{"reference", stain_norm.reference}, {"target", slide::tile::stain_target_to_json(opt.stain)}});
   }
 
   auto collected = slide::tile::collect_inputs(inputs, manifests, patch_dirs);

@@ -7,6 +7,10 @@
 
 #include <string>
 
+#include "slide/core/log.h"
+#include "slide/core/status.h"
+#include "slide/tile/stain.h"
+
 namespace slide::apps {
 
 struct StainOptions {
@@ -25,6 +29,15 @@ inline void add_stain_options(CLI::App& app, StainOptions* o, const std::string&
   app.add_option("--stain-reference", o->reference,
                  "The reference tile for --stain-normalize: a JPEG/PNG/TIFF image, or a .json target recorded before (" +
                      recorded_in + ")");
+}
+
+// The options' target (stain_target_for_options: fitted on the reference, or kNone), with one log
+// line `what` naming the reference and the target when there is one. Errors: its (usage errors).
+inline slide::core::Result<slide::tile::StainTarget> stain_target_of(const StainOptions& o, const char* what) {
+  auto target = slide::tile::stain_target_for_options(o.method, o.reference);
+  if (target.ok() && target->method != slide::tile::StainMethod::kNone)
+    slide::core::log_info(what, {{"reference", o.reference}, {"target", slide::tile::stain_target_to_json(*target)}});
+  return target;
 }
 
 }  // namespace slide::apps

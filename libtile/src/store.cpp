@@ -567,7 +567,7 @@ Result<StoreMeta> read_meta(MDB_txn* txn, MDB_dbi dbi) {
 Result<std::vector<SlideRecord>> read_slides(MDB_txn* txn, MDB_dbi dbi) {
   std::vector<SlideRecord> out;
   MDB_cursor* raw = nullptr;
-  int rc = mdb_cursor_open(txn, dbi, &raw);
+  int rc = lmdb_guarded(mdb_cursor_open, txn, dbi, &raw);  // may read a stale database's root
   if (rc != 0) return lmdb_status(rc, "open cursor on slides");
   std::unique_ptr<MDB_cursor, void (*)(MDB_cursor*)> cur(raw, mdb_cursor_close);
   MDB_val k, v;

@@ -46,6 +46,14 @@ def run(args):
     return r
 
 
+def random_resnet18(path):
+    """A ResNet-18 safetensors file with random weights (the converter's --random): the path."""
+    c = subprocess.run([PY, CONVERT, "--random", "resnet18", path], capture_output=True, text=True)
+    if c.returncode != 0:
+        raise AssertionError("convert_torchvision_weights.py --random: " + c.stderr)
+    return path
+
+
 def info(store):
     r = run([TILE, "info", store, "--json"])
     if r.returncode != 0:
@@ -150,9 +158,7 @@ class TestSlides(Base):
         ids = sorted(s["slide_id"] for s in info(store)["slides"])
         self.assertEqual(ids, ["Pr%E4parat 1", "Pr%E5parat 1", "plain name"])
         # slide-embed takes the ids on: one bag per slide, named from the id, holding it exactly.
-        weights = self.path("r18.safetensors")
-        c = subprocess.run([PY, CONVERT, "--random", "resnet18", weights], capture_output=True, text=True)
-        self.assertEqual(c.returncode, 0, c.stderr)
+        weights = random_resnet18(self.path("r18.safetensors"))
         bags = self.path("bags")
         r = run([EMBED, store, "-o", bags, "--weights", weights, "--model", "resnet18", "-q"])
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -172,9 +178,7 @@ class TestStores(Base):
         cls.store = os.path.join(cls.shared, "store")
         r = run([TILE, CMU, "--mpp", "1.0", "--tile-size", "64", "-o", cls.store, "-q"])
         assert r.returncode == 0, r.stderr
-        cls.weights = os.path.join(cls.shared, "r18.safetensors")
-        c = subprocess.run([PY, CONVERT, "--random", "resnet18", cls.weights], capture_output=True, text=True)
-        assert c.returncode == 0, c.stderr
+        cls.weights = random_resnet18(os.path.join(cls.shared, "r18.safetensors"))
         cls.bags = os.path.join(cls.shared, "bags")
         r = run([EMBED, cls.store, "-o", cls.bags, "--weights", cls.weights, "--model", "resnet18", "-q"])
         assert r.returncode == 0, r.stderr
@@ -246,10 +250,9 @@ class TestWeights(Base):
     @classmethod
     def setUpClass(cls):
         cls.shared = tempfile.mkdtemp(prefix="slide_corrupt_weights_")
-        good = os.path.join(cls.shared, "good.safetensors")
-        c = subprocess.run([PY, CONVERT, "--random", "resnet18", good], capture_output=True, text=True)
-        assert c.returncode == 0, c.stderr
-        raw = open(good, "rb").read()
+        good = random_resnet18(os.path.join(cls.shared, "good.safetensors"))
+        with open(good, "rb") as f:
+            raw = f.read()
         n = struct.unpack("<Q", raw[:8])[0]
         header, body = json.loads(raw[8:8 + n]), raw[8 + n:]
 
@@ -313,9 +316,7 @@ class TestBags(Base):
                 shutil.copy(os.path.join(LC, c, n), os.path.join(few, c, n))
         r = run([TILE, "--patches", few, "--tile-size", "64", "-o", store, "-q"])
         self.assertEqual(r.returncode, 0, r.stderr)
-        weights = self.path("r18.safetensors")
-        c = subprocess.run([PY, CONVERT, "--random", "resnet18", weights], capture_output=True, text=True)
-        self.assertEqual(c.returncode, 0, c.stderr)
+        weights = random_resnet18(self.path("r18.safetensors"))
         bags = self.path("bags")
         r = run([EMBED, store, "-o", bags, "--weights", weights, "--model", "resnet18", "-q"])
         self.assertEqual(r.returncode, 0, r.stderr)

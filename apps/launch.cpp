@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "interrupt.h"
 #include "slide/core/log.h"
 #include "slide/train/communicator.h"
 
@@ -26,15 +27,6 @@ namespace {
 
 constexpr int kExitFailed = 1;
 constexpr int kExitInterrupted = 130;
-
-// Signals the launcher got and has not yet passed on (async-signal-safe: counters only).
-volatile sig_atomic_t g_signals = 0;
-volatile sig_atomic_t g_last_signal = SIGINT;
-
-void on_signal(int sig) {
-  g_last_signal = sig;
-  g_signals = g_signals + 1;
-}
 
 std::string signal_text(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -108,11 +100,7 @@ int run_launcher(const LaunchOptions& o) {
   argv.push_back(nullptr);
 
   // Signals are counted, not acted on, from here: the loop below passes them on.
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  count_interrupts_only();
 
   const pid_t launcher = ::getpid();
   std::vector<Child> children(static_cast<size_t>(n));
@@ -125,16 +113,12 @@ int run_launcher(const LaunchOptions& o) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // The child: its own process group (a terminal's Ctrl-C reaches only the launcher, which
-      // passes it on once), SIGTERM when the launcher dies, default signal handling, its sockets
+      // passes it on once), SIGTERM when the launcher dies, default signal handling and mask, its sockets
       // kept open across exec.
       ::setpgid(0, 0);
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != launcher) ::_exit(kExitFailed);  // the launcher died before prctl
-      struct sigaction dfl {};
-      dfl.sa_handler = SIG_DFL;
-      sigemptyset(&dfl.sa_mask);
-      ::sigaction(SIGINT, &dfl, nullptr);
-      ::sigaction(SIGTERM, &dfl, nullptr);
+      reset_interrupt_signals_in_child();
       for (int fd : mine) ::fcntl(fd, F_SETFD, 0);
       ::execve(o.exe.c_str(), argv.data(), envp.data());
       const char msg[] = "slide-train --gpus: cannot start a rank (execve failed)\n";
@@ -174,9 +158,9 @@ int run_launcher(const LaunchOptions& o) {
     kill_at = Clock::now() + stop_timeout;
   }
   for (int left = started; left > 0;) {
-    while (forwarded < g_signals) {
+    while (forwarded < signal_count()) {
       ++forwarded;
-      stop_others(g_last_signal);
+      stop_others(last_signal());
     }
     if (Clock::now() >= kill_at) {
       slide::core::log_error("slide-train --gpus: ranks still running " + std::to_string(o.stop_timeout_s) +

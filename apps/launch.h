@@ -35,7 +35,8 @@ struct LaunchOptions {
 
 // Runs the N ranks to completion and returns the exit code described above (0 when every rank
 // exited 0; 130 when an interrupt stopped them; 1 when a child could not be started, naming why).
-// Call it from a single-threaded process: it forks.
+// It forks; a child calls only async-signal-safe functions before exec, so the caller may have
+// other threads (interrupt.h's signal thread).
 int run_launcher(const LaunchOptions& o);
 
 // argv[1..] without `--gpus N` / `--gpus=N` (every occurrence), for the children.

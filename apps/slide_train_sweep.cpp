@@ -242,8 +242,21 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     const std::string log = dir + "/log.txt";
     posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+    // The trial starts with SIGINT and SIGTERM unblocked and at their defaults, whatever this
+    // process's mask (interrupt.h blocks them in every thread but its signal thread).
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t none, defaults;
+    sigemptyset(&none);
+    sigemptyset(&defaults);
+    sigaddset(&defaults, SIGINT);
+    sigaddset(&defaults, SIGTERM);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid = 0;
-    const int rc = posix_spawn(&pid, self.c_str(), &fa, nullptr, argv.data(), environ);
+    const int rc = posix_spawn(&pid, self.c_str(), &fa, &attr, argv.data(), environ);
+    posix_spawnattr_destroy(&attr);
     posix_spawn_file_actions_destroy(&fa);
     if (rc != 0) return slide::core::errno_status(rc, "start trial " + trial_id(i) + " (" + self + ")");
     SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/pid", std::to_string(pid) + "\n"));

@@ -321,14 +321,27 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
   const std::string partial = dir + "/" + name + ".partial", final_dir = dir + "/" + name;
   std::error_code ec;
   fs::remove_all(partial, ec);
-  SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(partial));
-  SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/model.safetensors", named(params, buffers),
-                                         {{"format", "pt"}}, device));
-  std::vector<NamedTensor> opt_state;
-  for (auto* b : opt.state()) opt_state.push_back({b->name, &b->value});
-  if (!opt_state.empty())
-    SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state, {}, device));
-  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(partial + "/state.json", state.dump(2)));
+  const auto write_files = [&]() -> Status {
+    SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(partial));
+    SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/model.safetensors", named(params, buffers),
+                                           {{"format", "pt"}}, device));
+    std::vector<NamedTensor> opt_state;
+    for (auto* b : opt.state()) opt_state.push_back({b->name, &b->value});
+    if (!opt_state.empty())
+      SLIDE_RETURN_IF_ERROR(save_safetensors(partial + "/optimizer.safetensors", opt_state, {}, device));
+    return slide::core::write_file_atomic(partial + "/state.json", state.dump(2));
+  };
+  if (Status s = write_files(); !s.ok()) {
+    // A full disk (or any write error): the unfinished checkpoint goes, giving its space back; the
+    // complete ones stay, and --resume starts from the newest.
+    fs::remove_all(partial, ec);
+    const std::vector<fs::path> kept = list_checkpoints(dir);
+    return s.with_context("checkpoint " + final_dir + " not written (" +
+                          (kept.empty() ? std::string("no complete checkpoint yet")
+                                        : "the newest complete one, " + kept.back().filename().string() +
+                                              ", is kept; free space and rerun with --resume") +
+                          ")");
+  }
   fs::remove_all(final_dir, ec);
   fs::rename(partial, final_dir, ec);
   if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);

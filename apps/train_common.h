@@ -133,7 +133,9 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and
 // state.json, in a .partial directory renamed into place; keeps the newest `keep`. Errors: those
-// of writing the files and of the rename. Tensors on a device are downloaded through `device`
+// of writing the files (kResourceExhausted for a full disk), with context naming the checkpoint and
+// the newest complete one (the .partial directory is removed, giving its space back), and of the
+// rename. Tensors on a device are downloaded through `device`
 // (their backend; nullptr when all are host tensors).
 [[nodiscard]] slide::core::Status save_checkpoint(const std::string& dir,
                                                   const std::vector<slide::train::Parameter*>& params,

@@ -228,6 +228,50 @@ class TestResume(Base):
         self.assertFalse(np.array_equal(a["fc.weight"], c["fc.weight"]))
 
 
+class TestFullDisk(Base):
+    """Issue 17 item 4: slide-train on a small tmpfs fills it in epoch 2. The run fails with exit 1 and
+    one line naming the checkpoint it could not write and the file; the unfinished checkpoint is
+    removed (its space given back), the complete one stays; with room again, --resume finishes
+    with the uninterrupted run's weights, bit for bit."""
+
+    def test_full_disk_keeps_the_last_checkpoint_and_resume_is_exact(self):
+        ref = os.path.join(self.tmp, "ref-disk")
+        r = self.train(ref, "--keep", "4", epochs=4)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        mnt = tempfile.mkdtemp(prefix="tmpfs_", dir=self.tmp)
+        # Epoch 1's outputs take ~136 KiB in 4-KiB pages (checkpoint, best weights, curves, metrics);
+        # epoch 2's checkpoint needs 60 KiB more.
+        m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", mnt], capture_output=True, text=True)
+        if m.returncode != 0:
+            self.skipTest("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN): " + m.stderr.strip())
+        try:
+            out = os.path.join(mnt, "run")
+            r = self.train(out, epochs=4)
+            print("slide-train on a 160-KiB tmpfs: exit %d; %s" % (r.returncode, r.stderr.strip().splitlines()[-1]))
+            self.assertEqual(r.returncode, 1, r.stderr)
+            last = r.stderr.strip().splitlines()[-1]
+            self.assertIn("RESOURCE_EXHAUSTED", last)
+            self.assertIn("No space left on device", last)
+            self.assertIn("checkpoint %s/checkpoints/epoch-2-step-0 not written" % out, last)
+            self.assertIn("epoch-1-step-0, is kept", last)
+            self.assertEqual(os.listdir(os.path.join(out, "checkpoints")), ["epoch-1-step-0"])
+            kept = read_safetensors(os.path.join(out, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+            want = read_safetensors(os.path.join(ref, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+            self.assertTrue(all(np.array_equal(kept[k], want[k]) for k in want))
+            self.assertEqual(subprocess.run(["mount", "-o", "remount,size=8m", mnt]).returncode, 0)
+            r = self.train(out, "--resume", epochs=4)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("resumed", r.stderr)
+            a = read_safetensors(os.path.join(ref, "checkpoints", "epoch-4-step-0", "model.safetensors"))
+            b = read_safetensors(os.path.join(out, "checkpoints", "epoch-4-step-0", "model.safetensors"))
+            self.assertTrue(all(np.array_equal(a[k], b[k]) for k in a))
+            with open(os.path.join(ref, "metrics.jsonl")) as fa, open(os.path.join(out, "metrics.jsonl")) as fb:
+                drop = lambda h: {k: v for k, v in h.items() if k not in ("seconds", "images_per_s", "all_reduce_s")}
+                self.assertEqual([drop(json.loads(l)) for l in fa], [drop(json.loads(l)) for l in fb])
+        finally:
+            subprocess.run(["umount", mnt])
+
+
 class TestDevice(Base):
     """The device paths of slide-train without a GPU: --backend reference-sim keeps every tensor on
     the simulated device, which host code may not read (the process would abort), so model, batches,

@@ -764,10 +764,16 @@ int run_main(int argc, char** argv) {
                                 {"val_balanced_accuracy", v.balanced_accuracy},
                                 {"val_roc_auc", slide::apps::metric_or_null(v.roc_auc)},
                                 {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now},
-                                {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds}});
+                                {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds},
+                                {"val_confusion", v.confusion}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
+    if (auto s = writer ? slide::apps::write_train_report(out, state, (*be)->allocator().peak_bytes(),
+                                                          device_name((*be)->device()))
+                        : slide::core::ok_status();
+        !s.ok())
+      return fail(s);
     if (record_best_epoch(&state, v, best_metric, epoch + 1)) {
       if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}},
                                              be->get())

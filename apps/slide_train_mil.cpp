@@ -351,10 +351,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                                 {"val_balanced_accuracy", v.balanced_accuracy},
                                 {"val_roc_auc", slide::apps::metric_or_null(v.roc_auc)},
                                 {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now}, {"seconds", st->seconds + v.seconds},
-                                {"bags_per_s", st->seconds > 0 ? static_cast<double>(st->samples) / st->seconds : 0.0}});
+                                {"bags_per_s", st->seconds > 0 ? static_cast<double>(st->samples) / st->seconds : 0.0},
+                                {"val_confusion", v.confusion}});
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
+    if (auto s = write_train_report(o.out, state, cpu_allocator().peak_bytes(), "cpu"); !s.ok()) return fail(s);
     if (record_best_epoch(&state, v, o.best_metric, epoch + 1)) {
       if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}); !s.ok())
         return fail(s);

@@ -2,6 +2,8 @@
 // (slide_train_main.cpp) and MIL training (slide_train_mil.cpp). Moved from slide_train_main.cpp.
 #include "train_common.h"
 
+#include <ctime>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -9,6 +11,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "report.h"
 #include "slide/core/file.h"
 #include "slide/train/model_registry.h"
 #include "slide/core/file_name.h"
@@ -79,7 +82,7 @@ CLI::Validator number_option(const std::string& option) {
 
 namespace {
 
-constexpr const char* kRunFiles[] = {"metrics.jsonl", "metrics.csv", "curves.png", "best.safetensors"};
+constexpr const char* kRunFiles[] = {"metrics.jsonl", "metrics.csv", "curves.png", "report.html", "best.safetensors"};
 constexpr const char* kRunDirs[] = {"checkpoints", "attention", "test"};
 
 }  // namespace
@@ -392,6 +395,114 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.csv", csv));
   return write_curves_png(out, history);
+}
+
+namespace {
+
+std::string fixed(double v, int digits) {
+  if (!std::isfinite(v)) return "n/a";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// A history value as a table cell: numbers to `digits` places, null as "n/a".
+std::string cell(const nlohmann::json& h, const char* key, int digits) {
+  if (!h.contains(key) || !h[key].is_number()) return "n/a";
+  return fixed(h[key].get<double>(), digits);
+}
+
+std::string text_of(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+std::string bytes_text(size_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", bytes, static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+}  // namespace
+
+Status write_train_report(const std::string& out, const nlohmann::json& state, size_t peak_bytes,
+                          const std::string& device) {
+  const auto classes = state.value("classes", std::vector<std::string>{});
+  const nlohmann::json& history = state["history"];
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  HtmlReport r("slide-train report: " + fs::path(out).filename().string());
+  std::string class_list;
+  for (const auto& c : classes) class_list += (class_list.empty() ? "" : ", ") + c;
+  std::vector<std::pair<std::string, std::string>> run = {
+      {"output", out},
+      {"written", when},
+      {"model", state.contains("model") ? text_of(state["model"]) : "n/a"},
+      {"classes", class_list},
+      {"epochs done", std::to_string(history.size()) + " of " + (state.contains("epochs") ? text_of(state["epochs"]) : "?")}};
+  if (state.contains("best_epoch"))
+    run.push_back({"best epoch", text_of(state["best_epoch"]) + " (by " + state.value("best_metric", std::string("val_balanced_accuracy")) + ")"});
+  r.heading("Run");
+  r.key_values(run, "run");
+
+  r.heading("Training curves");
+  SLIDE_ASSIGN_OR_RETURN(const std::string curves, slide::core::read_file(out + "/curves.png"));
+  r.png(curves, "training curves: loss, and validation accuracy by epoch");
+
+  r.heading("Epochs");
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& h : history)
+    rows.push_back({text_of(h["epoch"]), cell(h, "train_loss", 4), cell(h, "train_accuracy", 4), cell(h, "val_loss", 4),
+                    cell(h, "val_accuracy", 4), cell(h, "val_balanced_accuracy", 4), cell(h, "val_roc_auc", 4),
+                    cell(h, "lr", 6), cell(h, "seconds", 1)});
+  r.table({"epoch", "train loss", "train accuracy", "val loss", "val accuracy", "val balanced accuracy", "val ROC AUC",
+           "learning rate", "seconds"},
+          rows, "epochs");
+
+  // The last epoch with a validation confusion matrix.
+  const nlohmann::json* last = nullptr;
+  const size_t C = classes.size();
+  for (const auto& h : history)
+    if (h.contains("val_confusion") && h["val_confusion"].is_array() && h["val_confusion"].size() == C * C && C > 0)
+      last = &h;
+  r.heading("Validation by class");
+  if (last == nullptr) {
+    r.paragraph("No validation set (or no epoch finished yet).");
+  } else {
+    const auto m = (*last)["val_confusion"].get<std::vector<int64_t>>();
+    r.paragraph("Epoch " + text_of((*last)["epoch"]) + ": recall is the fraction of a class's samples predicted as it; " +
+                "precision the fraction of the samples predicted as a class that are it.");
+    std::vector<std::vector<std::string>> per_class, matrix;
+    for (size_t t = 0; t < C; ++t) {
+      int64_t row = 0, col = 0;
+      for (size_t k = 0; k < C; ++k) row += m[t * C + k], col += m[k * C + t];
+      const int64_t diag = m[t * C + t];
+      per_class.push_back({classes[t], std::to_string(row),
+                           row > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(row), 4) : "n/a",
+                           col > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(col), 4) : "n/a",
+                           std::to_string(col)});
+      std::vector<std::string> line{classes[t]};
+      for (size_t k = 0; k < C; ++k) line.push_back(std::to_string(m[t * C + k]));
+      matrix.push_back(std::move(line));
+    }
+    r.table({"class", "samples", "recall", "precision", "predicted as it"}, per_class, "classes", true);
+    std::vector<std::string> header{"true \\ predicted"};
+    header.insert(header.end(), classes.begin(), classes.end());
+    r.heading("Confusion matrix");
+    r.table(header, matrix, "confusion", true);
+  }
+
+  r.heading("Options (state.json's config: what --resume holds fixed)");
+  std::vector<std::pair<std::string, std::string>> options;
+  if (state.contains("config"))
+    for (const auto& [k, v] : state["config"].items()) options.push_back({k, text_of(v)});
+  r.key_values(options, "options");
+
+  r.heading("Memory");
+  std::vector<std::pair<std::string, std::string>> memory;
+  if (state.contains("memory"))
+    for (const auto& [k, v] : state["memory"].items()) memory.push_back({k, text_of(v)});
+  memory.push_back({"peak tensor memory (" + device + ", this process)", bytes_text(peak_bytes)});
+  r.key_values(memory, "memory");
+  return slide::core::write_file_atomic(out + "/report.html", r.html());
 }
 
 slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,

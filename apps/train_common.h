@@ -39,7 +39,7 @@ CLI::Validator number_option(const std::string& option);
 
 // --- Output directories -----------------------------------------------------------------------
 // The files and folders an earlier training run leaves in --out (train_common.cpp's list:
-// checkpoints/ when it holds anything, metrics.jsonl, metrics.csv, curves.png, best.safetensors,
+// checkpoints/ when it holds anything, metrics.jsonl, metrics.csv, curves.png, report.html, best.safetensors,
 // attention/, test/), by name, those present. writer.lock, and a sweep's log.txt, pid and result.json,
 // are not a run's files.
 std::vector<std::string> earlier_run_files(const std::string& out);
@@ -61,7 +61,7 @@ std::vector<std::string> earlier_run_files(const std::string& out);
                                                                                         bool overwrite);
 
 // --overwrite: removes the earlier run's files from `out` (checkpoints/ whole, metrics.jsonl,
-// metrics.csv, curves.png, best.safetensors, attention/; a MIL --attention-dir elsewhere is left
+// metrics.csv, curves.png, report.html, best.safetensors, attention/; a MIL --attention-dir elsewhere is left
 // alone: its files are replaced as they are written). Errors: kInternal / kPermissionDenied
 // naming the path.
 [[nodiscard]] slide::core::Status remove_earlier_run(const std::string& out);
@@ -153,5 +153,14 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // epoch, train_loss, train_accuracy, val_loss, val_accuracy, val_balanced_accuracy,
 // val_roc_auc, lr, seconds), then curves.png.
 [[nodiscard]] slide::core::Status write_metrics(const std::string& out, const nlohmann::json& history);
+
+// <out>/report.html (report.h), rewritten (atomically) after each epoch from the run's state (its
+// state.json record: "model", "classes", "config", "history", "best_epoch", "memory"): the run's
+// options, curves.png (written by write_metrics before), a row per epoch, the last validation's
+// per-class recall and precision and its confusion matrix (history's "val_confusion": rows true
+// classes, columns predicted), the memory plan, and `peak_bytes` of tensor memory so far on
+// `device`. Errors: reading curves.png (kNotFound when missing), writing the file.
+[[nodiscard]] slide::core::Status write_train_report(const std::string& out, const nlohmann::json& state,
+                                                     size_t peak_bytes, const std::string& device);
 
 }  // namespace slide::apps

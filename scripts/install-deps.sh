@@ -17,6 +17,7 @@ packages=(
   python3 python3-lmdb python3-openslide python3-numpy python3-pil python3-h5py
   python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer
   clang libclang-rt-14-dev  # the fuzz targets (tests/fuzz/: clang++ and its libFuzzer runtime)
+  chromium-headless-shell  # report.html rendered by a real browser (tests/e2e/test_slide_train.py TestReport)
 )
 # Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
 # libopenblas0-pthread: Debian's PyTorch runs a ViT's matrix products through the system BLAS

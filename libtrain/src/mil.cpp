@@ -456,6 +456,7 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
   EpochStats st;
   tally.finish(&st, t0);
   st.roc_auc = labels.empty() ? std::nan("") : macro_roc_auc(scored, labels, static_cast<int64_t>(C));
+  st.confusion = confusion_matrix(scored, labels, static_cast<int64_t>(C));
   if (probs_out) *probs_out = std::move(probs);
   return st;
 }

@@ -336,6 +336,19 @@ Result<Tensor> balanced_class_weights(const TileDataset& data, const std::vector
   return balanced_weights(labels, static_cast<int64_t>(data.class_names().size()), alloc);
 }
 
+std::vector<int64_t> confusion_matrix(const std::vector<float>& probs, const std::vector<int32_t>& labels,
+                                      int64_t classes) {
+  const auto c = static_cast<size_t>(std::max<int64_t>(classes, 0));
+  std::vector<int64_t> m(c * c, 0);
+  for (size_t i = 0; i < labels.size() && (i + 1) * c <= probs.size(); ++i) {
+    if (labels[i] < 0 || static_cast<size_t>(labels[i]) >= c) continue;
+    const float* p = probs.data() + i * c;
+    const auto pred = static_cast<size_t>(std::max_element(p, p + c) - p);
+    ++m[static_cast<size_t>(labels[i]) * c + pred];
+  }
+  return m;
+}
+
 double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes) {
   const size_t n = labels.size();
   double sum = 0;
@@ -426,7 +439,10 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
     ++st.steps;
   }
   finish(&st, loss_sum, correct, seen, right, t0);
-  if (labelled) st.roc_auc = macro_roc_auc(all_probs, all_labels, static_cast<int64_t>(classes));
+  if (labelled) {
+    st.roc_auc = macro_roc_auc(all_probs, all_labels, static_cast<int64_t>(classes));
+    st.confusion = confusion_matrix(all_probs, all_labels, static_cast<int64_t>(classes));
+  }
   if (probs_out != nullptr) *probs_out = std::move(all_probs);
   return st;
 }

@@ -228,6 +228,123 @@ class TestResume(Base):
         self.assertFalse(np.array_equal(a["fc.weight"], c["fc.weight"]))
 
 
+def report_tables(path):
+    """{table id: [[cell text, ...] per row, header row first]} of a report.html."""
+    from html.parser import HTMLParser
+
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.current, self.row, self.cell = {}, None, None, None
+            self.images = []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "table":
+                self.current = a.get("id", "")
+                self.tables[self.current] = []
+            elif tag == "tr" and self.current is not None:
+                self.row = []
+                self.tables[self.current].append(self.row)
+            elif tag in ("td", "th") and self.row is not None:
+                self.cell = ""
+            elif tag == "img":
+                self.images.append(a.get("src", ""))
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.cell is not None:
+                self.row.append(self.cell)
+                self.cell = None
+            elif tag == "table":
+                self.current = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    p = P()
+    with open(path, encoding="utf-8") as f:
+        p.feed(f.read())
+    return p.tables, p.images
+
+
+def chromium():
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+class TestReport(Base):
+    """Issue 16 item 5: report.html beside a training run's outputs: self-contained (the curves
+    inlined), its tables filled from the run's own figures, and rendered by a real browser."""
+
+    def test_report_holds_the_runs_figures_and_renders_in_chromium(self):
+        out = os.path.join(self.tmp, "report-run")
+        r = self.train(out, epochs=3)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            history = [json.loads(l) for l in f]
+        tables, images = report_tables(os.path.join(out, "report.html"))
+        # The epochs: one row each, the figures metrics.jsonl has (to 4 places).
+        epochs = tables["epochs"]
+        self.assertEqual(len(epochs), 1 + 3)
+        for row, h in zip(epochs[1:], history):
+            self.assertEqual(int(row[0]), h["epoch"])
+            self.assertAlmostEqual(float(row[1]), h["train_loss"], places=4)
+            self.assertAlmostEqual(float(row[5]), h["val_balanced_accuracy"], places=4)
+        # The confusion matrix of the last epoch: its rows are the val tiles of each class, its
+        # diagonal over them the recall metrics.jsonl has, its total the val set's size.
+        classes = ["lung_aca", "lung_n", "lung_scc"]
+        confusion = tables["confusion"]
+        self.assertEqual(confusion[0][1:], classes)
+        m = np.array([[int(v) for v in row[1:]] for row in confusion[1:]])
+        self.assertEqual(m.tolist(), np.array(history[-1]["val_confusion"]).reshape(3, 3).tolist())
+        for k in range(3):
+            self.assertAlmostEqual(m[k, k] / m[k].sum(), history[-1]["val_recall"][k], places=6)
+        self.assertAlmostEqual(np.trace(m) / m.sum(), history[-1]["val_accuracy"], places=6)
+        per_class = tables["classes"]
+        self.assertEqual([row[0] for row in per_class[1:]], classes)
+        self.assertEqual([int(row[1]) for row in per_class[1:]], m.sum(axis=1).tolist())
+        # The curves, inlined: the same PNG as curves.png.
+        import base64
+        png = [src for src in images if src.startswith("data:image/png;base64,")]
+        self.assertEqual(len(png), 1)
+        with open(os.path.join(out, "curves.png"), "rb") as f:
+            self.assertEqual(base64.b64decode(png[0].split(",", 1)[1]), f.read())
+        with open(os.path.join(out, "report.html"), encoding="utf-8") as f:
+            page = f.read()
+        self.assertNotIn("<script", page)
+        self.assertNotIn("http://", page)
+        self.assertNotIn("https://", page)
+
+        browser = chromium()
+        if browser is None:
+            self.skipTest("no Chromium here (scripts/install-deps.sh installs chromium-headless-shell)")
+        shot = os.path.join(self.tmp, "report.png")
+        url = "file://" + os.path.join(out, "report.html")
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+        r = subprocess.run([browser] + flags + ["--window-size=1280,2400", "--screenshot=" + shot, url],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        from PIL import Image
+        with Image.open(shot) as im:
+            a = np.asarray(im.convert("RGB")).astype(int)
+        # The inlined curves were decoded and drawn: their line colours are on the screenshot
+        # (the page itself has no colour but greys).
+        for rgb in ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)):
+            near = (np.abs(a - np.array(rgb)).sum(axis=2) <= 12).sum()
+            self.assertGreater(near, 100, "colour %s of curves.png is not on the rendered page" % (rgb,))
+        # The tables as the browser built them: every cell filled.
+        r = subprocess.run([browser] + flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        dom = r.stdout
+        self.assertIn('<table id="confusion">', dom)
+        self.assertNotIn("<td></td>", dom.split('<table class="kv" id="options">')[0])
+        print("report.html: %d bytes, rendered by %s" % (len(page), os.path.basename(browser)))
+
+
 class TestFullDisk(Base):
     """Issue 17 item 4: slide-train on a small tmpfs fills it in epoch 2. The run fails with exit 1 and
     one line naming the checkpoint it could not write and the file; the unfinished checkpoint is
@@ -1017,7 +1134,7 @@ class TestOutputSafety(Base):
         r = self.quick(out)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--out %s holds an earlier run (checkpoints/, metrics.jsonl, metrics.csv, curves.png, "
-                      "best.safetensors): continue it with --resume, replace it with --overwrite" % out, r.stderr)
+                      "report.html, best.safetensors): continue it with --resume, replace it with --overwrite" % out, r.stderr)
         self.assertEqual(snapshot(out), before)
         r = self.quick(out, "--resume", "--overwrite")
         self.assertEqual(r.returncode, 2, r.stderr)

@@ -130,6 +130,15 @@ class TestLearns(Base):
         self.assertGreater(h[-1]["val_roc_auc"], 0.8, h[-1])
         self.assertLess(h[-1]["train_loss"], h[0]["train_loss"])
         self.assertEqual(len(h[-1]["val_recall"]), 3)
+        # The validation bags' confusion matrix (rows true classes): its diagonal gives the recall.
+        m = np.array(h[-1]["val_confusion"]).reshape(3, 3)
+        self.assertEqual(m.sum(), 9)
+        for k in range(3):
+            self.assertAlmostEqual(m[k, k] / m[k].sum(), h[-1]["val_recall"][k], places=6)
+        with open(os.path.join(out, "report.html"), encoding="utf-8") as f:
+            page = f.read()
+        self.assertIn('<table id="confusion">', page)
+        self.assertIn("data:image/png;base64,", page)
         self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
                          ["epoch-10-step-0", "epoch-11-step-0", "epoch-12-step-0"])
         ck = os.path.join(out, "checkpoints", "epoch-12-step-0")

@@ -246,6 +246,17 @@ TEST_CASE("macro ROC AUC: Mann-Whitney by hand, ties count half, undefined class
   CHECK(macro_roc_auc({1.0f, 1.0f}, {0, 0}, 1) == -1.0);
 }
 
+TEST_CASE("confusion matrix: rows are true classes, columns the argmax (first on ties), as sklearn's") {
+  // sklearn.metrics.confusion_matrix([0, 0, 0, 1, 1], [0, 0, 1, 0, 1]) = [[2, 1], [1, 1]].
+  std::vector<float> probs{0.9f, 0.1f, 0.8f, 0.2f, 0.4f, 0.6f, 0.7f, 0.3f, 0.3f, 0.7f};
+  CHECK(confusion_matrix(probs, {0, 0, 0, 1, 1}, 2) == std::vector<int64_t>{2, 1, 1, 1});
+  // A tie predicts the first class; a label outside [0, classes) is skipped.
+  CHECK(confusion_matrix({0.5f, 0.5f, 0.2f, 0.8f}, {1, 7}, 2) == std::vector<int64_t>{0, 0, 1, 0});
+  // Three classes, one of them absent: its row is zeros.
+  std::vector<float> p3{0.9f, 0.05f, 0.05f, 0.2f, 0.1f, 0.7f, 0.1f, 0.2f, 0.7f};
+  CHECK(confusion_matrix(p3, {0, 2, 2}, 3) == std::vector<int64_t>{1, 0, 0, 0, 0, 0, 0, 0, 2});
+}
+
 TEST_CASE("fine-tuning: initial weights by name, the classifier replaced for another class count, another "
           "architecture refused; freezing and the backbone's rate by layer") {
   const std::string dir = std::filesystem::temp_directory_path() / ("slide_finetune_" + std::to_string(::getpid()));

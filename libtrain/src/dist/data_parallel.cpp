@@ -302,6 +302,7 @@ Result<EpochStats> evaluate_data_parallel(Backend& be, Layer& model, const TileD
   }
   st.balanced_accuracy = present ? sum / present : 0.0;
   st.roc_auc = macro_roc_auc(probs, labels, static_cast<int64_t>(classes));
+  st.confusion = confusion_matrix(probs, labels, static_cast<int64_t>(classes));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (probs_out != nullptr) *probs_out = std::move(probs);
   return st;

@@ -27,6 +27,7 @@ struct EpochStats {
   double balanced_accuracy = 0;  // mean per-class recall over the classes present
   std::vector<double> recall;     // per class; -1 for a class with no samples
   double roc_auc = -1;            // evaluate only: macro one-vs-rest ROC AUC; -1 when undefined
+  std::vector<int64_t> confusion;  // evaluate only: confusion_matrix() of the labelled samples
   int64_t samples = 0;
   int64_t steps = 0;       // steps run by this call
   bool completed = true;   // false: stopped by `cancel` after `steps` steps
@@ -122,5 +123,12 @@ using LogitsFn = std::function<Result<Tensor>(const Tensor& images)>;
 // half: the Mann-Whitney U statistic), averaged over the classes that have both positives and
 // negatives; -1 when none has. probs: n x classes row-major; labels: n.
 double macro_roc_auc(const std::vector<float>& probs, const std::vector<int32_t>& labels, int64_t classes);
+
+// The confusion matrix (sklearn.metrics.confusion_matrix): classes x classes counts, row-major,
+// row = the true class, column = the predicted one (the argmax of a row of probs, the first on
+// ties, as the accuracy counts it). probs: n x classes row-major; labels: n, each in
+// [0, classes) (others are skipped).
+std::vector<int64_t> confusion_matrix(const std::vector<float>& probs, const std::vector<int32_t>& labels,
+                                      int64_t classes);
 
 }  // namespace slide::train

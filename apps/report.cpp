@@ -1,0 +1,120 @@
+#include "report.h"
+
+#include <cstdint>
+
+namespace slide::apps {
+
+std::string base64(std::string_view bytes) {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 3 <= bytes.size(); i += 3) {
+    const uint32_t v = (uint32_t{static_cast<uint8_t>(bytes[i])} << 16) |
+                       (uint32_t{static_cast<uint8_t>(bytes[i + 1])} << 8) | static_cast<uint8_t>(bytes[i + 2]);
+    out += kAlphabet[(v >> 18) & 63], out += kAlphabet[(v >> 12) & 63];
+    out += kAlphabet[(v >> 6) & 63], out += kAlphabet[v & 63];
+  }
+  if (const size_t rest = bytes.size() - i; rest > 0) {
+    uint32_t v = uint32_t{static_cast<uint8_t>(bytes[i])} << 16;
+    if (rest == 2) v |= uint32_t{static_cast<uint8_t>(bytes[i + 1])} << 8;
+    out += kAlphabet[(v >> 18) & 63], out += kAlphabet[(v >> 12) & 63];
+    out += rest == 2 ? kAlphabet[(v >> 6) & 63] : '=';
+    out += '=';
+  }
+  return out;
+}
+
+namespace {
+
+// The length of the valid UTF-8 sequence at s[i] (RFC 3629: no overlongs, no surrogates, at most
+// U+10FFFF), or 0 when there is none.
+size_t utf8_length(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
+  const uint8_t c = b(i);
+  if (c < 0x80) return 1;
+  size_t n = 0;
+  uint8_t lo = 0x80, hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) n = 2;
+  else if (c >= 0xE0 && c <= 0xEF) n = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+  else if (c >= 0xF0 && c <= 0xF4) n = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+  else return 0;
+  if (i + n > s.size()) return 0;
+  if (b(i + 1) < lo || b(i + 1) > hi) return 0;
+  for (size_t k = 2; k < n; ++k)
+    if (b(i + k) < 0x80 || b(i + k) > 0xBF) return 0;
+  return n;
+}
+
+}  // namespace
+
+std::string html_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    switch (c) {
+      case '&': out += "&amp;"; ++i; continue;
+      case '<': out += "&lt;"; ++i; continue;
+      case '>': out += "&gt;"; ++i; continue;
+      case '"': out += "&quot;"; ++i; continue;
+      case '\'': out += "&#39;"; ++i; continue;
+      default: break;
+    }
+    const size_t n = utf8_length(text, i);
+    if (n == 0) {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      ++i;
+    } else {
+      out.append(text.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
+HtmlReport::HtmlReport(const std::string& title) : title_(title) {}
+
+void HtmlReport::heading(const std::string& text) { body_ += "<h2>" + html_escape(text) + "</h2>\n"; }
+
+void HtmlReport::paragraph(const std::string& text) { body_ += "<p>" + html_escape(text) + "</p>\n"; }
+
+void HtmlReport::key_values(const std::vector<std::pair<std::string, std::string>>& rows, const std::string& id) {
+  body_ += "<table class=\"kv\"" + (id.empty() ? std::string() : " id=\"" + html_escape(id) + "\"") + ">\n";
+  for (const auto& [k, v] : rows) body_ += "<tr><th>" + html_escape(k) + "</th><td>" + html_escape(v) + "</td></tr>\n";
+  body_ += "</table>\n";
+}
+
+void HtmlReport::table(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows,
+                       const std::string& id, bool first_column_is_header) {
+  body_ += "<table" + (id.empty() ? std::string() : " id=\"" + html_escape(id) + "\"") + ">\n<thead><tr>";
+  for (const auto& h : header) body_ += "<th>" + html_escape(h) + "</th>";
+  body_ += "</tr></thead>\n<tbody>\n";
+  for (const auto& row : rows) {
+    body_ += "<tr>";
+    for (size_t i = 0; i < row.size(); ++i) {
+      const char* tag = first_column_is_header && i == 0 ? "th" : "td";
+      body_ += std::string("<") + tag + ">" + html_escape(row[i]) + "</" + tag + ">";
+    }
+    body_ += "</tr>\n";
+  }
+  body_ += "</tbody></table>\n";
+}
+
+void HtmlReport::png(std::string_view bytes, const std::string& alt) {
+  body_ += "<p><img alt=\"" + html_escape(alt) + "\" src=\"data:image/png;base64," + base64(bytes) + "\"></p>\n";
+}
+
+std::string HtmlReport::html() const {
+  return "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" + html_escape(title_) +
+         "</title>\n<style>\n"
+         "body { font-family: 'DejaVu Sans', Arial, sans-serif; margin: 2em; color: #222; }\n"
+         "table { border-collapse: collapse; margin: 0.5em 0 1.5em; }\n"
+         "th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }\n"
+         "th { background: #eee; } table.kv th, table.kv td { text-align: left; }\n"
+         "img { max-width: 100%; }\n"
+         "</style>\n</head>\n<body>\n<h1>" +
+         html_escape(title_) + "</h1>\n" + body_ + "</body>\n</html>\n";
+}
+
+}  // namespace slide::apps

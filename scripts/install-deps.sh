@@ -17,8 +17,10 @@ packages=(
   python3 python3-lmdb python3-openslide python3-numpy python3-pil python3-h5py
   python3-torch python3-torchvision  # the numerics test against torchvision, and the training peer
   clang libclang-rt-14-dev  # the fuzz targets (tests/fuzz/: clang++ and its libFuzzer runtime)
-  chromium-headless-shell  # report.html rendered by a real browser (tests/e2e/test_slide_train.py TestReport)
 )
+# Tests only, and not worth failing the install for (the tests that need them skip, saying why):
+# report.html rendered by a real browser (tests/e2e/test_slide_train.py TestReport).
+optional_packages=(chromium-headless-shell)
 # Benchmarks only (the Python peers and the gigapixel slide builder): `install-deps.sh --bench`.
 # libopenblas0-pthread: Debian's PyTorch runs a ViT's matrix products through the system BLAS
 # (about 50x slower on the reference BLAS), so the ViT peer gets OpenBLAS.
@@ -31,13 +33,24 @@ missing=()
 for p in "${want[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
+optional_missing=()
+for p in "${optional_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || optional_missing+=("$p")
+done
+if ((${#missing[@]} == 0 && ${#optional_missing[@]} == 0)); then
   echo "install-deps: all ${#want[@]} packages present"
   exit 0
 fi
-echo "install-deps: installing ${missing[*]}"
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ((${#missing[@]} > 0)); then
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if ((${#optional_missing[@]} > 0)); then
+  echo "install-deps: installing ${optional_missing[*]} (optional)"
+  $SUDO apt-get install -y -qq --no-install-recommends "${optional_missing[@]}" ||
+    echo "install-deps: warning: ${optional_missing[*]} not installed; the tests that need them skip" >&2
+fi

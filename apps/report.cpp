@@ -111,7 +111,7 @@ std::string HtmlReport::html() const {
          "body { font-family: 'DejaVu Sans', Arial, sans-serif; margin: 2em; color: #222; }\n"
          "table { border-collapse: collapse; margin: 0.5em 0 1.5em; }\n"
          "th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }\n"
-         "th { background: #eee; } table.kv th, table.kv td { text-align: left; }\n"
+         "th { background: #eee; } tbody th, table.kv th, table.kv td { text-align: left; }\n"
          "img { max-width: 100%; }\n"
          "</style>\n</head>\n<body>\n<h1>" +
          html_escape(title_) + "</h1>\n" + body_ + "</body>\n</html>\n";

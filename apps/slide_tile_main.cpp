@@ -32,6 +32,7 @@
 #include "slide/tile/store.h"
 #include "log_options.h"
 #include "stain_options.h"
+#include "tile_report.h"
 
 #include "interrupt.h"
 
@@ -424,6 +425,8 @@ int run_main(int argc, char** argv) {
   slide::apps::install_interrupt_handlers("\ninterrupt: finishing the current transaction (Ctrl-C again to stop now)\n");
   auto summary = slide::tile::run_tiling(*collected, out_store, opt);
   if (!summary.ok()) return fail(summary.status());
+  // report.html beside the store's databases; its failure is the run's (exit 1), after the summary.
+  const slide::core::Status report = slide::apps::write_tile_report(out_store, qc_dir, *summary);
   if (slide::core::log_json()) {
     // One record per slide worth a look and one for the totals, instead of the table.
     for (const auto& o : summary->slides) {
@@ -441,6 +444,10 @@ int run_main(int argc, char** argv) {
   } else {
     std::string table = slide::tile::format_summary(*summary, log.quiet);
     std::fputs(table.c_str(), stderr);
+  }
+  if (!report.ok()) {
+    const int code = fail(report.with_context("report.html"));
+    if (!summary->cancelled) return code;
   }
   if (summary->cancelled) return kExitInterrupted;
   if (summary->count(slide::tile::SlideOutcomeKind::kFailed) > 0) return kExitSomeFailed;

@@ -1,7 +1,9 @@
-"""Helpers shared by the e2e tests: the expected file name of a slide id, and a snapshot of an
-output directory to show that a refused run changed nothing."""
+"""Helpers shared by the e2e tests: the expected file name of a slide id, a snapshot of an
+output directory to show that a refused run changed nothing, and report.html's tables and the
+browser that renders it."""
 import hashlib
 import os
+import shutil
 
 
 def slide_file_stem(slide_id):
@@ -63,3 +65,51 @@ def store_tiles(store, slide_id):
             coords.append((x, y))
     env.close()
     return np.stack(imgs), np.array(coords, dtype=np.int64)
+
+
+def report_tables(path):
+    """{table id: [[cell text, ...] per row, header row first]} of a report.html."""
+    from html.parser import HTMLParser
+
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.current, self.row, self.cell = {}, None, None, None
+            self.images = []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "table":
+                self.current = a.get("id", "")
+                self.tables[self.current] = []
+            elif tag == "tr" and self.current is not None:
+                self.row = []
+                self.tables[self.current].append(self.row)
+            elif tag in ("td", "th") and self.row is not None:
+                self.cell = ""
+            elif tag == "img":
+                self.images.append(a.get("src", ""))
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.cell is not None:
+                self.row.append(self.cell)
+                self.cell = None
+            elif tag == "table":
+                self.current = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    p = P()
+    with open(path, encoding="utf-8") as f:
+        p.feed(f.read())
+    return p.tables, p.images
+
+
+def chromium():
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None

@@ -21,7 +21,7 @@ import lmdb
 import numpy as np
 import openslide
 from PIL import Image
-from e2e_util import slide_file_stem
+from e2e_util import chromium, report_tables, slide_file_stem
 
 TILE = os.environ["SLIDE_TILE"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
@@ -274,6 +274,57 @@ class TestBadSlides(Base):
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertIn("nope.svs", r.stderr)
         self.assertIn("NOT_FOUND", r.stderr)
+
+
+class TestReport(Base):
+    """Issue 16 item 5: report.html in the store's directory after a run: the store's slides as
+    slide-tile info has them, this run's failures with their errors, the QC pictures inlined, and a
+    page a real browser renders."""
+
+    def test_report_lists_slides_failures_and_qc_pictures(self):
+        store, qc = self.path("s"), self.path("qc")
+        r = run([os.path.join(BAD, "broken.svs"), CMU, "--mpp", "1.0", "-o", store, "--qc-dir", qc])
+        self.assertEqual(r.returncode, 3, r.stderr)
+        tables, images = report_tables(os.path.join(store, "report.html"))
+        j = info(store)
+        slides = tables["slides"]
+        self.assertEqual(slides[0][:4], ["slide", "label", "tiles", "candidates"])
+        self.assertEqual([(row[0], int(row[2]), int(row[3])) for row in slides[1:]],
+                         [(s["slide_id"], s["tile_count"], s["candidate_tiles"]) for s in j["slides"]])
+        run_facts = dict((row[0], row[1]) for row in tables["run"])
+        self.assertEqual((run_facts["tiled"], run_facts["failed"]), ("1", "1"))
+        failures = tables["failures"]
+        self.assertEqual(len(failures), 2)
+        self.assertEqual(failures[1][:2], ["broken", "failed"])
+        self.assertTrue(failures[1][2].endswith("broken.svs"))
+        self.assertIn("INVALID_ARGUMENT", failures[1][3])
+        self.assertIn("not a slide", failures[1][3])
+        import base64
+        with open(os.path.join(qc, "CMU-1-Small-Region.png"), "rb") as f:
+            self.assertEqual([base64.b64decode(src.split(",", 1)[1]) for src in images], [f.read()])
+        # A rerun (nothing left to tile but the broken slide) keeps the store's slides in it.
+        r = run([os.path.join(BAD, "broken.svs"), CMU, "--mpp", "1.0", "-o", store, "--qc-dir", qc])
+        self.assertEqual(r.returncode, 3, r.stderr)
+        tables, _ = report_tables(os.path.join(store, "report.html"))
+        self.assertEqual([row[0] for row in tables["slides"][1:]], ["CMU-1-Small-Region"])
+        self.assertEqual(dict((row[0], row[1]) for row in tables["run"])["already complete"], "1")
+
+        browser = chromium()
+        if browser is None:
+            self.skipTest("no Chromium here (scripts/install-deps.sh installs chromium-headless-shell)")
+        shot = self.path("report.png")
+        url = "file://" + os.path.join(store, "report.html")
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+        r = subprocess.run([browser] + flags + ["--window-size=1280,2000", "--screenshot=" + shot, url],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        from PIL import Image
+        with Image.open(shot) as im:
+            a = np.asarray(im.convert("RGB")).astype(int)
+        # The QC picture was decoded and drawn: its green tissue mask is on the page (which has
+        # only greys of its own).
+        green = ((a[..., 1] > 150) & (a[..., 0] < 100) & (a[..., 2] < 100)).sum()
+        self.assertGreater(green, 200)
 
 
 def make_reference(tmp, args):

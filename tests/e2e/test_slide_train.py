@@ -18,7 +18,7 @@ import unittest
 
 import numpy as np
 from safetensors_io import read_safetensors, write_safetensors
-from e2e_util import snapshot
+from e2e_util import chromium, report_tables, snapshot
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
@@ -226,54 +226,6 @@ class TestResume(Base):
         self.assertEqual(self.train(plain).returncode, 0)
         c = read_safetensors(os.path.join(plain, "checkpoints", "epoch-6-step-0", "model.safetensors"))
         self.assertFalse(np.array_equal(a["fc.weight"], c["fc.weight"]))
-
-
-def report_tables(path):
-    """{table id: [[cell text, ...] per row, header row first]} of a report.html."""
-    from html.parser import HTMLParser
-
-    class P(HTMLParser):
-        def __init__(self):
-            super().__init__()
-            self.tables, self.current, self.row, self.cell = {}, None, None, None
-            self.images = []
-
-        def handle_starttag(self, tag, attrs):
-            a = dict(attrs)
-            if tag == "table":
-                self.current = a.get("id", "")
-                self.tables[self.current] = []
-            elif tag == "tr" and self.current is not None:
-                self.row = []
-                self.tables[self.current].append(self.row)
-            elif tag in ("td", "th") and self.row is not None:
-                self.cell = ""
-            elif tag == "img":
-                self.images.append(a.get("src", ""))
-
-        def handle_endtag(self, tag):
-            if tag in ("td", "th") and self.cell is not None:
-                self.row.append(self.cell)
-                self.cell = None
-            elif tag == "table":
-                self.current = None
-
-        def handle_data(self, data):
-            if self.cell is not None:
-                self.cell += data
-
-    p = P()
-    with open(path, encoding="utf-8") as f:
-        p.feed(f.read())
-    return p.tables, p.images
-
-
-def chromium():
-    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
 
 
 class TestReport(Base):

@@ -27,6 +27,7 @@
 #include "slide/train/stain.h"
 #include "slide/train/vit.h"
 
+#include "embed_report.h"
 #include "interrupt.h"
 
 namespace {
@@ -272,6 +273,11 @@ int run_main(int argc, char** argv) {
     if (!s.status.ok() && s.status.code() != slide::core::StatusCode::kCancelled) {
       slide::core::log_error("failed slide", {{"slide", s.slide_id}, {"store", s.store}, {"error", s.status.message()}});
     }
+  }
+  // report.html beside the bags; its failure is the run's (exit 1) unless interrupted.
+  if (auto s = slide::apps::write_embed_report(opt.out_dir, slide::train::bag_directory(opt), loaded, encoder->feature_dim(), *summary); !s.ok()) {
+    const int code = fail(s.with_context("report.html"));
+    if (!summary->interrupted) return code;
   }
   if (summary->interrupted) return kExitInterrupted;
   if (summary->failed() > 0) return kExitSomeFailed;

@@ -127,6 +127,10 @@ Status decode_into(const slide::tile::StoreReader& store, const std::string& sto
 const float* TileEncoder::mean() const { return kImageNetMean; }
 const float* TileEncoder::std() const { return kImageNetStd; }
 
+std::string bag_directory(const EmbedOptions& options) {
+  return options.layout == "clam" ? options.out_dir + "/h5_files" : options.out_dir;
+}
+
 Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& model, const EmbedOptions& opt) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
@@ -186,7 +190,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   if (opt.layout != "flat" && opt.layout != "clam")
     return invalid_argument("layout '" + opt.layout + "' is not one of flat, clam");
   const bool clam = opt.layout == "clam";
-  const std::string bag_dir = clam ? opt.out_dir + "/h5_files" : opt.out_dir;  // CLAM's DATA_DIR/h5_files
+  const std::string bag_dir = bag_directory(opt);
   SLIDE_RETURN_IF_ERROR_CTX(slide::core::make_dirs(bag_dir), "--out");
   // A slide's bag: <bag dir>/<bag_file_name(id)>, or a complete bag of an earlier version under the
   // legacy name when it holds this slide (its slide_id attribute), so that a rerun skips it.

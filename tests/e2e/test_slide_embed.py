@@ -24,7 +24,7 @@ import h5py
 import lmdb
 import numpy as np
 from PIL import Image
-from e2e_util import slide_file_stem, snapshot, store_tiles
+from e2e_util import report_tables, slide_file_stem, snapshot, store_tiles
 
 TILE = os.environ["SLIDE_TILE"]
 EMBED = os.environ["SLIDE_EMBED"]
@@ -75,8 +75,9 @@ def bag_name(slide_id):
 
 
 def listing(out):
-    """The files of an output directory, without the writer's lock file."""
-    return sorted(n for n in os.listdir(out) if n != "writer.lock")
+    """The files of an output directory, without the writer's lock file and the run's report.html
+    (TestLayout checks it)."""
+    return sorted(n for n in os.listdir(out) if n not in ("writer.lock", "report.html"))
 
 
 def rel_err(got, want):
@@ -233,6 +234,17 @@ class TestLayout(Base):
             self.assertIn("tiles/s", r.stderr)
             rows = csv_rows(os.path.join(out, "bags.csv"))
             self.assertEqual([x["slide_id"] for x in rows], ["CMU-1-Small-Region", "TCGA-CR-7395-01A-01-TS1"])
+            # report.html: the model, the directory's bags as bags.csv lists them, this run's slides.
+            tables, _ = report_tables(os.path.join(out, "report.html"))
+            model = dict((k, v) for k, v in tables["model"])
+            self.assertEqual((model["model"], model["layer"], model["feature dimension"]), ("resnet18", "layer2", "128"))
+            self.assertEqual(model["weights SHA-256"], sha256_of(weights))
+            bags = dict((k, v) for k, v in tables["bags"])
+            self.assertEqual(int(bags["bags (bags.csv)"]), 2)
+            self.assertEqual(int(bags["tiles"]), sum(int(x["num_tiles"]) for x in rows))
+            self.assertEqual(bags["dtype"], dtype)
+            self.assertEqual([(row[0], row[2], int(row[3])) for row in tables["slides"][1:]],
+                             [(x["slide_id"], "written", int(x["num_tiles"])) for x in rows])
             for row in rows:
                 sid = row["slide_id"]
                 with h5py.File(os.path.join(out, row["file"]), "r") as f:
@@ -316,7 +328,7 @@ class TestClamLayout(Base):
             r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--layer", "layer1",
                            "--layout", layout)
             self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(sorted(os.listdir(clam)), ["dataset.csv", "h5_files", "writer.lock"])
+        self.assertEqual(sorted(os.listdir(clam)), ["dataset.csv", "h5_files", "report.html", "writer.lock"])
         self.assertEqual(csv_rows(os.path.join(clam, "dataset.csv")), [{"case_id": sid, "slide_id": sid, "label": ""}])
         self.assertEqual([x["slide_id"] for x in csv_rows(os.path.join(clam, "h5_files", "bags.csv"))], [sid])
         tiles, coords = store_tiles(store, sid)

@@ -144,6 +144,10 @@ struct EmbedOptions {
   StainTarget stain;
 };
 
+// Where the bags and bags.csv go: out_dir ("flat"), or out_dir/h5_files (layout "clam", CLAM's
+// DATA_DIR/h5_files).
+std::string bag_directory(const EmbedOptions& options);
+
 struct SlideOutcome {
   std::string store, slide_id, bag_path;
   int64_t tiles = 0;

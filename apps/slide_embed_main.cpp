@@ -271,7 +271,7 @@ int run_main(int argc, char** argv) {
                                     {"tiles_per_s", std::to_string(rate)}});
   for (const auto& s : summary->slides) {
     if (!s.status.ok() && s.status.code() != slide::core::StatusCode::kCancelled) {
-      slide::core::log_error("failed slide", {{"slide", s.slide_id}, {"store", s.store}, {"error", s.status.message()}});
+      slide::core::log_warn("slide failed", {{"slide", s.slide_id}, {"store", s.store}, {"error", s.status.message()}});
     }
   }
   // report.html beside the bags; its failure is the run's (exit 1) unless interrupted.

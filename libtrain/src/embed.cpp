@@ -266,7 +266,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       }
       if (!o.status.ok()) slide::core::log_error(o.status.message(), {{"slide", rec.slide_id}});
     } else if (rec.tile_count == 0) {
-      slide::core::log_warn("slide has no tiles: no bag written", {{"slide", rec.slide_id}, {"store", o.store}});
+      slide::core::log_warn("slide has zero tiles", {{"slide", rec.slide_id}, {"store", o.store}, {"bag", "none written"}});
     } else {
       todo.push_back(j);
     }

@@ -1,7 +1,6 @@
 #include "embed_report.h"
 
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -14,12 +13,6 @@
 namespace slide::apps {
 
 namespace {
-
-std::string num(double v, const char* format) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
 
 std::string outcome_of(const slide::train::SlideOutcome& s) {
   if (s.status.code() == slide::core::StatusCode::kCancelled) return "interrupted (bag discarded)";
@@ -36,9 +29,6 @@ slide::core::Status write_embed_report(const std::string& out_dir, const std::st
                                        const slide::train::EmbedSummary& summary) {
   SLIDE_ASSIGN_OR_RETURN(const auto bags,
                          slide::cache::read_manifest(bag_dir + "/" + slide::cache::kManifestName));
-  const std::time_t now = std::time(nullptr);
-  char when[64];
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
   HtmlReport r("slide-embed report: " + std::filesystem::path(out_dir).filename().string());
 
   r.heading("Model");
@@ -65,7 +55,7 @@ slide::core::Status write_embed_report(const std::string& out_dir, const std::st
   for (const auto& d : dtypes) dtype_text += (dtype_text.empty() ? "" : ", ") + d;
   for (const auto& [l, n] : per_label) label_text += (label_text.empty() ? "" : ", ") + l + " " + std::to_string(n);
   r.key_values({{"directory", bag_dir},
-                {"written", when},
+                {"written", utc_now_text()},
                 {"bags (bags.csv)", std::to_string(bags.size())},
                 {"tiles", std::to_string(tiles)},
                 {"feature dimension", dim_text.empty() ? "-" : dim_text},
@@ -86,15 +76,15 @@ slide::core::Status write_embed_report(const std::string& out_dir, const std::st
                 {"slides without tiles", std::to_string(empty)},
                 {"failed", std::to_string(summary.failed())},
                 {"tiles embedded", std::to_string(summary.tiles_embedded)},
-                {"seconds", num(summary.seconds, "%.1f")},
+                {"seconds", format_number(summary.seconds, "%.1f")},
                 {"tiles per second",
-                 summary.seconds > 0 ? num(static_cast<double>(summary.tiles_embedded) / summary.seconds, "%.1f") : "-"},
+                 summary.seconds > 0 ? format_number(static_cast<double>(summary.tiles_embedded) / summary.seconds, "%.1f") : "-"},
                 {"interrupted", summary.interrupted ? "yes (rerun the same command to finish)" : "no"}},
                "run");
   std::vector<std::vector<std::string>> rows;
   for (const auto& s : summary.slides)
-    rows.push_back({s.slide_id, s.store, outcome_of(s), std::to_string(s.tiles), num(s.seconds, "%.2f"),
-                    s.seconds > 0 && s.tiles > 0 && !s.skipped ? num(static_cast<double>(s.tiles) / s.seconds, "%.1f")
+    rows.push_back({s.slide_id, s.store, outcome_of(s), std::to_string(s.tiles), format_number(s.seconds, "%.2f"),
+                    s.seconds > 0 && s.tiles > 0 && !s.skipped ? format_number(static_cast<double>(s.tiles) / s.seconds, "%.1f")
                                                                : std::string("-"),
                     s.status.ok() ? std::string() : s.status.to_string()});
   r.table({"slide", "store", "outcome", "tiles", "seconds", "tiles/s", "error"}, rows, "slides", true);

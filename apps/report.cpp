@@ -1,6 +1,10 @@
 #include "report.h"
 
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
+
+#include "slide/core/file_name.h"
 
 namespace slide::apps {
 
@@ -25,29 +29,6 @@ std::string base64(std::string_view bytes) {
   return out;
 }
 
-namespace {
-
-// The length of the valid UTF-8 sequence at s[i] (RFC 3629: no overlongs, no surrogates, at most
-// U+10FFFF), or 0 when there is none.
-size_t utf8_length(std::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
-  const uint8_t c = b(i);
-  if (c < 0x80) return 1;
-  size_t n = 0;
-  uint8_t lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) n = 2;
-  else if (c >= 0xE0 && c <= 0xEF) n = 3, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-  else if (c >= 0xF0 && c <= 0xF4) n = 4, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
-  else return 0;
-  if (i + n > s.size()) return 0;
-  if (b(i + 1) < lo || b(i + 1) > hi) return 0;
-  for (size_t k = 2; k < n; ++k)
-    if (b(i + k) < 0x80 || b(i + k) > 0xBF) return 0;
-  return n;
-}
-
-}  // namespace
-
 std::string html_escape(std::string_view text) {
   std::string out;
   out.reserve(text.size());
@@ -61,7 +42,7 @@ std::string html_escape(std::string_view text) {
       case '\'': out += "&#39;"; ++i; continue;
       default: break;
     }
-    const size_t n = utf8_length(text, i);
+    const size_t n = slide::core::utf8_sequence_length(text, i);
     if (n == 0) {
       out += "\xEF\xBF\xBD";  // U+FFFD
       ++i;
@@ -71,6 +52,21 @@ std::string html_escape(std::string_view text) {
     }
   }
   return out;
+}
+
+std::string format_number(double value, const char* format) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, value);
+  return buf;
+}
+
+std::string utc_now_text() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return when;
 }
 
 HtmlReport::HtmlReport(const std::string& title) : title_(title) {}

@@ -18,6 +18,12 @@ std::string base64(std::string_view bytes);
 // Bytes that are not valid UTF-8 become U+FFFD (slide ids come from file names).
 std::string html_escape(std::string_view text);
 
+// `value` through printf's `format` (one double conversion, e.g. "%.4g"), for table cells.
+std::string format_number(double value, const char* format);
+
+// The current time, "YYYY-MM-DD HH:MM:SS UTC".
+std::string utc_now_text();
+
 // A page built section by section; every text argument is escaped. Not thread-safe.
 class HtmlReport {
  public:

@@ -1,7 +1,6 @@
 #include "tile_report.h"
 
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <map>
 #include <vector>
@@ -14,12 +13,6 @@
 namespace slide::apps {
 
 namespace {
-
-std::string num(double v, const char* format) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
 
 const char* outcome_name(slide::tile::SlideOutcomeKind k) {
   switch (k) {
@@ -39,9 +32,6 @@ slide::core::Status write_tile_report(const std::string& store_dir, const std::s
   SLIDE_ASSIGN_OR_RETURN(auto reader, slide::tile::StoreReader::open(store_dir));
   const auto& meta = reader->meta();
   const auto& slides = reader->slides();
-  const std::time_t now = std::time(nullptr);
-  char when[64];
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
 
   HtmlReport r("slide-tile report: " + std::filesystem::path(store_dir).filename().string());
   r.heading("Store");
@@ -56,14 +46,14 @@ slide::core::Status write_tile_report(const std::string& store_dir, const std::s
   }
   std::vector<std::pair<std::string, std::string>> store = {
       {"store", store_dir},
-      {"written", when},
+      {"written", utc_now_text()},
       {"slides", std::to_string(slides.size()) + " complete"},
       {"tiles", std::to_string(reader->tile_count())},
       {"tile size", std::to_string(meta.tile_size_px) + " px, stride " + std::to_string(meta.stride_px) + " px"},
-      {"resolution", meta.target_mpp_um > 0 ? num(meta.target_mpp_um, "%.4g um/px") : std::string("as stored (patches)")},
+      {"resolution", meta.target_mpp_um > 0 ? format_number(meta.target_mpp_um, "%.4g um/px") : std::string("as stored (patches)")},
       {"encoding", std::string(meta.encoding == slide::tile::TileEncoding::kJpeg ? "jpeg" : "raw") +
                        (meta.encoding == slide::tile::TileEncoding::kJpeg ? ", quality " + std::to_string(meta.jpeg_quality) : "")},
-      {"minimum tissue per tile", num(meta.min_tissue, "%.3g")},
+      {"minimum tissue per tile", format_number(meta.min_tissue, "%.3g")},
       {"labels (tiles)", labels.empty() ? "none" : labels},
       {"made by", meta.command_line}};
   if (!meta.tissue_options.empty()) store.push_back({"tissue detection", meta.tissue_options});
@@ -77,7 +67,7 @@ slide::core::Status write_tile_report(const std::string& store_dir, const std::s
                 {"zero tiles", std::to_string(summary.count(SlideOutcomeKind::kZeroTiles))},
                 {"failed", std::to_string(summary.count(SlideOutcomeKind::kFailed))},
                 {"tiles written", std::to_string(summary.tiles_written)},
-                {"seconds", num(summary.seconds, "%.1f")},
+                {"seconds", format_number(summary.seconds, "%.1f")},
                 {"interrupted", summary.cancelled ? "yes (rerun the same command to finish)" : "no"}},
                "run");
   std::vector<std::vector<std::string>> notable;
@@ -95,10 +85,10 @@ slide::core::Status write_tile_report(const std::string& store_dir, const std::s
   std::vector<std::vector<std::string>> rows;
   for (const auto& s : slides)
     rows.push_back({s.slide_id, s.label.empty() ? "-" : s.label, std::to_string(s.tile_count),
-                    std::to_string(s.candidate_tiles), num(100.0 * s.tissue_fraction, "%.1f%%"),
-                    std::to_string(s.level), num(s.downsample, "%.4g"),
-                    s.tile_mpp_um > 0 ? num(s.tile_mpp_um, "%.4g") : std::string("-"),
-                    s.source_mpp_um > 0 ? num(s.source_mpp_um, "%.4g") + " (" + s.mpp_source + ")" : std::string("-"),
+                    std::to_string(s.candidate_tiles), format_number(100.0 * s.tissue_fraction, "%.1f%%"),
+                    std::to_string(s.level), format_number(s.downsample, "%.4g"),
+                    s.tile_mpp_um > 0 ? format_number(s.tile_mpp_um, "%.4g") : std::string("-"),
+                    s.source_mpp_um > 0 ? format_number(s.source_mpp_um, "%.4g") + " (" + s.mpp_source + ")" : std::string("-"),
                     std::to_string(s.width_l0) + " x " + std::to_string(s.height_l0), s.vendor,
                     s.passthrough ? "yes" : "no"});
   r.table({"slide", "label", "tiles", "candidates", "tissue", "level", "downsample", "tile um/px", "level-0 um/px",

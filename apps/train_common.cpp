@@ -2,7 +2,6 @@
 // (slide_train_main.cpp) and MIL training (slide_train_mil.cpp). Moved from slide_train_main.cpp.
 #include "train_common.h"
 
-#include <ctime>
 
 #include <algorithm>
 #include <charconv>
@@ -401,9 +400,8 @@ namespace {
 
 std::string fixed(double v, int digits) {
   if (!std::isfinite(v)) return "n/a";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
+  const char* formats[] = {"%.0f", "%.1f", "%.2f", "%.3f", "%.4f", "%.5f", "%.6f"};
+  return format_number(v, formats[std::clamp(digits, 0, 6)]);
 }
 
 // A history value as a table cell: numbers to `digits` places, null as "n/a".
@@ -415,9 +413,8 @@ std::string cell(const nlohmann::json& h, const char* key, int digits) {
 std::string text_of(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
 std::string bytes_text(size_t bytes) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", bytes, static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return buf;
+  return std::to_string(bytes) + " bytes (" + format_number(static_cast<double>(bytes) / (1024.0 * 1024.0), "%.1f") +
+         " MiB)";
 }
 
 }  // namespace
@@ -426,15 +423,12 @@ Status write_train_report(const std::string& out, const nlohmann::json& state, s
                           const std::string& device) {
   const auto classes = state.value("classes", std::vector<std::string>{});
   const nlohmann::json& history = state["history"];
-  const std::time_t now = std::time(nullptr);
-  char when[64];
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
   HtmlReport r("slide-train report: " + fs::path(out).filename().string());
   std::string class_list;
   for (const auto& c : classes) class_list += (class_list.empty() ? "" : ", ") + c;
   std::vector<std::pair<std::string, std::string>> run = {
       {"output", out},
-      {"written", when},
+      {"written", utc_now_text()},
       {"model", state.contains("model") ? text_of(state["model"]) : "n/a"},
       {"classes", class_list},
       {"epochs done", std::to_string(history.size()) + " of " + (state.contains("epochs") ? text_of(state["epochs"]) : "?")}};

@@ -113,3 +113,22 @@ def chromium():
         if path:
             return path
     return None
+
+
+def screenshot(html, png, width, height):
+    """Renders the page `html` in headless Chromium into `png` (width x height px) and returns it as
+    an RGB int array; None when no Chromium is installed. Raises on a failed render."""
+    import subprocess
+    import numpy as np
+    from PIL import Image
+    browser = chromium()
+    if browser is None:
+        return None
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    r = subprocess.run([browser] + flags + ["--window-size=%d,%d" % (width, height), "--screenshot=" + png,
+                                            "file://" + os.path.abspath(html)],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError("%s failed (exit %d): %s" % (browser, r.returncode, r.stderr[-2000:]))
+    with Image.open(png) as im:
+        return np.asarray(im.convert("RGB")).astype(int)

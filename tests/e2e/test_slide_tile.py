@@ -21,7 +21,7 @@ import lmdb
 import numpy as np
 import openslide
 from PIL import Image
-from e2e_util import chromium, report_tables, slide_file_stem
+from e2e_util import report_tables, screenshot, slide_file_stem
 
 TILE = os.environ["SLIDE_TILE"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
@@ -309,18 +309,9 @@ class TestReport(Base):
         self.assertEqual([row[0] for row in tables["slides"][1:]], ["CMU-1-Small-Region"])
         self.assertEqual(dict((row[0], row[1]) for row in tables["run"])["already complete"], "1")
 
-        browser = chromium()
-        if browser is None:
+        a = screenshot(os.path.join(store, "report.html"), self.path("report.png"), 1280, 2000)
+        if a is None:
             self.skipTest("no Chromium here (scripts/install-deps.sh installs chromium-headless-shell)")
-        shot = self.path("report.png")
-        url = "file://" + os.path.join(store, "report.html")
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
-        r = subprocess.run([browser] + flags + ["--window-size=1280,2000", "--screenshot=" + shot, url],
-                           capture_output=True, text=True, timeout=120)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        from PIL import Image
-        with Image.open(shot) as im:
-            a = np.asarray(im.convert("RGB")).astype(int)
         # The QC picture was decoded and drawn: its green tissue mask is on the page (which has
         # only greys of its own).
         green = ((a[..., 1] > 150) & (a[..., 0] < 100) & (a[..., 2] < 100)).sum()

@@ -769,11 +769,6 @@ int run_main(int argc, char** argv) {
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
-    if (auto s = writer ? slide::apps::write_train_report(out, state, (*be)->allocator().peak_bytes(),
-                                                          device_name((*be)->device()))
-                        : slide::core::ok_status();
-        !s.ok())
-      return fail(s);
     if (record_best_epoch(&state, v, best_metric, epoch + 1)) {
       if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}},
                                              be->get())
@@ -782,6 +777,12 @@ int run_main(int argc, char** argv) {
         return fail(s);
     }
     if (auto s = writer ? save_checkpoint(ckpt_dir, run, **be, state, keep) : slide::core::ok_status(); !s.ok())
+      return fail(s);
+    // The report last: it shows the best epoch as just recorded.
+    if (auto s = writer ? slide::apps::write_train_report(out, state, (*be)->allocator().peak_bytes(),
+                                                          device_name((*be)->device()))
+                        : slide::core::ok_status();
+        !s.ok())
       return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_accuracy", v.accuracy}, {"val_balanced_accuracy", v.balanced_accuracy},

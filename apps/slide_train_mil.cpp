@@ -356,12 +356,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
-    if (auto s = write_train_report(o.out, state, cpu_allocator().peak_bytes(), "cpu"); !s.ok()) return fail(s);
     if (record_best_epoch(&state, v, o.best_metric, epoch + 1)) {
       if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}); !s.ok())
         return fail(s);
     }
     if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep); !s.ok()) return fail(s);
+    if (auto s = write_train_report(o.out, state, cpu_allocator().peak_bytes(), "cpu"); !s.ok()) return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
                                     {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc}});

@@ -258,6 +258,11 @@ class TestReport(Base):
         self.assertAlmostEqual(np.trace(m) / m.sum(), history[-1]["val_accuracy"], places=6)
         per_class = tables["classes"]
         self.assertEqual([row[0] for row in per_class[1:]], classes)
+        # The best epoch as the last checkpoint's state.json records it.
+        with open(os.path.join(out, "checkpoints", "epoch-3-step-0", "state.json")) as f:
+            best = json.load(f)["best_epoch"]
+        self.assertEqual(dict((row[0], row[1]) for row in tables["run"])["best epoch"],
+                         "%d (by val_balanced_accuracy)" % best)
         self.assertEqual([int(row[1]) for row in per_class[1:]], m.sum(axis=1).tolist())
         # The curves, inlined: the same PNG as curves.png.
         import base64

@@ -431,8 +431,10 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   const nlohmann::json metrics = {{"bags", st->samples}, {"loss", st->loss}, {"accuracy", st->accuracy},
                                   {"balanced_accuracy", st->balanced_accuracy},
                                   {"roc_auc", slide::apps::metric_or_null(st->roc_auc)},
-                                  {"recall", slide::apps::metrics_or_null(st->recall)}, {"classes", classes}, {"checkpoint", ck->weights}};
+                                  {"recall", slide::apps::metrics_or_null(st->recall)}, {"classes", classes}, {"checkpoint", ck->weights},
+                                  {"confusion", slide::apps::confusion_rows(st->confusion, classes.size())}};
   if (auto s = slide::core::write_file_atomic(out + "/metrics.json", metrics.dump(2) + "\n"); !s.ok()) return fail(s);
+  if (auto s = slide::apps::write_eval_report(out, metrics, classes, st->confusion); !s.ok()) return fail(s);
   slide::core::log_info("evaluated", {{"bags", st->samples}, {"accuracy", st->accuracy},
                                       {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc}});
   return kExitOk;

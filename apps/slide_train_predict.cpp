@@ -242,11 +242,14 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     metrics["loss"] = st->loss, metrics["accuracy"] = st->accuracy;
     metrics["balanced_accuracy"] = st->balanced_accuracy, metrics["recall"] = metrics_or_null(st->recall);
     metrics["roc_auc"] = metric_or_null(st->roc_auc);
+    metrics["confusion"] = slide::apps::confusion_rows(st->confusion, classes.size());
   }
   std::vector<std::pair<std::string, std::string>> files = {{"/predictions.csv", tiles_csv}, {"/slides.csv", slides_csv}};
   if (labelled) files.push_back({"/metrics.json", metrics.dump(2) + "\n"});
   for (const auto& [name, body] : files)
     if (auto s = slide::core::write_file_atomic(o.out + name, body); !s.ok()) return fail(s);
+  if (labelled)
+    if (auto s = slide::apps::write_eval_report(o.out, metrics, classes, st->confusion); !s.ok()) return fail(s);
   if (labelled)
     slide::core::log_info(mode, {{"tiles", st->samples}, {"accuracy", st->accuracy},
                                  {"balanced_accuracy", st->balanced_accuracy}, {"roc_auc", st->roc_auc},

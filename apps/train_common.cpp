@@ -419,6 +419,53 @@ std::string bytes_text(size_t bytes) {
 
 }  // namespace
 
+void add_confusion_tables(HtmlReport& r, const std::vector<std::string>& classes, const std::vector<int64_t>& m) {
+  const size_t C = classes.size();
+  if (C == 0 || m.size() != C * C) return;
+  r.paragraph("Recall: the fraction of a class's samples predicted as it; precision: the fraction of the samples "
+              "predicted as a class that are it.");
+  std::vector<std::vector<std::string>> per_class, matrix;
+  for (size_t t = 0; t < C; ++t) {
+    int64_t row = 0, col = 0;
+    for (size_t k = 0; k < C; ++k) row += m[t * C + k], col += m[k * C + t];
+    const int64_t diag = m[t * C + t];
+    per_class.push_back({classes[t], std::to_string(row),
+                         row > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(row), 4) : "n/a",
+                         col > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(col), 4) : "n/a",
+                         std::to_string(col)});
+    std::vector<std::string> line{classes[t]};
+    for (size_t k = 0; k < C; ++k) line.push_back(std::to_string(m[t * C + k]));
+    matrix.push_back(std::move(line));
+  }
+  r.table({"class", "samples", "recall", "precision", "predicted as it"}, per_class, "classes", true);
+  std::vector<std::string> header{"true \\ predicted"};
+  header.insert(header.end(), classes.begin(), classes.end());
+  r.heading("Confusion matrix");
+  r.table(header, matrix, "confusion", true);
+}
+
+nlohmann::json confusion_rows(const std::vector<int64_t>& m, size_t classes) {
+  nlohmann::json rows = nlohmann::json::array();
+  if (classes == 0 || m.size() != classes * classes) return rows;
+  for (size_t t = 0; t < classes; ++t)
+    rows.push_back(std::vector<int64_t>(m.begin() + static_cast<long>(t * classes),
+                                        m.begin() + static_cast<long>((t + 1) * classes)));
+  return rows;
+}
+
+Status write_eval_report(const std::string& out, const nlohmann::json& metrics, const std::vector<std::string>& classes,
+                         const std::vector<int64_t>& confusion) {
+  HtmlReport r("slide-train evaluate: " + fs::path(out).filename().string());
+  std::vector<std::pair<std::string, std::string>> rows = {{"output", out}, {"written", utc_now_text()}};
+  for (const auto& [k, v] : metrics.items())
+    if (!v.is_array() && !v.is_object()) rows.push_back({k, v.is_number_float() ? fixed(v.get<double>(), 4) : text_of(v)});
+  r.heading("Metrics");
+  r.key_values(rows, "metrics");
+  r.heading("By class");
+  add_confusion_tables(r, classes, confusion);
+  return slide::core::write_file_atomic(out + "/report.html", r.html());
+}
+
 Status write_train_report(const std::string& out, const nlohmann::json& state, size_t peak_bytes,
                           const std::string& device) {
   const auto classes = state.value("classes", std::vector<std::string>{});
@@ -461,27 +508,8 @@ Status write_train_report(const std::string& out, const nlohmann::json& state, s
   if (last == nullptr) {
     r.paragraph("No validation set (or no epoch finished yet).");
   } else {
-    const auto m = (*last)["val_confusion"].get<std::vector<int64_t>>();
-    r.paragraph("Epoch " + text_of((*last)["epoch"]) + ": recall is the fraction of a class's samples predicted as it; " +
-                "precision the fraction of the samples predicted as a class that are it.");
-    std::vector<std::vector<std::string>> per_class, matrix;
-    for (size_t t = 0; t < C; ++t) {
-      int64_t row = 0, col = 0;
-      for (size_t k = 0; k < C; ++k) row += m[t * C + k], col += m[k * C + t];
-      const int64_t diag = m[t * C + t];
-      per_class.push_back({classes[t], std::to_string(row),
-                           row > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(row), 4) : "n/a",
-                           col > 0 ? fixed(static_cast<double>(diag) / static_cast<double>(col), 4) : "n/a",
-                           std::to_string(col)});
-      std::vector<std::string> line{classes[t]};
-      for (size_t k = 0; k < C; ++k) line.push_back(std::to_string(m[t * C + k]));
-      matrix.push_back(std::move(line));
-    }
-    r.table({"class", "samples", "recall", "precision", "predicted as it"}, per_class, "classes", true);
-    std::vector<std::string> header{"true \\ predicted"};
-    header.insert(header.end(), classes.begin(), classes.end());
-    r.heading("Confusion matrix");
-    r.table(header, matrix, "confusion", true);
+    r.paragraph("Epoch " + text_of((*last)["epoch"]) + ".");
+    add_confusion_tables(r, classes, (*last)["val_confusion"].get<std::vector<int64_t>>());
   }
 
   r.heading("Options (state.json's config: what --resume holds fixed)");

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "report.h"
 #include "slide/core/dir_lock.h"
 #include "slide/core/status.h"
 #include "slide/train/checkpoint.h"
@@ -160,6 +161,21 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // per-class recall and precision and its confusion matrix (history's "val_confusion": rows true
 // classes, columns predicted), the memory plan, and `peak_bytes` of tensor memory so far on
 // `device`. Errors: reading curves.png (kNotFound when missing), writing the file.
+// The per-class table (samples, recall, precision, predicted as it) and the confusion matrix
+// (`m`: classes x classes, row-major, rows true classes; trainer.h confusion_matrix) as tables "classes"
+// and "confusion" of `r`; nothing when m's size is not classes^2.
+void add_confusion_tables(HtmlReport& r, const std::vector<std::string>& classes, const std::vector<int64_t>& m);
+
+// `m` (classes x classes, row-major) as JSON rows, for metrics.json's "confusion"; [] when its size
+// is not classes^2.
+nlohmann::json confusion_rows(const std::vector<int64_t>& m, size_t classes);
+
+// <out>/report.html of `slide-train evaluate`: `metrics` (metrics.json's scalars) and the tables of
+// add_confusion_tables. Errors: writing the file.
+[[nodiscard]] slide::core::Status write_eval_report(const std::string& out, const nlohmann::json& metrics,
+                                                    const std::vector<std::string>& classes,
+                                                    const std::vector<int64_t>& confusion);
+
 [[nodiscard]] slide::core::Status write_train_report(const std::string& out, const nlohmann::json& state,
                                                      size_t peak_bytes, const std::string& device);
 

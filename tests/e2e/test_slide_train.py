@@ -108,6 +108,14 @@ class TestTrain(Base):
         with open(os.path.join(ev, "metrics.json")) as f:
             metrics = json.load(f)
         self.assertAlmostEqual(metrics["accuracy"], correct / 360.0, places=6)
+        # The confusion matrix (rows true classes, columns the argmax) from the same predictions.
+        want = np.zeros((3, 3), dtype=int)
+        for p, row in zip(probs, rows[1:]):
+            want[classes.index(row[3]), int(np.argmax(p))] += 1
+        self.assertEqual(metrics["confusion"], want.tolist())
+        tables, _ = report_tables(os.path.join(ev, "report.html"))
+        self.assertEqual([[int(v) for v in r[1:]] for r in tables["confusion"][1:]], want.tolist())
+        self.assertEqual(dict((r[0], r[1]) for r in tables["metrics"])["accuracy"], "%.4f" % metrics["accuracy"])
         self.assertGreater(metrics["roc_auc"], 0.8)
         with open(os.path.join(ev, "slides.csv")) as f:
             self.assertEqual(len(f.read().splitlines()), 361)  # one patch per slide

@@ -218,6 +218,10 @@ class TestLearns(Base):
         self.assertEqual(m["classes"], CLASSES)
         self.assertAlmostEqual(m["accuracy"], sum(r[7] == "lung_scc" for r in ev_rows) / 10.0, places=6)
         self.assertGreaterEqual(m["accuracy"], 0.7)  # 7 of its 10 bags were training bags
+        # All 10 bags are lung_scc: the confusion matrix's third row holds them, by prediction.
+        self.assertEqual(m["confusion"][:2], [[0, 0, 0], [0, 0, 0]])
+        self.assertEqual(m["confusion"][2], [sum(r[7] == c for r in ev_rows) for c in CLASSES])
+        self.assertTrue(os.path.exists(os.path.join(ev, "report.html")))
         self.assertTrue(all(r[1] == "eval" for r in ev_rows))
         self.assertTrue(os.path.exists(os.path.join(ev, ev_rows[0][9])))
         # Neither --data nor --features: a usage error.

@@ -107,26 +107,44 @@ def report_tables(path):
     return p.tables, p.images
 
 
+_CHROMIUM = []
+
+
 def chromium():
+    """A headless Chromium that runs here (it renders a one-line page), or None: not installed, or
+    it cannot start in this environment (a missing library, no /dev/shm); the reason is printed."""
+    import subprocess
+    if _CHROMIUM:
+        return _CHROMIUM[0]
+    found = None
     for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
         path = shutil.which(name)
         if path:
-            return path
-    return None
+            r = subprocess.run([path] + CHROMIUM_FLAGS + ["--dump-dom", "data:text/html,<p>probe</p>"],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode == 0 and "probe" in r.stdout:
+                found = path
+            else:
+                print("%s cannot render here (exit %d): %s" % (path, r.returncode, r.stderr.strip()[-500:]))
+            break
+    _CHROMIUM.append(found)
+    return found
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"]
 
 
 def screenshot(html, png, width, height):
     """Renders the page `html` in headless Chromium into `png` (width x height px) and returns it as
-    an RGB int array; None when no Chromium is installed. Raises on a failed render."""
+    an RGB int array; None when no Chromium runs here (chromium()). Raises on a failed render."""
     import subprocess
     import numpy as np
     from PIL import Image
     browser = chromium()
     if browser is None:
         return None
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
-    r = subprocess.run([browser] + flags + ["--window-size=%d,%d" % (width, height), "--screenshot=" + png,
-                                            "file://" + os.path.abspath(html)],
+    r = subprocess.run([browser] + CHROMIUM_FLAGS + ["--window-size=%d,%d" % (width, height), "--screenshot=" + png,
+                                                     "file://" + os.path.abspath(html)],
                        capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError("%s failed (exit %d): %s" % (browser, r.returncode, r.stderr[-2000:]))

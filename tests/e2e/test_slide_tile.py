@@ -311,7 +311,7 @@ class TestReport(Base):
 
         a = screenshot(os.path.join(store, "report.html"), self.path("report.png"), 1280, 2000)
         if a is None:
-            self.skipTest("no Chromium here (scripts/install-deps.sh installs chromium-headless-shell)")
+            self.skipTest("no Chromium runs here (scripts/install-deps.sh installs chromium-headless-shell)")
         # The QC picture was decoded and drawn: its green tissue mask is on the page (which has
         # only greys of its own).
         green = ((a[..., 1] > 150) & (a[..., 0] < 100) & (a[..., 2] < 100)).sum()

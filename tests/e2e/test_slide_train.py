@@ -18,7 +18,7 @@ import unittest
 
 import numpy as np
 from safetensors_io import read_safetensors, write_safetensors
-from e2e_util import chromium, report_tables, screenshot, snapshot
+from e2e_util import CHROMIUM_FLAGS, chromium, report_tables, screenshot, snapshot
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
@@ -286,15 +286,15 @@ class TestReport(Base):
 
         a = screenshot(os.path.join(out, "report.html"), os.path.join(self.tmp, "report.png"), 1280, 2400)
         if a is None:
-            self.skipTest("no Chromium here (scripts/install-deps.sh installs chromium-headless-shell)")
+            self.skipTest("no Chromium runs here (scripts/install-deps.sh installs chromium-headless-shell)")
         # The inlined curves were decoded and drawn: their line colours are on the screenshot
         # (the page itself has no colour but greys).
         for rgb in ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)):
             near = (np.abs(a - np.array(rgb)).sum(axis=2) <= 12).sum()
             self.assertGreater(near, 100, "colour %s of curves.png is not on the rendered page" % (rgb,))
         # The tables as the browser built them: every cell filled.
-        r = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                            "file://" + os.path.join(out, "report.html")], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([chromium()] + CHROMIUM_FLAGS + ["--dump-dom", "file://" + os.path.join(out, "report.html")],
+                           capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)
         dom = r.stdout
         self.assertIn('<table id="confusion">', dom)

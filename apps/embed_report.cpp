@@ -64,16 +64,10 @@ slide::core::Status write_embed_report(const std::string& out_dir, const std::st
                "bags");
 
   r.heading("This run");
-  int written = 0, skipped = 0, empty = 0;
-  for (const auto& s : summary.slides) {
-    if (!s.status.ok()) continue;
-    if (s.skipped) ++skipped;
-    else if (s.tiles == 0) ++empty;
-    else ++written;
-  }
-  r.key_values({{"bags written", std::to_string(written)},
-                {"already complete", std::to_string(skipped)},
-                {"slides without tiles", std::to_string(empty)},
+  const auto counts = summary.counts();
+  r.key_values({{"bags written", std::to_string(counts.written)},
+                {"already complete", std::to_string(counts.skipped)},
+                {"slides without tiles", std::to_string(counts.empty)},
                 {"failed", std::to_string(summary.failed())},
                 {"tiles embedded", std::to_string(summary.tiles_embedded)},
                 {"seconds", format_number(summary.seconds, "%.1f")},

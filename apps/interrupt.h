@@ -26,6 +26,15 @@ namespace slide::apps {
 
 constexpr int kExitInterruptedCode = 130;
 
+// The signals this file takes: SIGINT and SIGTERM.
+inline sigset_t interrupt_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
 namespace detail {
 inline std::atomic<bool> g_interrupted{false};
 inline std::atomic<const char*> g_interrupt_message{""};
@@ -35,13 +44,6 @@ inline std::atomic<bool> g_count_only{false};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free &&
               std::atomic<const char*>::is_always_lock_free);
 
-inline sigset_t interrupt_signals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  return set;
-}
 
 // Async-signal-safe (lock-free atomics, write(2) and _exit(2) only): it also runs as a handler.
 inline void on_interrupt(int sig) {
@@ -78,7 +80,7 @@ inline void install_interrupt_handlers(const char* message) {
     sigfillset(&sa.sa_mask);
     sigaction(SIGINT, &sa, nullptr);
     sigaction(SIGTERM, &sa, nullptr);
-    const sigset_t set = detail::interrupt_signals();
+    const sigset_t set = interrupt_signals();
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     std::thread(detail::signal_thread).detach();
   });
@@ -101,7 +103,7 @@ inline void reset_interrupt_signals_in_child() {
   sigemptyset(&dfl.sa_mask);
   ::sigaction(SIGINT, &dfl, nullptr);
   ::sigaction(SIGTERM, &dfl, nullptr);
-  const sigset_t set = detail::interrupt_signals();
+  const sigset_t set = interrupt_signals();
   ::sigprocmask(SIG_UNBLOCK, &set, nullptr);
 }
 

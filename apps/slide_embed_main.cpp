@@ -254,17 +254,11 @@ int run_main(int argc, char** argv) {
 
   auto summary = slide::train::embed_stores(*encoder, loaded, opt);
   if (!summary.ok()) return fail(summary.status());
-  int done = 0, skipped = 0, empty = 0;
-  for (const auto& s : summary->slides) {
-    if (!s.status.ok()) continue;
-    if (s.skipped) ++skipped;
-    else if (s.tiles == 0) ++empty;
-    else ++done;
-  }
+  const auto counts = summary->counts();
   const double rate = summary->seconds > 0 ? static_cast<double>(summary->tiles_embedded) / summary->seconds : 0.0;
-  slide::core::log_info("summary", {{"bags_written", done},
-                                    {"bags_skipped_complete", skipped},
-                                    {"slides_without_tiles", empty},
+  slide::core::log_info("summary", {{"bags_written", counts.written},
+                                    {"bags_skipped_complete", counts.skipped},
+                                    {"slides_without_tiles", counts.empty},
                                     {"slides_failed", summary->failed()},
                                     {"tiles", summary->tiles_embedded},
                                     {"seconds", std::to_string(summary->seconds)},

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "interrupt.h"
 #include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
@@ -246,11 +247,9 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     // process's mask (interrupt.h blocks them in every thread but its signal thread).
     posix_spawnattr_t attr;
     posix_spawnattr_init(&attr);
-    sigset_t none, defaults;
+    sigset_t none;
     sigemptyset(&none);
-    sigemptyset(&defaults);
-    sigaddset(&defaults, SIGINT);
-    sigaddset(&defaults, SIGTERM);
+    const sigset_t defaults = interrupt_signals();
     posix_spawnattr_setsigmask(&attr, &none);
     posix_spawnattr_setsigdefault(&attr, &defaults);
     posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);

@@ -2,7 +2,6 @@
 // (slide_train_main.cpp) and MIL training (slide_train_mil.cpp). Moved from slide_train_main.cpp.
 #include "train_common.h"
 
-
 #include <algorithm>
 #include <charconv>
 #include <cmath>

@@ -155,12 +155,6 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // val_roc_auc, lr, seconds), then curves.png.
 [[nodiscard]] slide::core::Status write_metrics(const std::string& out, const nlohmann::json& history);
 
-// <out>/report.html (report.h), rewritten (atomically) after each epoch from the run's state (its
-// state.json record: "model", "classes", "config", "history", "best_epoch", "memory"): the run's
-// options, curves.png (written by write_metrics before), a row per epoch, the last validation's
-// per-class recall and precision and its confusion matrix (history's "val_confusion": rows true
-// classes, columns predicted), the memory plan, and `peak_bytes` of tensor memory so far on
-// `device`. Errors: reading curves.png (kNotFound when missing), writing the file.
 // The per-class table (samples, recall, precision, predicted as it) and the confusion matrix
 // (`m`: classes x classes, row-major, rows true classes; trainer.h confusion_matrix) as tables "classes"
 // and "confusion" of `r`; nothing when m's size is not classes^2.
@@ -176,6 +170,12 @@ nlohmann::json confusion_rows(const std::vector<int64_t>& m, size_t classes);
                                                     const std::vector<std::string>& classes,
                                                     const std::vector<int64_t>& confusion);
 
+// <out>/report.html (report.h), rewritten (atomically) after each epoch from the run's state (its
+// state.json record: "model", "classes", "config", "history", "best_epoch", "memory"): the run's
+// options, curves.png (written by write_metrics before), a row per epoch, the last validation's
+// per-class recall and precision and its confusion matrix (history's "val_confusion": rows true
+// classes, columns predicted), the memory plan, and `peak_bytes` of tensor memory so far on
+// `device`. Errors: reading curves.png (kNotFound when missing), writing the file.
 [[nodiscard]] slide::core::Status write_train_report(const std::string& out, const nlohmann::json& state,
                                                      size_t peak_bytes, const std::string& device);
 

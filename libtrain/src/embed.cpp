@@ -70,6 +70,17 @@ int EmbedSummary::failed() const {
   return n;
 }
 
+EmbedSummary::Counts EmbedSummary::counts() const {
+  Counts c;
+  for (const auto& s : slides) {
+    if (!s.status.ok()) continue;
+    if (s.skipped) ++c.skipped;
+    else if (s.tiles == 0) ++c.empty;
+    else ++c.written;
+  }
+  return c;
+}
+
 namespace {
 
 struct SlideJob {

@@ -277,16 +277,16 @@ Result<EpochStats> evaluate_data_parallel(Backend& be, Layer& model, const TileD
   EpochStats st;
   st.samples = static_cast<int64_t>(positions.size());
   st.steps = local.steps;
-  std::vector<int64_t> seen(classes, 0), right(classes, 0);
   std::vector<int32_t> labels(positions.size());
+  for (size_t i = 0; i < positions.size(); ++i) labels[i] = data.tiles()[positions[i]].label;
+  // The counts per class from the confusion matrix: seen = its row sums, right = its diagonal.
+  st.confusion = confusion_matrix(probs, labels, static_cast<int64_t>(classes));
+  std::vector<int64_t> seen(classes, 0), right(classes, 0);
   int64_t correct = 0;
-  for (size_t i = 0; i < positions.size(); ++i) {
-    const float* p = probs.data() + i * classes;
-    const int32_t y = data.tiles()[positions[i]].label;
-    labels[i] = y;
-    const auto pred = static_cast<int32_t>(std::max_element(p, p + classes) - p);
-    ++seen[static_cast<size_t>(y)];
-    if (pred == y) ++right[static_cast<size_t>(y)], ++correct;
+  for (size_t t = 0; t < classes; ++t) {
+    for (size_t k = 0; k < classes; ++k) seen[t] += st.confusion[t * classes + k];
+    right[t] = st.confusion[t * classes + t];
+    correct += right[t];
   }
   const double n = static_cast<double>(st.samples);
   st.loss = st.samples ? loss_sum / n : 0;
@@ -302,7 +302,6 @@ Result<EpochStats> evaluate_data_parallel(Backend& be, Layer& model, const TileD
   }
   st.balanced_accuracy = present ? sum / present : 0.0;
   st.roc_auc = macro_roc_auc(probs, labels, static_cast<int64_t>(classes));
-  st.confusion = confusion_matrix(probs, labels, static_cast<int64_t>(classes));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (probs_out != nullptr) *probs_out = std::move(probs);
   return st;

@@ -162,6 +162,12 @@ struct EmbedSummary {
   double seconds = 0;
   bool interrupted = false;
   int failed() const;  // slides whose status is an error other than kCancelled
+  // Of the slides whose status is OK: bags written, bags already complete (skipped), slides
+  // without tiles (no bag).
+  struct Counts {
+    int written = 0, skipped = 0, empty = 0;
+  };
+  Counts counts() const;
 };
 
 // Embeds every complete slide of `options.stores` (in store order, then slide index), skipping

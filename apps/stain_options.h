@@ -22,10 +22,11 @@ struct StainOptions {
 inline void add_stain_options(CLI::App& app, StainOptions* o, const std::string& where, const std::string& recorded_in) {
   app.add_option("--stain-normalize", o->method,
                  "Stain normalisation of every tile after decoding, " + where +
-                     ": none, reinhard (Lab mean/std matching, Reinhard 2001) or macenko (H&E stain vectors, Macenko "
-                     "2009), fitted once on --stain-reference")
+                     ": none, reinhard (Lab mean/std matching, Reinhard 2001), macenko (H&E stain vectors, Macenko "
+                     "2009) or vahadane (sparse non-negative stain separation, Vahadane 2016), fitted once on "
+                     "--stain-reference")
       ->capture_default_str()
-      ->check(CLI::IsMember({"none", "reinhard", "macenko"}));
+      ->check(CLI::IsMember({"none", "reinhard", "macenko", "vahadane"}));
   app.add_option("--stain-reference", o->reference,
                  "The reference tile for --stain-normalize: a JPEG/PNG/TIFF image, or a .json target recorded before (" +
                      recorded_in + ")");

@@ -1,6 +1,6 @@
-// Stain normalisation (Reinhard 2001, Macenko 2009): the formulas and their sources are in
-// slide/train/stain.h. Re-implemented from the papers and the documented steps of TIAToolbox's
-// tiatoolbox.tools.stainnorm / stainextract and HEnorm_python; no code copied.
+// Stain normalisation (Reinhard 2001, Macenko 2009, Vahadane 2016): the formulas and their sources
+// are in slide/tile/stain.h. Re-implemented from the papers and the documented steps of TIAToolbox's
+// tiatoolbox.tools.stainnorm / stainextract, staintools and HEnorm_python; no code copied.
 #include "slide/tile/stain.h"
 
 #include <Eigen/Dense>
@@ -149,6 +149,137 @@ Estimate macenko_estimate(const uint8_t* rgb, int64_t n, double he[3][2], double
   return Estimate::kOk;
 }
 
+// ---- Vahadane (sparse non-negative stain separation) ---------------------------------------------
+
+constexpr double kVahadaneLuminosity = 80.0;  // tissue: CIE L* below this (staintools' 0.8 of white)
+constexpr double kVahadaneLambda = 0.1;       // the dictionary learning's L1 weight
+constexpr double kVahadaneConcLambda = 0.01;  // the concentrations' L1 weight
+constexpr int kVahadaneMaxIterations = 100;
+constexpr double kVahadaneTolerance = 1e-6;   // stop when no dictionary entry moved by more
+
+// argmin over a >= 0 of 1/2 |x - D a|^2 + lambda (a0 + a1), D = (d0 d1) 3 x 2, given the Gram
+// matrix g = D^T D (g01 = g10) and c = D^T x: a convex quadratic on the quadrant, so its minimum is
+// the unconstrained one when that lies inside, else the best of the two edges' clipped minima and
+// the origin. The edges are compared by their objective (without the constant 1/2 |x|^2); the a0
+// edge wins a tie.
+inline void nonnegative_lasso2(double g00, double g01, double g11, double c0, double c1, double lambda, double* a0,
+                               double* a1) {
+  const double q0 = c0 - lambda, q1 = c1 - lambda;
+  auto objective = [&](double x0, double x1) {
+    return 0.5 * (g00 * x0 * x0 + 2 * g01 * x0 * x1 + g11 * x1 * x1) - q0 * x0 - q1 * x1;
+  };
+  double best0 = 0, best1 = 0, best = 0;  // the origin
+  const double det = g00 * g11 - g01 * g01;
+  if (det > 1e-12 * g00 * g11 && det > 0) {
+    const double i0 = (g11 * q0 - g01 * q1) / det, i1 = (g00 * q1 - g01 * q0) / det;
+    if (i0 > 0 && i1 > 0) {
+      *a0 = i0, *a1 = i1;  // the unconstrained minimum is feasible: it is the minimum
+      return;
+    }
+  }
+  if (g00 > 0 && q0 > 0) {
+    const double x0 = q0 / g00, f = objective(x0, 0);
+    if (f < best) best = f, best0 = x0, best1 = 0;
+  }
+  if (g11 > 0 && q1 > 0) {
+    const double x1 = q1 / g11, f = objective(0, x1);
+    if (f < best) best = f, best0 = 0, best1 = x1;
+  }
+  *a0 = best0, *a1 = best1;
+}
+
+// Vahadane steps 1-6 on n pixels (the header comment): the stain matrix, the 99th-percentile
+// concentrations, and every pixel's concentrations in `conc` (n x 2, H then E).
+Estimate vahadane_estimate(const uint8_t* rgb, int64_t n, double he[3][2], double max_c[2], std::vector<double>* conc) {
+  double table[256];
+  for (int i = 0; i < 256; ++i) table[i] = optical_density(static_cast<uint8_t>(i));
+  // Steps 1-2: optical densities of the tissue pixels (L* < 80).
+  std::vector<double> x;
+  x.reserve(static_cast<size_t>(3 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    double lab[3];
+    rgb_to_lab(rgb + 3 * i, lab);
+    if (lab[0] < kVahadaneLuminosity)
+      for (int k = 0; k < 3; ++k) x.push_back(table[rgb[3 * i + k]]);
+  }
+  const int64_t nt = static_cast<int64_t>(x.size() / 3);
+  if (nt < 2 || static_cast<double>(nt) < kMinTissue * static_cast<double>(n)) return Estimate::kTooFewTissue;
+  // Step 3: dictionary learning from Ruifrok and Johnston's H and E vectors.
+  double d[3][2] = {{0.650, 0.072}, {0.704, 0.990}, {0.286, 0.105}};
+  for (int j = 0; j < 2; ++j) {
+    const double norm = std::sqrt(d[0][j] * d[0][j] + d[1][j] * d[1][j] + d[2][j] * d[2][j]);
+    for (int k = 0; k < 3; ++k) d[k][j] /= norm;
+  }
+  for (int iteration = 0; iteration < kVahadaneMaxIterations; ++iteration) {
+    // (a) sparse coding of every tissue pixel, accumulating A = sum a a^T and B = sum x a^T.
+    const double g00 = d[0][0] * d[0][0] + d[1][0] * d[1][0] + d[2][0] * d[2][0];
+    const double g01 = d[0][0] * d[0][1] + d[1][0] * d[1][1] + d[2][0] * d[2][1];
+    const double g11 = d[0][1] * d[0][1] + d[1][1] * d[1][1] + d[2][1] * d[2][1];
+    double a_mat[2][2] = {{0, 0}, {0, 0}}, b_mat[3][2] = {{0, 0}, {0, 0}, {0, 0}};
+    for (int64_t i = 0; i < nt; ++i) {
+      const double* p = &x[static_cast<size_t>(3 * i)];
+      const double c0 = d[0][0] * p[0] + d[1][0] * p[1] + d[2][0] * p[2];
+      const double c1 = d[0][1] * p[0] + d[1][1] * p[1] + d[2][1] * p[2];
+      double a0, a1;
+      nonnegative_lasso2(g00, g01, g11, c0, c1, kVahadaneLambda, &a0, &a1);
+      a_mat[0][0] += a0 * a0, a_mat[0][1] += a0 * a1, a_mat[1][1] += a1 * a1;
+      for (int k = 0; k < 3; ++k) b_mat[k][0] += p[k] * a0, b_mat[k][1] += p[k] * a1;
+    }
+    a_mat[1][0] = a_mat[0][1];
+    // (b) one pass of block-coordinate descent over the atoms, projected on d >= 0, |d| <= 1.
+    double moved = 0;
+    for (int j = 0; j < 2; ++j) {
+      if (!(a_mat[j][j] > 0)) continue;  // an unused atom stays where it is
+      double u[3];
+      for (int k = 0; k < 3; ++k)
+        u[k] = std::max(0.0, d[k][j] + (b_mat[k][j] - (d[k][0] * a_mat[0][j] + d[k][1] * a_mat[1][j])) / a_mat[j][j]);
+      const double norm = std::sqrt(u[0] * u[0] + u[1] * u[1] + u[2] * u[2]);
+      const double scale = norm > 1 ? 1 / norm : 1;
+      for (int k = 0; k < 3; ++k) {
+        const double v = u[k] * scale;
+        moved = std::max(moved, std::abs(v - d[k][j]));
+        d[k][j] = v;
+      }
+    }
+    if (moved < kVahadaneTolerance) break;
+  }
+  // Step 4: unit atoms, haematoxylin first (the larger red OD component).
+  for (int j = 0; j < 2; ++j) {
+    const double norm = std::sqrt(d[0][j] * d[0][j] + d[1][j] * d[1][j] + d[2][j] * d[2][j]);
+    if (!(norm > 0)) return Estimate::kDegenerate;
+    for (int k = 0; k < 3; ++k) d[k][j] /= norm;
+  }
+  const int h_col = d[0][0] >= d[0][1] ? 0 : 1;
+  for (int k = 0; k < 3; ++k) he[k][0] = d[k][h_col], he[k][1] = d[k][1 - h_col];
+  // Step 5: sparse concentrations of EVERY pixel, their 99th percentiles.
+  const double g00 = he[0][0] * he[0][0] + he[1][0] * he[1][0] + he[2][0] * he[2][0];
+  const double g01 = he[0][0] * he[0][1] + he[1][0] * he[1][1] + he[2][0] * he[2][1];
+  const double g11 = he[0][1] * he[0][1] + he[1][1] * he[1][1] + he[2][1] * he[2][1];
+  if (g00 * g11 - g01 * g01 < 1e-12) return Estimate::kDegenerate;  // the two stains coincide
+  conc->resize(static_cast<size_t>(2 * n));
+  std::vector<double> ch(static_cast<size_t>(n)), ce(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const double o0 = table[rgb[3 * i]], o1 = table[rgb[3 * i + 1]], o2 = table[rgb[3 * i + 2]];
+    const double c0 = he[0][0] * o0 + he[1][0] * o1 + he[2][0] * o2;
+    const double c1 = he[0][1] * o0 + he[1][1] * o1 + he[2][1] * o2;
+    double a0, a1;
+    nonnegative_lasso2(g00, g01, g11, c0, c1, kVahadaneConcLambda, &a0, &a1);
+    (*conc)[static_cast<size_t>(2 * i)] = ch[static_cast<size_t>(i)] = a0;
+    (*conc)[static_cast<size_t>(2 * i + 1)] = ce[static_cast<size_t>(i)] = a1;
+  }
+  max_c[0] = percentile(ch, kMaxCPercentile);
+  max_c[1] = percentile(ce, kMaxCPercentile);
+  if (!(max_c[0] > 0) || !(max_c[1] > 0)) return Estimate::kDegenerate;
+  return Estimate::kOk;
+}
+
+// The estimate of a stain-matrix method (Macenko or Vahadane).
+Estimate stain_matrix_estimate(StainMethod method, const uint8_t* rgb, int64_t n, double he[3][2], double max_c[2],
+                               std::vector<double>* conc) {
+  return method == StainMethod::kVahadane ? vahadane_estimate(rgb, n, he, max_c, conc)
+                                          : macenko_estimate(rgb, n, he, max_c, conc);
+}
+
 Status check_image(const void* rgb, int64_t w, int64_t h) {
   if (rgb == nullptr) return invalid_argument("stain normalisation: null image");
   if (w < 1 || h < 1)
@@ -174,11 +305,14 @@ Status check_target(const StainTarget& t) {
         if (!(s > 0)) return invalid_argument("Reinhard stain target: a std is not positive");
       return ok_status();
     case StainMethod::kMacenko:
-      if (!finite_all(&t.macenko_he[0][0], 6) || !finite_all(t.macenko_max_c, 2))
-        return invalid_argument("Macenko stain target: a stain vector or max concentration is not finite");
-      if (!(t.macenko_max_c[0] > 0) || !(t.macenko_max_c[1] > 0))
-        return invalid_argument("Macenko stain target: a max concentration is not positive");
+    case StainMethod::kVahadane: {
+      const std::string what = t.method == StainMethod::kMacenko ? "Macenko" : "Vahadane";
+      if (!finite_all(&t.stain_matrix[0][0], 6) || !finite_all(t.max_concentration, 2))
+        return invalid_argument(what + " stain target: a stain vector or max concentration is not finite");
+      if (!(t.max_concentration[0] > 0) || !(t.max_concentration[1] > 0))
+        return invalid_argument(what + " stain target: a max concentration is not positive");
       return ok_status();
+    }
   }
   return invalid_argument("stain target: unknown method");
 }
@@ -209,6 +343,7 @@ const char* stain_method_name(StainMethod method) {
     case StainMethod::kNone: return "none";
     case StainMethod::kReinhard: return "reinhard";
     case StainMethod::kMacenko: return "macenko";
+    case StainMethod::kVahadane: return "vahadane";
   }
   return "none";
 }
@@ -217,7 +352,8 @@ Result<StainMethod> parse_stain_method(const std::string& name) {
   if (name == "none") return StainMethod::kNone;
   if (name == "reinhard") return StainMethod::kReinhard;
   if (name == "macenko") return StainMethod::kMacenko;
-  return invalid_argument("unknown stain normalisation method '" + name + "' (none, reinhard or macenko)");
+  if (name == "vahadane") return StainMethod::kVahadane;
+  return invalid_argument("unknown stain normalisation method '" + name + "' (none, reinhard, macenko or vahadane)");
 }
 
 void rgb_to_lab(const uint8_t rgb[3], double lab[3]) {
@@ -250,17 +386,20 @@ Result<StainTarget> fit_stain_target(StainMethod method, const uint8_t* rgb, int
     std::vector<double> lab;
     lab_stats(rgb, n, &lab, t.reinhard_mean, t.reinhard_std);
     for (double& s : t.reinhard_std) s = std::max(s, 1e-9);  // a constant reference: a valid target
-  } else if (method == StainMethod::kMacenko) {
+  } else if (method == StainMethod::kMacenko || method == StainMethod::kVahadane) {
+    const bool macenko = method == StainMethod::kMacenko;
+    const std::string what = macenko ? "Macenko reference" : "Vahadane reference";
     std::vector<double> conc;
-    switch (macenko_estimate(rgb, n, t.macenko_he, t.macenko_max_c, &conc)) {
+    switch (stain_matrix_estimate(method, rgb, n, t.stain_matrix, t.max_concentration, &conc)) {
       case Estimate::kOk:
         break;
       case Estimate::kTooFewTissue:
-        return invalid_argument("Macenko reference: too few tissue pixels (fewer than 1% with optical density >= "
-                                "0.15 in every channel): use an H&E tile full of tissue");
+        return invalid_argument(what + ": too few tissue pixels (fewer than 1% with " +
+                                (macenko ? "optical density >= 0.15 in every channel" : "CIE L* < 80") +
+                                "): use an H&E tile full of tissue");
       case Estimate::kDegenerate:
-        return invalid_argument("Macenko reference: degenerate stain estimate (a stain with no positive "
-                                "concentration): use an H&E tile with both haematoxylin and eosin");
+        return invalid_argument(what + ": degenerate stain estimate (a stain with no positive concentration, or "
+                                "two equal stains): use an H&E tile with both haematoxylin and eosin");
     }
   }
   return t;
@@ -281,12 +420,13 @@ Status normalise_stain(const StainTarget& target, uint8_t* rgb, int64_t w, int64
       for (int k = 0; k < 3; ++k) l[k] = (l[k] - mean[k]) * scale[k] + target.reinhard_mean[k];
       lab_to_rgb(l, rgb + 3 * i);
     }
-  } else if (target.method == StainMethod::kMacenko) {
+  } else if (target.method == StainMethod::kMacenko || target.method == StainMethod::kVahadane) {
     double he[3][2], max_c[2];
     std::vector<double> conc;
-    if (macenko_estimate(rgb, n, he, max_c, &conc) != Estimate::kOk) return ok_status();  // left unchanged
-    const double s0 = target.macenko_max_c[0] / max_c[0], s1 = target.macenko_max_c[1] / max_c[1];
-    const auto& r = target.macenko_he;
+    if (stain_matrix_estimate(target.method, rgb, n, he, max_c, &conc) != Estimate::kOk)
+      return ok_status();  // left unchanged
+    const double s0 = target.max_concentration[0] / max_c[0], s1 = target.max_concentration[1] / max_c[1];
+    const auto& r = target.stain_matrix;
     for (int64_t i = 0; i < n; ++i) {
       const double c0 = conc[static_cast<size_t>(2 * i)] * s0, c1 = conc[static_cast<size_t>(2 * i + 1)] * s1;
       for (int k = 0; k < 3; ++k) rgb[3 * i + k] = to_u8(256 * std::exp(-(r[k][0] * c0 + r[k][1] * c1)) - 1);
@@ -300,7 +440,8 @@ Result<StainTarget> stain_target_for_options(const std::string& method_name, con
   if (!method.ok()) return method.status().with_context("--stain-normalize");
   if (*method == StainMethod::kNone) {
     if (!ref.empty())
-      return slide::core::invalid_argument("--stain-reference " + ref + " needs --stain-normalize reinhard|macenko");
+      return slide::core::invalid_argument("--stain-reference " + ref +
+                                           " needs --stain-normalize reinhard|macenko|vahadane");
     return StainTarget{};
   }
   if (ref.empty())
@@ -333,11 +474,12 @@ std::string stain_target_to_json(const StainTarget& t) {
   if (t.method == StainMethod::kReinhard) {
     j["reinhard_mean"] = {t.reinhard_mean[0], t.reinhard_mean[1], t.reinhard_mean[2]};
     j["reinhard_std"] = {t.reinhard_std[0], t.reinhard_std[1], t.reinhard_std[2]};
-  } else if (t.method == StainMethod::kMacenko) {
+  } else if (t.method == StainMethod::kMacenko || t.method == StainMethod::kVahadane) {
+    const std::string prefix = stain_method_name(t.method);
     nlohmann::json he = nlohmann::json::array();
-    for (const auto& row : t.macenko_he) he.push_back({row[0], row[1]});
-    j["macenko_he"] = he;
-    j["macenko_max_c"] = {t.macenko_max_c[0], t.macenko_max_c[1]};
+    for (const auto& row : t.stain_matrix) he.push_back({row[0], row[1]});
+    j[prefix + "_he"] = he;
+    j[prefix + "_max_c"] = {t.max_concentration[0], t.max_concentration[1]};
   }
   return j.dump();
 }
@@ -360,8 +502,8 @@ Result<StainTarget> stain_target_from_json(const std::string& text) {
     }
     return ok_status();
   };
-  auto field = [&](const char* key) -> Result<nlohmann::json> {
-    if (!j.contains(key)) return invalid_argument(std::string("stain target: no \"") + key + "\"");
+  auto field = [&](const std::string& key) -> Result<nlohmann::json> {
+    if (!j.contains(key)) return invalid_argument("stain target: no \"" + key + "\"");
     return j[key];
   };
   if (m == StainMethod::kReinhard) {
@@ -369,12 +511,15 @@ Result<StainTarget> stain_target_from_json(const std::string& text) {
     SLIDE_ASSIGN_OR_RETURN(auto sd, field("reinhard_std"));
     SLIDE_RETURN_IF_ERROR(numbers(mean, 3, t.reinhard_mean, "reinhard_mean"));
     SLIDE_RETURN_IF_ERROR(numbers(sd, 3, t.reinhard_std, "reinhard_std"));
-  } else if (m == StainMethod::kMacenko) {
-    SLIDE_ASSIGN_OR_RETURN(auto he, field("macenko_he"));
-    SLIDE_ASSIGN_OR_RETURN(auto mc, field("macenko_max_c"));
-    if (!he.is_array() || he.size() != 3) return invalid_argument("stain target: \"macenko_he\" must be 3 rows of 2");
-    for (size_t r = 0; r < 3; ++r) SLIDE_RETURN_IF_ERROR(numbers(he[r], 2, t.macenko_he[r], "macenko_he"));
-    SLIDE_RETURN_IF_ERROR(numbers(mc, 2, t.macenko_max_c, "macenko_max_c"));
+  } else if (m == StainMethod::kMacenko || m == StainMethod::kVahadane) {
+    const std::string he_key = std::string(stain_method_name(m)) + "_he";
+    const std::string max_key = std::string(stain_method_name(m)) + "_max_c";
+    SLIDE_ASSIGN_OR_RETURN(auto he, field(he_key));
+    SLIDE_ASSIGN_OR_RETURN(auto mc, field(max_key));
+    if (!he.is_array() || he.size() != 3)
+      return invalid_argument("stain target: \"" + he_key + "\" must be 3 rows of 2");
+    for (size_t r = 0; r < 3; ++r) SLIDE_RETURN_IF_ERROR(numbers(he[r], 2, t.stain_matrix[r], he_key.c_str()));
+    SLIDE_RETURN_IF_ERROR(numbers(mc, 2, t.max_concentration, max_key.c_str()));
   }
   SLIDE_RETURN_IF_ERROR(check_target(t));
   return t;

@@ -1,5 +1,5 @@
 // Stain normalisation (slide/train/stain.h): CIE L*a*b* against published values, round trips,
-// Reinhard's and Macenko's known answers on constructed images, the reference normalised to its own
+// Reinhard's, Macenko's and Vahadane's known answers on constructed images, the reference normalised to its own
 // target on a real H&E tile, JSON round trips, errors. The NumPy transcription of the same
 // formulas is in tests/e2e/test_stain.py, which drives this file's `stain_io` suite (excluded from
 // the plain run) with SLIDE_STAIN_JOB naming a job file.
@@ -62,11 +62,12 @@ TEST_CASE("stain: method names") {
   CHECK(*parse_stain_method("none") == StainMethod::kNone);
   CHECK(*parse_stain_method("reinhard") == StainMethod::kReinhard);
   CHECK(*parse_stain_method("macenko") == StainMethod::kMacenko);
-  auto bad = parse_stain_method("vahadane");
+  CHECK(*parse_stain_method("vahadane") == StainMethod::kVahadane);
+  auto bad = parse_stain_method("ruifrok");
   REQUIRE(!bad.ok());
   CHECK(bad.status().code() == slide::core::StatusCode::kInvalidArgument);
-  CHECK(bad.status().message().find("vahadane") != std::string::npos);
-  for (auto m : {StainMethod::kNone, StainMethod::kReinhard, StainMethod::kMacenko})
+  CHECK(bad.status().message().find("ruifrok") != std::string::npos);
+  for (auto m : {StainMethod::kNone, StainMethod::kReinhard, StainMethod::kMacenko, StainMethod::kVahadane})
     CHECK(*parse_stain_method(stain_method_name(m)) == m);
 }
 
@@ -167,12 +168,12 @@ TEST_CASE("stain: Macenko recovers the stain vectors of a constructed H&E image"
   auto t = fit_stain_target(StainMethod::kMacenko, img.data(), w, h);
   OK_STAIN(t);
   double dot_h = 0, dot_e = 0;
-  for (int k = 0; k < 3; ++k) dot_h += t->macenko_he[k][0] * H[k], dot_e += t->macenko_he[k][1] * E[k];
+  for (int k = 0; k < 3; ++k) dot_h += t->stain_matrix[k][0] * H[k], dot_e += t->stain_matrix[k][1] * E[k];
   MESSAGE("fitted . true: H " << dot_h << ", E " << dot_e);
   CHECK(dot_h > 0.995);  // within ~6 degrees: 8-bit quantisation and pixels below beta are dropped
   CHECK(dot_e > 0.995);
-  CHECK(t->macenko_max_c[0] > 1.0);
-  CHECK(t->macenko_max_c[1] > 1.0);
+  CHECK(t->max_concentration[0] > 1.0);
+  CHECK(t->max_concentration[1] > 1.0);
   // The image lies in a stain plane (up to 8-bit quantisation): against its own target it comes
   // back to within a grey level.
   std::vector<uint8_t> self = img;
@@ -188,10 +189,10 @@ TEST_CASE("stain: Macenko on real tiles; the reference reproduces itself") {
   auto t = fit_stain_target(StainMethod::kMacenko, ref.pixels.data(), ref.width, ref.height);
   OK_STAIN(t);
   // H has the larger red OD component; columns are unit vectors.
-  CHECK(t->macenko_he[0][0] > t->macenko_he[0][1]);
+  CHECK(t->stain_matrix[0][0] > t->stain_matrix[0][1]);
   for (int c = 0; c < 2; ++c) {
     double n = 0;
-    for (int k = 0; k < 3; ++k) n += t->macenko_he[k][c] * t->macenko_he[k][c];
+    for (int k = 0; k < 3; ++k) n += t->stain_matrix[k][c] * t->stain_matrix[k][c];
     CHECK(n == doctest::Approx(1.0).epsilon(1e-12));
   }
   std::vector<uint8_t> self = ref.pixels;
@@ -210,7 +211,96 @@ TEST_CASE("stain: Macenko on real tiles; the reference reproduces itself") {
   OK_STAIN(after);
   for (int c = 0; c < 2; ++c) {
     double dot = 0;
-    for (int k = 0; k < 3; ++k) dot += after->macenko_he[k][c] * t->macenko_he[k][c];
+    for (int k = 0; k < 3; ++k) dot += after->stain_matrix[k][c] * t->stain_matrix[k][c];
+    CHECK(dot > 0.99);
+  }
+}
+
+TEST_CASE("stain: Vahadane recovers the stain vectors of a constructed sparse H&E image") {
+  // Stains 10-15 degrees away from Ruifrok and Johnston's (the solver's starting point), and
+  // sparse concentrations as the method assumes: 40% of the pixels pure H, 40% pure E, 20%
+  // mixtures. Pixels I = 256 exp(-(cH H + cE E)) - 1, 8-bit.
+  double H[3] = {0.50, 0.78, 0.38}, E[3] = {0.20, 0.97, 0.14};
+  unit(H);
+  unit(E);
+  const int64_t w = 100, h = 100;
+  std::vector<uint8_t> img(3 * w * h);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0.3, 1.5);
+  for (int64_t i = 0; i < w * h; ++i) {
+    double ch = u(rng), ce = u(rng);
+    if (i % 5 < 2) ce = 0;
+    else if (i % 5 < 4) ch = 0;
+    for (int k = 0; k < 3; ++k)
+      img[3 * i + k] = static_cast<uint8_t>(std::clamp(std::floor(256 * std::exp(-(ch * H[k] + ce * E[k])) - 1 + 0.5), 0.0, 255.0));
+  }
+  auto t = fit_stain_target(StainMethod::kVahadane, img.data(), w, h);
+  OK_STAIN(t);
+  double dot_h = 0, dot_e = 0, n_h = 0, n_e = 0;
+  for (int k = 0; k < 3; ++k) {
+    dot_h += t->stain_matrix[k][0] * H[k], dot_e += t->stain_matrix[k][1] * E[k];
+    n_h += t->stain_matrix[k][0] * t->stain_matrix[k][0], n_e += t->stain_matrix[k][1] * t->stain_matrix[k][1];
+  }
+  MESSAGE("Vahadane fitted . true: H " << dot_h << ", E " << dot_e);
+  CHECK(n_h == doctest::Approx(1.0).epsilon(1e-12));
+  CHECK(n_e == doctest::Approx(1.0).epsilon(1e-12));
+  CHECK(dot_h > 0.9995);  // within ~2 degrees
+  CHECK(dot_e > 0.9995);
+  // Macenko's estimate of the same image, for comparison (printed only).
+  auto m = fit_stain_target(StainMethod::kMacenko, img.data(), w, h);
+  OK_STAIN(m);
+  double mdot_h = 0, mdot_e = 0;
+  for (int k = 0; k < 3; ++k) mdot_h += m->stain_matrix[k][0] * H[k], mdot_e += m->stain_matrix[k][1] * E[k];
+  MESSAGE("Macenko fitted . true: H " << mdot_h << ", E " << mdot_e);
+  CHECK(t->max_concentration[0] > 1.0);
+  CHECK(t->max_concentration[1] > 1.0);
+  // Against its own target the image comes back to within a grey level or so (its ODs lie in the
+  // stain plane; the lasso's shrinkage is undone by the max-concentration scaling only at the top).
+  std::vector<uint8_t> self = img;
+  OK_STAIN(normalise_stain(*t, self.data(), w, h));
+  const double d_self = mean_abs_diff(self, img);
+  MESSAGE("Vahadane, constructed image against its own target: mean |diff| = " << d_self);
+  CHECK(d_self <= 1.5);
+}
+
+TEST_CASE("stain: Vahadane on real tiles: H first, unit stains, the reference reproduces itself") {
+  auto ref = lc_tile("lung_aca");
+  auto src = lc_tile("lung_n");
+  auto t = fit_stain_target(StainMethod::kVahadane, ref.pixels.data(), ref.width, ref.height);
+  OK_STAIN(t);
+  CHECK(t->stain_matrix[0][0] > t->stain_matrix[0][1]);
+  for (int c = 0; c < 2; ++c) {
+    double n = 0;
+    for (int k = 0; k < 3; ++k) {
+      n += t->stain_matrix[k][c] * t->stain_matrix[k][c];
+      CHECK(t->stain_matrix[k][c] >= 0);  // a non-negative dictionary
+    }
+    CHECK(n == doctest::Approx(1.0).epsilon(1e-12));
+  }
+  // Macenko's and Vahadane's H and E on the same tile are near each other (both estimate the same
+  // stains), not equal.
+  auto m = fit_stain_target(StainMethod::kMacenko, ref.pixels.data(), ref.width, ref.height);
+  OK_STAIN(m);
+  for (int c = 0; c < 2; ++c) {
+    double dot = 0;
+    for (int k = 0; k < 3; ++k) dot += t->stain_matrix[k][c] * m->stain_matrix[k][c];
+    MESSAGE("Vahadane . Macenko, stain " << c << ": " << dot);
+    CHECK(dot > 0.95);
+  }
+  std::vector<uint8_t> self = ref.pixels;
+  OK_STAIN(normalise_stain(*t, self.data(), ref.width, ref.height));
+  const double d_self = mean_abs_diff(self, ref.pixels);
+  MESSAGE("Vahadane, reference against its own target: mean |diff| = " << d_self << " grey levels");
+  CHECK(d_self <= 4.0);
+  std::vector<uint8_t> out = src.pixels;
+  OK_STAIN(normalise_stain(*t, out.data(), src.width, src.height));
+  CHECK(mean_abs_diff(out, src.pixels) > 2.0);
+  // Normalised to the target, the tile's own Vahadane stains are the reference's.
+  auto after = fit_stain_target(StainMethod::kVahadane, out.data(), src.width, src.height);
+  OK_STAIN(after);
+  for (int c = 0; c < 2; ++c) {
+    double dot = 0;
+    for (int k = 0; k < 3; ++k) dot += after->stain_matrix[k][c] * t->stain_matrix[k][c];
     CHECK(dot > 0.99);
   }
 }
@@ -221,9 +311,13 @@ TEST_CASE("stain: tiles without tissue are returned unchanged; none changes noth
   OK_STAIN(t);
   std::vector<uint8_t> white(3 * 32 * 32, 250), flat(3 * 32 * 32);
   for (size_t i = 0; i < flat.size(); i += 3) flat[i] = 150, flat[i + 1] = 80, flat[i + 2] = 160;
+  auto v = fit_stain_target(StainMethod::kVahadane, ref.pixels.data(), ref.width, ref.height);
+  OK_STAIN(v);
   for (auto* img : {&white, &flat}) {
     const std::vector<uint8_t> before = *img;
     OK_STAIN(normalise_stain(*t, img->data(), 32, 32));
+    CHECK(*img == before);
+    OK_STAIN(normalise_stain(*v, img->data(), 32, 32));
     CHECK(*img == before);
   }
   // kNone: a no-op.
@@ -238,7 +332,7 @@ TEST_CASE("stain: tiles without tissue are returned unchanged; none changes noth
 TEST_CASE("stain: thread-safe: tiles normalised on 4 threads at once equal the serial result") {
   auto ref = lc_tile("lung_aca");
   auto src = lc_tile("lung_scc");
-  for (auto m : {StainMethod::kReinhard, StainMethod::kMacenko}) {
+  for (auto m : {StainMethod::kReinhard, StainMethod::kMacenko, StainMethod::kVahadane}) {
     auto t = fit_stain_target(m, ref.pixels.data(), ref.width, ref.height);
     OK_STAIN(t);
     std::vector<uint8_t> serial = src.pixels;
@@ -258,7 +352,7 @@ TEST_CASE("stain: thread-safe: tiles normalised on 4 threads at once equal the s
 
 TEST_CASE("stain: JSON round trips bit for bit; bad JSON is refused") {
   auto ref = lc_tile("lung_aca");
-  for (auto m : {StainMethod::kNone, StainMethod::kReinhard, StainMethod::kMacenko}) {
+  for (auto m : {StainMethod::kNone, StainMethod::kReinhard, StainMethod::kMacenko, StainMethod::kVahadane}) {
     auto t = fit_stain_target(m, ref.pixels.data(), ref.width, ref.height);
     OK_STAIN(t);
     const std::string j = stain_target_to_json(*t);
@@ -268,10 +362,10 @@ TEST_CASE("stain: JSON round trips bit for bit; bad JSON is refused") {
     for (int k = 0; k < 3; ++k) {
       CHECK(back->reinhard_mean[k] == t->reinhard_mean[k]);
       CHECK(back->reinhard_std[k] == t->reinhard_std[k]);
-      for (int c = 0; c < 2; ++c) CHECK(back->macenko_he[k][c] == t->macenko_he[k][c]);
+      for (int c = 0; c < 2; ++c) CHECK(back->stain_matrix[k][c] == t->stain_matrix[k][c]);
     }
-    CHECK(back->macenko_max_c[0] == t->macenko_max_c[0]);
-    CHECK(back->macenko_max_c[1] == t->macenko_max_c[1]);
+    CHECK(back->max_concentration[0] == t->max_concentration[0]);
+    CHECK(back->max_concentration[1] == t->max_concentration[1]);
     CHECK(stain_target_to_json(*back) == j);
   }
   for (const char* bad : {"", "[1,2]", "{\"method\":\"vahadane\"}", "{\"method\":\"reinhard\"}",
@@ -279,7 +373,11 @@ TEST_CASE("stain: JSON round trips bit for bit; bad JSON is refused") {
                           "{\"method\":\"reinhard\",\"reinhard_mean\":[1,2,3],\"reinhard_std\":[1,0,1]}",
                           "{\"method\":\"macenko\",\"macenko_he\":[[1,0],[0,1]],\"macenko_max_c\":[1,1]}",
                           "{\"method\":\"macenko\",\"macenko_he\":[[1,0],[0,1],[0,0]],\"macenko_max_c\":[1,-1]}",
-                          "{\"method\":\"macenko\",\"macenko_he\":[[1,0],[0,\"x\"],[0,0]],\"macenko_max_c\":[1,1]}"}) {
+                          "{\"method\":\"macenko\",\"macenko_he\":[[1,0],[0,\"x\"],[0,0]],\"macenko_max_c\":[1,1]}",
+                          // a Vahadane target under Macenko's keys, and the reverse
+                          "{\"method\":\"vahadane\",\"macenko_he\":[[1,0],[0,1],[0,0]],\"macenko_max_c\":[1,1]}",
+                          "{\"method\":\"macenko\",\"vahadane_he\":[[1,0],[0,1],[0,0]],\"vahadane_max_c\":[1,1]}",
+                          "{\"method\":\"vahadane\",\"vahadane_he\":[[1,0],[0,1],[0,0]],\"vahadane_max_c\":[0,1]}"}) {
     auto r = stain_target_from_json(bad);
     CHECK_MESSAGE(!r.ok(), bad);
     if (!r.ok()) CHECK(r.status().code() == slide::core::StatusCode::kInvalidArgument);
@@ -303,6 +401,11 @@ TEST_CASE("stain: errors on bad input") {
   StainTarget zero_macenko;
   zero_macenko.method = StainMethod::kMacenko;
   CHECK(!normalise_stain(zero_macenko, white.data(), 16, 16).ok());
+  zero_macenko.method = StainMethod::kVahadane;
+  CHECK(!normalise_stain(zero_macenko, white.data(), 16, 16).ok());
+  auto v = fit_stain_target(StainMethod::kVahadane, white.data(), 16, 16);
+  REQUIRE(!v.ok());
+  CHECK(v.status().message().find("Vahadane reference: too few tissue") != std::string::npos);
   StainTarget fine;
   CHECK(!normalise_stain(fine, nullptr, 16, 16).ok());
   CHECK(!normalise_stain(fine, white.data(), 16, 0).ok());

@@ -1,5 +1,5 @@
 // Stain normalisation at load time (slide-embed, slide-train --stain-normalize): libtile's
-// (slide/tile/stain.h: Reinhard and Macenko, formulas and sources there), named in slide::train
+// (slide/tile/stain.h: Reinhard, Macenko and Vahadane, formulas and sources there), named in slide::train
 // for the loaders. The same functions normalise tiles at tiling time (slide-tile).
 #pragma once
 

@@ -117,7 +117,9 @@ int run_main(int argc, char** argv) {
                  "own); or a Vision Transformer with timm's names, one of " + slide::train::vit_preset_list() +
                      " (vit: any, the architecture read from the weights; uni: UNI, ViT-L/16; uni2-h: UNI2-h, "
                      "ViT-g/14; virchow2: Virchow2, ViT-H/14, class token + mean; gigapath: Prov-GigaPath's tile "
-                     "encoder, ViT-g/16; hoptimus0: H-optimus-0, ViT-g/14, its own mean/std). Tiles of another size "
+                     "encoder, ViT-g/16; hoptimus0: H-optimus-0, ViT-g/14, its own mean/std; conch-vit-b: CONCH's vision "
+                     "tower, ViT-B/16 at 448 px with its attentional pooler, 512-d, OpenAI CLIP mean/std, open_clip "
+                     "names visual.trunk.*). Tiles of another size "
                      "than the encoder's input are resized to it (bicubic, antialiased, as PIL)");
   int vit_heads = 0, vit_image_size = 0;
   std::string vit_pool, backend = "cpu";
@@ -132,9 +134,11 @@ int run_main(int argc, char** argv) {
                  "resampled from the weights' grid as timm does (bicubic, antialiased); tiles are resized to it "
                  "(default: the weights' size)")
       ->check(CLI::Range(1, 65536));
-  app.add_option("--pool", vit_pool, "ViT: features from the class token (token, the default), the mean of the patch "
-                                     "tokens (mean), or both concatenated (token+mean, Virchow's)")
-      ->check(CLI::IsMember({"token", "mean", "token+mean"}));
+  app.add_option("--pool", vit_pool,
+                 "ViT: features from the class token (token, the default), the mean of the patch tokens (mean), both "
+                 "concatenated (token+mean, Virchow's), or CoCa's attentional pooler in the weights (attention, "
+                 "conch-vit-b's)")
+      ->check(CLI::IsMember({"token", "mean", "token+mean", "attention"}));
   app.add_option("--layer", layer, "Cut the model after this layer, then global average pooling (default: layer3 for "
                                    "resnet50, CLAM's 1024-d features; avgpool, the penultimate features, otherwise)");
   std::string slides_file;

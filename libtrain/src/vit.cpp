@@ -25,6 +25,13 @@ Status copy_f32(Backend& be, const Tensor& src, int64_t src_at, Tensor& dst, int
 
 }  // namespace
 
+std::string VitConfig::pool_prefix() const {
+  const std::string trunk = "trunk.";
+  if (name_prefix.size() >= trunk.size() && name_prefix.compare(name_prefix.size() - trunk.size(), trunk.size(), trunk) == 0)
+    return name_prefix.substr(0, name_prefix.size() - trunk.size());
+  return name_prefix;
+}
+
 Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be, const VitConfig& c) {
   if (c.patch_size < 1 || c.image_size < c.patch_size || c.image_size % c.patch_size != 0)
     return invalid_argument("ViT: image size " + std::to_string(c.image_size) + " is not a multiple of patch size " +
@@ -37,13 +44,21 @@ Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be
   if (!c.class_token && c.pool != VitPool::kMean)
     return invalid_argument("ViT: class-token pooling without a class token");
   if (c.fc_norm && c.pool != VitPool::kMean) return invalid_argument("ViT: fc_norm applies to mean pooling only");
+  if (c.pool == VitPool::kAttentional &&
+      (c.pool_dim < 1 || c.pool_heads < 1 || c.pool_dim % c.pool_heads != 0 || !(c.pool_eps > 0)))
+    return invalid_argument("ViT: attentional pooler width " + std::to_string(c.pool_dim) + " is not a multiple of " +
+                            std::to_string(c.pool_heads) + " heads");
   auto vit = std::unique_ptr<VisionTransformer>(new VisionTransformer(be, c));
   const int64_t D = c.width, M = c.mlp_hidden, P = c.patch_size;
   Allocator& alloc = be.allocator();
-  auto param = [&](Tensor* t, const std::string& name, const Shape& shape) -> Status {
+  // Trunk parameters: their timm names after name_prefix; the pooler's are given whole.
+  auto param_named = [&](Tensor* t, const std::string& name, const Shape& shape) -> Status {
     SLIDE_ASSIGN_OR_RETURN(*t, Tensor::zeros(shape, DType::kF32, alloc, name));
     vit->names_.push_back({name, t});
     return ok_status();
+  };
+  auto param = [&](Tensor* t, const std::string& name, const Shape& shape) {
+    return param_named(t, c.name_prefix + name, shape);
   };
   vit->blocks_.resize(static_cast<size_t>(c.depth));  // before taking pointers into it
   if (c.class_token) SLIDE_RETURN_IF_ERROR(param(&vit->cls_token_, "cls_token", {1, 1, D}));
@@ -77,6 +92,24 @@ Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be
   const std::string norm = c.fc_norm ? "fc_norm" : "norm";
   SLIDE_RETURN_IF_ERROR(param(&vit->norm_w_, norm + ".weight", {D}));
   SLIDE_RETURN_IF_ERROR(param(&vit->norm_b_, norm + ".bias", {D}));
+  if (c.pool == VitPool::kAttentional) {
+    const int64_t E = c.pool_dim;
+    const std::string a = c.pool_prefix() + "attn_pool_contrast.", l = c.pool_prefix() + "ln_contrast.";
+    AttnPool& ap = vit->attn_pool_;
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.query, a + "query", {1, E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.q_w, a + "attn.q_proj_weight", {E, E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.k_w, a + "attn.k_proj_weight", {E, D}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.v_w, a + "attn.v_proj_weight", {E, D}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.in_b, a + "attn.in_proj_bias", {3 * E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.out_w, a + "attn.out_proj.weight", {E, E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.out_b, a + "attn.out_proj.bias", {E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_q_w, a + "ln_q.weight", {E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_q_b, a + "ln_q.bias", {E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_k_w, a + "ln_k.weight", {D}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_k_b, a + "ln_k.bias", {D}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_w, l + "weight", {E}));
+    SLIDE_RETURN_IF_ERROR(param_named(&ap.ln_b, l + "bias", {E}));
+  }
   return vit;
 }
 
@@ -93,7 +126,7 @@ Status VisionTransformer::load(const std::string& path) {
     // then the other parameters as they are.
     SLIDE_ASSIGN_OR_RETURN(Tensor file_pos, Tensor::empty({1, prefix + g0 * g0, D}, DType::kF32, cpu_allocator(),
                                                           "pos_embed (weights' grid)"));
-    SLIDE_RETURN_IF_ERROR(load_safetensors(path, {{"pos_embed", &file_pos}}));
+    SLIDE_RETURN_IF_ERROR(load_safetensors(path, {{config_.name_prefix + "pos_embed", &file_pos}}));
     SLIDE_ASSIGN_OR_RETURN(Tensor pos, Tensor::empty(pos_embed_.shape(), DType::kF32, cpu_allocator(), "pos_embed"));
     SLIDE_RETURN_IF_ERROR(resample_pos_embed(file_pos.ptr<float>(), prefix, g0, g, D, pos.ptr<float>()));
     if (be_.device() == Device::kCpu) std::memcpy(pos_embed_.raw(), pos.raw(), pos.bytes());
@@ -103,7 +136,7 @@ Status VisionTransformer::load(const std::string& path) {
   }
   std::vector<std::pair<std::string, Tensor*>> names;
   for (const auto& nt : names_)
-    if (g0 == g || nt.first != "pos_embed") names.push_back(nt);
+    if (g0 == g || nt.first != config_.name_prefix + "pos_embed") names.push_back(nt);
   if (be_.device() == Device::kCpu) {
     std::vector<NamedTensor> into;
     for (const auto& [name, t] : names) into.push_back({name, t});
@@ -229,6 +262,7 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
   if (!c.fc_norm) SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, norm_w_, norm_b_, c.norm_eps, x));
 
   // Pooling.
+  if (c.pool == VitPool::kAttentional) return attentional_pool(x, N, features);
   Tensor mean;
   if (c.pool != VitPool::kToken) {
     const int64_t Np = G * G;
@@ -252,10 +286,57 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
   return ok_status();
 }
 
+Status VisionTransformer::attentional_pool(const Tensor& x, int64_t N, Tensor& features) {
+  const VitConfig& c = config_;
+  const int64_t T = c.tokens(), D = c.width, E = c.pool_dim, H = c.pool_heads, Dh = E / H;
+  const AttnPool& ap = attn_pool_;
+  Allocator& alloc = be_.allocator();
+  auto empty = [&](const Shape& s, const char* what) { return Tensor::empty(s, DType::kF32, alloc, what); };
+  // nn.MultiheadAttention's in_proj_bias is [b_q, b_k, b_v].
+  SLIDE_ASSIGN_OR_RETURN(Tensor b_q, ap.in_b.view(0, {E}));
+  SLIDE_ASSIGN_OR_RETURN(Tensor b_k, ap.in_b.view(E, {E}));
+  SLIDE_ASSIGN_OR_RETURN(Tensor b_v, ap.in_b.view(2 * E, {E}));
+  // The query: the same for every image (one learned query, no input).
+  SLIDE_ASSIGN_OR_RETURN(Tensor q_norm, empty({1, E}, "pooler query (normalised)"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor q, empty({1, E}, "pooler query projected"));
+  SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(ap.query, ap.ln_q_w, ap.ln_q_b, c.pool_eps, q_norm));
+  SLIDE_RETURN_IF_ERROR(be_.linear_forward(q_norm, ap.q_w, b_q, q));
+  // Keys and values of every token, heads split: [N*T, E] -> [N, H, T, Dh].
+  SLIDE_ASSIGN_OR_RETURN(Tensor k_in, empty({N * T, D}, "pooler keys' input"));
+  SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, ap.ln_k_w, ap.ln_k_b, c.pool_eps, k_in));
+  SLIDE_ASSIGN_OR_RETURN(Tensor proj, empty({N * T, E}, "pooler key/value projection"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor keys, empty({N, H, T, Dh}, "pooler keys"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor values, empty({N, H, T, Dh}, "pooler values"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor proj4, proj.reshape({N, T, H, Dh}));
+  SLIDE_RETURN_IF_ERROR(be_.linear_forward(k_in, ap.k_w, b_k, proj));
+  SLIDE_RETURN_IF_ERROR(be_.permute(proj4, {0, 2, 1, 3}, keys));
+  SLIDE_RETURN_IF_ERROR(be_.linear_forward(k_in, ap.v_w, b_v, proj));
+  SLIDE_RETURN_IF_ERROR(be_.permute(proj4, {0, 2, 1, 3}, values));
+  // Per image and head: softmax(q_h k_h^T / sqrt(Dh)) v_h, into the heads' columns of ctx [N, E].
+  SLIDE_ASSIGN_OR_RETURN(Tensor scores, empty({1, T}, "pooler attention scores"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, empty({N, E}, "pooler context"));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(Dh));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      SLIDE_ASSIGN_OR_RETURN(Tensor q_h, q.view(h * Dh, {1, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor k_h, keys.view((n * H + h) * T * Dh, {T, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor v_h, values.view((n * H + h) * T * Dh, {T, Dh}));
+      SLIDE_ASSIGN_OR_RETURN(Tensor out_h, ctx.view(n * E + h * Dh, {1, Dh}));
+      SLIDE_RETURN_IF_ERROR(be_.matmul(q_h, false, k_h, true, scores));
+      SLIDE_RETURN_IF_ERROR(be_.scale(scores, scale, scores));
+      SLIDE_RETURN_IF_ERROR(be_.softmax_forward(scores, scores));
+      SLIDE_RETURN_IF_ERROR(be_.matmul(scores, false, v_h, false, out_h));
+    }
+  // out_proj, then ln_contrast into the features.
+  SLIDE_ASSIGN_OR_RETURN(Tensor pooled, empty({N, E}, "pooler output"));
+  SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, ap.out_w, ap.out_b, pooled));
+  return be_.layer_norm_forward(pooled, ap.ln_w, ap.ln_b, c.pool_eps, features);
+}
+
 Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
-                                   const std::string& path) {
+                                   const std::string& path, const std::string& name_prefix, int pool_heads) {
   auto shape = [&](const std::string& name) -> const Shape* {
-    auto it = shapes.find(name);
+    auto it = shapes.find(name_prefix + name);
     return it == shapes.end() ? nullptr : &it->second;
   };
   auto bad = [&](const std::string& what) {
@@ -304,7 +385,20 @@ Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, i
   c.fc_norm = shape("fc_norm.weight") != nullptr && shape("norm.weight") == nullptr;
   c.heads = heads > 0 ? heads : c.width / 64;  // checked by VisionTransformer::create
   c.pool = pool;
+  c.name_prefix = name_prefix;
   if (c.fc_norm && c.pool != VitPool::kMean) c.pool = VitPool::kMean;  // timm: fc_norm comes with avg pooling
+  if (c.pool == VitPool::kAttentional) {
+    const std::string query = c.pool_prefix() + "attn_pool_contrast.query";
+    auto it = shapes.find(query);
+    if (it == shapes.end())
+      return invalid_argument(path + ": attentional pooling asks for " + query +
+                              " (CoCa's contrastive pooler, as in CONCH's checkpoint), which the file lacks");
+    if (it->second.size() != 2 || it->second[0] != 1)
+      return invalid_argument(path + ": " + query + " is " + shape_string(it->second) +
+                              "; the contrastive pooler has one query [1, E]");
+    c.pool_dim = static_cast<int>(it->second[1]);
+    c.pool_heads = pool_heads;
+  }
   return c;
 }
 
@@ -320,6 +414,7 @@ struct VitPreset {
   int mlp;             // fc2's input width (the SwiGLU half for SwiGLU MLPs)
   int no_embed_class;  // 1: pos_embed over the patch tokens only; 0: over every token
   float mean[3], std[3];
+  int pool_dim = 0, pool_heads = 0;  // the attentional pooler's width and heads (0: none)
 };
 
 constexpr float kIn1kMean[3] = {0.485f, 0.456f, 0.406f}, kIn1kStd[3] = {0.229f, 0.224f, 0.225f};
@@ -332,6 +427,13 @@ const std::map<std::string, VitPreset>& vit_presets() {
   // H-optimus-0's own normalisation (bioptimus/H-optimus-0 config.json pretrained_cfg, model card).
   constexpr float kHoptimusMean[3] = {0.707223f, 0.578729f, 0.703617f};
   constexpr float kHoptimusStd[3] = {0.211883f, 0.230117f, 0.177517f};
+  // OpenAI CLIP's (CONCH's constants.py OPENAI_DATASET_MEAN / OPENAI_DATASET_STD).
+  constexpr float kClipMean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
+  constexpr float kClipStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};
+  auto pooled = [](VitPreset p, int dim, int heads) {
+    p.pool_dim = dim, p.pool_heads = heads;
+    return p;
+  };
   static const std::map<std::string, VitPreset> presets = {
       {"vit-b16", with({768, 12, 16, 12, false, false, 0, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
       {"vit-l16", with({1024, 24, 16, 16, false, false, 0, VitPool::kToken, 0, -1, {}, {}}, kIn1kMean, kIn1kStd)},
@@ -344,6 +446,10 @@ const std::map<std::string, VitPreset>& vit_presets() {
       // timm vit_giant_patch14_reg4_dinov2 (reg_tokens 4, no_embed_class) at img_size 224.
       {"hoptimus0",
        with({1536, 40, 14, 24, true, true, 4, VitPool::kToken, 4096, 1, {}, {}}, kHoptimusMean, kHoptimusStd)},
+      // CONCH (conch_ViT-B-16.json): timm ViT-B/16 at 448 px, attentional pooler 512 wide, 8 heads.
+      {"conch-vit-b",
+       pooled(with({768, 12, 16, 12, false, false, 0, VitPool::kAttentional, 3072, 0, {}, {}}, kClipMean, kClipStd),
+              512, 8)},
   };
   return presets;
 }
@@ -353,7 +459,7 @@ const std::map<std::string, VitPreset>& vit_presets() {
 bool is_vit_preset(const std::string& model) { return model == "vit" || vit_presets().count(model) > 0; }
 
 const std::string& vit_preset_list() {
-  static const std::string list = "vit, vit-b16, vit-l16, uni, uni2-h, virchow2, gigapath, hoptimus0";
+  static const std::string list = "vit, vit-b16, vit-l16, uni, uni2-h, virchow2, gigapath, hoptimus0, conch-vit-b";
   return list;
 }
 
@@ -392,6 +498,9 @@ Status check_vit_preset(const VitConfig& c, const std::string& preset, const std
                             describe(w.width, w.depth, w.patch, w.layer_scale, w.swiglu, w.reg_tokens, w.mlp,
                                      w.no_embed_class) +
                             " (use --model vit for another ViT)");
+  if (w.pool_dim > 0 && c.pool == VitPool::kAttentional && c.pool_dim != w.pool_dim)
+    return invalid_argument(path + "'s attentional pooler is " + std::to_string(c.pool_dim) + " wide; " + preset +
+                            "'s is " + std::to_string(w.pool_dim) + " (use --model vit for another ViT)");
   return ok_status();
 }
 
@@ -428,10 +537,15 @@ Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights,
   if (pool == "token") p = VitPool::kToken;
   else if (pool == "mean") p = VitPool::kMean;
   else if (pool == "token+mean") p = VitPool::kTokenAndMean;
-  else if (!pool.empty()) return invalid_argument("--pool '" + pool + "': expected token, mean or token+mean");
+  else if (pool == "attention") p = VitPool::kAttentional;
+  else if (!pool.empty()) return invalid_argument("--pool '" + pool + "': expected token, mean, token+mean or attention");
   if (heads <= 0 && preset_it != vit_presets().end()) heads = preset_it->second.heads;
+  const int pool_heads =
+      preset_it != vit_presets().end() && preset_it->second.pool_heads > 0 ? preset_it->second.pool_heads : 8;
   SLIDE_ASSIGN_OR_RETURN(auto shapes, read_safetensors_shapes(weights));
-  SLIDE_ASSIGN_OR_RETURN(VitConfig c, infer_vit_config(shapes, heads, p, weights));
+  // open_clip's CoCa layout (CONCH): the timm trunk under visual.trunk.
+  const std::string prefix = shapes.count("visual.trunk.patch_embed.proj.weight") > 0 ? "visual.trunk." : "";
+  SLIDE_ASSIGN_OR_RETURN(VitConfig c, infer_vit_config(shapes, heads, p, weights, prefix, pool_heads));
   SLIDE_RETURN_IF_ERROR(check_vit_preset(c, preset, weights));
   if (image_size < 0 || (image_size > 0 && (image_size < c.patch_size || image_size % c.patch_size != 0)))
     return invalid_argument("--image-size " + std::to_string(image_size) + " is not a multiple of the patch size " +
@@ -446,7 +560,10 @@ Result<std::unique_ptr<VitEncoder>> VitEncoder::load(const std::string& weights,
   enc->be_ = std::move(be);
   SLIDE_ASSIGN_OR_RETURN(enc->vit_, VisionTransformer::create(*enc->be_, c));
   SLIDE_RETURN_IF_ERROR(enc->vit_->load(weights));
-  enc->layer_ = c.pool == VitPool::kToken ? "token" : c.pool == VitPool::kMean ? "mean" : "token+mean";
+  enc->layer_ = c.pool == VitPool::kToken          ? "token"
+                : c.pool == VitPool::kMean         ? "mean"
+                : c.pool == VitPool::kTokenAndMean ? "token+mean"
+                                                   : "attention";
   return enc;
 }
 

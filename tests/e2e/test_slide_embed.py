@@ -533,10 +533,10 @@ class TestBadInput(TwoSlides):
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("no-store", r.stderr)
         # An unknown model names the CNNs and the ViT presets; --image-size is a ViT's option.
-        r = self.embed(self.store, out, "--weights", self.weights, "--model", "conch-vit-b")
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "ctranspath")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("is not one of small, resnet18, resnet34, resnet50 (or a ViT: vit, vit-b16, vit-l16, uni, "
-                      "uni2-h, virchow2, gigapath, hoptimus0)", r.stderr)
+                      "uni2-h, virchow2, gigapath, hoptimus0, conch-vit-b)", r.stderr)
         r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--image-size", "224")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--image-size apply to ViTs", r.stderr)

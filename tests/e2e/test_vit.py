@@ -208,6 +208,8 @@ def timm_reference(p, x, cfg):
     pool = cfg.get("pool", "token")
     if not cfg.get("fc_norm", 0):
         x = F.layer_norm(x, (D,), t["norm.weight"], t["norm.bias"], eps)
+    if pool == "tokens":  # forward_features' output, every token (CONCH's pooler takes it)
+        return x
     mean = x[:, n_prefix:].mean(dim=1)
     if pool == "token":
         return x[:, 0].numpy()
@@ -304,6 +306,123 @@ class TestTimmVariants(unittest.TestCase):
                                               size=(g1, g1), mode="bicubic", align_corners=False)
                         plain = plain.permute(0, 2, 3, 1).reshape(1, -1, D).numpy()
                         self.assertGreater(float(np.max(np.abs(plain - want[:, prefix:]))), 1e-3)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def conch_weights(cfg, E, seed):
+    """Random weights in CONCH's open_clip layout: the timm trunk under visual.trunk., the
+    contrastive attentional pooler (visual.attn_pool_contrast.*: nn.MultiheadAttention(E, H',
+    kdim=D, vdim=D) with its separate q/k/v projection weights) and visual.ln_contrast, plus a
+    captioning pooler and a text tower entry that the encoder ignores."""
+    g = np.random.default_rng(seed)
+    D = cfg["width"]
+    r = lambda *s: (0.1 * g.standard_normal(s)).astype(np.float32)  # noqa: E731
+    w = {"visual.trunk." + k: v for k, v in random_timm_weights(cfg, seed).items()}
+    a = "visual.attn_pool_contrast."
+    w.update({a + "query": r(1, E), a + "attn.q_proj_weight": r(E, E), a + "attn.k_proj_weight": r(E, D),
+              a + "attn.v_proj_weight": r(E, D), a + "attn.in_proj_bias": r(3 * E), a + "attn.out_proj.weight": r(E, E),
+              a + "attn.out_proj.bias": r(E), a + "ln_q.weight": 1 + r(E), a + "ln_q.bias": r(E),
+              a + "ln_k.weight": 1 + r(D), a + "ln_k.bias": r(D), "visual.ln_contrast.weight": 1 + r(E),
+              "visual.ln_contrast.bias": r(E), "visual.attn_pool_caption.query": r(4, E), "text.positional_embedding": r(8, E)})
+    return w
+
+
+def conch_reference(w, images, cfg, E, heads):
+    """CONCH's VisualModel.forward_no_head (MahmoodLab/CONCH vision_tower.py): the trunk's
+    forward_features, then AttentionalPooler (transformer.py: ln_k on the tokens, ln_q on the query,
+    torch.nn.MultiheadAttention, here PyTorch's own module with the file's weights) and ln_contrast,
+    in float64."""
+    trunk = {k[len("visual.trunk."):]: v for k, v in w.items() if k.startswith("visual.trunk.")}
+    x = torch.from_numpy(np.asarray(timm_reference(trunk, images, dict(cfg, pool="tokens"))))
+    t = {k: torch.from_numpy(v).double() for k, v in w.items()}
+    a, D = "visual.attn_pool_contrast.", cfg["width"]
+    mha = torch.nn.MultiheadAttention(E, heads, kdim=D, vdim=D, batch_first=True).double()
+    mha.load_state_dict({"q_proj_weight": t[a + "attn.q_proj_weight"], "k_proj_weight": t[a + "attn.k_proj_weight"],
+                         "v_proj_weight": t[a + "attn.v_proj_weight"], "in_proj_bias": t[a + "attn.in_proj_bias"],
+                         "out_proj.weight": t[a + "attn.out_proj.weight"], "out_proj.bias": t[a + "attn.out_proj.bias"]})
+    mha.eval()
+    with torch.no_grad():
+        k = F.layer_norm(x, (D,), t[a + "ln_k.weight"], t[a + "ln_k.bias"], 1e-5)
+        q = F.layer_norm(t[a + "query"], (E,), t[a + "ln_q.weight"], t[a + "ln_q.bias"], 1e-5)
+        out = mha(q.unsqueeze(0).expand(x.shape[0], -1, -1), k, k, need_weights=False)[0][:, 0]
+        return F.layer_norm(out, (E,), t["visual.ln_contrast.weight"], t["visual.ln_contrast.bias"], 1e-5).numpy()
+
+
+class TestConch(unittest.TestCase):
+    """CONCH's vision tower (vit.h kAttentional, preset conch-vit-b) on a small random model of its
+    layout: golden_vit and slide-embed --model vit --pool attention against PyTorch's
+    MultiheadAttention on real tiles; the preset refuses a file of another shape."""
+    E, HEADS = 32, 4
+
+    def test_attentional_pooler_equals_torch(self):
+        cfg = dict(TestTimmVariants.BASE)
+        images = real_tiles(3, 64)
+        tmp = tempfile.mkdtemp(prefix="vit_conch_")
+        try:
+            w = conch_weights(cfg, self.E, 31)
+            weights = os.path.join(tmp, "conch.safetensors")
+            write_safetensors(weights, w)
+            expected = conch_reference(w, images, cfg, self.E, self.HEADS)
+            for backend in ("cpu", "reference"):
+                r, got = run_golden(tmp, backend, weights, images,
+                                    dict(cfg, pool="attention", pool_dim=self.E, pool_heads=self.HEADS,
+                                         prefix="visual.trunk."))
+                self.assertEqual(r.returncode, 0, r.stderr)
+                self.assertEqual(got.shape, (3, self.E))
+                err = rel_err(got, expected)
+                print("CONCH-layout ViT, attentional pooler, %s backend: max relative error %.2e" % (backend, err))
+                self.assertLess(err, 1e-4, backend)
+            # Missing a pooler tensor: named.
+            del w["visual.attn_pool_contrast.attn.v_proj_weight"]
+            write_safetensors(weights, w)
+            r, _ = run_golden(tmp, "cpu", weights, images, dict(cfg, pool="attention", pool_dim=self.E,
+                                                                pool_heads=self.HEADS, prefix="visual.trunk."))
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("visual.attn_pool_contrast.attn.v_proj_weight", r.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_slide_embed_attention_pooling(self):
+        import h5py
+        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        cfg = dict(TestTimmVariants.BASE)
+        tmp = tempfile.mkdtemp(prefix="vit_conch_embed_")
+        try:
+            store = os.path.join(tmp, "store")
+            slide = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
+            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "64", "--encoding", "raw",
+                                "--max-tiles-per-slide", "7", "-o", store, "-q"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            w = conch_weights(cfg, self.E, 32)
+            weights = os.path.join(tmp, "conch.safetensors")
+            write_safetensors(weights, w)
+            out = os.path.join(tmp, "bags")
+            # --model vit with CONCH's layout: the pooler's heads are CoCa's default 8 unless a
+            # preset says otherwise, so this file (E 32) runs with 8 heads of 4.
+            r = subprocess.run([embed, store, "-o", out, "--weights", weights, "--model", "vit", "--heads", "4",
+                                "--pool", "attention", "--batch-size", "4"], capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            tiles = store_tiles(store)
+            expected = conch_reference(w, normalise([a for a, _ in tiles]), cfg, self.E, 8)
+            with h5py.File(os.path.join(out, "CMU-1-Small-Region.h5"), "r") as f:
+                got = f["features"][()]
+                self.assertEqual(f.attrs["layer"], "attention")
+                self.assertEqual(f.attrs["feature_dim"], self.E)
+            self.assertEqual(got.shape, (len(tiles), self.E))
+            self.assertLess(rel_err(got, expected), 1e-4)
+            # The preset is CONCH's published shape: this small file is refused, naming both.
+            r = subprocess.run([embed, store, "-o", os.path.join(tmp, "b2"), "--weights", weights, "--model",
+                                "conch-vit-b"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("conch-vit-b is width 768, depth 12, patch 16", r.stderr)
+            # Attention pooling of a plain timm file: the missing pooler is named.
+            plain = os.path.join(tmp, "plain.safetensors")
+            write_safetensors(plain, random_timm_weights(cfg, 33))
+            r = subprocess.run([embed, store, "-o", os.path.join(tmp, "b3"), "--weights", plain, "--model", "vit",
+                                "--heads", "4", "--pool", "attention"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("attn_pool_contrast.query", r.stderr)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -4,7 +4,8 @@
 //
 // usage: golden_vit BACKEND WEIGHTS.safetensors INPUT.safetensors OUT.safetensors N KEY=VALUE...
 //   keys: image, patch, width, depth, heads, mlp, reg, class_token (0/1), no_embed_class (0/1),
-//   layer_scale (0/1), fc_norm (0/1), swiglu (0/1), pool (token|mean|token_mean)
+//   layer_scale (0/1), fc_norm (0/1), swiglu (0/1), pool (token|mean|token_mean|attention),
+//   pool_dim, pool_heads (the attentional pooler), prefix (the trunk's name prefix, e.g. visual.trunk.)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,7 +44,14 @@ int main(int argc, char** argv) {
     else if (k == "layer_scale") c.layer_scale = n != 0;
     else if (k == "fc_norm") c.fc_norm = n != 0;
     else if (k == "swiglu") c.swiglu = n != 0;
-    else if (k == "pool") c.pool = v == "mean" ? VitPool::kMean : v == "token_mean" ? VitPool::kTokenAndMean : VitPool::kToken;
+    else if (k == "pool")
+      c.pool = v == "mean"         ? VitPool::kMean
+               : v == "token_mean" ? VitPool::kTokenAndMean
+               : v == "attention"  ? VitPool::kAttentional
+                                   : VitPool::kToken;
+    else if (k == "pool_dim") c.pool_dim = n;
+    else if (k == "pool_heads") c.pool_heads = n;
+    else if (k == "prefix") c.name_prefix = v;
     else return die(slide::core::invalid_argument("unknown key " + k));
   }
   const int64_t N = std::atoll(argv[5]);

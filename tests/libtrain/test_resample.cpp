@@ -259,11 +259,72 @@ TEST_CASE("gigapath and hoptimus0: the published architectures pass their preset
   CHECK(check_vit_preset(*giga, "conch-vit-b", "x").code() == slide::core::StatusCode::kInvalidArgument);
   CHECK(is_vit_preset("gigapath"));
   CHECK(is_vit_preset("hoptimus0"));
-  CHECK(!is_vit_preset("conch-vit-b"));
+  CHECK(!is_vit_preset("ctranspath"));
   CHECK(vit_preset_list().find("gigapath, hoptimus0") != std::string::npos);
 }
 
-TEST_CASE("vit_preset_normalisation: H-optimus-0's own mean and std, ImageNet's for the others") {
+namespace {
+
+// CONCH's checkpoint as open_clip names it (MahmoodLab/CONCH conch_ViT-B-16.json: a timm ViT-B/16
+// at 448 px under visual.trunk., the contrastive pooler 512 wide), with a text tower entry.
+std::map<std::string, Shape> conch_shapes(int64_t pool_dim, int64_t queries) {
+  const int64_t D = 768;
+  std::map<std::string, Shape> s;
+  const std::string t = "visual.trunk.";
+  s[t + "cls_token"] = {1, 1, D};
+  s[t + "pos_embed"] = {1, 1 + 28 * 28, D};
+  s[t + "patch_embed.proj.weight"] = {D, 3, 16, 16};
+  for (int i = 0; i < 12; ++i) {
+    const std::string b = t + "blocks." + std::to_string(i) + ".";
+    s[b + "attn.qkv.weight"] = {3 * D, D};
+    s[b + "mlp.fc1.weight"] = {3072, D};
+    s[b + "mlp.fc2.weight"] = {D, 3072};
+  }
+  s[t + "norm.weight"] = {D};
+  s["visual.attn_pool_contrast.query"] = {queries, pool_dim};
+  s["visual.attn_pool_caption.query"] = {256, 768};
+  s["text.token_embedding.weight"] = {32007, 768};
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("conch-vit-b: CONCH's open_clip layout passes its preset; the pooler is read from the file") {
+  auto c = infer_vit_config(conch_shapes(512, 1), 12, VitPool::kAttentional, "conch.safetensors", "visual.trunk.", 8);
+  OK(c);
+  CHECK(c->image_size == 448);
+  CHECK(c->name_prefix == "visual.trunk.");
+  CHECK(c->pool_prefix() == "visual.");
+  CHECK(c->pool_dim == 512);
+  CHECK(c->pool_heads == 8);
+  CHECK(c->feature_dim() == 512);
+  CHECK(c->tokens() == 785);
+  OK(check_vit_preset(*c, "conch-vit-b", "conch.safetensors"));
+  CHECK(is_vit_preset("conch-vit-b"));
+  // Another pooler width, or the captioning pooler's 256 queries, are not CONCH's contrastive one.
+  auto wide = infer_vit_config(conch_shapes(768, 1), 12, VitPool::kAttentional, "w.safetensors", "visual.trunk.", 8);
+  OK(wide);
+  auto s = check_vit_preset(*wide, "conch-vit-b", "w.safetensors");
+  CHECK(s.message().find("w.safetensors's attentional pooler is 768 wide; conch-vit-b's is 512") != std::string::npos);
+  auto many = infer_vit_config(conch_shapes(512, 4), 12, VitPool::kAttentional, "q.safetensors", "visual.trunk.", 8);
+  REQUIRE(!many.ok());
+  CHECK(many.status().message().find("visual.attn_pool_contrast.query is [4, 512]") != std::string::npos);
+  // Attentional pooling of a file without the pooler names what is missing.
+  auto none = infer_vit_config(giant_shapes(40, 16, 14, 0, false), 24, VitPool::kAttentional, "g.safetensors");
+  REQUIRE(!none.ok());
+  CHECK(none.status().message().find("attn_pool_contrast.query") != std::string::npos);
+  // The trunk alone (class token) is a ViT-B/16 at 448: vit-b16's shape with another image size.
+  auto token = infer_vit_config(conch_shapes(512, 1), 12, VitPool::kToken, "conch.safetensors", "visual.trunk.");
+  OK(token);
+  CHECK(token->feature_dim() == 768);
+  OK(check_vit_preset(*token, "vit-b16", "conch.safetensors"));
+  // OpenAI CLIP's normalisation (CONCH's constants.py).
+  const VitNormalisation n = vit_preset_normalisation("conch-vit-b");
+  CHECK(n.mean[0] == doctest::Approx(0.48145466));
+  CHECK(n.std[2] == doctest::Approx(0.27577711));
+}
+
+TEST_CASE("vit_preset_normalisation: H-optimus-0's and CONCH's own mean and std, ImageNet's for the others") {
   const VitNormalisation h0 = vit_preset_normalisation("hoptimus0");
   CHECK(h0.mean[0] == doctest::Approx(0.707223));
   CHECK(h0.mean[2] == doctest::Approx(0.703617));

@@ -18,6 +18,20 @@
 //     kToken         x[:, 0]                                   (UNI, ViT-B/16)
 //     kMean          mean of the patch tokens (then fc_norm when configured)
 //     kTokenAndMean  [x[:, 0], mean of the patch tokens]       (Virchow: 2 D features)
+//     kAttentional   CoCa's contrastive attentional pooler (Yu et al., "CoCa: Contrastive
+//                    Captioners are Image-Text Foundation Models", 2022), as CONCH's vision tower
+//                    runs it (MahmoodLab/CONCH conch/open_clip_custom: vision_tower.py
+//                    VisualModel.forward_no_head, transformer.py AttentionalPooler): one learned
+//                    query [1, E] cross-attends to every token of x (all T, prefix included):
+//                      k_in = LN_k(x) [T, D];  q = LN_q(query) [1, E]
+//                      torch.nn.MultiheadAttention(E, H', kdim=D, vdim=D):
+//                        Q = q W_q^T + b_q, K = k_in W_k^T + b_k, V = k_in W_v^T + b_v (E wide,
+//                        split into H' heads of E / H' in order), per head
+//                        softmax(Q_h K_h^T / sqrt(E / H')) V_h, heads concatenated, out_proj
+//                      features = LN_contrast(that) [E]   (CONCH: E 512, H' 8; eps 1e-5, torch's
+//                    LayerNorm default). This is CONCH's encode_image(proj_contrast=False,
+//                    normalize=False), the tile features TRIDENT's conch_v1 uses (without the
+//                    final contrastive projection and L2 normalisation).
 // LayerNorm eps is norm_eps (timm's ViTs use 1e-6).
 //
 // Parameter names (timm): cls_token [1,1,D], reg_token [1,R,D], pos_embed [1,T or G*G,D],
@@ -26,6 +40,12 @@
 // blocks.{i}.ls1.gamma [D] (layer scale), blocks.{i}.norm2.*, blocks.{i}.mlp.fc1.{weight [M,D],
 // bias}, blocks.{i}.mlp.fc2.{weight [D,M], bias}, blocks.{i}.ls2.gamma, norm.{weight,bias} (or
 // fc_norm.{weight,bias}). Extra entries in a weight file (a classifier head) are ignored.
+// Weights in open_clip's CoCa layout (CONCH's checkpoint, converted to safetensors) carry the
+// trunk under "visual.trunk." (name_prefix) and the pooler as visual.attn_pool_contrast.{query
+// [1,E], attn.q_proj_weight [E,E], attn.k_proj_weight [E,D], attn.v_proj_weight [E,D],
+// attn.in_proj_bias [3E], attn.out_proj.weight [E,E], attn.out_proj.bias [E], ln_q.{weight,bias}
+// [E], ln_k.{weight,bias} [D]} and visual.ln_contrast.{weight,bias} [E]; the text tower and the
+// captioning pooler in the same file are ignored.
 //
 // Another input size (slide-embed --image-size S): the positional embedding's grid part is
 // resampled at load from the weight file's grid g0 to S / P (resample_pos_embed below, as timm's
@@ -46,7 +66,7 @@
 
 namespace slide::train {
 
-enum class VitPool { kToken, kMean, kTokenAndMean };
+enum class VitPool { kToken, kMean, kTokenAndMean, kAttentional };
 
 struct VitConfig {
   int image_size = 224;
@@ -63,6 +83,14 @@ struct VitConfig {
   bool fc_norm = false;  // LayerNorm after mean pooling instead of before it (timm global_pool='avg')
   double norm_eps = 1e-6;
   VitPool pool = VitPool::kToken;
+  // kAttentional: the pooler's width E (its query's), heads and LayerNorm eps.
+  int pool_dim = 0;
+  int pool_heads = 8;
+  double pool_eps = 1e-5;
+  // Prepended to every trunk parameter's timm name ("visual.trunk." for open_clip/CONCH files);
+  // the pooler's names are (name_prefix without its last "trunk." part) + "attn_pool_contrast." /
+  // "ln_contrast.".
+  std::string name_prefix;
   // The weight file's image size (its pos_embed grid x patch size) when it differs from
   // image_size: load() then resamples pos_embed from that grid (resample_pos_embed). 0: the same.
   int source_image_size = 0;
@@ -73,7 +101,11 @@ struct VitConfig {
   int64_t pos_prefix() const { return no_embed_class ? 0 : prefix_tokens(); }
   int64_t prefix_tokens() const { return (class_token ? 1 : 0) + reg_tokens; }
   int64_t tokens() const { return prefix_tokens() + grid() * grid(); }
-  int64_t feature_dim() const { return pool == VitPool::kTokenAndMean ? 2 * int64_t{width} : width; }
+  int64_t feature_dim() const {
+    return pool == VitPool::kTokenAndMean ? 2 * int64_t{width} : pool == VitPool::kAttentional ? pool_dim : width;
+  }
+  // The pooler's parameter-name prefix ("visual." for name_prefix "visual.trunk.").
+  std::string pool_prefix() const;
 };
 
 class VisionTransformer {
@@ -104,11 +136,17 @@ class VisionTransformer {
   };
   VisionTransformer(Backend& be, VitConfig config) : be_(be), config_(std::move(config)) {}
   Status layer_scale(const Tensor& gamma, Tensor& x2d, int64_t n_images);
+  // kAttentional pooling of the final tokens x [N*T, D] into features [N, E].
+  Status attentional_pool(const Tensor& x, int64_t n_images, Tensor& features);
+  struct AttnPool {
+    Tensor query, q_w, k_w, v_w, in_b, out_w, out_b, ln_q_w, ln_q_b, ln_k_w, ln_k_b, ln_w, ln_b;
+  };
 
   Backend& be_;
   VitConfig config_;
   Tensor cls_token_, reg_token_, pos_embed_, patch_w_, patch_b_, norm_w_, norm_b_;
   std::vector<Block> blocks_;
+  AttnPool attn_pool_;
   std::vector<std::pair<std::string, Tensor*>> names_;
   std::vector<Tensor> ls_rows_;  // each layer scale gamma repeated over the T tokens: [T, D]
 };
@@ -120,10 +158,14 @@ class VisionTransformer {
 // without the prefix tokens, whichever is a square grid: no_embed_class). The head count cannot
 // be read from shapes: `heads` > 0 gives it, else width / 64 (the head width of ViT-S/B/L/g; ViT-H
 // has 16 heads of 80, which its presets set; VisionTransformer::create checks it). `path` names
-// the file in errors. Errors: kInvalidArgument naming the tensor that is missing or does not fit a
-// ViT.
+// the file in errors. With `pool` kAttentional, the pooler's width comes from its query
+// ("<pool_prefix>attn_pool_contrast.query" [1, E]: one query, the contrastive pooler) and its heads
+// from `pool_heads`. Names are read with `name_prefix` before the timm names (the caller detects
+// open_clip's "visual.trunk."). Errors: kInvalidArgument naming the tensor that is missing or does
+// not fit a ViT (or a pooler with another number of queries).
 [[nodiscard]] Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
-                                                 const std::string& path);
+                                                 const std::string& path, const std::string& name_prefix = "",
+                                                 int pool_heads = 8);
 
 // timm's resample_abs_pos_embed (timm/layers/pos_embed.py, timm 0.9 / 1.0), which timm's
 // checkpoint_filter_fn applies when a ViT is built at another img_size than its weights: the
@@ -174,10 +216,19 @@ class VisionTransformer {
 // checked on random weights of its shape against a PyTorch transcription of timm's forward
 // (tests/e2e/test_vit.py), the giant ones (gigapath, hoptimus0: 1.1 G parameters) by their shape
 // check only (tests/libtrain/test_resample.cpp, with infer_vit_config's shapes).
-// Not a preset: CONCH's vision tower (conch-vit-b; MahmoodLab's CONCH, open_clip CoCa ViT-B/16):
-// its image features come from an attentional pooler (CoCa's attn_pool: learned queries
-// cross-attending to the tokens, then a projection), which this ViT does not have.
-// `pool`: "" (the preset's), "token", "mean", "token+mean".
+//   "conch-vit-b" CONCH's vision tower (Lu et al., Nature Medicine 2024; MahmoodLab/CONCH,
+//              model_configs/conch_ViT-B-16.json and coca_model.py _build_vision_tower): timm
+//              VisionTransformer ViT-B/16 (width 768, depth 12, 12 heads, GELU MLP) at image_size
+//              448 (a 28 x 28 grid, pos_embed over the class token too), then the contrastive
+//              attentional pooler (kAttentional above: E 512, attn_pooler_heads 8) and
+//              ln_contrast: 512-d features, as encode_image(proj_contrast=False,
+//              normalize=False). Its weights are open_clip-named (visual.trunk.*,
+//              visual.attn_pool_contrast.*, visual.ln_contrast.*: the checkpoint's own names,
+//              converted to safetensors). OpenAI CLIP's mean (0.48145466, 0.4578275, 0.40821073)
+//              and std (0.26862954, 0.26130258, 0.27577711) (CONCH's constants.py
+//              OPENAI_DATASET_MEAN/STD, which its factory sets as the model's transform).
+// `pool`: "" (the preset's), "token", "mean", "token+mean", "attention" (the attentional pooler;
+// the file must hold it).
 // `image_size`: 0 runs the encoder at the weight file's size; S (a multiple of the patch size)
 // runs it at S px with the positional embedding resampled from the file's grid to S / P (timm's
 // resample_abs_pos_embed, above), as timm.create_model(..., img_size=S) does with the weights.
@@ -214,8 +265,9 @@ bool is_vit_preset(const std::string& model);
 const std::string& vit_preset_list();
 
 // The per-channel normalisation of [0, 1] RGB a preset's encoder was trained with,
-// (v - mean) / std: H-optimus-0's own for "hoptimus0" (vit.h's preset list cites it), ImageNet's
-// (0.485, 0.456, 0.406) / (0.229, 0.224, 0.225) for every other name ("vit" included).
+// (v - mean) / std: H-optimus-0's own for "hoptimus0" and OpenAI CLIP's for "conch-vit-b" (vit.h's
+// preset list cites them), ImageNet's (0.485, 0.456, 0.406) / (0.229, 0.224, 0.225) for every other
+// name ("vit" included).
 struct VitNormalisation {
   float mean[3], std[3];
 };

@@ -20,11 +20,12 @@ using namespace slide::train;
 void add_memory_options(CLI::App& app, MemoryOptions* o) {
   app.add_option("--memory-strategy", o->memory_strategy,
                  "How a step that does not fit the memory budget is made to fit: auto (the planner weighs "
-                 "micro-batching, activation checkpointing and offload by their measured cost and takes the "
-                 "cheapest; nothing changes when the step fits) | micro-batch | checkpoint | offload (that one, with "
+                 "micro-batching, activation checkpointing, offload and both by their measured cost and takes the "
+                 "cheapest; nothing changes when the step fits) | micro-batch | checkpoint | offload | "
+                 "checkpoint+offload (blocks checkpointed, their inputs offloaded by stage) (that one, with "
                  "micro-batches as needed) | off (the step as asked; a step out of memory halves its micro-batches)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "micro-batch", "checkpoint", "offload", "off"}));
+      ->check(CLI::IsMember({"auto", "micro-batch", "checkpoint", "offload", "checkpoint+offload", "off"}));
   app.add_option("--checkpoint-activations", o->checkpoint_activations,
                  "Keep only segment inputs in forward and recompute in backward: none | stage (each ResNet "
                  "stage) | block (each residual block) | K (every K top-level layers)")
@@ -32,7 +33,10 @@ void add_memory_options(CLI::App& app, MemoryOptions* o) {
   app.add_option("--offload-activations", o->offload_activations,
                  "Move the activations saved for backward to host memory after each segment's forward and back "
                  "before its backward (on a device: --backend cuda; the device peak falls, the gradients are the "
-                 "same): none | stage | block | K, segments as --checkpoint-activations")
+                 "same): none | stage | block | K, segments as --checkpoint-activations; with both options the "
+                 "offload segments group the checkpointed ones (e.g. --checkpoint-activations block "
+                 "--offload-activations stage: each block keeps only its input, and a stage's block inputs go to "
+                 "the host)")
       ->capture_default_str();
   app.add_flag("--dry-run", o->dry_run,
                "Print the memory plan (bytes per layer and the peak for the micro-batch) and exit");
@@ -48,25 +52,31 @@ using slide::core::invalid_argument;
 // What may be weighed: the mechanisms in order of preference and their segment modes.
 Result<StrategyRequest> request_for(const MemoryOptions& o, const Backend& be, const std::string& backend_name) {
   const bool ck = o.checkpoint_activations != "none", off = o.offload_activations != "none";
-  if (ck && off)
-    return invalid_argument(
-        "--offload-activations with --checkpoint-activations: one or the other for now (offloading recomputed "
-        "segments is not built yet)");
-  if ((off || o.memory_strategy == "offload") && be.device() == Device::kCpu)
-    return invalid_argument(std::string(off ? "--offload-activations" : "--memory-strategy offload") +
+  const std::string& s = o.memory_strategy;
+  const bool offload_asked = off || s == "offload" || s == "checkpoint+offload";
+  if (offload_asked && be.device() == Device::kCpu)
+    return invalid_argument(std::string(off ? "--offload-activations" : "--memory-strategy " + s) +
                             " moves activations from a device to host memory; on --backend " + backend_name +
                             " they are in host memory already (--checkpoint-activations saves memory there)");
-  const std::string& s = o.memory_strategy;
-  if ((ck && (s == "offload" || s == "micro-batch")) || (off && (s == "checkpoint" || s == "micro-batch")))
-    return invalid_argument("--memory-strategy " + s + " with --" + (ck ? "checkpoint" : "offload") +
-                            "-activations: the option names another mechanism");
+  // The options name a mechanism; --memory-strategy, when not auto/off, must name the same one.
+  const std::string named = ck && off ? "checkpoint+offload" : ck ? "checkpoint" : off ? "offload" : "";
+  if (!named.empty() && s != "auto" && s != "off" && s != named)
+    return invalid_argument("--memory-strategy " + s + " with " +
+                            (ck && off ? std::string("--checkpoint-activations and --offload-activations")
+                             : ck      ? std::string("--checkpoint-activations")
+                                       : std::string("--offload-activations")) +
+                            (ck && off ? ": the options name" : ": the option names") + " another mechanism (" +
+                            named + ")");
   StrategyRequest r;
-  if (ck || off) {
+  if (ck && off) {
+    r.mechanisms = {Mechanism::kCheckpointOffload};
+    r.combined_segment_modes = {o.checkpoint_activations + "+" + o.offload_activations};
+  } else if (ck || off) {
     r.mechanisms = {ck ? Mechanism::kCheckpoint : Mechanism::kOffload};
     r.segment_modes = {ck ? o.checkpoint_activations : o.offload_activations};
   } else if (s == "micro-batch" || s == "off") {
     r.mechanisms = {Mechanism::kNone};
-  } else if (s == "checkpoint" || s == "offload") {
+  } else if (s == "checkpoint" || s == "offload" || s == "checkpoint+offload") {
     r.mechanisms = {mechanism_named(s)};
   }
   return r;
@@ -99,7 +109,9 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   // The candidate to apply: the resumed run's, the one forced, or the planner's choice.
   StrategyCandidate chosen;
   chosen.mechanism = req.mechanisms.front();
-  chosen.segments = chosen.mechanism == Mechanism::kNone ? "none" : req.segment_modes.front();
+  chosen.segments = chosen.mechanism == Mechanism::kNone                ? "none"
+                    : chosen.mechanism == Mechanism::kCheckpointOffload ? req.combined_segment_modes.front()
+                                                                        : req.segment_modes.front();
   std::string strategy_table;
   const int64_t asked_micro = *batch == 0 ? 0 : (*batch + *accumulate - 1) / *accumulate;
   const int64_t request_batch = *batch != 0 ? *batch : o.global_batch;  // 0: auto without a global batch
@@ -155,13 +167,16 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
       return invalid_argument("segments mode '" + chosen.segments + "' is too long");
     chosen.segments.copy(pick.segments, chosen.segments.size());
     SLIDE_RETURN_IF_ERROR(comm->broadcast(&pick, sizeof pick, 0, "memory strategy"));
-    chosen.mechanism = static_cast<Mechanism>(std::clamp<int64_t>(pick.mechanism, 0, 2));
+    chosen.mechanism = static_cast<Mechanism>(
+        std::clamp<int64_t>(pick.mechanism, 0, static_cast<int64_t>(Mechanism::kCheckpointOffload)));
     chosen.segments.assign(pick.segments, strnlen(pick.segments, sizeof pick.segments));
     *accumulate = pick.accumulate;
   }
   if (chosen.mechanism != Mechanism::kNone) {
     SLIDE_ASSIGN_OR_RETURN(size_t segments, apply_strategy(model, chosen, cpu_allocator()));
-    slide::core::log_info(chosen.mechanism == Mechanism::kCheckpoint ? "activation checkpointing" : "activation offload",
+    slide::core::log_info(chosen.mechanism == Mechanism::kCheckpoint ? "activation checkpointing"
+                          : chosen.mechanism == Mechanism::kOffload  ? "activation offload"
+                                                                     : "activation checkpointing and offload",
                           {{"mode", chosen.segments}, {"segments", static_cast<int64_t>(segments)}});
   }
   if (*batch == 0) {

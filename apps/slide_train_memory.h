@@ -31,8 +31,9 @@ void add_memory_options(CLI::App& app, MemoryOptions* options);
 struct MemoryDecision {
   size_t step_bytes = 0;  // the plan's peak beyond weights, gradients and optimizer state
   size_t peak_bytes = 0;  // the plan's whole peak
-  // How the step fits (memory_strategy.h): "micro-batch", "checkpoint" or "offload", the
-  // segments ("none" with micro-batch) and the micro-batches per step. Recorded in the run's
+  // How the step fits (memory_strategy.h): "micro-batch", "checkpoint", "offload" or
+  // "checkpoint+offload", the segments ("none" with micro-batch; "block+stage" with both) and the
+  // micro-batches per step. Recorded in the run's
   // state, so that --resume makes the same choice instead of timing again.
   std::string strategy = "micro-batch", segments = "none";
   int64_t accumulate = 1;

@@ -251,8 +251,9 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
     c.string(m, "segments", "memory.segments");
     c.integer(m, "accumulate", "memory.accumulate", 1);
     c.integer(m, "ranks", "memory.ranks", 1);
-    if (c.status().ok() && m["strategy"] != "micro-batch" && m["strategy"] != "checkpoint" && m["strategy"] != "offload")
-      c.fail("memory.strategy", &m["strategy"], "micro-batch, checkpoint or offload");
+    if (c.status().ok() && m["strategy"] != "micro-batch" && m["strategy"] != "checkpoint" &&
+        m["strategy"] != "offload" && m["strategy"] != "checkpoint+offload")
+      c.fail("memory.strategy", &m["strategy"], "micro-batch, checkpoint, offload or checkpoint+offload");
   }
   if (c.status().ok() && s["model"] == "abmil") {
     if (c.kind(s, "mil", "mil", true)) {

@@ -2,6 +2,7 @@
 
 #include "running_stats_guard.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <utility>
 
@@ -195,18 +196,30 @@ Result<size_t> wrap_segments(Sequential& model, const std::string& mode, const s
 
 size_t unwrap_segments(Sequential& model) {
   size_t removed = 0;
-  for (size_t i = 0; i < model.size(); ++i) {
-    if (auto* seg = dynamic_cast<Segment*>(&model.at(i)); seg != nullptr) {
+  // Pass after pass over this level, outermost segments first: wrap_segments groups consecutive
+  // layers, the segment at the first one's place and pass-throughs at the others', so a segment's
+  // layers go back to its own places. A layer put back may itself be a segment wrapped earlier
+  // (blocks checkpointed inside an offloaded group of top-level layers), whose places may lie in
+  // the next outer group: it is unwrapped by the next pass, once every outer group is undone.
+  for (bool again = true; again;) {
+    again = false;
+    for (size_t i = 0; i < model.size();) {
+      auto* seg = dynamic_cast<Segment*>(&model.at(i));
+      if (seg == nullptr) {
+        ++i;
+        continue;
+      }
       std::vector<std::string> names;
       std::vector<std::unique_ptr<Layer>> layers = seg->take_layers(&names);
-      // wrap_segments groups consecutive layers: the segment sits at the first one's place, the
-      // pass-throughs at the others'.
-      for (size_t j = 0; j < layers.size(); ++j) model.replace(i + j, std::move(layers[j]));
+      const size_t n = layers.size();
+      for (size_t j = 0; j < n; ++j) model.replace(i + j, std::move(layers[j]));
       ++removed;
-    } else if (auto* inner = dynamic_cast<Sequential*>(&model.at(i)); inner != nullptr) {
-      removed += unwrap_segments(*inner);
+      again = true;
+      i += std::max<size_t>(1, n);
     }
   }
+  for (size_t i = 0; i < model.size(); ++i)
+    if (auto* inner = dynamic_cast<Sequential*>(&model.at(i)); inner != nullptr) removed += unwrap_segments(*inner);
   if (removed > 0) model.collect("", nullptr, nullptr);
   return removed;
 }

@@ -49,8 +49,21 @@ const char* mechanism_name(Mechanism m) {
     case Mechanism::kNone: return "micro-batch";
     case Mechanism::kCheckpoint: return "checkpoint";
     case Mechanism::kOffload: return "offload";
+    case Mechanism::kCheckpointOffload: return "checkpoint+offload";
   }
   return "?";
+}
+
+bool recomputes(Mechanism m) { return m == Mechanism::kCheckpoint || m == Mechanism::kCheckpointOffload; }
+bool offloads(Mechanism m) { return m == Mechanism::kOffload || m == Mechanism::kCheckpointOffload; }
+
+Result<std::pair<std::string, std::string>> split_combined_segments(const std::string& segments) {
+  const size_t plus = segments.find('+');
+  if (plus == std::string::npos || plus == 0 || plus + 1 == segments.size() ||
+      segments.find('+', plus + 1) != std::string::npos)
+    return slide::core::invalid_argument("checkpoint+offload segments '" + segments +
+                                         "' are not CHECKPOINT_MODE+OFFLOAD_MODE (e.g. block+stage)");
+  return std::make_pair(segments.substr(0, plus), segments.substr(plus + 1));
 }
 
 std::string StrategyCandidate::name() const {
@@ -174,7 +187,10 @@ Result<StepCost> measure_step_cost(Backend& be, Sequential& model, const PlanOpt
 }
 
 Mechanism mechanism_named(const std::string& name) {
-  return name == "checkpoint" ? Mechanism::kCheckpoint : name == "offload" ? Mechanism::kOffload : Mechanism::kNone;
+  return name == "checkpoint"           ? Mechanism::kCheckpoint
+         : name == "offload"            ? Mechanism::kOffload
+         : name == "checkpoint+offload" ? Mechanism::kCheckpointOffload
+                                        : Mechanism::kNone;
 }
 
 Result<size_t> apply_strategy(Sequential& model, const StrategyCandidate& candidate, Allocator& host) {
@@ -182,6 +198,17 @@ Result<size_t> apply_strategy(Sequential& model, const StrategyCandidate& candid
     case Mechanism::kNone: return size_t{0};
     case Mechanism::kCheckpoint: return checkpoint_activations(model, candidate.segments);
     case Mechanism::kOffload: return offload_activations(model, candidate.segments, host);
+    case Mechanism::kCheckpointOffload: {
+      SLIDE_ASSIGN_OR_RETURN(auto modes, split_combined_segments(candidate.segments));
+      SLIDE_ASSIGN_OR_RETURN(size_t checkpointed, checkpoint_activations(model, modes.first));
+      auto offloaded = offload_activations(model, modes.second, host);
+      if (!offloaded.ok()) {
+        unwrap_segments(model);  // all or nothing
+        return offloaded.status().with_context("offload segments '" + modes.second +
+                                               "' over the model checkpointed by '" + modes.first + "'");
+      }
+      return checkpointed + *offloaded;
+    }
   }
   return size_t{0};
 }
@@ -202,9 +229,10 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
     return plan_memory(model, po);
   };
   for (Mechanism m : req.mechanisms) {
-    if (m == Mechanism::kOffload && !device) continue;  // host memory already
-    const std::vector<std::string> modes =
-        m == Mechanism::kNone ? std::vector<std::string>{"none"} : req.segment_modes;
+    if (offloads(m) && !device) continue;  // host memory already
+    const std::vector<std::string> modes = m == Mechanism::kNone                ? std::vector<std::string>{"none"}
+                                           : m == Mechanism::kCheckpointOffload ? req.combined_segment_modes
+                                                                                : req.segment_modes;
     for (const std::string& mode : modes) {
       StrategyCandidate c;
       c.mechanism = m;
@@ -225,9 +253,21 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
         saved_wrapped = p.saved_bytes;
       }
       if (c.fits()) c.micro_batches = micro_batches_of(req.batch, c.micro_batch);
-      if (m == Mechanism::kOffload && c.fits()) {
-        SLIDE_ASSIGN_OR_RETURN(MemoryPlan plain, plan_at(c.micro_batch));
-        c.offloaded_bytes = plain.saved_bytes > saved_wrapped ? plain.saved_bytes - saved_wrapped : 0;
+      if (offloads(m) && c.fits()) {
+        // What offload takes off the device: the saved bytes without it (checkpointed alone, for
+        // the combination) less those with it.
+        size_t without = 0;
+        if (m == Mechanism::kOffload) {
+          SLIDE_ASSIGN_OR_RETURN(MemoryPlan plain, plan_at(c.micro_batch));
+          without = plain.saved_bytes;
+        } else {
+          SLIDE_ASSIGN_OR_RETURN(auto modes, split_combined_segments(mode));
+          SLIDE_RETURN_IF_ERROR(checkpoint_activations(model, modes.first).status());
+          Unwrap unwrap{model};
+          SLIDE_ASSIGN_OR_RETURN(MemoryPlan checkpointed, plan_at(c.micro_batch));
+          without = checkpointed.saved_bytes;
+        }
+        c.offloaded_bytes = without > saved_wrapped ? without - saved_wrapped : 0;
       }
       out.candidates.push_back(std::move(c));
     }
@@ -249,7 +289,7 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
   }
   // Several fit: measure the step on the first (the simplest), then predict each.
   const bool offload_fits = std::any_of(fitting.begin(), fitting.end(), [&](size_t i) {
-    return out.candidates[i].mechanism == Mechanism::kOffload;
+    return offloads(out.candidates[i].mechanism);
   });
   Allocator& dev = be.allocator();
   out.cost.copies_overlap = be.copy_engine() != nullptr && be.copy_engine()->asynchronous();
@@ -269,8 +309,8 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
     measured = wrapped.status();
     if (measured.ok()) {
       const double per_sample = static_cast<double>(first.offloaded_bytes) / static_cast<double>(first.micro_batch);
-      auto cost = measure_step_cost(be, model, po, first.micro_batch, first.mechanism == Mechanism::kCheckpoint,
-                                    per_sample, out.cost.copy_bytes_per_second, out.cost.copies_overlap);
+      auto cost = measure_step_cost(be, model, po, first.micro_batch, recomputes(first.mechanism), per_sample,
+                                    out.cost.copy_bytes_per_second, out.cost.copies_overlap);
       measured = cost.status();
       if (cost.ok()) out.cost = *cost;
     }
@@ -284,8 +324,7 @@ Result<StrategyPlan> plan_memory_strategy(Backend& be, Sequential& model, const 
   const double ideal = predict_step_seconds(out.cost, req.batch, req.micro_batch, false, 0);
   for (size_t i : fitting) {
     StrategyCandidate& c = out.candidates[i];
-    c.seconds = predict_step_seconds(out.cost, req.batch, c.micro_batch, c.mechanism == Mechanism::kCheckpoint,
-                                     c.offloaded_bytes);
+    c.seconds = predict_step_seconds(out.cost, req.batch, c.micro_batch, recomputes(c.mechanism), c.offloaded_bytes);
     c.overhead = ideal > 0 ? c.seconds / ideal - 1 : 0;
   }
   out.chosen = cheapest_candidate(out.candidates);

@@ -389,6 +389,17 @@ class TestDevice(Base):
         self.assertLess(peak_off, peak_plain)
         for name in ("model", "optimizer"):
             self.assert_same(self.weights(host, 2, name), self.weights(off, 2, name), name)
+        # Both: layers checkpointed in pairs, the pairs' kept inputs offloaded in groups of 3 top-level
+        # places; the same weights again, and the choice recorded for --resume.
+        both = os.path.join(self.tmp, "off_both")
+        r = self.run3(both, "reference-sim", 2, "--checkpoint-activations", "2", "--offload-activations", "3")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("activation checkpointing and offload mode=2+3 segments=13", r.stderr)
+        for name in ("model", "optimizer"):
+            self.assert_same(self.weights(host, 2, name), self.weights(both, 2, name), name)
+        with open(os.path.join(both, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            memory = json.load(f)["memory"]
+        self.assertEqual((memory["strategy"], memory["segments"]), ("checkpoint+offload", "2+3"))
         # On a host backend there is nothing to offload to: a usage error, nothing written.
         bad = os.path.join(self.tmp, "off_cpu")
         r = self.run3(bad, "cpu", 1, "--offload-activations", "stage")

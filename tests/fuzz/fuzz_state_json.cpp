@@ -69,7 +69,8 @@ void check_usable(const nlohmann::json& s) {
   if (s.contains("memory")) {  // read by --resume (slide_train_main.cpp)
     const nlohmann::json& m = s["memory"];
     const std::string strategy = m["strategy"].get<std::string>();
-    SLIDE_FUZZ_CHECK(strategy == "micro-batch" || strategy == "checkpoint" || strategy == "offload");
+    SLIDE_FUZZ_CHECK(strategy == "micro-batch" || strategy == "checkpoint" || strategy == "offload" ||
+                     strategy == "checkpoint+offload");
     (void)m["segments"].get<std::string>();
     SLIDE_FUZZ_CHECK(as_int(m["accumulate"]) >= 1 && as_int(m["ranks"]) >= 1);
   }

@@ -206,6 +206,42 @@ TEST_CASE("unwrap_segments gives every layer back to its place") {
       CHECK(unwrap_segments(*m) == 0u);
     }
   }
+  // Both, nested (checkpointed blocks inside offloaded stages): one unwrap takes off both kinds.
+  for (const char* modes : {"block+stage", "block+2", "2+3"}) {
+    StrategyCandidate both;
+    both.mechanism = Mechanism::kCheckpointOffload;
+    both.segments = modes;
+    auto made = apply_strategy(*m, both, cpu_allocator());
+    REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+    CHECK(parameters(*m) == before);
+    CHECK(unwrap_segments(*m) == *made);
+    CHECK(parameters(*m) == before);
+    CHECK(unwrap_segments(*m) == 0u);
+  }
+  // ResNet-18 "block+stage": 8 checkpointed blocks, then stem, 4 stages and head offloaded.
+  StrategyCandidate both;
+  both.mechanism = Mechanism::kCheckpointOffload;
+  both.segments = "block+stage";
+  auto made = apply_strategy(*m, both, cpu_allocator());
+  REQUIRE(made.ok());
+  CHECK(*made == 14u);
+  CHECK(unwrap_segments(*m) == 14u);
+  // "stage+stage": the checkpointed stages leave no stage to offload; all or nothing.
+  both.segments = "stage+stage";
+  auto none = apply_strategy(*m, both, cpu_allocator());
+  REQUIRE(!none.ok());
+  CHECK(none.status().message().find("offload segments 'stage' over the model checkpointed by 'stage'") !=
+        std::string::npos);
+  CHECK(unwrap_segments(*m) == 0u);
+  CHECK(parameters(*m) == before);
+  for (const char* bad : {"block", "+stage", "block+", "a+b+c"}) {
+    both.segments = bad;
+    CHECK(apply_strategy(*m, both, cpu_allocator()).status().code() == slide::core::StatusCode::kInvalidArgument);
+  }
+  CHECK(mechanism_named("checkpoint+offload") == Mechanism::kCheckpointOffload);
+  CHECK(std::string(mechanism_name(Mechanism::kCheckpointOffload)) == "checkpoint+offload");
+  CHECK(recomputes(Mechanism::kCheckpointOffload));
+  CHECK(offloads(Mechanism::kCheckpointOffload));
   // Wrapping again after an unwrap works as on a fresh model.
   auto again = checkpoint_activations(*m, "stage");
   REQUIRE(again.ok());
@@ -240,8 +276,10 @@ TEST_CASE("memory strategy on the simulated device: ResNet-18, a budget that fit
   MESSAGE(sp->table());
   CHECK(parameters(*m) == before);  // left unwrapped
   for (size_t i = 0; i < m->size(); ++i) CHECK(dynamic_cast<Segment*>(&m->at(i)) == nullptr);
-  // micro-batch; checkpoint stage and block; offload stage and block (a device backend).
-  REQUIRE(sp->candidates.size() == 5);
+  // micro-batch; checkpoint stage and block; offload stage and block; both, block+stage (a device
+  // backend).
+  REQUIRE(sp->candidates.size() == 6);
+  CHECK(sp->candidates[5].name() == "checkpoint+offload block+stage");
   const StrategyCandidate& plain = sp->candidates[0];
   CHECK(plain.mechanism == Mechanism::kNone);
   CHECK(plain.micro_batch >= 4);
@@ -253,7 +291,7 @@ TEST_CASE("memory strategy on the simulated device: ResNet-18, a budget that fit
     CHECK(c.peak_bytes <= req.budget_bytes);
     CHECK(c.micro_batches == (req.batch + c.micro_batch - 1) / c.micro_batch);
     CHECK(c.seconds > 0);
-    if (c.mechanism == Mechanism::kOffload) CHECK(c.offloaded_bytes > 0);
+    if (offloads(c.mechanism)) CHECK(c.offloaded_bytes > 0);
     if (c.mechanism != Mechanism::kNone) CHECK(c.micro_batch >= plain.micro_batch);  // they save memory
   }
   CHECK(fitting >= 2);

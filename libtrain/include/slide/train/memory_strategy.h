@@ -1,8 +1,8 @@
 // The memory planner's choice of how to fit a training step into a memory budget (issue 13; the
 // seeds: TFLMS's swap-out/swap-in, vDNN, Chen et al.'s recomputation, and gradient accumulation).
 //
-// Three mechanisms trade time for memory, and every strategy is micro-batching plus at most one
-// of the other two:
+// Three mechanisms trade time for memory, and every strategy is micro-batching plus checkpointing,
+// offload, or both:
 // - micro-batching: the step's samples run as ceil(batch / m) micro-batches whose gradients
 //   accumulate (the same update). Cost: a fixed time per micro-batch (launches, smaller GEMMs).
 // - checkpointing (activation_checkpoint.h): each segment keeps only its input and recomputes
@@ -10,6 +10,12 @@
 // - offload (offload.h): each segment's saved activations go to host memory after its forward
 //   and come back before its backward. Cost: those bytes both ways over the host-device copy
 //   bandwidth, hidden behind the compute where the backend copies beside it (a copy stream).
+// - both (checkpoint+offload, TFLMS with recomputation): blocks are checkpointed, so each keeps
+//   only its input, and those inputs go to host memory by offload segments over them (stages by
+//   default: "block+stage"); backward brings a stage's block inputs back and each block recomputes
+//   its forward. Cost: the forward once more, and the block inputs' bytes both ways. The device
+//   then holds the stage boundaries and about two stages' block inputs, plus one block's
+//   recomputed activations.
 //
 // How a choice is made (plan_memory_strategy): every candidate (mechanism x segment mode) is
 // planned on the model (planner.h: wrap, plan, unwrap) for the largest micro-batch up to the
@@ -21,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "slide/train/oom_recovery.h"
@@ -28,11 +35,18 @@
 
 namespace slide::train {
 
-enum class Mechanism { kNone, kCheckpoint, kOffload };
+enum class Mechanism { kNone, kCheckpoint, kOffload, kCheckpointOffload };
 
-// "micro-batch", "checkpoint", "offload"; mechanism_named is its inverse (kNone for any other name).
+// "micro-batch", "checkpoint", "offload", "checkpoint+offload"; mechanism_named is its inverse
+// (kNone for any other name).
 const char* mechanism_name(Mechanism m);
 Mechanism mechanism_named(const std::string& name);
+// Whether the mechanism recomputes (checkpoint, both) / offloads (offload, both).
+bool recomputes(Mechanism m);
+bool offloads(Mechanism m);
+// The combination's segments "CHECKPOINT_MODE+OFFLOAD_MODE" (e.g. "block+stage") split in two.
+// Errors: kInvalidArgument for another shape.
+[[nodiscard]] Result<std::pair<std::string, std::string>> split_combined_segments(const std::string& segments);
 
 // The time model of one training step, measured on the backend (measure_step_cost). Seconds.
 struct StepCost {
@@ -75,8 +89,11 @@ struct StrategyRequest {
   int64_t batch = 1;            // samples per optimizer step on this rank
   int64_t micro_batch = 1;      // the micro-batch asked for (<= batch)
   size_t budget_bytes = 0;      // the device's budget for everything the plan counts
-  std::vector<Mechanism> mechanisms{Mechanism::kNone, Mechanism::kCheckpoint, Mechanism::kOffload};
+  std::vector<Mechanism> mechanisms{Mechanism::kNone, Mechanism::kCheckpoint, Mechanism::kOffload,
+                                    Mechanism::kCheckpointOffload};
   std::vector<std::string> segment_modes{"stage", "block"};
+  // kCheckpointOffload's segments, "CHECKPOINT_MODE+OFFLOAD_MODE".
+  std::vector<std::string> combined_segment_modes{"block+stage"};
 };
 
 struct StrategyPlan {
@@ -142,7 +159,11 @@ int offload_refit_candidate(const StrategyPlan& plan, int64_t batch, int64_t mic
                                                         const StrategyRequest& request, Allocator& host);
 
 // Wraps `model` for `candidate` (checkpoint_activations or offload_activations with its
-// segments; nothing for kNone). Returns the number of segments. Errors: as wrap_segments.
+// segments; for kCheckpointOffload checkpoint_activations with the first mode, then
+// offload_activations with the second over the result; nothing for kNone). Returns the number of
+// segments (both kinds). Errors: as wrap_segments (the combination leaves the model unwrapped
+// when its offload finds nothing to wrap: "block+stage" on a model without stages), and
+// split_combined_segments'.
 [[nodiscard]] Result<size_t> apply_strategy(Sequential& model, const StrategyCandidate& candidate, Allocator& host);
 
 }  // namespace slide::train

@@ -3,8 +3,9 @@
 // head, close to Chen et al.'s sqrt(n) segments), the measured peak of live tensors and the
 // images/s of real SGD steps at one batch size (the fastest of the timed steps), the planner's
 // peak beside it, and the largest micro-batch that the planner fits in a 4 GiB budget each way;
-// and for activation offload (issue 13, stage segments) the planned peak and largest micro-batch
-// (planned only: offload moves activations off a device, and this bench runs on the host).
+// and for activation offload (issue 13, stage segments) and for both (blocks checkpointed, their
+// inputs offloaded by stage) the planned peak and largest micro-batch (planned only: offload moves
+// activations off a device, and this bench runs on the host).
 // bench/memory_bench.sh prints the peers' figures beside these.
 //
 // usage: memory_bench [--batch 16] [--steps 3] [--size 224] [--budget 4G] [--models resnet18,resnet50]
@@ -38,10 +39,15 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
   auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 3, 0);
   if (!net.ok()) return std::fprintf(stderr, "%s\n", net.status().to_string().c_str()), 1;
-  // "offload": --offload-activations stage, planned only (the copies need a device; the planner
-  // counts what stays on it).
-  const bool offload = mode == "offload";
-  if (mode != "none") {
+  // "offload": --offload-activations stage; "both": --checkpoint-activations block
+  // --offload-activations stage. Planned only (the copies need a device; the planner counts what
+  // stays on it).
+  const bool offload = mode == "offload" || mode == "both";
+  if (mode == "both") {
+    auto made = checkpoint_activations(**net, "block");
+    if (made.ok()) made = offload_activations(**net, "stage", cpu_allocator());
+    if (!made.ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), 1;
+  } else if (mode != "none") {
     auto made = offload ? offload_activations(**net, "stage", cpu_allocator()) : checkpoint_activations(**net, mode);
     if (!made.ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), 1;
   }
@@ -112,11 +118,13 @@ int main(int argc, char** argv) {
   std::stringstream list(models);
   std::string model;
   while (std::getline(list, model, ',')) {
-    Figures plain, ckpt, off;
+    Figures plain, ckpt, ckpt_block, off, both;
     if (run(model, "none", batch, size, steps, *budget, **be, &plain) != 0) return 1;
     if (run(model, "stage", batch, size, steps, *budget, **be, &ckpt) != 0) return 1;
+    if (run(model, "block", batch, size, steps, *budget, **be, &ckpt_block) != 0) return 1;
     if (run(model, "offload", batch, size, steps, *budget, **be, &off) != 0) return 1;
-    for (auto [mode, f] : {std::pair<const char*, Figures*>{"none", &plain}, {"stage", &ckpt}})
+    if (run(model, "both", batch, size, steps, *budget, **be, &both) != 0) return 1;
+    for (auto [mode, f] : {std::pair<const char*, Figures*>{"none", &plain}, {"stage", &ckpt}, {"block", &ckpt_block}})
       std::printf("%-9s checkpoint=%-5s batch=%ld peak_mib=%.1f planned_mib=%.1f images_per_s=%.2f "
                   "largest_batch_in_%s=%ld\n",
                   model.c_str(), mode, static_cast<long>(batch), f->peak_mib, f->planned_mib, f->images_per_s,
@@ -130,6 +138,11 @@ int main(int argc, char** argv) {
                 model.c_str(), static_cast<long>(batch), off.planned_mib, budget_text.c_str(),
                 static_cast<double>(off.largest_batch) / static_cast<double>(plain.largest_batch),
                 static_cast<long>(plain.largest_batch), static_cast<long>(off.largest_batch));
+    std::printf("%-9s both (blocks checkpointed, their inputs offloaded by stage, planned): planned peak at batch %ld "
+                "%.1f MiB, largest batch in %s x%.2f (%ld -> %ld)\n",
+                model.c_str(), static_cast<long>(batch), both.planned_mib, budget_text.c_str(),
+                static_cast<double>(both.largest_batch) / static_cast<double>(plain.largest_batch),
+                static_cast<long>(plain.largest_batch), static_cast<long>(both.largest_batch));
     std::fflush(stdout);
   }
   return 0;

@@ -25,8 +25,13 @@ if [ -n "$r50" ]; then
   printf 'resnet50  largest batch: checkpointing x%s here   TFLMS (swapping, GPU) x4.7\n' "$batch_ratio"
   printf 'resnet50  extra time per image: +%s%% here   Chen et al. sqrt(n) checkpointing about +30%%\n' "$extra"
 fi
-off=$(grep '^resnet50 .*offload' <<<"$out" || true)
+off=$(grep '^resnet50 .*offload (stage' <<<"$out" || true)
 if [ -n "$off" ]; then
   off_ratio=$(sed -E 's/.*largest batch in [^ ]+ x([0-9.]+).*/\1/' <<<"$off")
   printf 'resnet50  largest batch: offload (stage, two segments resident, planned) x%s here   TFLMS x4.7\n' "$off_ratio"
+fi
+both=$(grep '^resnet50 .*both' <<<"$out" || true)
+if [ -n "$both" ]; then
+  both_ratio=$(sed -E 's/.*largest batch in [^ ]+ x([0-9.]+).*/\1/' <<<"$both")
+  printf 'resnet50  largest batch: checkpoint block + offload stage (planned) x%s here   TFLMS x4.7\n' "$both_ratio"
 fi

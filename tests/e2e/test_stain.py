@@ -114,19 +114,30 @@ def macenko_estimate(rgb):
     return he, max_c, conc
 
 
-def macenko_fit(rgb):
-    he, max_c, _ = macenko_estimate(rgb)
-    return {"method": "macenko", "macenko_he": he, "macenko_max_c": max_c}
+def matrix_fit(method, estimate, rgb):
+    """A stain-matrix method's target (Macenko, Vahadane): {method, <method>_he, <method>_max_c}."""
+    he, max_c, _ = estimate(rgb)
+    return {"method": method, method + "_he": he, method + "_max_c": max_c}
 
 
-def macenko_normalise(target, rgb):
-    est = macenko_estimate(rgb)
+def matrix_normalise(method, estimate, target, rgb):
+    """stain.h's step 7: the tile's concentrations scaled to the target's maxima, recomposed with
+    the target's stains; a tile without an estimate unchanged."""
+    est = estimate(rgb)
     if est is None:
         return rgb.copy()
     _, max_c, conc = est
-    conc = conc * (np.asarray(target["macenko_max_c"]) / max_c)[:, None]
-    od = np.asarray(target["macenko_he"]) @ conc
+    conc = conc * (np.asarray(target[method + "_max_c"]) / max_c)[:, None]
+    od = np.asarray(target[method + "_he"]) @ conc
     return round_u8(256 * np.exp(-od) - 1).T.reshape(rgb.shape)
+
+
+def macenko_fit(rgb):
+    return matrix_fit("macenko", macenko_estimate, rgb)
+
+
+def macenko_normalise(target, rgb):
+    return matrix_normalise("macenko", macenko_estimate, target, rgb)
 
 
 # Vahadane (stain.h): the same alternation, but each pixel's codes chosen by the KKT conditions of
@@ -183,18 +194,11 @@ def vahadane_estimate(rgb):
 
 
 def vahadane_fit(rgb):
-    he, max_c, _ = vahadane_estimate(rgb)
-    return {"method": "vahadane", "vahadane_he": he, "vahadane_max_c": max_c}
+    return matrix_fit("vahadane", vahadane_estimate, rgb)
 
 
 def vahadane_normalise(target, rgb):
-    est = vahadane_estimate(rgb)
-    if est is None:
-        return rgb.copy()
-    _, max_c, conc = est
-    conc = conc * (np.asarray(target["vahadane_max_c"]) / max_c)[:, None]
-    od = np.asarray(target["vahadane_he"]) @ conc
-    return round_u8(256 * np.exp(-od) - 1).T.reshape(rgb.shape)
+    return matrix_normalise("vahadane", vahadane_estimate, target, rgb)
 
 
 NUMPY = {"reinhard": (reinhard_fit, reinhard_normalise), "macenko": (macenko_fit, macenko_normalise),

@@ -50,6 +50,25 @@ std::vector<float> host_copy(Backend& be, const Tensor& t) {
   return std::vector<float>(h->data<float>(), h->data<float>() + h->numel());
 }
 
+// Every gradient of `a` equals `b`'s bit for bit (the same names in the same order), and every
+// buffer (batch norm's running statistics) too.
+void check_same_state(Backend& be, const std::vector<Parameter*>& a, const std::vector<Parameter*>& b,
+                      const std::vector<Buffer*>& abuf, const std::vector<Buffer*>& bbuf) {
+  REQUIRE(a.size() == b.size());
+  REQUIRE(abuf.size() == bbuf.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i]->name == b[i]->name);
+    const auto ga = host_copy(be, a[i]->grad), gb = host_copy(be, b[i]->grad);
+    REQUIRE(ga.size() == gb.size());
+    for (size_t j = 0; j < ga.size(); ++j)
+      if (ga[j] != gb[j]) {
+        FAIL_CHECK(a[i]->name, "[", j, "] differs: ", ga[j], " vs ", gb[j]);
+        break;
+      }
+  }
+  for (size_t i = 0; i < abuf.size(); ++i) CHECK(host_copy(be, abuf[i]->value) == host_copy(be, bbuf[i]->value));
+}
+
 struct Step {
   Status status;
   size_t peak = 0;  // the device allocator's peak above what was live before the step
@@ -133,16 +152,7 @@ TEST_CASE("activation offload: identical gradients and running statistics, lower
     CHECK(b.peak < a.peak * 17 / 20);
     CHECK(plan_off->peak_bytes < plan_plain->peak_bytes);
     CHECK(std::abs(predicted_saving - measured_saving) <= 0.15 * measured_saving);
-    for (size_t i = 0; i < pp.size(); ++i) {
-      const auto ga = host_copy(*be, pp[i]->grad), gb = host_copy(*be, po_[i]->grad);
-      REQUIRE(ga.size() == gb.size());
-      for (size_t j = 0; j < ga.size(); ++j)
-        if (ga[j] != gb[j]) {
-          FAIL_CHECK(pp[i]->name, "[", j, "] differs: ", ga[j], " vs ", gb[j]);
-          break;
-        }
-    }
-    for (size_t i = 0; i < bp.size(); ++i) CHECK(host_copy(*be, bp[i]->value) == host_copy(*be, bo[i]->value));
+    check_same_state(*be, pp, po_, bp, bo);
 
     // A device budget between the two peaks: the plain step runs out of memory, the offloaded one
     // trains (and gives the same gradients again: they accumulate, so compare with twice).
@@ -217,18 +227,8 @@ TEST_CASE("checkpoint+offload: identical gradients; the device peak below checkp
   plain->collect("", &pp, &bp);
   both->collect("", &pb, &bb);
   REQUIRE(pp.size() == pb.size());
-  for (size_t i = 0; i < pp.size(); ++i) {
-    CHECK(pp[i]->name == pb[i]->name);
-    const auto ga = host_copy(*be, pp[i]->grad), gb = host_copy(*be, pb[i]->grad);
-    REQUIRE(ga.size() == gb.size());
-    for (size_t j = 0; j < ga.size(); ++j)
-      if (ga[j] != gb[j]) {
-        FAIL_CHECK(pp[i]->name, "[", j, "] differs: ", ga[j], " vs ", gb[j]);
-        break;
-      }
-  }
-  // Running statistics as the plain step left them (the recompute puts them back first).
-  for (size_t i = 0; i < bp.size(); ++i) CHECK(host_copy(*be, bp[i]->value) == host_copy(*be, bb[i]->value));
+  // Running statistics as the plain step left them too (the recompute puts them back first).
+  check_same_state(*be, pp, pb, bp, bb);
 }
 
 TEST_CASE("activation offload: the schedule waits for slow copies; every engine gives the same step") {

@@ -79,7 +79,29 @@ constexpr double kAlpha = 1.0;         // Macenko's angle percentile
 constexpr double kMinTissue = 0.01;    // fraction of tissue pixels below which a tile is left alone
 constexpr double kMaxCPercentile = 99.0;
 
-double optical_density(uint8_t v) { return -std::log((v + 1.0) / 256.0); }
+// Optical density of an 8-bit value, OD = -ln((v + 1) / 256) (the header's step 1), tabulated once.
+const double* optical_density_table() {
+  static const std::vector<double> t = [] {
+    std::vector<double> v(256);
+    for (int i = 0; i < 256; ++i) v[static_cast<size_t>(i)] = -std::log((i + 1.0) / 256.0);
+    return v;
+  }();
+  return t.data();
+}
+
+// The Gram matrix D^T D of a 3 x 2 stain matrix: g00, g01 (= g10), g11.
+struct Gram {
+  double g00, g01, g11;
+  explicit Gram(const double d[3][2])
+      : g00(d[0][0] * d[0][0] + d[1][0] * d[1][0] + d[2][0] * d[2][0]),
+        g01(d[0][0] * d[0][1] + d[1][0] * d[1][1] + d[2][0] * d[2][1]),
+        g11(d[0][1] * d[0][1] + d[1][1] * d[1][1] + d[2][1] * d[2][1]) {}
+};
+
+// Euclidean length of column j of a 3 x 2 stain matrix.
+double column_norm(const double d[3][2], int j) {
+  return std::sqrt(d[0][j] * d[0][j] + d[1][j] * d[1][j] + d[2][j] * d[2][j]);
+}
 
 enum class Estimate { kOk, kTooFewTissue, kDegenerate };
 
@@ -87,8 +109,7 @@ enum class Estimate { kOk, kTooFewTissue, kDegenerate };
 // `conc` gets every pixel's concentrations (n x 2, H then E) for the transform.
 Estimate macenko_estimate(const uint8_t* rgb, int64_t n, double he[3][2], double max_c[2], std::vector<double>* conc) {
   std::vector<double> od(static_cast<size_t>(3 * n));
-  double table[256];
-  for (int i = 0; i < 256; ++i) table[i] = optical_density(static_cast<uint8_t>(i));
+  const double* table = optical_density_table();
   for (int64_t i = 0; i < 3 * n; ++i) od[static_cast<size_t>(i)] = table[rgb[i]];
   // Step 2: tissue pixels.
   std::vector<int64_t> tissue;
@@ -191,8 +212,7 @@ inline void nonnegative_lasso2(double g00, double g01, double g11, double c0, do
 // Vahadane steps 1-6 on n pixels (the header comment): the stain matrix, the 99th-percentile
 // concentrations, and every pixel's concentrations in `conc` (n x 2, H then E).
 Estimate vahadane_estimate(const uint8_t* rgb, int64_t n, double he[3][2], double max_c[2], std::vector<double>* conc) {
-  double table[256];
-  for (int i = 0; i < 256; ++i) table[i] = optical_density(static_cast<uint8_t>(i));
+  const double* table = optical_density_table();
   // Steps 1-2: optical densities of the tissue pixels (L* < 80).
   std::vector<double> x;
   x.reserve(static_cast<size_t>(3 * n));
@@ -207,21 +227,19 @@ Estimate vahadane_estimate(const uint8_t* rgb, int64_t n, double he[3][2], doubl
   // Step 3: dictionary learning from Ruifrok and Johnston's H and E vectors.
   double d[3][2] = {{0.650, 0.072}, {0.704, 0.990}, {0.286, 0.105}};
   for (int j = 0; j < 2; ++j) {
-    const double norm = std::sqrt(d[0][j] * d[0][j] + d[1][j] * d[1][j] + d[2][j] * d[2][j]);
+    const double norm = column_norm(d, j);
     for (int k = 0; k < 3; ++k) d[k][j] /= norm;
   }
   for (int iteration = 0; iteration < kVahadaneMaxIterations; ++iteration) {
     // (a) sparse coding of every tissue pixel, accumulating A = sum a a^T and B = sum x a^T.
-    const double g00 = d[0][0] * d[0][0] + d[1][0] * d[1][0] + d[2][0] * d[2][0];
-    const double g01 = d[0][0] * d[0][1] + d[1][0] * d[1][1] + d[2][0] * d[2][1];
-    const double g11 = d[0][1] * d[0][1] + d[1][1] * d[1][1] + d[2][1] * d[2][1];
+    const Gram g(d);
     double a_mat[2][2] = {{0, 0}, {0, 0}}, b_mat[3][2] = {{0, 0}, {0, 0}, {0, 0}};
     for (int64_t i = 0; i < nt; ++i) {
       const double* p = &x[static_cast<size_t>(3 * i)];
       const double c0 = d[0][0] * p[0] + d[1][0] * p[1] + d[2][0] * p[2];
       const double c1 = d[0][1] * p[0] + d[1][1] * p[1] + d[2][1] * p[2];
       double a0, a1;
-      nonnegative_lasso2(g00, g01, g11, c0, c1, kVahadaneLambda, &a0, &a1);
+      nonnegative_lasso2(g.g00, g.g01, g.g11, c0, c1, kVahadaneLambda, &a0, &a1);
       a_mat[0][0] += a0 * a0, a_mat[0][1] += a0 * a1, a_mat[1][1] += a1 * a1;
       for (int k = 0; k < 3; ++k) b_mat[k][0] += p[k] * a0, b_mat[k][1] += p[k] * a1;
     }
@@ -245,17 +263,15 @@ Estimate vahadane_estimate(const uint8_t* rgb, int64_t n, double he[3][2], doubl
   }
   // Step 4: unit atoms, haematoxylin first (the larger red OD component).
   for (int j = 0; j < 2; ++j) {
-    const double norm = std::sqrt(d[0][j] * d[0][j] + d[1][j] * d[1][j] + d[2][j] * d[2][j]);
+    const double norm = column_norm(d, j);
     if (!(norm > 0)) return Estimate::kDegenerate;
     for (int k = 0; k < 3; ++k) d[k][j] /= norm;
   }
   const int h_col = d[0][0] >= d[0][1] ? 0 : 1;
   for (int k = 0; k < 3; ++k) he[k][0] = d[k][h_col], he[k][1] = d[k][1 - h_col];
   // Step 5: sparse concentrations of EVERY pixel, their 99th percentiles.
-  const double g00 = he[0][0] * he[0][0] + he[1][0] * he[1][0] + he[2][0] * he[2][0];
-  const double g01 = he[0][0] * he[0][1] + he[1][0] * he[1][1] + he[2][0] * he[2][1];
-  const double g11 = he[0][1] * he[0][1] + he[1][1] * he[1][1] + he[2][1] * he[2][1];
-  if (g00 * g11 - g01 * g01 < 1e-12) return Estimate::kDegenerate;  // the two stains coincide
+  const Gram g(he);
+  if (g.g00 * g.g11 - g.g01 * g.g01 < 1e-12) return Estimate::kDegenerate;  // the two stains coincide
   conc->resize(static_cast<size_t>(2 * n));
   std::vector<double> ch(static_cast<size_t>(n)), ce(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -263,7 +279,7 @@ Estimate vahadane_estimate(const uint8_t* rgb, int64_t n, double he[3][2], doubl
     const double c0 = he[0][0] * o0 + he[1][0] * o1 + he[2][0] * o2;
     const double c1 = he[0][1] * o0 + he[1][1] * o1 + he[2][1] * o2;
     double a0, a1;
-    nonnegative_lasso2(g00, g01, g11, c0, c1, kVahadaneConcLambda, &a0, &a1);
+    nonnegative_lasso2(g.g00, g.g01, g.g11, c0, c1, kVahadaneConcLambda, &a0, &a1);
     (*conc)[static_cast<size_t>(2 * i)] = ch[static_cast<size_t>(i)] = a0;
     (*conc)[static_cast<size_t>(2 * i + 1)] = ce[static_cast<size_t>(i)] = a1;
   }

@@ -44,7 +44,6 @@ inline std::atomic<bool> g_count_only{false};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free &&
               std::atomic<const char*>::is_always_lock_free);
 
-
 // Async-signal-safe (lock-free atomics, write(2) and _exit(2) only): it also runs as a handler.
 inline void on_interrupt(int sig) {
   g_last_signal.store(sig);

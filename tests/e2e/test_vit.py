@@ -89,6 +89,15 @@ def timm_resample_abs_pos_embed(pos, new_grid, prefix):
     return torch.cat([pre, grid], dim=1).numpy()
 
 
+def tile_cmu(test, store, tile_px, max_tiles):
+    """A raw store of at most `max_tiles` tiles of `tile_px` px of CMU-1-Small-Region at 4 um/px
+    (slide-tile asserted to succeed)."""
+    r = subprocess.run([os.environ["SLIDE_TILE"], os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp",
+                        "4", "--tile-size", str(tile_px), "--encoding", "raw", "--max-tiles-per-slide", str(max_tiles),
+                        "-o", store, "-q"], capture_output=True, text=True)
+    test.assertEqual(r.returncode, 0, r.stderr)
+
+
 def store_tiles(store):
     """The raw (--encoding raw) tiles of a slide-tile store, in order: [(H x W x 3 uint8, (x, y))]."""
     import lmdb
@@ -385,15 +394,12 @@ class TestConch(unittest.TestCase):
 
     def test_slide_embed_attention_pooling(self):
         import h5py
-        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        embed = os.environ["SLIDE_EMBED"]
         cfg = dict(TestTimmVariants.BASE)
         tmp = tempfile.mkdtemp(prefix="vit_conch_embed_")
         try:
             store = os.path.join(tmp, "store")
-            slide = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
-            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "64", "--encoding", "raw",
-                                "--max-tiles-per-slide", "7", "-o", store, "-q"], capture_output=True, text=True)
-            self.assertEqual(r.returncode, 0, r.stderr)
+            tile_cmu(self, store, 64, 7)
             w = conch_weights(cfg, self.E, 32)
             weights = os.path.join(tmp, "conch.safetensors")
             write_safetensors(weights, w)
@@ -456,15 +462,12 @@ class TestSlideEmbed(unittest.TestCase):
 
     def test_bags_equal_the_reference(self):
         import h5py
-        tile, embed = os.environ["SLIDE_TILE"], os.environ["SLIDE_EMBED"]
+        embed = os.environ["SLIDE_EMBED"]
         cfg = dict(TestTimmVariants.BASE, layer_scale=1, reg=2)
         tmp = tempfile.mkdtemp(prefix="vit_embed_")
         try:
             store = os.path.join(tmp, "store")
-            slide = os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")
-            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "64", "--encoding", "raw",
-                                "--max-tiles-per-slide", "12", "-o", store, "-q"], capture_output=True, text=True)
-            self.assertEqual(r.returncode, 0, r.stderr)
+            tile_cmu(self, store, 64, 12)
             w = random_timm_weights(cfg, 21)
             weights = os.path.join(tmp, "vit.safetensors")
             write_safetensors(weights, w)
@@ -517,9 +520,7 @@ class TestSlideEmbed(unittest.TestCase):
             # A store of another tile size (32 px) is resized up to the encoder's 64 px, as PIL would,
             # logged and recorded in the bag.
             store2 = os.path.join(tmp, "store2")
-            r = subprocess.run([tile, slide, "--mpp", "4", "--tile-size", "32", "--max-tiles-per-slide", "3",
-                                "--encoding", "raw", "-o", store2, "-q"], capture_output=True, text=True)
-            self.assertEqual(r.returncode, 0, r.stderr)
+            tile_cmu(self, store2, 32, 3)
             r = subprocess.run([embed, store2, "-o", os.path.join(tmp, "b4"), "--weights", weights, "--model", "vit",
                                 "--heads", "4"], capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)

@@ -111,7 +111,8 @@ TEST_CASE("activation offload: identical gradients and running statistics, lower
   std::vector<size_t> batch;
   for (size_t i = 0; i < 8; ++i) batch.push_back(i * 45);  // every class
   REQUIRE(lung32().load_batch(batch, {}, 0, nullptr, cpu_allocator(), &images, &labels).ok());
-  for (int depth : {18, 50}) {
+  // ResNet-50's offload alone is checked beside checkpoint+offload below (one set of ResNet-50 steps).
+  for (int depth : {18}) {
     auto be = sim();
     auto plain = resnet(depth), off = resnet(depth);
     auto made = offload_activations(*off, "stage", cpu_allocator());
@@ -174,10 +175,11 @@ TEST_CASE("activation offload: identical gradients and running statistics, lower
 
 TEST_CASE("checkpoint+offload: identical gradients; the device peak below checkpointing or offload alone, planned") {
   // TFLMS with recomputation: blocks checkpointed (each keeps only its input), those inputs offloaded
-  // by stage. ResNet-50 (16 blocks), batch 8 at 32 px, on the simulated device.
+  // by stage. ResNet-50 (16 blocks), batch 4 at 32 px, on the simulated device. Offload alone is
+  // checked here too, as the ResNet-18 case above checks it.
   Tensor images, labels;
   std::vector<size_t> batch;
-  for (size_t i = 0; i < 8; ++i) batch.push_back(i * 45 + 3);
+  for (size_t i = 0; i < 4; ++i) batch.push_back(i * 90 + 3);
   REQUIRE(lung32().load_batch(batch, {}, 0, nullptr, cpu_allocator(), &images, &labels).ok());
   auto be = sim();
   auto plain = resnet(50), ck = resnet(50), off = resnet(50), both = resnet(50);
@@ -204,7 +206,7 @@ TEST_CASE("checkpoint+offload: identical gradients; the device peak below checkp
     steps.push_back(step(*be, *m, images, labels));
     REQUIRE_MESSAGE(steps.back().status.ok(), steps.back().status.to_string());
   }
-  MESSAGE("resnet50 batch 8 at 32 px, device step peak: plain ", format_bytes(steps[0].peak), ", checkpoint block ",
+  MESSAGE("resnet50 batch 4 at 32 px, device step peak: plain ", format_bytes(steps[0].peak), ", checkpoint block ",
           format_bytes(steps[1].peak), ", offload stage ", format_bytes(steps[2].peak), ", both ",
           format_bytes(steps[3].peak), "; planned peaks ", format_bytes(planned[0]), ", ", format_bytes(planned[1]), ", ",
           format_bytes(planned[2]), ", ", format_bytes(planned[3]));
@@ -219,15 +221,22 @@ TEST_CASE("checkpoint+offload: identical gradients; the device peak below checkp
   CHECK(steps[3].peak < steps[2].peak);
   CHECK(planned[3] <= planned[1]);
   CHECK(planned[3] < planned[2]);
-  const double measured_saving = static_cast<double>(steps[0].peak) - static_cast<double>(steps[3].peak);
-  const double predicted_saving = static_cast<double>(planned[0]) - static_cast<double>(planned[3]);
-  CHECK(std::abs(predicted_saving - measured_saving) <= 0.15 * measured_saving);
-  std::vector<Parameter*> pp, pb;
-  std::vector<Buffer*> bp, bb;
+  // Offload alone, as in the ResNet-18 case: at most 4/5 of the plain peak.
+  CHECK(steps[2].peak < steps[0].peak * 17 / 20);
+  CHECK(planned[2] < planned[0]);
+  for (size_t k : {size_t{2}, size_t{3}}) {  // planned saving within 15% of the measured one
+    const double measured_saving = static_cast<double>(steps[0].peak) - static_cast<double>(steps[k].peak);
+    const double predicted_saving = static_cast<double>(planned[0]) - static_cast<double>(planned[k]);
+    CHECK(std::abs(predicted_saving - measured_saving) <= 0.15 * measured_saving);
+  }
+  std::vector<Parameter*> pp, poff, pb;
+  std::vector<Buffer*> bp, bo, bb;
   plain->collect("", &pp, &bp);
+  off->collect("", &poff, &bo);
   both->collect("", &pb, &bb);
-  REQUIRE(pp.size() == pb.size());
-  // Running statistics as the plain step left them too (the recompute puts them back first).
+  // Gradients and running statistics as the plain step left them (the recompute puts the
+  // statistics back first).
+  check_same_state(*be, pp, poff, bp, bo);
   check_same_state(*be, pp, pb, bp, bb);
 }
 

@@ -1,4 +1,4 @@
-// --backend and --device, as slide-train, slide-train evaluate and slide-embed take them, and the
+// --backend, --device and --precision, as slide-train, slide-train evaluate and slide-embed take them, and the
 // backend they name opened with one rule: one that cannot start (an unknown name, a build without
 // CUDA, no driver, no device) is a usage error naming the reason (kInvalidArgument: exit 2).
 #pragma once
@@ -25,9 +25,27 @@ inline void add_backend_options(CLI::App& app, std::string* backend, int* device
       ->check(CLI::NonNegativeNumber);
 }
 
-inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(const std::string& name, int device) {
+// Adds --precision (into *precision, its default "fp32" kept): the math precision of the
+// convolutions and matrix products (backend.h MathPrecision); storage stays f32.
+inline void add_precision_option(CLI::App& app, std::string* precision) {
+  app.add_option("--precision", *precision,
+                 "Math precision of the convolutions and matrix products: fp32 | tf32 (NVIDIA tensor cores; f32 on "
+                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs). Weights, activations, gradients and "
+                 "optimizer state stay f32")
+      ->capture_default_str();
+}
+
+// The backend `name` on `device`, its math precision set to `precision` ("fp32", "tf32" or
+// "bf16"). Errors: kInvalidArgument (exit 2) for a backend that cannot start or a precision that
+// is not one of those, naming the option.
+inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(const std::string& name, int device,
+                                                                               const std::string& precision = "fp32") {
+  auto p = slide::train::parse_math_precision(precision);
+  if (!p.ok()) return slide::core::invalid_argument("--precision " + precision + ": " + p.status().message());
   auto be = slide::train::make_backend(name, device);
   if (!be.ok()) return slide::core::invalid_argument("--backend " + name + ": " + be.status().message());
+  if (auto s = (*be)->set_math_precision(*p); !s.ok())
+    return slide::core::invalid_argument("--precision " + precision + " on --backend " + name + ": " + s.message());
   return be;
 }
 

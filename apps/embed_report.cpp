@@ -34,6 +34,7 @@ slide::core::Status write_embed_report(const std::string& out_dir, const std::st
   r.heading("Model");
   r.key_values({{"model", model.model},
                 {"layer", model.layer},
+                {"precision", slide::train::math_precision_name(model.precision)},
                 {"feature dimension", std::to_string(feature_dim)},
                 {"weights", model.weights_path},
                 {"weights SHA-256", model.weights_sha256}},

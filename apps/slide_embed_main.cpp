@@ -122,11 +122,12 @@ int run_main(int argc, char** argv) {
                      "names visual.trunk.*). Tiles of another size "
                      "than the encoder's input are resized to it (bicubic, antialiased, as PIL)");
   int vit_heads = 0, vit_image_size = 0;
-  std::string vit_pool, backend = "cpu";
+  std::string vit_pool, backend = "cpu", precision = "fp32";
   int device = -1;
   slide::apps::add_backend_options(app, &backend, &device,
                                    " (CNNs: the fused oneDNN path on cpu, the training engine's inference forward on "
                                    "the others)");
+  slide::apps::add_precision_option(app, &precision);
   app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--image-size", vit_image_size,
@@ -207,7 +208,7 @@ int run_main(int argc, char** argv) {
   // One writer per output directory, for the whole run (readers of finished bags need no lock).
   // The backend before anything is written: one that cannot start (no GPU, a build without CUDA)
   // is a usage error.
-  auto opened = slide::apps::open_backend(backend, device);
+  auto opened = slide::apps::open_backend(backend, device, precision);
   if (!opened.ok()) return fail(opened.status());
   std::unique_ptr<slide::train::Backend> be = std::move(*opened);
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
@@ -250,8 +251,10 @@ int run_main(int argc, char** argv) {
     slide::train::cpu_allocator().trim_cache();  // and the model's blocks go back to the system
     encoder = std::move(*extractor);
   }
+  loaded.precision = *slide::train::parse_math_precision(precision);  // checked by open_backend
   slide::core::log_info("model", {{"model", loaded.model},
                                   {"layer", loaded.layer},
+                                  {"precision", slide::train::math_precision_name(loaded.precision)},
                                   {"feature_dim", encoder->feature_dim()},
                                   {"weights_sha256", loaded.weights_sha256},
                                   {"threads", threads}});

@@ -110,6 +110,7 @@ int run_main(int argc, char** argv) {
   app.set_config("--config", "", "Read options from a TOML/INI file (keys are the long option names)");
   std::vector<std::string> data, val_data;
   std::string model_name = "small", out, optimizer = "sgd", schedule = "cosine", backend = "cpu", budget;
+  std::string precision = "fp32";
   int epochs = 10, keep = 3, threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int64_t batch = 32, accumulate = 1, width = 16;
   int device = -1;  // --device: unset
@@ -164,6 +165,7 @@ int run_main(int argc, char** argv) {
   eval->add_option("--seed", eval_seed, "The --seed of that run (with --test-fraction)")->capture_default_str();
   // The backend of evaluate (also accepted before `evaluate`, as an option of slide-train).
   slide::apps::add_backend_options(*eval, &backend, &device);
+  slide::apps::add_precision_option(*eval, &precision);
   slide::apps::MilEvaluateOptions mil_eval;  // evaluate --features: an ABMIL checkpoint on bags
   slide::apps::add_mil_evaluate_options(*eval, &mil_eval);
   // slide-train predict: a tile classifier on stores with or without labels (slide_train_predict.h).
@@ -195,6 +197,7 @@ int run_main(int argc, char** argv) {
                     "Logits through the training engine's forward instead of the fused inference path");
   predict->add_flag("--no-heatmaps", no_heatmaps, "Do not draw the per-class heatmaps");
   slide::apps::add_backend_options(*predict, &pred.backend, &pred.device);
+  slide::apps::add_precision_option(*predict, &pred.precision);
   slide::apps::MilEvaluateOptions mil_pred;  // predict --features: an ABMIL checkpoint on bags of new slides
   slide::apps::add_mil_evaluate_options(*predict, &mil_pred);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
@@ -251,6 +254,7 @@ int run_main(int argc, char** argv) {
                  "Compute threads of the cpu backend (oneDNN's OpenMP threads); 0: OMP_NUM_THREADS, else every core")
       ->capture_default_str()->check(CLI::Range(0, 4096));
   slide::apps::add_backend_options(app, &backend, &device);
+  slide::apps::add_precision_option(app, &precision);
   app.add_option("--memory-budget", budget,
                  "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
                  "cuda); exceeding it is an error, recovered by smaller micro-batches");
@@ -371,6 +375,7 @@ int run_main(int argc, char** argv) {
     slide::apps::TileInferenceOptions ev;
     ev.checkpoint = eval_ckpt, ev.data = eval_data, ev.labels = eval_labels, ev.out = eval_out;
     ev.batch = batch, ev.threads = threads, ev.backend = backend, ev.device = device, ev.fused = !no_fused;
+    ev.precision = precision;
     ev.overwrite = eval_overwrite;
     ev.test_fraction = eval_test_fraction, ev.seed = eval_seed;
     return slide::apps::run_tile_inference(ev, /*predict=*/false);
@@ -424,7 +429,7 @@ int run_main(int argc, char** argv) {
   if (!writer) slide::core::set_log_level(slide::core::LogLevel::kWarn);
   // The backend first: one that cannot start (no GPU, a build without CUDA) is refused before
   // anything is written.
-  auto be = open_backend(backend, device);
+  auto be = open_backend(backend, device, precision);
   if (!be.ok()) return fail(be.status());
   // --device names one GPU for one process; ranks take their node-local GPU (as NCCL does).
   if (device >= 0 && comm->world_size() > 1)
@@ -667,6 +672,9 @@ int run_main(int argc, char** argv) {
   if (stain_sigma > 0) config["stain_augment"] = stain_sigma;
   if (test_fraction > 0) config["test_fraction"] = test_fraction;
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
+  // The products' math precision, recorded when not fp32: a resume at another precision is refused.
+  if ((*be)->math_precision() != slide::train::MathPrecision::kFp32)
+    config["precision"] = slide::train::math_precision_name((*be)->math_precision());
   // The fitted stain target (stain.h's JSON as an object): evaluate and predict apply it.
   if (stain->method != slide::train::StainMethod::kNone)
     config["stain_normalization"] = nlohmann::json::parse(slide::train::stain_target_to_json(*stain));
@@ -799,7 +807,7 @@ int run_main(int argc, char** argv) {
     test.data = test_fraction > 0 ? data : test_data, test.labels = labels_csv, test.out = out + "/test";
     test.test_fraction = test_fraction, test.seed = seed;
     test.batch = (batch + accumulate - 1) / accumulate, test.threads = threads;
-    test.backend = backend, test.device = device, test.overwrite = true;
+    test.backend = backend, test.device = device, test.overwrite = true, test.precision = precision;
     slide::core::log_info("test set", {{"weights", test.checkpoint}, {"out", test.out}});
     if (const int code = slide::apps::run_tile_inference(test, /*predict=*/false); code != kExitOk) return code;
   }

@@ -70,7 +70,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   if (state["model"] == "abmil")
     return fail(slide::core::invalid_argument("--checkpoint " + o.checkpoint +
                                               " is an attention-MIL model: give its feature bags with --features"));
-  auto be = open_backend(o.backend, o.device);  // before the output directory is touched
+  auto be = open_backend(o.backend, o.device, o.precision);  // before the output directory is touched
   if (!be.ok()) return fail(be.status());
   auto lock = claim_eval_dir(o.out, o.overwrite);
   if (!lock.ok()) return fail(lock.status());

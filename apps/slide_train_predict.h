@@ -32,6 +32,7 @@ struct TileInferenceOptions {
   int threads = 1;                // decode threads
   std::string backend = "cpu";
   int device = -1;
+  std::string precision = "fp32";  // --precision: the products' math precision (backend.h)
   bool fused = true;              // the inference graph on cpu and cuda (inference_graph.h)
   bool overwrite = false;
   bool heatmaps = true;           // predict: per-class heatmaps

@@ -559,6 +559,10 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
     Status st = write_attr_string(root, "stain_normalization", attributes.stain_normalization);
     if (!st.ok()) return cleanup(st);
   }
+  if (!attributes.precision.empty()) {
+    Status st = write_attr_string(root, "precision", attributes.precision);
+    if (!st.ok()) return cleanup(st);
+  }
   impl->feature_buf.reserve(static_cast<size_t>(options.chunk_rows * feature_dim));
   impl->coord_buf.reserve(static_cast<size_t>(options.chunk_rows * 2));
   return std::unique_ptr<BagWriter>(new BagWriter(std::move(impl)));
@@ -730,6 +734,7 @@ Result<std::unique_ptr<BagReader>> BagReader::open(const std::string& path) {
   read_attr_scalar(impl->coords.get(), "patch_size_level0", H5T_NATIVE_INT32, &a.tile_size_l0_px);
   read_attr_scalar(f, "encoder_input_px", H5T_NATIVE_INT32, &a.encoder_input_px);
   read_attr_string(f, "stain_normalization", &a.stain_normalization);
+  read_attr_string(f, "precision", &a.precision);
   int32_t version = 0;
   if (read_attr_scalar(f, "format_version", H5T_NATIVE_INT32, &version) && version > kBagFormatVersion) {
     return slide::core::failed_precondition("bag " + path + ": format version " + std::to_string(version) +

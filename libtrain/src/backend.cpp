@@ -25,6 +25,28 @@ constexpr const char* kBuilt = "reference, reference-sim, cpu";
 
 }  // namespace
 
+const char* math_precision_name(MathPrecision p) {
+  switch (p) {
+    case MathPrecision::kTf32:
+      return "tf32";
+    case MathPrecision::kBf16:
+      return "bf16";
+    case MathPrecision::kFp32:
+      break;
+  }
+  return "fp32";
+}
+
+Result<MathPrecision> parse_math_precision(const std::string& name) {
+  for (MathPrecision p : {MathPrecision::kFp32, MathPrecision::kTf32, MathPrecision::kBf16})
+    if (name == math_precision_name(p)) return p;
+  if (name == "fp16")
+    return slide::core::unimplemented(
+        "precision fp16 needs dynamic loss scaling in the trainer, which is not wired yet: use bf16 (same speed on "
+        "tensor cores and AMX, f32's range, no scaling)");
+  return slide::core::invalid_argument("precision '" + name + "': expected fp32, tf32 or bf16");
+}
+
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device) {
   if (name == "auto") {
     // cuda when this build has it and a device answers, else cpu.

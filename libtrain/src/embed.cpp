@@ -154,6 +154,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   }
   const std::string stain_json =
       opt.stain.method != StainMethod::kNone ? stain_target_to_json(opt.stain) : std::string();
+  const std::string precision_attr =
+      model.precision != MathPrecision::kFp32 ? math_precision_name(model.precision) : std::string();
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores;
   // Tiles of another size than the encoder's input are resized to it on the decode threads, as
   // the encoders' own transforms do (PIL's bicubic, antialiased: resample.h); one resizer (its
@@ -258,18 +260,24 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
         const int32_t had_input = a.encoder_input_px;
         if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
             info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
-            a.stain_normalization != stain_json) {
+            a.stain_normalization != stain_json || a.precision != precision_attr) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
           // Named only when one side has it (the message stays as it was for runs without).
           const bool any_stain = !a.stain_normalization.empty() || !stain_json.empty();
           auto stain = [any_stain](const std::string& j) {
             return any_stain ? ", stain normalisation " + (j.empty() ? std::string("none") : j) : std::string();
           };
+          // The precision likewise: named only when one side is not fp32.
+          const bool any_precision = !a.precision.empty() || !precision_attr.empty();
+          auto precision = [any_precision](const std::string& p) {
+            return any_precision ? ", precision " + (p.empty() ? std::string("fp32") : p) : std::string();
+          };
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +
               slide::cache::feature_dtype_name(info.dtype) + ", weights " + a.weights_sha256.substr(0, 12) +
-              input(had_input) + stain(a.stain_normalization) + " (this run: " + model.model + ", layer " +
-              extractor.layer() + input(want_input) + stain(stain_json) + "): remove it or write to another --out");
+              input(had_input) + stain(a.stain_normalization) + precision(a.precision) + " (this run: " +
+              model.model + ", layer " + extractor.layer() + input(want_input) + stain(stain_json) +
+              precision(precision_attr) + "): remove it or write to another --out");
         } else {
           o.skipped = true;
           o.tiles = info.num_tiles;
@@ -336,6 +344,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     // Tiles resized to the encoder's input: recorded beside tile_size_px (the stored tiles' side).
     if (resizer_for(S) != nullptr) attrs.encoder_input_px = static_cast<int32_t>(need);
     attrs.stain_normalization = stain_json;
+    attrs.precision = precision_attr;
     Open& op = open[j];
     op.start = clock::now();
     // Chunks no larger than the bag: a 20-tile bag is not padded to a 256-row chunk on disk.

@@ -21,6 +21,7 @@ from e2e_util import CHROMIUM_FLAGS, chromium, report_tables, screenshot, snapsh
 
 TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
+EMBED = os.environ.get("SLIDE_EMBED", "")
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 
@@ -350,6 +351,107 @@ class TestFullDisk(Base):
                 self.assertEqual([drop(json.loads(l)) for l in fa], [drop(json.loads(l)) for l in fb])
         finally:
             subprocess.run(["umount", mnt])
+
+
+class TestPrecision(Base):
+    """--precision tf32|bf16: the convolutions' and matrix products' operands rounded (backend.h
+    MathPrecision), storage f32. On the reference backend the rounding is exact (bf16 here), so the
+    run differs from fp32's but learns as well; the precision is recorded, a resume at another one
+    is refused, a resume at the same one continues bit for bit; evaluate and slide-embed take it
+    too (bags record it). fp16 is refused: not built yet."""
+
+    def run_ref(self, out, epochs, *extra):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "2", "--seed", "3", "--backend", "reference", "--schedule", "constant"]
+        return subprocess.run(args + list(extra), capture_output=True, text=True)
+
+    def weights(self, out, epoch):
+        return read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % epoch, "model.safetensors"))
+
+    def test_bf16_training_resume_evaluate_and_embed(self):
+        fp32, bf16 = os.path.join(self.tmp, "p_fp32"), os.path.join(self.tmp, "p_bf16")
+        r = self.run_ref(fp32, 2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.run_ref(bf16, 2, "--precision", "bf16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a, b = self.weights(fp32, 2), self.weights(bf16, 2)
+        # Not fp32's weights, but near them: the relative L2 distance over every parameter.
+        diff = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a)
+        norm = sum(float(np.sum(a[k].astype(np.float64) ** 2)) for k in a)
+        self.assertGreater(diff, 0.0)
+        self.assertLess((diff / norm) ** 0.5, 0.05)
+        with open(os.path.join(fp32, "metrics.jsonl")) as f, open(os.path.join(bf16, "metrics.jsonl")) as g:
+            h32, h16 = [json.loads(l) for l in f], [json.loads(l) for l in g]
+        self.assertLess(abs(h16[-1]["train_loss"] - h32[-1]["train_loss"]), 0.05)
+        with open(os.path.join(bf16, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            self.assertEqual(json.load(f)["config"]["precision"], "bf16")
+        with open(os.path.join(fp32, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            self.assertNotIn("precision", json.load(f)["config"])  # fp32 runs keep their config as before
+        # A resume at the same precision continues exactly; at another one it is refused.
+        part = os.path.join(self.tmp, "p_bf16_resumed")
+        r = self.run_ref(part, 1, "--precision", "bf16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.run_ref(part, 2, "--resume")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--precision \"bf16\" -> (unset)", r.stderr)
+        r = self.run_ref(part, 2, "--resume", "--precision", "bf16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        c = self.weights(part, 2)
+        self.assertTrue(all(np.array_equal(b[k], c[k]) for k in b))
+        # evaluate at bf16: the run's predictions, near fp32 evaluate's probabilities, not equal.
+        ck = os.path.join(bf16, "checkpoints", "epoch-2-step-0")
+        probs = {}
+        for p in ("fp32", "bf16"):
+            ev = os.path.join(self.tmp, "p_eval_" + p)
+            r = subprocess.run([TRAIN, "evaluate", "--checkpoint", ck, "--data", self.store, "--out", ev,
+                                "--backend", "reference", "--precision", p], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(ev, "predictions.csv")) as f:
+                rows = f.read().splitlines()
+            head = rows[0].split(",")
+            cols = [i for i, n in enumerate(head) if n.startswith("p_")]
+            probs[p] = np.array([[float(row.split(",")[i]) for i in cols] for row in rows[1:]])
+        self.assertEqual(probs["fp32"].shape, (360, 3))
+        gap = np.abs(probs["fp32"] - probs["bf16"]).max()
+        self.assertGreater(gap, 0.0)
+        self.assertLess(gap, 0.05)
+        # slide-embed at bf16: the bag records it; a rerun at fp32 does not take that bag as its own.
+        bags = os.path.join(self.tmp, "p_bags")
+        embed = [EMBED, self.store, "-o", bags, "--weights", ck, "--backend", "reference", "-q"]
+        r = subprocess.run(embed + ["--precision", "bf16"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        import h5py
+        names = sorted(n for n in os.listdir(bags) if n.endswith(".h5"))
+        self.assertTrue(names)
+        with h5py.File(os.path.join(bags, names[0]), "r") as f:
+            self.assertEqual(f.attrs["precision"], "bf16")
+            features = f["features"][:]
+        r = subprocess.run(embed, capture_output=True, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("precision bf16", r.stderr)
+        self.assertIn("this run:", r.stderr)
+        fp32_bags = os.path.join(self.tmp, "p_bags_fp32")
+        r = subprocess.run([EMBED, self.store, "-o", fp32_bags, "--weights", ck, "--backend", "reference", "-q"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with h5py.File(os.path.join(fp32_bags, names[0]), "r") as f:
+            self.assertNotIn("precision", f.attrs)
+            ref = f["features"][:]
+        rel = np.abs(features - ref).max() / np.abs(ref).max()
+        self.assertGreater(rel, 0.0)
+        self.assertLess(rel, 0.05)
+        sys.stderr.write("bf16 against fp32: weights after 2 epochs %.2e relative L2, final train loss %.4f vs %.4f, "
+                         "evaluate probabilities %.2e max abs, embedded features %.2e of the largest\n"
+                         % ((diff / norm) ** 0.5, h16[-1]["train_loss"], h32[-1]["train_loss"], gap, rel))
+
+    def test_fp16_and_unknown_precisions_are_usage_errors_that_write_nothing(self):
+        for p, what in (("fp16", "loss scaling"), ("fp64", "expected fp32, tf32 or bf16")):
+            out = os.path.join(self.tmp, "p_bad_" + p)
+            r = self.run_ref(out, 1, "--precision", p)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--precision " + p, r.stderr)
+            self.assertIn(what, r.stderr)
+            self.assertFalse(os.path.exists(os.path.join(out, "checkpoints")))
 
 
 class TestDevice(Base):

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../libtrain/test_util.h"
@@ -395,6 +396,77 @@ TEST_CASE("cuda vs reference: multi-head attention (strided-batched GEMMs straig
   Tensor QKV = up(qkv.f), OUT = up(out.f);
   CHECK(gpu().attention_forward(QKV, 4, 3, 0.5, OUT).code() == StatusCode::kInvalidArgument);  // 4 does not divide 6
   CHECK(gpu().attention_forward(qkv.f, 2, 3, 0.5, out.f).code() == StatusCode::kInvalidArgument);  // host tensors
+}
+
+TEST_CASE("cuda at tf32 and bf16 (--precision): convolutions, linear, matmul and attention within the precision's error") {
+  // The f64 reference is exact; cuda may round the products' operands (TF32 tensor cores in cuDNN,
+  // CUBLAS_COMPUTE_32F_FAST_TF32 / _16BF in cuBLAS). An operand rounded to b mantissa bits has a
+  // relative error up to 2^-(b+1); a sum of n such products, with random signs, errs by about
+  // sqrt(n) 2^-b times a product's size. Tolerances (of compare's normalised error): tf32 (b = 10)
+  // 1e-2, bf16 (b = 7; cuDNN runs bf16 convolutions in TF32) 5e-2, each well above the typical
+  // error (n <= 117 here: 1e-3 and 1e-2) and far below a wrong result's (order 1). The errors
+  // are printed, so that whoever runs this sees how much the tensor cores took.
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
+  for (auto [prec, tol] : {std::pair{MathPrecision::kTf32, 1e-2}, std::pair{MathPrecision::kBf16, 5e-2}}) {
+    const std::string name = math_precision_name(prec);
+    CAPTURE(name);
+    OK(gpu().set_math_precision(prec));
+    CHECK(gpu().math_precision() == prec);
+    const Conv2dParams p{1, 1};
+    const int64_t N = 3, C = 13, H = 9, W = 9, K = 16, R = 3;
+    Pair x = make({N, C, H, W}, 121), w = make({K, C, R, R}, 122), b = make({K}, 123), y = make({N, K, H, W});
+    Tensor X = up(x.f), Wt = up(w.f), B = up(b.f), Y = up(y.f);
+    OK(ref().conv2d_forward(x.d, w.d, b.d, p, y.d));
+    OK(gpu().conv2d_forward(X, Wt, B, p, Y));
+    down(Y, y.f);
+    compare(name + " conv y", y, tol);
+    Pair dy = make({N, K, H, W}, 124), dx = make(x.d.shape()), dw = make(w.d.shape(), 0, 0, 0, 1.0),
+         db = make({K}, 0, 0, 0, 1.0);
+    Tensor DY = up(dy.f), DX = up(dx.f), DW = up(dw.f), DB = up(db.f);
+    OK(ref().conv2d_backward_data(dy.d, w.d, p, dx.d));
+    OK(gpu().conv2d_backward_data(DY, Wt, p, DX));
+    down(DX, dx.f);
+    compare(name + " conv dx", dx, tol);
+    OK(ref().conv2d_backward_weights(x.d, dy.d, p, dw.d, db.d));
+    OK(gpu().conv2d_backward_weights(X, DY, p, DW, DB));
+    down(DW, dw.f);
+    down(DB, db.f);
+    compare(name + " conv dw (+=)", dw, tol * 3);  // n = N H W = 243 terms
+    compare(name + " conv db (+=)", db, 1e-5);     // a sum, not a product: our kernel, exact f32
+    Pair lx = make({7, 64}, 125), lw = make({32, 64}, 126), lb = make({32}, 127), ly = make({7, 32});
+    Tensor LX = up(lx.f), LW = up(lw.f), LB = up(lb.f), LY = up(ly.f);
+    OK(ref().linear_forward(lx.d, lw.d, lb.d, ly.d));
+    OK(gpu().linear_forward(LX, LW, LB, LY));
+    down(LY, ly.f);
+    compare(name + " linear y", ly, tol);
+    Pair ma = make({64, 5}, 128), mb = make({9, 64}, 129), my = make({5, 9});
+    Tensor MA = up(ma.f), MB = up(mb.f), MY = up(my.f);
+    OK(ref().matmul(ma.d, true, mb.d, true, my.d));
+    OK(gpu().matmul(MA, true, MB, true, MY));
+    down(MY, my.f);
+    compare(name + " matmul", my, tol);
+    const int64_t T = 197, Hh = 12, Dh = 64;  // ViT-B/16's attention, one sequence
+    Pair qkv = make({T, 3 * Hh * Dh}, 130, -2, 2), out = make({T, Hh * Dh});
+    Tensor QKV = up(qkv.f), OUT = up(out.f);
+    OK(ref().attention_forward(qkv.d, 1, Hh, 1.0 / 8.0, out.d));
+    OK(gpu().attention_forward(QKV, 1, Hh, 1.0 / 8.0, OUT));
+    down(OUT, out.f);
+    compare(name + " attention", out, tol);
+    double worst = 0;
+    for (int64_t i = 0; i < y.d.numel(); ++i)
+      worst = std::max(worst, std::abs(double(y.f.data<float>()[i]) - y.d.data<double>()[i]));
+    MESSAGE(name, ": conv forward's largest error against f64 ", worst);
+  }
+  // fp32 again: FMA math and plain f32 GEMMs, the 1e-4 of the cases above.
+  OK(gpu().set_math_precision(MathPrecision::kFp32));
+  Pair lx = make({7, 64}, 131), lw = make({32, 64}, 132), lb = make({32}, 133), ly = make({7, 32});
+  Tensor LX = up(lx.f), LW = up(lw.f), LB = up(lb.f), LY = up(ly.f);
+  OK(ref().linear_forward(lx.d, lw.d, lb.d, ly.d));
+  OK(gpu().linear_forward(LX, LW, LB, LY));
+  down(LY, ly.f);
+  compare("fp32 again: linear y", ly, 1e-4);
 }
 
 TEST_CASE("cuda vs reference: cast f32 <-> f16 / bf16, bit for bit (the same formulas)") {

@@ -78,6 +78,13 @@ class OneDnnBackend final : public Backend {
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
 
+  // The primitives made for the previous precision are dropped: each is made again, with the new
+  // fpmath mode, on its next use.
+  Status set_math_precision(MathPrecision p) override {
+    cache_.clear();
+    return Backend::set_math_precision(p);
+  }
+
   // A reordered plain copy of a blocked x (from the budgeted allocator), or x itself.
   Result<Tensor> to_plain(const Tensor& x) override {
     if (x.layout() == Layout::kPlain) return x;
@@ -132,7 +139,7 @@ class OneDnnBackend final : public Backend {
             dnnl::post_ops po;
             if (sum) po.append_sum(1.f);
             if (relu) po.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-            dnnl::primitive_attr attr;
+            dnnl::primitive_attr attr = product_attr();
             attr.set_post_ops(po);
             return dnnl::convolution_forward::primitive_desc(desc, attr, eng_);
           });
@@ -172,7 +179,7 @@ class OneDnnBackend final : public Backend {
         (void)bias;
         dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src, wei, dst, {p.stride, p.stride},
                                                    {p.pad, p.pad}, pad_r(d, p));
-        return dnnl::convolution_backward_data::primitive_desc(desc, eng_, conv_fwd_pd(d, p, false));
+        return dnnl::convolution_backward_data::primitive_desc(desc, product_attr(), eng_, conv_fwd_pd(d, p, false));
       });
       const memory dx_pd = out_mem(pd.diff_src_desc(), dx);
       dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
@@ -198,7 +205,7 @@ class OneDnnBackend final : public Backend {
                                                                     dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
                          : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, dst,
                                                                     {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
-        return dnnl::convolution_backward_weights::primitive_desc(desc, eng_, conv_fwd_pd(d, p, bias));
+        return dnnl::convolution_backward_weights::primitive_desc(desc, product_attr(), eng_, conv_fwd_pd(d, p, bias));
       });
       const memory dw_pd = out_mem(pd.diff_weights_desc(), dw_new, false);
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
@@ -400,7 +407,7 @@ class OneDnnBackend final : public Backend {
       auto& pd = cached<dnnl::inner_product_backward_data::primitive_desc>(key_of("ip_bwd_data", {d.N, d.I, d.O}), [&] {
         dnnl::inner_product_backward_data::desc desc(plain({d.N, d.I}, tag::nc), plain({d.O, d.I}, tag::oi),
                                                      plain({d.N, d.O}, tag::nc));
-        return dnnl::inner_product_backward_data::primitive_desc(desc, eng_, ip_fwd_pd(d, false));
+        return dnnl::inner_product_backward_data::primitive_desc(desc, product_attr(), eng_, ip_fwd_pd(d, false));
       });
       dnnl::inner_product_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
                                                             {DNNL_ARG_WEIGHTS, mem(pd.weights_desc(), w)},
@@ -423,7 +430,7 @@ class OneDnnBackend final : public Backend {
             const auto src = plain({d.N, d.I}, tag::nc), wei = plain({d.O, d.I}, tag::oi), dst = plain({d.N, d.O}, tag::nc);
             auto desc = bias ? dnnl::inner_product_backward_weights::desc(src, wei, plain({d.O}, tag::x), dst)
                              : dnnl::inner_product_backward_weights::desc(src, wei, dst);
-            return dnnl::inner_product_backward_weights::primitive_desc(desc, eng_, ip_fwd_pd(d, bias));
+            return dnnl::inner_product_backward_weights::primitive_desc(desc, product_attr(), eng_, ip_fwd_pd(d, bias));
           });
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
                                            {DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
@@ -523,12 +530,12 @@ class OneDnnBackend final : public Backend {
       const memory::desc o_md({H, T, Dh}, dt::f32, memory::dims{Dh, C, 1});
       const int64_t scale_bits = bits_of(scale);
       auto& qk = cached<dnnl::matmul::primitive_desc>(key_of("attention_qk", {T, H, Dh, scale_bits}), [&] {
-        dnnl::primitive_attr attr;
+        dnnl::primitive_attr attr = product_attr();
         attr.set_output_scales(0, {static_cast<float>(scale)});
         return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), attr, eng_);
       });
       auto& sv = cached<dnnl::matmul::primitive_desc>(key_of("attention_sv", {T, H, Dh}), [&] {
-        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_md, v_md, o_md), eng_);
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_md, v_md, o_md), product_attr(), eng_);
       });
       auto& sm = softmax_fwd_pd(H * T, T);
       const memory s_mem(s_md, eng_, scores.raw());
@@ -611,7 +618,7 @@ class OneDnnBackend final : public Backend {
       const auto b_md = plain({d.K, d.N}, transpose_b ? tag::ba : tag::ab);
       const auto y_md = plain({d.M, d.N}, tag::ab);
       auto& pd = cached<dnnl::matmul::primitive_desc>(key_of("matmul", {d.M, d.K, d.N, transpose_a, transpose_b}), [&] {
-        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, y_md), eng_);
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, y_md), product_attr(), eng_);
       });
       dnnl::matmul(pd).execute(strm_, {{DNNL_ARG_SRC, mem(a_md, a)}, {DNNL_ARG_WEIGHTS, mem(b_md, b)},
                                        {DNNL_ARG_DST, mem(y_md, y)}});
@@ -792,6 +799,16 @@ class OneDnnBackend final : public Backend {
     return m;
   }
 
+  // The attribute of every primitive with products (convolutions, inner products, matmuls): the
+  // fpmath mode of the math precision (backend.h). oneDNN 2.6 has bf16 and f16 modes, no tf32:
+  // kTf32 stays strict f32, which the contract allows (more accurate). Under bf16, oneDNN uses
+  // bf16 instructions where the CPU has them (AVX512_BF16, AMX) and f32 where it has not.
+  dnnl::primitive_attr product_attr() const {
+    dnnl::primitive_attr attr;
+    attr.set_fpmath_mode(math_precision_ == MathPrecision::kBf16 ? dnnl::fpmath_mode::bf16 : dnnl::fpmath_mode::strict);
+    return attr;
+  }
+
   dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias) {
     return cached<dnnl::convolution_forward::primitive_desc>(conv_key("conv_fwd", d, p, bias), [&] {
       auto [src, wei, bmd, dst] = conv_mds(d, bias);
@@ -801,7 +818,7 @@ class OneDnnBackend final : public Backend {
                        : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
-      return dnnl::convolution_forward::primitive_desc(desc, eng_);
+      return dnnl::convolution_forward::primitive_desc(desc, product_attr(), eng_);
     });
   }
 
@@ -857,7 +874,7 @@ class OneDnnBackend final : public Backend {
       auto desc = bias ? dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei,
                                                            plain({d.O}, tag::x), dst)
                        : dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei, dst);
-      return dnnl::inner_product_forward::primitive_desc(desc, eng_);
+      return dnnl::inner_product_forward::primitive_desc(desc, product_attr(), eng_);
     });
   }
 

@@ -15,7 +15,33 @@
 #include <functional>
 #include <vector>
 
+#include "slide/train/backend.h"
+
 namespace slide::train::cuda {
+
+// The math of the cuda backend's products at a MathPrecision (backend.h), as plain values:
+//   convolutions: kFma is CUDNN_FMA_MATH (FMA kernels only: exact f32), kTensorOp is
+//     CUDNN_DEFAULT_MATH, which on Ampere and newer permits TF32 tensor cores for f32 tensors
+//     (PyTorch's torch.backends.cudnn.allow_tf32 chooses between the same two). cuDNN's legacy
+//     calls have no bf16 compute for f32 tensors, so kBf16 convolutions run in TF32 (more accurate
+//     than bf16, as the contract allows).
+//   GEMMs (linear, matmul, attention): cuBLAS's compute type for f32 A, B and C: CUBLAS_COMPUTE_32F,
+//     CUBLAS_COMPUTE_32F_FAST_TF32 or CUBLAS_COMPUTE_32F_FAST_16BF ("allows down-converting inputs
+//     to bfloat16 or TF32", cublas_api.h).
+enum class ConvMath : uint8_t { kFma = 0, kTensorOp = 1 };
+enum class GemmCompute : uint8_t { kF32 = 0, kF32FastTf32 = 1, kF32Fast16Bf = 2 };
+inline ConvMath conv_math(MathPrecision p) { return p == MathPrecision::kFp32 ? ConvMath::kFma : ConvMath::kTensorOp; }
+inline GemmCompute gemm_compute(MathPrecision p) {
+  switch (p) {
+    case MathPrecision::kTf32:
+      return GemmCompute::kF32FastTf32;
+    case MathPrecision::kBf16:
+      return GemmCompute::kF32Fast16Bf;
+    case MathPrecision::kFp32:
+      break;
+  }
+  return GemmCompute::kF32;
+}
 
 // kForwardFused: cudnnConvolutionBiasActivationForward (Backend::fused_conv2d_inference), whose
 // algorithm is chosen and cached apart from the plain forward's.
@@ -25,13 +51,14 @@ struct ConvKey {
   ConvDirection direction = ConvDirection::kForward;
   int64_t N = 0, C = 0, H = 0, W = 0, K = 0, R = 0, S = 0;
   int stride = 1, pad = 0;
+  ConvMath math = ConvMath::kFma;  // an algorithm chosen for FMA math is not the tensor-op one's
   bool operator==(const ConvKey&) const = default;
 };
 
 struct ConvKeyHash {
   size_t operator()(const ConvKey& k) const {
     size_t h = static_cast<size_t>(k.direction);
-    for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}})
+    for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}, static_cast<int64_t>(k.math)})
       h = h * 1000003u ^ std::hash<int64_t>{}(v);
     return h;
   }
@@ -43,6 +70,7 @@ struct AlgoCandidate {
   bool runnable = false;       // status == CUDNN_STATUS_SUCCESS
   bool deterministic = false;  // determinism == CUDNN_DETERMINISTIC
   size_t workspace_bytes = 0;
+  int math_type = -1;  // the cudnnMathType_t it was reported with (perf.mathType); -1: none
 };
 
 // The candidates to try, in order: runnable and deterministic ones in cuDNN's order; then, only

@@ -186,7 +186,7 @@ struct DeviceState {
   std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
   bool copy_failed = false;
   std::mutex mu;  // guards algos and unfused
-  std::unordered_map<ConvKey, int, ConvKeyHash> algos;  // the algorithm that ran for each shape
+  std::unordered_map<ConvKey, AlgoCandidate, ConvKeyHash> algos;  // the algorithm (and math type) that ran per shape
   std::unordered_set<ConvKey, ConvKeyHash> unfused;     // fused shapes cuDNN answered NOT_SUPPORTED
 };
 
@@ -256,11 +256,13 @@ struct ConvDesc {
   ~ConvDesc() {
     if (d) (void)cudnnDestroyConvolutionDescriptor(d);
   }
-  Status set(Conv2dParams p) {
+  // math: conv_plan.h's ConvMath (CUDNN_FMA_MATH for fp32; CUDNN_DEFAULT_MATH, TF32 tensor cores
+  // permitted, for tf32 and bf16).
+  Status set(Conv2dParams p, ConvMath math) {
     SLIDE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
     SLIDE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, p.pad, p.pad, p.stride, p.stride, 1, 1,
                                                       CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, CUDNN_FMA_MATH));
+    SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, math == ConvMath::kFma ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
     return ok_status();
   }
 };
@@ -283,10 +285,10 @@ struct ConvDescs {
   TensorDesc x, y;
   FilterDesc w;
   ConvDesc conv;
-  Status set(const detail::ConvDims& d, Conv2dParams p) {
+  Status set(const detail::ConvDims& d, Conv2dParams p, ConvMath math) {
     SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W));
     SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S));
-    SLIDE_RETURN_IF_ERROR(conv.set(p));
+    SLIDE_RETURN_IF_ERROR(conv.set(p, math));
     SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q));
     int n = 0, c = 0, h = 0, wd = 0;
     SLIDE_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(conv.d, x.d, w.d, &n, &c, &h, &wd));
@@ -304,7 +306,7 @@ std::vector<AlgoCandidate> candidates_of(const Perf* perf, int n) {
   std::vector<AlgoCandidate> out;
   for (int i = 0; i < n; ++i)
     out.push_back({static_cast<int>(perf[i].algo), perf[i].status == CUDNN_STATUS_SUCCESS,
-                   perf[i].determinism == CUDNN_DETERMINISTIC, perf[i].memory});
+                   perf[i].determinism == CUDNN_DETERMINISTIC, perf[i].memory, static_cast<int>(perf[i].mathType)});
   return out;
 }
 
@@ -385,8 +387,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
-    const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
+    const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
+                      conv_math(math_precision_)};
     auto candidates = [&] { return forward_candidates(ds); };
     auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
@@ -396,7 +399,7 @@ class CudaBackend final : public Backend {
                                                 ds.y.d, f32(y)));
       return ok_status();
     };
-    SLIDE_RETURN_IF_ERROR(run_conv(key, candidates, workspace, run));
+    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
     if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.K, d.P * d.Q, st_->stream));
     return ok_status();
   }
@@ -429,7 +432,8 @@ class CudaBackend final : public Backend {
       if (relu) SLIDE_RETURN_IF_ERROR(relu_forward(y, y));
       return ok_status();
     };
-    const ConvKey key{ConvDirection::kForwardFused, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    const ConvKey key{ConvDirection::kForwardFused, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
+                      conv_math(math_precision_)};
     bool unsupported = !relu;
     if (!unsupported) {
       std::lock_guard<std::mutex> lock(st_->mu);
@@ -437,7 +441,7 @@ class CudaBackend final : public Backend {
     }
     if (unsupported) return composed();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
     TensorDesc bias_d;
     SLIDE_RETURN_IF_ERROR(bias_d.set(1, d.K, 1, 1));
     ActivationDesc act;
@@ -451,7 +455,7 @@ class CudaBackend final : public Backend {
           ws, ws_bytes, &alpha2, ds.y.d, z != nullptr ? f32(*z) : f32(y), bias_d.d, f32(b), act.d, ds.y.d, f32(y)));
       return ok_status();
     };
-    const Status fused = run_conv(key, candidates, workspace, run);
+    const Status fused = run_conv(key, ds, candidates, workspace, run);
     if (fused.code() != StatusCode::kUnimplemented) return fused;
     {
       std::lock_guard<std::mutex> lock(st_->mu);
@@ -464,8 +468,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
-    const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
+    const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
+                      conv_math(math_precision_)};
     auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
       cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
       int n = 0;
@@ -486,7 +491,7 @@ class CudaBackend final : public Backend {
                                                      &zero, ds.x.d, f32(dx)));
       return ok_status();
     };
-    return run_conv(key, candidates, workspace, run);
+    return run_conv(key, ds, candidates, workspace, run);
   }
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
@@ -494,8 +499,9 @@ class CudaBackend final : public Backend {
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p));
-    const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
+    const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
+                      conv_math(math_precision_)};
     auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
       cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
       int n = 0;
@@ -516,7 +522,7 @@ class CudaBackend final : public Backend {
                                                        ws_bytes, &one, ds.w.d, f32(dw)));
       return ok_status();
     };
-    SLIDE_RETURN_IF_ERROR(run_conv(key, candidates, workspace, run));
+    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
     if (db.defined()) SLIDE_CUDA_CHECK(launch_bias_grad(f32(dy), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
     return ok_status();
   }
@@ -638,12 +644,15 @@ class CudaBackend final : public Backend {
               ld_out = static_cast<int>(C), h = static_cast<int>(H);
     for (int64_t b = 0; b < d.B; ++b) {
       const float* seq = f32(qkv) + b * T * 3 * C;
-      SLIDE_CUBLAS_CHECK(cublasSgemmStridedBatched(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, seq + C,
-                                                   ld_qkv, Dh, seq, ld_qkv, Dh, &zero, f32(scores), t, T * T, h));
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, seq + C,
+                                                    CUDA_R_32F, ld_qkv, Dh, seq, CUDA_R_32F, ld_qkv, Dh, &zero,
+                                                    f32(scores), CUDA_R_32F, t, T * T, h, compute_type(),
+                                                    CUBLAS_GEMM_DEFAULT));
       SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), f32(scores), H * T, T, st_->stream));
-      SLIDE_CUBLAS_CHECK(cublasSgemmStridedBatched(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, seq + 2 * C,
-                                                   ld_qkv, Dh, f32(scores), t, T * T, &zero, f32(out) + b * T * C,
-                                                   ld_out, Dh, h));
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, seq + 2 * C,
+                                                    CUDA_R_32F, ld_qkv, Dh, f32(scores), CUDA_R_32F, t, T * T, &zero,
+                                                    f32(out) + b * T * C, CUDA_R_32F, ld_out, Dh, h, compute_type(),
+                                                    CUBLAS_GEMM_DEFAULT));
     }
     return ok_status();
   }
@@ -816,10 +825,25 @@ class CudaBackend final : public Backend {
       return ok_status();
     }
     const float alpha = 1.0f;
-    SLIDE_CUBLAS_CHECK(cublasSgemm(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                   &alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), &beta, C,
-                                   static_cast<int>(ldc)));
+    SLIDE_CUBLAS_CHECK(cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                    &alpha, A, CUDA_R_32F, static_cast<int>(lda), B, CUDA_R_32F, static_cast<int>(ldb),
+                                    &beta, C, CUDA_R_32F, static_cast<int>(ldc), compute_type(), CUBLAS_GEMM_DEFAULT));
     return ok_status();
+  }
+
+  // cuBLAS's compute type for this backend's math precision (conv_plan.h's gemm_compute), f32
+  // operands and result: the "fast" types let cuBLAS round the inputs (to TF32, or bfloat16 or
+  // TF32) and use tensor cores, accumulating in f32. alpha and beta stay f32.
+  cublasComputeType_t compute_type() const {
+    switch (gemm_compute(math_precision_)) {
+      case GemmCompute::kF32FastTf32:
+        return CUBLAS_COMPUTE_32F_FAST_TF32;
+      case GemmCompute::kF32Fast16Bf:
+        return CUBLAS_COMPUTE_32F_FAST_16BF;
+      case GemmCompute::kF32:
+        break;
+    }
+    return CUBLAS_COMPUTE_32F;
   }
 
   // Waits for the stream and turns the kernel's label flag into the op list's error.
@@ -853,16 +877,23 @@ class CudaBackend final : public Backend {
   }
 
   template <typename Candidates, typename Workspace, typename Run>
-  Status run_conv(const ConvKey& key, Candidates candidates, Workspace workspace, Run run) {
+  //
+  // Under tensor-op math (tf32, bf16) each candidate runs with the math type cuDNN's heuristics
+  // reported for it (perf.mathType, set on the descriptor before its workspace is asked for, as
+  // PyTorch's cuDNN convolutions do): the same algorithm may be listed once per math type, and
+  // its workspace and kernels differ by math type. Under FMA math (fp32) the descriptor stays
+  // CUDNN_FMA_MATH.
+  Status run_conv(const ConvKey& key, ConvDescs& ds, Candidates candidates, Workspace workspace, Run run) {
     int cached = -1;
+    AlgoCandidate cached_candidate;
     {
       std::lock_guard<std::mutex> lock(st_->mu);
       auto it = st_->algos.find(key);
-      if (it != st_->algos.end()) cached = it->second;
+      if (it != st_->algos.end()) cached_candidate = it->second, cached = it->second.algo;
     }
     std::vector<AlgoCandidate> order;
     if (cached >= 0) {
-      order.push_back({cached, true, true, 0});
+      order.push_back(cached_candidate);
     } else {
       SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
       order = order_candidates(all, /*allow_nondeterministic=*/false);
@@ -871,6 +902,8 @@ class CudaBackend final : public Backend {
     }
     Status last = ok_status();
     for (const AlgoCandidate& c : order) {
+      if (key.math == ConvMath::kTensorOp && c.math_type >= 0)
+        SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, static_cast<cudnnMathType_t>(c.math_type)));
       SLIDE_ASSIGN_OR_RETURN(size_t bytes, workspace(c.algo));
       Tensor ws;
       if (bytes > 0) {
@@ -885,7 +918,7 @@ class CudaBackend final : public Backend {
       SLIDE_RETURN_IF_ERROR(run(c.algo, ws.raw(), bytes));
       if (cached < 0) {
         std::lock_guard<std::mutex> lock(st_->mu);
-        st_->algos[key] = c.algo;
+        st_->algos[key] = c;
       }
       return ok_status();
     }
@@ -894,7 +927,9 @@ class CudaBackend final : public Backend {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos.erase(key);
       }
-      return run_conv(key, candidates, workspace, run);
+      if (key.math == ConvMath::kTensorOp)  // back to the math the heuristics are asked with
+        SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, CUDNN_DEFAULT_MATH));
+      return run_conv(key, ds, candidates, workspace, run);
     }
     return last;
   }

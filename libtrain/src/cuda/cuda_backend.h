@@ -11,10 +11,12 @@
 // fusion lands. Batch norm uses our kernels so that its statistics (biased variance to normalise,
 // unbiased for the running average, saved inverse std) match the op list's definition exactly.
 //
-// Precision: FP32 throughout. Convolutions are asked for FMA math (CUDNN_FMA_MATH: no TF32 tensor
-// cores) and cuBLAS runs in its default math mode, which does not use TF32 for SGEMM unless asked
-// (or unless NVIDIA_TF32_OVERRIDE=1 is set in the environment); TF32/BF16/FP16 come with
-// --precision.
+// Precision: f32 storage throughout. The products follow the backend's MathPrecision (backend.h,
+// --precision): fp32 asks cuDNN for FMA math (CUDNN_FMA_MATH: no TF32 tensor cores) and cuBLAS
+// for CUBLAS_COMPUTE_32F (no TF32 unless NVIDIA_TF32_OVERRIDE=1 is set in the environment); tf32
+// and bf16 let cuDNN use TF32 tensor cores (CUDNN_DEFAULT_MATH) and give cuBLAS the
+// CUBLAS_COMPUTE_32F_FAST_TF32 / _FAST_16BF compute types (conv_plan.h). Half-precision storage
+// (fp16 activations with loss scaling) is not built yet.
 //
 // Device state: one stream, one cuDNN handle, one cuBLAS handle and one caching allocator per
 // device, created on first use and kept for the life of the process (tensors may outlive any one

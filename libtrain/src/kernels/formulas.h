@@ -92,6 +92,20 @@ SLIDE_HD uint16_t f32_to_bf16(float f) {
 
 SLIDE_HD float bf16_to_f32(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
+// --- Product operands at a math precision (backend.h: MathPrecision) -------------------------------
+// f rounded to bfloat16 (7 mantissa bits) or TF32 (10 mantissa bits, f32's 8-bit exponent), round
+// to nearest, ties to even, returned as the f32 it stands for: what the reference backend
+// multiplies under kBf16 / kTf32. Overflow gives inf; NaN stays NaN; inf and zero are kept.
+// (NVIDIA's cvt.rna.tf32.f32 rounds ties away from zero; TF32 ties are one case in 2^13, inside
+// the tolerance the precision contract allows.)
+SLIDE_HD float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+SLIDE_HD float round_to_tf32(float f) {
+  uint32_t x = float_bits(f);
+  if ((x & 0x7FFFFFFFu) >= 0x7F800000u) return f;  // inf, NaN
+  x += 0xFFFu + ((x >> 13) & 1u);  // to nearest, ties to even; a carry may reach inf (overflow)
+  return bits_float(x & ~0x1FFFu);
+}
+
 // --- Reductions (backend.h: sum_of_squares) -------------------------------------------------------
 // One element's term of the sum of squares, in double (the accumulator's type).
 template <typename T>

@@ -28,6 +28,44 @@ Status dispatch(DType dtype, F&& f) {
   return f.template operator()<float>();
 }
 
+// A product operand as the reference multiplies it under a MathPrecision (backend.h): exactly,
+// or rounded to TF32 / bfloat16 through f32 (kernels/formulas.h).
+struct Exact {
+  template <typename T>
+  double operator()(T v) const {
+    return double(v);
+  }
+};
+struct ToTf32 {
+  template <typename T>
+  double operator()(T v) const {
+    return double(formulas::round_to_tf32(static_cast<float>(v)));
+  }
+};
+struct ToBf16 {
+  template <typename T>
+  double operator()(T v) const {
+    return double(formulas::round_to_bf16(static_cast<float>(v)));
+  }
+};
+
+// Runs f.template operator()<T>(q) for the call's dtype, with q the operand rounding of
+// `precision` (a type per precision, so that fp32's loops are the plain ones).
+template <typename F>
+Status dispatch_product(DType dtype, MathPrecision precision, F&& f) {
+  return dispatch(dtype, [&]<typename T>() {
+    switch (precision) {
+      case MathPrecision::kTf32:
+        return f.template operator()<T>(ToTf32{});
+      case MathPrecision::kBf16:
+        return f.template operator()<T>(ToBf16{});
+      case MathPrecision::kFp32:
+        break;
+    }
+    return f.template operator()<T>(Exact{});
+  });
+}
+
 class ReferenceBackend final : public Backend {
  public:
   // On `alloc`'s device: the host (cpu), or the simulated device (Device::kSim), whose tensors
@@ -52,7 +90,7 @@ class ReferenceBackend final : public Backend {
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
-    return dispatch(x.dtype(), [&]<typename T>() {
+    return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
       T* yp = y.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
@@ -67,7 +105,7 @@ class ReferenceBackend final : public Backend {
                   for (int64_t s = 0; s < S; ++s) {
                     const int64_t iw = ow * p.stride - p.pad + s;
                     if (iw < 0 || iw >= W) continue;
-                    acc += double(xp[((n * C + c) * H + ih) * W + iw]) * double(wp[((k * C + c) * R + r) * S + s]);
+                    acc += q(xp[((n * C + c) * H + ih) * W + iw]) * q(wp[((k * C + c) * R + r) * S + s]);
                   }
                 }
               yp[((n * K + k) * P + oh) * Q + ow] = static_cast<T>(acc);
@@ -79,14 +117,14 @@ class ReferenceBackend final : public Backend {
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
-    return dispatch(dy.dtype(), [&]<typename T>() {
+    return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
       std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
       for (int64_t n = 0; n < N; ++n)
         for (int64_t k = 0; k < K; ++k)
           for (int64_t oh = 0; oh < P; ++oh)
             for (int64_t ow = 0; ow < Q; ++ow) {
-              const double g = dyp[((n * K + k) * P + oh) * Q + ow];
+              const double g = q(dyp[((n * K + k) * P + oh) * Q + ow]);
               for (int64_t c = 0; c < C; ++c)
                 for (int64_t r = 0; r < R; ++r) {
                   const int64_t ih = oh * p.stride - p.pad + r;
@@ -94,7 +132,7 @@ class ReferenceBackend final : public Backend {
                   for (int64_t s = 0; s < S; ++s) {
                     const int64_t iw = ow * p.stride - p.pad + s;
                     if (iw < 0 || iw >= W) continue;
-                    acc[static_cast<size_t>(((n * C + c) * H + ih) * W + iw)] += g * double(wp[((k * C + c) * R + r) * S + s]);
+                    acc[static_cast<size_t>(((n * C + c) * H + ih) * W + iw)] += g * q(wp[((k * C + c) * R + r) * S + s]);
                   }
                 }
             }
@@ -108,7 +146,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, dtypes_));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
-    return dispatch(x.dtype(), [&]<typename T>() {
+    return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
       T* dwp = dw.ptr<T>();
       for (int64_t k = 0; k < K; ++k)
@@ -123,7 +161,7 @@ class ReferenceBackend final : public Backend {
                   for (int64_t ow = 0; ow < Q; ++ow) {
                     const int64_t iw = ow * p.stride - p.pad + s;
                     if (iw < 0 || iw >= W) continue;
-                    acc += double(xp[((n * C + c) * H + ih) * W + iw]) * double(dyp[((n * K + k) * P + oh) * Q + ow]);
+                    acc += q(xp[((n * C + c) * H + ih) * W + iw]) * q(dyp[((n * K + k) * P + oh) * Q + ow]);
                   }
                 }
               dwp[((k * C + c) * R + r) * S + s] += static_cast<T>(acc);
@@ -315,13 +353,13 @@ class ReferenceBackend final : public Backend {
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, dtypes_));
     const auto [N, I, O] = d;
-    return dispatch(x.dtype(), [&]<typename T>() {
+    return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
       T* yp = y.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
         for (int64_t o = 0; o < O; ++o) {
           double acc = bp ? double(bp[o]) : 0.0;
-          for (int64_t i = 0; i < I; ++i) acc += double(xp[n * I + i]) * double(wp[o * I + i]);
+          for (int64_t i = 0; i < I; ++i) acc += q(xp[n * I + i]) * q(wp[o * I + i]);
           yp[n * O + o] = static_cast<T>(acc);
         }
       return ok_status();
@@ -332,13 +370,13 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, dtypes_));
     const auto [N, I, O] = d;
-    return dispatch(dy.dtype(), [&]<typename T>() {
+    return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
       T* dxp = dx.ptr<T>();
       for (int64_t n = 0; n < N; ++n)
         for (int64_t i = 0; i < I; ++i) {
           double acc = 0;
-          for (int64_t o = 0; o < O; ++o) acc += double(dyp[n * O + o]) * double(wp[o * I + i]);
+          for (int64_t o = 0; o < O; ++o) acc += q(dyp[n * O + o]) * q(wp[o * I + i]);
           dxp[n * I + i] = static_cast<T>(acc);
         }
       return ok_status();
@@ -349,13 +387,13 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_weights", x, dw, &db, dy, dtypes_));
     const auto [N, I, O] = d;
-    return dispatch(x.dtype(), [&]<typename T>() {
+    return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
       T* dwp = dw.ptr<T>();
       for (int64_t o = 0; o < O; ++o)
         for (int64_t i = 0; i < I; ++i) {
           double acc = 0;
-          for (int64_t n = 0; n < N; ++n) acc += double(dyp[n * O + o]) * double(xp[n * I + i]);
+          for (int64_t n = 0; n < N; ++n) acc += q(dyp[n * O + o]) * q(xp[n * I + i]);
           dwp[o * I + i] += static_cast<T>(acc);
         }
       if (db.defined()) {
@@ -652,14 +690,14 @@ class ReferenceBackend final : public Backend {
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, dtypes_));
     const auto [M, K, N] = d;
-    return dispatch(a.dtype(), [&]<typename T>() {
+    return dispatch_product(a.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
       T* yp = y.ptr<T>();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
           double acc = 0;
           for (int64_t k = 0; k < K; ++k)
-            acc += double(ap[transpose_a ? k * M + m : m * K + k]) * double(bp[transpose_b ? n * K + k : k * N + n]);
+            acc += q(ap[transpose_a ? k * M + m : m * K + k]) * q(bp[transpose_b ? n * K + k : k * N + n]);
           yp[m * N + n] = static_cast<T>(acc);
         }
       return ok_status();

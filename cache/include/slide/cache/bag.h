@@ -29,8 +29,9 @@
 //     weights_sha256  string   SHA-256 (hex) of the weights file the features came from
 //     tool_version    string   "slide-embed <version>"
 //     format_version  int32    1 (kBagFormatVersion)
-//   and, only when they apply: encoder_input_px (int32, tiles resized to the encoder's input) and
+//   and, only when they apply: encoder_input_px (int32, tiles resized to the encoder's input),
 //     stain_normalization (string, JSON of the fitted stain target: slide-embed --stain-normalize)
+//     and precision (string, "tf32" or "bf16": the encoder's math precision, slide-embed --precision)
 //
 // Atomicity: BagWriter writes `<path>.partial` and renames it to `<path>` in commit(): a bag that
 // exists under its final name is complete. A `.partial` file is garbage from a killed run; the
@@ -106,6 +107,9 @@ struct BagAttributes {
   // {"macenko_he":[[..],[..],[..]],"macenko_max_c":[..],"method":"macenko"}), root string attribute
   // stain_normalization, written only then; "": none (and bags from before the option).
   std::string stain_normalization;
+  // The math precision of the encoder's products (slide-embed --precision: "tf32" or "bf16"), root
+  // string attribute precision, written only then; "": fp32 (and bags from before the option).
+  std::string precision;
 };
 
 struct BagWriterOptions {

@@ -45,6 +45,30 @@ int64_t conv_out_extent(int64_t in, int64_t kernel, int stride, int pad);
 class CopyEngine;
 class Backend;
 
+// The math precision of the matrix products: the convolutions (forward, backward data, backward
+// weights, the fused inference one), linear layers, matmul and attention's products. Storage stays
+// f32: parameters, activations, gradients and optimizer state are f32 whatever the precision (the
+// master weights of mixed-precision training), and accumulation is in f32 or wider. The precision
+// says how coarsely a product's operands may be rounded before they are multiplied, with
+// oneDNN's fpmath_mode and cuBLAS's CUBLAS_COMPUTE_32F_FAST_* meaning: a backend may use any
+// type at least as accurate as the one named (at least as many exponent and mantissa bits).
+//   kFp32: no rounding (cuDNN's FMA math, cuBLAS's plain f32, oneDNN strict).
+//   kTf32: operands rounded to TF32 (8 exponent, 10 mantissa bits), NVIDIA's tensor-core f32
+//          (PyTorch's allow_tf32). cuda: cuDNN tensor-op math and CUBLAS_COMPUTE_32F_FAST_TF32;
+//          cpu: f32 (oneDNN 2.6 has no TF32 mode; f32 is more accurate, so allowed).
+//   kBf16: operands rounded to bfloat16 (8 exponent, 7 mantissa bits). cuda: cuBLAS
+//          CUBLAS_COMPUTE_32F_FAST_16BF; its convolutions in TF32 tensor-op math (cuDNN's
+//          legacy calls offer no bf16 compute on f32 tensors); cpu: oneDNN fpmath_mode::bf16
+//          (bf16 instructions where the CPU has AVX512_BF16 or AMX, f32 elsewhere).
+// The reference backend rounds every product operand to the named type exactly (round to nearest,
+// ties to even: kernels/formulas.h round_to_tf32 / round_to_bf16), the least accurate result the
+// contract allows; its f64 calls (gradient checks) round through f32 the same way.
+enum class MathPrecision : uint8_t { kFp32 = 0, kTf32 = 1, kBf16 = 2 };
+const char* math_precision_name(MathPrecision p);  // "fp32", "tf32", "bf16"
+// "fp32", "tf32" or "bf16". Errors: kInvalidArgument naming the accepted values; "fp16" is
+// kUnimplemented (it needs dynamic loss scaling in the trainer: loss_scaler.h, not yet wired).
+[[nodiscard]] Result<MathPrecision> parse_math_precision(const std::string& name);
+
 // The weights of a fused inference convolution, prepared by one backend (prepare_fused_conv2d):
 // w [K,C,R,S] and b [K] (zeros when the model's convolution has none), plain, on that backend's
 // device; a backend may keep more (cpu: the weights reordered into the blocked layout each
@@ -99,6 +123,17 @@ class Backend {
   // A fence after every op queued so far on this backend's device, or null where ops are complete
   // when they return (host backends: nothing to order after). Errors: the device's.
   [[nodiscard]] virtual Result<std::unique_ptr<DeviceFence>> fence() { return std::unique_ptr<DeviceFence>(); }
+
+  // The math precision of this backend's matrix products (MathPrecision above), kFp32 until set.
+  // A backend forgets what it cached for the previous precision (oneDNN primitives; cuDNN's
+  // algorithm choices are keyed by it). Set it before ops run, from one thread (as every op).
+  // Errors: none on the built-in backends; a backend that cannot honour a precision says
+  // kUnimplemented.
+  [[nodiscard]] virtual Status set_math_precision(MathPrecision p) {
+    math_precision_ = p;
+    return slide::core::ok_status();
+  }
+  MathPrecision math_precision() const { return math_precision_; }
 
   // Bytes the device could still give, before any budget: the host's available memory
   // (sysconf's available pages) for backends in host memory, the GPU's free memory
@@ -319,6 +354,9 @@ class Backend {
   [[nodiscard]] virtual Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) {
     return unimplemented_op("permute", x, perm, y);
   }
+
+ protected:
+  MathPrecision math_precision_ = MathPrecision::kFp32;
 
  private:
   template <typename... Unused>

@@ -39,6 +39,10 @@ struct EmbedModel {
   std::string layer;           // the cut (the `layer` asked for, or default_layer(model))
   std::string weights_path;    // the safetensors file read
   std::string weights_sha256;  // of that file, lower-case hex
+  // The encoder backend's math precision (backend.h, slide-embed --precision): recorded in each bag
+  // (attribute precision, only when not fp32); a complete bag made at another precision is not
+  // reused.
+  MathPrecision precision = MathPrecision::kFp32;
 };
 
 // Loads a backbone. `weights` is either a slide-train checkpoint directory (state.json names the

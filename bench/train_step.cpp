@@ -3,6 +3,7 @@
 // median images/s over the timed steps (the first step is warm-up).
 //
 // usage: train_step [--model resnet18] [--batch 32] [--size 224] [--steps 6] [--classes 3] [--backend cpu]
+//                   [--precision fp32|tf32|bf16]
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
 #include <algorithm>
 #include <chrono>
@@ -18,7 +19,7 @@
 using namespace slide::train;
 
 int main(int argc, char** argv) {
-  std::string model = "resnet18", backend = "cpu";
+  std::string model = "resnet18", backend = "cpu", precision = "fp32";
   int64_t batch = 32, size = 224, classes = 3;
   int steps = 6;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -28,8 +29,19 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--classes")) classes = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--backend")) backend = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--precision")) precision = argv[i + 1];
   }
   auto be = make_backend(backend);
+  auto prec = parse_math_precision(precision);
+  if (!prec.ok()) {
+    std::fprintf(stderr, "--precision %s: %s\n", precision.c_str(), prec.status().to_string().c_str());
+    return 1;
+  }
+  if (be.ok())
+    if (auto s = (*be)->set_math_precision(*prec); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.to_string().c_str());
+      return 1;
+    }
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
   auto net = make_resnet(cpu_allocator(), DType::kF32, depth, classes, 0);
   if (!be.ok() || !net.ok()) {

@@ -30,13 +30,14 @@ inline void add_backend_options(CLI::App& app, std::string* backend, int* device
 inline void add_precision_option(CLI::App& app, std::string* precision) {
   app.add_option("--precision", *precision,
                  "Math precision of the convolutions and matrix products: fp32 | tf32 (NVIDIA tensor cores; f32 on "
-                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs). Weights, activations, gradients and "
-                 "optimizer state stay f32")
+                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs) | fp16 (tensor cores; AVX512-FP16 on "
+                 "CPUs; training with dynamic loss scaling). Weights, activations, gradients and optimizer state "
+                 "stay f32")
       ->capture_default_str();
 }
 
-// The backend `name` on `device`, its math precision set to `precision` ("fp32", "tf32" or
-// "bf16"). Errors: kInvalidArgument (exit 2) for a backend that cannot start or a precision that
+// The backend `name` on `device`, its math precision set to `precision` ("fp32", "tf32", "bf16"
+// or "fp16"). Errors: kInvalidArgument (exit 2) for a backend that cannot start or a precision that
 // is not one of those, naming the option.
 inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(const std::string& name, int device,
                                                                                const std::string& precision = "fp32") {

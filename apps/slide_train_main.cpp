@@ -255,6 +255,11 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0, 4096));
   slide::apps::add_backend_options(app, &backend, &device);
   slide::apps::add_precision_option(app, &precision);
+  double loss_scale = 65536.0;
+  app.add_option("--loss-scale", loss_scale,
+                 "--precision fp16: the initial dynamic loss scale (PyTorch GradScaler's init_scale; halved on an "
+                 "inf/NaN gradient, which skips that step, doubled after 2000 good steps)")
+      ->capture_default_str();
   app.add_option("--memory-budget", budget,
                  "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
                  "cuda); exceeding it is an error, recovered by smaller micro-batches");
@@ -431,6 +436,8 @@ int run_main(int argc, char** argv) {
   // anything is written.
   auto be = open_backend(backend, device, precision);
   if (!be.ok()) return fail(be.status());
+  if (!(loss_scale > 0) || !std::isfinite(loss_scale))  // GradScaler's own check, before anything is written
+    return fail(slide::core::invalid_argument("--loss-scale " + std::to_string(loss_scale) + ": must be finite and > 0"));
   // --device names one GPU for one process; ranks take their node-local GPU (as NCCL does).
   if (device >= 0 && comm->world_size() > 1)
     return fail(slide::core::invalid_argument("--device is for one process; with " +
@@ -673,8 +680,10 @@ int run_main(int argc, char** argv) {
   if (test_fraction > 0) config["test_fraction"] = test_fraction;
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   // The products' math precision, recorded when not fp32: a resume at another precision is refused.
+  const bool fp16 = (*be)->math_precision() == slide::train::MathPrecision::kFp16;
   if ((*be)->math_precision() != slide::train::MathPrecision::kFp32)
     config["precision"] = slide::train::math_precision_name((*be)->math_precision());
+  if (fp16) config["loss_scale"] = loss_scale;
   // The fitted stain target (stain.h's JSON as an object): evaluate and predict apply it.
   if (stain->method != slide::train::StainMethod::kNone)
     config["stain_normalization"] = nlohmann::json::parse(slide::train::stain_target_to_json(*stain));
@@ -702,6 +711,18 @@ int run_main(int argc, char** argv) {
   if (auto s = slide::apps::broadcast_run(*comm, run.params, run.buffers, run.opt->state(), &state, be->get()); !s.ok())
     return fail(s);
   run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
+  // --precision fp16: dynamic loss scaling (loss_scaler.h), its state from rank 0's checkpoint when
+  // resumed (validated with the rest of state.json), so a resumed run continues exactly.
+  std::optional<slide::train::LossScaler> scaler;
+  if (fp16) {
+    slide::train::LossScalerOptions lo;
+    lo.init_scale = loss_scale;
+    auto made = slide::train::LossScaler::make(lo);
+    if (!made.ok()) return fail(slide::core::invalid_argument("--loss-scale: " + made.status().message()));
+    scaler = *made;
+    if (state.contains("loss_scaler"))
+      scaler->restore(state["loss_scaler"]["scale"].get<double>(), state["loss_scaler"]["growth_tracker"].get<int64_t>());
+  }
   if (sync_bn && comm->world_size() > 1) run.model->set_batch_norm_sync(comm.get());
   slide::core::log_info("training", {{"ranks", comm->world_size()}, {"dist", comm->name()}, {"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
@@ -722,6 +743,7 @@ int run_main(int argc, char** argv) {
     to.start_step = state["step_in_epoch"].get<int64_t>();
     to.cancel = &g_cancel;
     to.refit_on_oom = memory_plan->refit;
+    to.loss_scaler = scaler ? &*scaler : nullptr;
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
     // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
     slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),
@@ -745,6 +767,8 @@ int run_main(int argc, char** argv) {
     if (state.contains("memory"))
       state["memory"]["accumulate"] = accumulate, state["memory"]["ranks"] = comm->world_size();
     state["optimizer_steps"] = run.opt->steps();
+    if (scaler)
+      state["loss_scaler"] = {{"scale", scaler->scale()}, {"growth_tracker", scaler->growth_tracker()}};
     if (!st->completed) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
@@ -774,6 +798,7 @@ int run_main(int argc, char** argv) {
                                 {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now},
                                 {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds},
                                 {"val_confusion", v.confusion}});
+    if (scaler) state["history"].back()["loss_scale"] = scaler->scale(), state["history"].back()["skipped_steps"] = st->skipped_steps;
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);

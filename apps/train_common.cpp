@@ -255,6 +255,14 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
         m["strategy"] != "offload" && m["strategy"] != "checkpoint+offload")
       c.fail("memory.strategy", &m["strategy"], "micro-batch, checkpoint, offload or checkpoint+offload");
   }
+  // --precision fp16's loss scaler (loss_scaler.h): its scale (finite, > 0) and growth tracker.
+  if (c.kind(s, "loss_scaler", "loss_scaler", true, true)) {
+    const nlohmann::json& l = s["loss_scaler"];
+    c.number(l, "scale", "loss_scaler.scale");
+    c.integer(l, "growth_tracker", "loss_scaler.growth_tracker", 0);
+    if (c.status().ok() && !(l["scale"].get<double>() > 0 && std::isfinite(l["scale"].get<double>())))
+      c.fail("loss_scaler.scale", &l["scale"], "a finite number > 0");
+  }
   if (c.status().ok() && s["model"] == "abmil") {
     if (c.kind(s, "mil", "mil", true)) {
       for (const char* key : {"in_features", "hidden", "attention"}) c.integer(s["mil"], key, std::string("mil.") + key, 1);

@@ -31,6 +31,8 @@ const char* math_precision_name(MathPrecision p) {
       return "tf32";
     case MathPrecision::kBf16:
       return "bf16";
+    case MathPrecision::kFp16:
+      return "fp16";
     case MathPrecision::kFp32:
       break;
   }
@@ -38,13 +40,9 @@ const char* math_precision_name(MathPrecision p) {
 }
 
 Result<MathPrecision> parse_math_precision(const std::string& name) {
-  for (MathPrecision p : {MathPrecision::kFp32, MathPrecision::kTf32, MathPrecision::kBf16})
+  for (MathPrecision p : {MathPrecision::kFp32, MathPrecision::kTf32, MathPrecision::kBf16, MathPrecision::kFp16})
     if (name == math_precision_name(p)) return p;
-  if (name == "fp16")
-    return slide::core::unimplemented(
-        "precision fp16 needs dynamic loss scaling in the trainer, which is not wired yet: use bf16 (same speed on "
-        "tensor cores and AMX, f32's range, no scaling)");
-  return slide::core::invalid_argument("precision '" + name + "': expected fp32, tf32 or bf16");
+  return slide::core::invalid_argument("precision '" + name + "': expected fp32, tf32, bf16 or fp16");
 }
 
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device) {

@@ -55,19 +55,9 @@ Status Optimizer::step(Backend& be, double lr) {
   if (!std::isfinite(lr) || lr < 0)
     return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) + ": learning rate " +
                                      std::to_string(lr) + " is not a finite number >= 0; nothing was updated");
-  // The sum of squared gradient elements (Backend::sum_of_squares: on the gradients' device, one
-  // number per parameter back to the host), the first non-finite one named.
   std::string where;
-  double sq = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Parameter* p = params_[i];
-    if (!p->grad.defined() || options_[i].frozen) continue;
-    double one = 0;
-    SLIDE_RETURN_IF_ERROR(be.sum_of_squares(p->grad, &one).with_context("gradient check of " + p->name));
-    if (!std::isfinite(one) && where.empty()) where = p->name;
-    sq += one;
-  }
-  if (!std::isfinite(sq)) {
+  SLIDE_ASSIGN_OR_RETURN(const bool finite, gradients_finite(be, &where));
+  if (!finite) {
     return slide::core::out_of_range("optimizer step " + std::to_string(steps_ + 1) +
                                      ": the gradient is not finite (NaN or inf" +
                                      (where.empty() ? std::string() : ", first in " + where + "'s gradient") +
@@ -93,6 +83,32 @@ Status Optimizer::step(Backend& be, double lr) {
     }
     ++k;
     if (!s.ok()) return s.with_context("update of " + p.name);
+  }
+  return slide::core::ok_status();
+}
+
+Result<bool> Optimizer::gradients_finite(Backend& be, std::string* first_bad) {
+  // The sum of squared gradient elements (Backend::sum_of_squares: on the gradients' device, one
+  // number per parameter back to the host), the first non-finite one named.
+  std::string where;
+  double sq = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter* p = params_[i];
+    if (!p->grad.defined() || options_[i].frozen) continue;
+    double one = 0;
+    SLIDE_RETURN_IF_ERROR(be.sum_of_squares(p->grad, &one).with_context("gradient check of " + p->name));
+    if (!std::isfinite(one) && where.empty()) where = p->name;
+    sq += one;
+  }
+  if (first_bad != nullptr) *first_bad = where;
+  return std::isfinite(sq);
+}
+
+Status Optimizer::scale_gradients(Backend& be, double factor) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter* p = params_[i];
+    if (!p->grad.defined() || options_[i].frozen) continue;
+    SLIDE_RETURN_IF_ERROR(be.scale(p->grad, factor, p->grad).with_context("gradient unscale of " + p->name));
   }
   return slide::core::ok_status();
 }

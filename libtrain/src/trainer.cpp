@@ -148,6 +148,8 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator(), kDefaultBucketBytes, &be));
   }
   bool stop_all = false;  // data-parallel: some rank asked to stop (all-reduced with the gradients)
+  const bool scaling = options.loss_scaler != nullptr && options.loss_scaler->enabled();
+  double loss_scale = scaling ? options.loss_scaler->scale() : 1.0;  // the scale of this step
   int64_t step_index = 0;
   for (size_t start = 0; start < order.size(); start += static_cast<size_t>(options.batch_size), ++step_index) {
     if (step_index < options.start_step) continue;
@@ -245,7 +247,9 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       // (llm.c's dloss), on the device. The share is rounded to f32 first: a product of two f32
       // values rounded once is the f32 product, so this equals the f32 loop it replaced bit for bit.
       const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
-      SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(share), dlogits));
+      // Under loss scaling, times the scale: a power of two, so share * scale is exact and the
+      // gradients are exactly scale times the unscaled ones until an operand over- or underflows.
+      SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(share) * loss_scale, dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
       loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
       SLIDE_RETURN_IF_ERROR(with_host_probs(be, &sc));
@@ -299,7 +303,15 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       if (buckets != nullptr) {
         SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->finish_step());
       }
-      SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
+      bool apply = true;
+      if (scaling) {
+        SLIDE_RETURN_IF_ERROR(opt.scale_gradients(be, options.loss_scaler->inv_scale()));
+        SLIDE_ASSIGN_OR_RETURN(const bool finite, opt.gradients_finite(be));
+        apply = options.loss_scaler->update(!finite);
+        loss_scale = options.loss_scaler->scale();
+        if (!apply) ++st.skipped_steps;
+      }
+      if (apply) SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
       recovery.end_step(micro_count, static_cast<int64_t>(mb.b - plan[step_first].a));
       st.samples += mb.step_n;
       ++st.steps;

@@ -358,7 +358,27 @@ class TestPrecision(Base):
     MathPrecision), storage f32. On the reference backend the rounding is exact (bf16 here), so the
     run differs from fp32's but learns as well; the precision is recorded, a resume at another one
     is refused, a resume at the same one continues bit for bit; evaluate and slide-embed take it
-    too (bags record it). fp16 is refused: not built yet."""
+    too (bags record it). fp16 trains with dynamic loss scaling: a scale too large is backed off,
+    its steps skipped, and a resumed run continues with the checkpoint's scale exactly."""
+
+    @classmethod
+    def setUpClass(cls):
+        # Its own store at 32 px: the reference backend's exact loops are the cost here.
+        super().setUpClass()
+        cls.store = os.path.join(cls.tmp, "lc32")
+        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "32", "-o", cls.store, "-q"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    def fp32_run(self):
+        # The fp32 run both tests compare with, made once (2 epochs; the schedule is constant, so
+        # its epoch-1 checkpoint is a 1-epoch run's).
+        if "_fp32" not in type(self).__dict__:
+            out = os.path.join(self.tmp, "p_fp32")
+            r = self.run_ref(out, 2)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            type(self)._fp32 = out
+        return type(self)._fp32
 
     def run_ref(self, out, epochs, *extra):
         args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
@@ -369,9 +389,7 @@ class TestPrecision(Base):
         return read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % epoch, "model.safetensors"))
 
     def test_bf16_training_resume_evaluate_and_embed(self):
-        fp32, bf16 = os.path.join(self.tmp, "p_fp32"), os.path.join(self.tmp, "p_bf16")
-        r = self.run_ref(fp32, 2)
-        self.assertEqual(r.returncode, 0, r.stderr)
+        fp32, bf16 = self.fp32_run(), os.path.join(self.tmp, "p_bf16")
         r = self.run_ref(bf16, 2, "--precision", "bf16")
         self.assertEqual(r.returncode, 0, r.stderr)
         a, b = self.weights(fp32, 2), self.weights(bf16, 2)
@@ -444,12 +462,67 @@ class TestPrecision(Base):
                          "evaluate probabilities %.2e max abs, embedded features %.2e of the largest\n"
                          % ((diff / norm) ** 0.5, h16[-1]["train_loss"], h32[-1]["train_loss"], gap, rel))
 
-    def test_fp16_and_unknown_precisions_are_usage_errors_that_write_nothing(self):
-        for p, what in (("fp16", "loss scaling"), ("fp64", "expected fp32, tf32 or bf16")):
-            out = os.path.join(self.tmp, "p_bad_" + p)
-            r = self.run_ref(out, 1, "--precision", p)
+    def test_fp16_with_dynamic_loss_scaling(self):
+        def history(out):
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                return [json.loads(l) for l in f]
+        # GradScaler's initial scale (2^16): no step overflows on this model; it learns as fp32 does.
+        fp32, fp16 = self.fp32_run(), os.path.join(self.tmp, "h_fp16")
+        r = self.run_ref(fp16, 1, "--precision", "fp16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        a, b = self.weights(fp32, 1), self.weights(fp16, 1)
+        diff = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a)
+        norm = sum(float(np.sum(a[k].astype(np.float64) ** 2)) for k in a)
+        self.assertGreater(diff, 0.0)
+        self.assertLess((diff / norm) ** 0.5, 0.05)
+        h = history(fp16)
+        self.assertEqual([(e["loss_scale"], e["skipped_steps"]) for e in h], [(65536.0, 0)])
+        self.assertNotIn("loss_scale", history(fp32)[0])
+        # A scale of 2^30 overflows f16 in backward (the loss gradient alone is 2^30 / 32 > 65504):
+        # steps are skipped and the scale halved until it fits; the run still learns.
+        big = os.path.join(self.tmp, "h_fp16_big")
+        r = self.run_ref(big, 2, "--precision", "fp16", "--loss-scale", str(2 ** 30))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        h = history(big)
+        self.assertGreater(h[0]["skipped_steps"], 0)
+        scale = h[-1]["loss_scale"]
+        self.assertLess(scale, 2 ** 30)
+        self.assertEqual(scale, 2.0 ** round(np.log2(scale)))  # halved, so a power of two
+        self.assertEqual(2 ** 30 / scale, 2 ** sum(e["skipped_steps"] for e in h))  # one halving per skip
+        self.assertLess(h[-1]["train_loss"], h[0]["train_loss"])
+        with open(os.path.join(big, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            state = json.load(f)
+        self.assertEqual(state["loss_scaler"]["scale"], scale)
+        self.assertEqual(state["config"]["precision"], "fp16")
+        # Resumed after epoch 1, the run continues with the checkpoint's scale: the same weights.
+        part = os.path.join(self.tmp, "h_fp16_big_resumed")
+        r = self.run_ref(part, 1, "--precision", "fp16", "--loss-scale", str(2 ** 30))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.run_ref(part, 2, "--precision", "fp16", "--loss-scale", str(2 ** 30), "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        c, d = self.weights(big, 2), self.weights(part, 2)
+        self.assertTrue(all(np.array_equal(c[k], d[k]) for k in c))
+        self.assertEqual(history(part), [dict(e, seconds=e2["seconds"], images_per_s=e2["images_per_s"])
+                                         for e, e2 in zip(history(big), history(part))])
+        # A damaged scaler record is refused on --resume, naming the field.
+        state_file = os.path.join(part, "checkpoints", "epoch-2-step-0", "state.json")
+        with open(state_file) as f:
+            record = json.load(f)
+        record["loss_scaler"]["scale"] = -1
+        with open(state_file, "w") as f:
+            json.dump(record, f)
+        r = self.run_ref(part, 3, "--precision", "fp16", "--loss-scale", str(2 ** 30), "--resume")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(state_file + ": field 'loss_scaler.scale'", r.stderr)
+        sys.stderr.write("fp16 against fp32: weights after 1 epoch %.2e relative L2; from a 2^30 scale: %d steps "
+                         "skipped, scale %g\n" % ((diff / norm) ** 0.5, sum(e["skipped_steps"] for e in h), scale))
+
+    def test_unknown_precisions_and_bad_loss_scales_are_usage_errors_that_write_nothing(self):
+        for extra, what in ((("--precision", "fp64"), "expected fp32, tf32, bf16 or fp16"),
+                            (("--precision", "fp16", "--loss-scale", "0"), "--loss-scale")):
+            out = os.path.join(self.tmp, "p_bad_" + "_".join(extra))
+            r = self.run_ref(out, 1, *extra)
             self.assertEqual(r.returncode, 2, r.stderr)
-            self.assertIn("--precision " + p, r.stderr)
             self.assertIn(what, r.stderr)
             self.assertFalse(os.path.exists(os.path.join(out, "checkpoints")))
 

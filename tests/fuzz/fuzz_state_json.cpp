@@ -11,7 +11,8 @@
 //     strings; history one object per completed epoch with epoch >= 1 and numbers (val_roc_auc
 //     may be null); "abmil": mil's sizes >= 1 and dropout a number; tile models: width >= 1;
 //     memory (when present): strategy micro-batch|checkpoint|offload, segments a string,
-//     accumulate and ranks >= 1;
+//     accumulate and ranks >= 1; loss_scaler (when present): scale a finite number > 0,
+//     growth_tracker >= 0;
 //   - check_resume_config with the record's own config (and epochs) passes; with no config at all
 //     it fails (kInvalidArgument naming the checkpoint) exactly when the record's config names an
 //     option other than init.
@@ -73,6 +74,10 @@ void check_usable(const nlohmann::json& s) {
                      strategy == "checkpoint+offload");
     (void)m["segments"].get<std::string>();
     SLIDE_FUZZ_CHECK(as_int(m["accumulate"]) >= 1 && as_int(m["ranks"]) >= 1);
+  }
+  if (s.contains("loss_scaler")) {  // read by --resume under --precision fp16
+    const double scale = s["loss_scaler"]["scale"].get<double>();
+    SLIDE_FUZZ_CHECK(scale > 0 && std::isfinite(scale) && as_int(s["loss_scaler"]["growth_tracker"]) >= 0);
   }
   if (s["model"] == "abmil") {
     for (const char* key : {"in_features", "hidden", "attention"}) SLIDE_FUZZ_CHECK(as_int(s["mil"][key]) >= 1);

@@ -398,18 +398,20 @@ TEST_CASE("cuda vs reference: multi-head attention (strided-batched GEMMs straig
   CHECK(gpu().attention_forward(qkv.f, 2, 3, 0.5, out.f).code() == StatusCode::kInvalidArgument);  // host tensors
 }
 
-TEST_CASE("cuda at tf32 and bf16 (--precision): convolutions, linear, matmul and attention within the precision's error") {
+TEST_CASE("cuda at tf32, bf16 and fp16 (--precision): convolutions, linear, matmul and attention within the precision's error") {
   // The f64 reference is exact; cuda may round the products' operands (TF32 tensor cores in cuDNN,
   // CUBLAS_COMPUTE_32F_FAST_TF32 / _16BF in cuBLAS). An operand rounded to b mantissa bits has a
   // relative error up to 2^-(b+1); a sum of n such products, with random signs, errs by about
-  // sqrt(n) 2^-b times a product's size. Tolerances (of compare's normalised error): tf32 (b = 10)
-  // 1e-2, bf16 (b = 7; cuDNN runs bf16 convolutions in TF32) 5e-2, each well above the typical
+  // sqrt(n) 2^-b times a product's size. Tolerances (of compare's normalised error): tf32 and fp16
+  // (b = 10; every operand here is far inside f16's range) 1e-2, bf16 (b = 7; cuDNN runs bf16
+  // convolutions in TF32) 5e-2, each well above the typical
   // error (n <= 117 here: 1e-3 and 1e-2) and far below a wrong result's (order 1). The errors
   // are printed, so that whoever runs this sees how much the tensor cores took.
   struct Guard {
     ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
   } guard;
-  for (auto [prec, tol] : {std::pair{MathPrecision::kTf32, 1e-2}, std::pair{MathPrecision::kBf16, 5e-2}}) {
+  for (auto [prec, tol] : {std::pair{MathPrecision::kTf32, 1e-2}, std::pair{MathPrecision::kBf16, 5e-2},
+                           std::pair{MathPrecision::kFp16, 1e-2}}) {
     const std::string name = math_precision_name(prec);
     CAPTURE(name);
     OK(gpu().set_math_precision(prec));

@@ -74,7 +74,8 @@ TEST_CASE("ConvKey: every field tells shapes apart") {
   k = base, k.stride = 1, differs(k);
   k = base, k.pad = 1, differs(k);
   k = base, k.math = cuda::ConvMath::kTensorOp, differs(k);
-  CHECK(keys.size() == 12);
+  k = base, k.math = cuda::ConvMath::kTensorOpConvert, differs(k);
+  CHECK(keys.size() == 13);
   CHECK(keys.count(base) == 1);
 }
 
@@ -82,6 +83,8 @@ TEST_CASE("math precision on cuda: cuDNN FMA math only for fp32; cuBLAS's comput
   CHECK(cuda::conv_math(MathPrecision::kFp32) == cuda::ConvMath::kFma);
   CHECK(cuda::conv_math(MathPrecision::kTf32) == cuda::ConvMath::kTensorOp);
   CHECK(cuda::conv_math(MathPrecision::kBf16) == cuda::ConvMath::kTensorOp);  // TF32: cuDNN has no bf16 for f32 data
+  CHECK(cuda::conv_math(MathPrecision::kFp16) == cuda::ConvMath::kTensorOpConvert);
+  CHECK(cuda::gemm_compute(MathPrecision::kFp16) == cuda::GemmCompute::kF32Fast16F);
   CHECK(cuda::gemm_compute(MathPrecision::kFp32) == cuda::GemmCompute::kF32);
   CHECK(cuda::gemm_compute(MathPrecision::kTf32) == cuda::GemmCompute::kF32FastTf32);
   CHECK(cuda::gemm_compute(MathPrecision::kBf16) == cuda::GemmCompute::kF32Fast16Bf);

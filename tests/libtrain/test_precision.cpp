@@ -62,6 +62,7 @@ Tensor rounded(const Tensor& t, MathPrecision p) {
     const float v = t.data<float>()[i];
     r.data<float>()[i] = p == MathPrecision::kBf16   ? formulas::round_to_bf16(v)
                          : p == MathPrecision::kTf32 ? formulas::round_to_tf32(v)
+                         : p == MathPrecision::kFp16 ? formulas::round_to_f16(v)
                                                      : v;
   }
   return r;
@@ -110,20 +111,35 @@ TEST_CASE("round_to_bf16 / round_to_tf32: to nearest, ties to even, as frexp/nea
     ++checked;
   }
   CHECK(checked == 200000);
+  // binary16: 11 significant bits over its normal range [2^-14, 65504]; beyond it inf, subnormals
+  // in steps of 2^-24, below half of that zero.
+  std::uniform_real_distribution<float> normal(-14.f, 15.9f);
+  for (int i = 0; i < 100000; ++i) {
+    float f = std::exp2(normal(g)) * (i % 2 ? -1.f : 1.f);
+    if (i % 3 == 0) f = round_significand(f, 12) + 0.f;  // many of them ties
+    if (std::abs(f) > 65504.f) continue;
+    REQUIRE(bits_of(formulas::round_to_f16(f)) == bits_of(round_significand(f, 11)));
+  }
+  CHECK(formulas::round_to_f16(65504.f) == 65504.f);
+  CHECK(std::isinf(formulas::round_to_f16(65520.f)));  // the tie above 65504 rounds to inf
+  CHECK(formulas::round_to_f16(65519.f) == 65504.f);
+  CHECK(formulas::round_to_f16(0x1p-24f) == 0x1p-24f);      // the smallest subnormal
+  CHECK(formulas::round_to_f16(0x1p-25f) == 0.0f);          // a tie with zero: to even (zero)
+  CHECK(formulas::round_to_f16(0x1.8p-24f) == 0x1p-23f);    // 1.5 steps: a tie, to even (2 steps)
+  CHECK(formulas::round_to_f16(3 * 0x1p-26f) == 0x1p-24f);  // 0.75 of a step: up
 }
 
-TEST_CASE("parse_math_precision: fp32, tf32, bf16; fp16 not yet; others refused") {
-  for (MathPrecision p : {MathPrecision::kFp32, MathPrecision::kTf32, MathPrecision::kBf16}) {
+TEST_CASE("parse_math_precision: fp32, tf32, bf16, fp16; others refused") {
+  for (MathPrecision p : {MathPrecision::kFp32, MathPrecision::kTf32, MathPrecision::kBf16, MathPrecision::kFp16}) {
     auto r = parse_math_precision(math_precision_name(p));
     REQUIRE(r.ok());
     CHECK(*r == p);
   }
-  CHECK(parse_math_precision("fp16").status().code() == StatusCode::kUnimplemented);
   CHECK(parse_math_precision("FP32").status().code() == StatusCode::kInvalidArgument);
   CHECK(parse_math_precision("").status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("reference under tf32 and bf16: every product op equals f32 on operands rounded beforehand") {
+TEST_CASE("reference under tf32, bf16 and fp16: every product op equals f32 on operands rounded beforehand") {
   auto be = testing::must_make("reference");
   PrecisionGuard guard{*be};
   const Conv2dParams p{2, 1};
@@ -153,7 +169,7 @@ TEST_CASE("reference under tf32 and bf16: every product op equals f32 on operand
     return o;
   };
   const Outputs exact = run(MathPrecision::kFp32, x, w, dy, lx, lw, ldy, ma, mb);
-  for (MathPrecision prec : {MathPrecision::kTf32, MathPrecision::kBf16}) {
+  for (MathPrecision prec : {MathPrecision::kTf32, MathPrecision::kBf16, MathPrecision::kFp16}) {
     const std::string name = math_precision_name(prec);
     CAPTURE(name);
     const Outputs got = run(prec, x, w, dy, lx, lw, ldy, ma, mb);

@@ -261,3 +261,95 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16 an overflowing step is skipped") {
+  const std::string dir = temp_dir(), store = dir + "/lc";
+  auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
+  REQUIRE(inputs.ok());
+  slide::tile::TileJobOptions topt;
+  topt.grid.tile_size_px = 16;
+  topt.progress = false;
+  REQUIRE(slide::tile::run_tiling(*inputs, store, topt).ok());
+  auto data = TileDataset::open({store});
+  REQUIRE(data.ok());
+  std::vector<size_t> twelve;
+  for (size_t i = 0; i < 360; i += 30) twelve.push_back(i);
+  struct Run {
+    std::vector<float> weights;
+    EpochStats stats;
+    int64_t optimizer_steps = 0;
+  };
+  // Two steps of 6 (SGD with momentum) of conv -> relu -> pool -> linear on `backend`.
+  auto run = [&](const char* backend, MathPrecision precision, LossScaler* scaler) {
+    auto be = make_backend(backend);
+    REQUIRE(be.ok());
+    REQUIRE((*be)->set_math_precision(precision).ok());
+    InitRng rng(5);
+    Sequential net;
+    net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
+    net.add(std::make_unique<ReLU>());
+    net.add(std::make_unique<GlobalAvgPool>());
+    net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+    std::vector<Parameter*> params;
+    net.collect("", &params, nullptr);
+    OptimizerConfig oc;
+    oc.momentum = 0.9;
+    auto opt = Optimizer::make(oc, params, cpu_allocator());
+    REQUIRE(opt.ok());
+    Schedule sched;
+    sched.kind = "constant";
+    sched.base_lr = 0.5;
+    TrainOptions to;
+    to.batch_size = 6;
+    to.accumulate = 2;
+    to.augment = {};
+    to.loss_scaler = scaler;
+    auto st = train_epoch(**be, net, **opt, sched, **data, twelve, to, 1, nullptr);
+    REQUIRE_MESSAGE(st.ok(), st.status().to_string());
+    Run r;
+    for (auto* p : params) r.weights.insert(r.weights.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
+    r.stats = *st;
+    r.optimizer_steps = (*opt)->steps();
+    return r;
+  };
+  // fp32: scaling by 2^16 and back is exact, so the weights are the unscaled run's bit for bit.
+  auto scaler = LossScaler::make({});
+  REQUIRE(scaler.ok());
+  const Run plain = run("cpu", MathPrecision::kFp32, nullptr), scaled = run("cpu", MathPrecision::kFp32, &*scaler);
+  CHECK(plain.weights == scaled.weights);
+  CHECK(scaled.stats.skipped_steps == 0);
+  CHECK(scaler->scale() == 65536.0);
+  CHECK(scaler->growth_tracker() == 2);
+  // fp16 on the reference backend (operands rounded to f16 exactly) with a scale of 2^40: the
+  // scaled loss gradient overflows f16 in backward, both steps are skipped (the weights stay the
+  // initial ones, the optimizer never steps) and the scale is halved twice.
+  LossScalerOptions huge;
+  huge.init_scale = 0x1p40;
+  auto big = LossScaler::make(huge);
+  REQUIRE(big.ok());
+  const Run skipped = run("reference", MathPrecision::kFp16, &*big);
+  CHECK(skipped.stats.skipped_steps == 2);
+  CHECK(skipped.stats.steps == 2);
+  CHECK(skipped.optimizer_steps == 0);
+  CHECK(big->scale() == 0x1p38);
+  CHECK(big->skipped_steps() == 2);
+  InitRng rng(5);
+  Sequential fresh;
+  fresh.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
+  fresh.add(std::make_unique<ReLU>());
+  fresh.add(std::make_unique<GlobalAvgPool>());
+  fresh.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+  std::vector<Parameter*> fp;
+  fresh.collect("", &fp, nullptr);
+  std::vector<float> initial;
+  for (auto* p : fp) initial.insert(initial.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
+  CHECK(skipped.weights == initial);
+  CHECK(plain.weights != initial);  // the fp32 runs did move
+  // The same fp16 run with GradScaler's 2^16 steps both times.
+  auto normal = LossScaler::make({});
+  REQUIRE(normal.ok());
+  const Run fp16 = run("reference", MathPrecision::kFp16, &*normal);
+  CHECK(fp16.stats.skipped_steps == 0);
+  CHECK(fp16.optimizer_steps == 2);
+  std::filesystem::remove_all(dir);
+}

@@ -801,11 +801,14 @@ class OneDnnBackend final : public Backend {
 
   // The attribute of every primitive with products (convolutions, inner products, matmuls): the
   // fpmath mode of the math precision (backend.h). oneDNN 2.6 has bf16 and f16 modes, no tf32:
-  // kTf32 stays strict f32, which the contract allows (more accurate). Under bf16, oneDNN uses
-  // bf16 instructions where the CPU has them (AVX512_BF16, AMX) and f32 where it has not.
+  // kTf32 stays strict f32, which the contract allows (more accurate). Under bf16 (f16), oneDNN
+  // uses bf16 (f16) instructions where the CPU has them (AVX512_BF16 or AMX; AVX512_FP16) and f32
+  // where it has not.
   dnnl::primitive_attr product_attr() const {
     dnnl::primitive_attr attr;
-    attr.set_fpmath_mode(math_precision_ == MathPrecision::kBf16 ? dnnl::fpmath_mode::bf16 : dnnl::fpmath_mode::strict);
+    attr.set_fpmath_mode(math_precision_ == MathPrecision::kBf16   ? dnnl::fpmath_mode::bf16
+                         : math_precision_ == MathPrecision::kFp16 ? dnnl::fpmath_mode::f16
+                                                                   : dnnl::fpmath_mode::strict);
     return attr;
   }
 

@@ -24,19 +24,33 @@ namespace slide::train::cuda {
 //     CUDNN_DEFAULT_MATH, which on Ampere and newer permits TF32 tensor cores for f32 tensors
 //     (PyTorch's torch.backends.cudnn.allow_tf32 chooses between the same two). cuDNN's legacy
 //     calls have no bf16 compute for f32 tensors, so kBf16 convolutions run in TF32 (more accurate
-//     than bf16, as the contract allows).
+//     than bf16, as the contract allows). kTensorOpConvert (kFp16) is
+//     CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION: f32 tensors down-converted to f16 for tensor cores.
 //   GEMMs (linear, matmul, attention): cuBLAS's compute type for f32 A, B and C: CUBLAS_COMPUTE_32F,
-//     CUBLAS_COMPUTE_32F_FAST_TF32 or CUBLAS_COMPUTE_32F_FAST_16BF ("allows down-converting inputs
-//     to bfloat16 or TF32", cublas_api.h).
-enum class ConvMath : uint8_t { kFma = 0, kTensorOp = 1 };
-enum class GemmCompute : uint8_t { kF32 = 0, kF32FastTf32 = 1, kF32Fast16Bf = 2 };
-inline ConvMath conv_math(MathPrecision p) { return p == MathPrecision::kFp32 ? ConvMath::kFma : ConvMath::kTensorOp; }
+//     CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_32F_FAST_16BF ("allows down-converting inputs
+//     to bfloat16 or TF32", cublas_api.h) or CUBLAS_COMPUTE_32F_FAST_16F (to half or TF32).
+enum class ConvMath : uint8_t { kFma = 0, kTensorOp = 1, kTensorOpConvert = 2 };
+enum class GemmCompute : uint8_t { kF32 = 0, kF32FastTf32 = 1, kF32Fast16Bf = 2, kF32Fast16F = 3 };
+inline ConvMath conv_math(MathPrecision p) {
+  switch (p) {
+    case MathPrecision::kTf32:
+    case MathPrecision::kBf16:
+      return ConvMath::kTensorOp;
+    case MathPrecision::kFp16:
+      return ConvMath::kTensorOpConvert;
+    case MathPrecision::kFp32:
+      break;
+  }
+  return ConvMath::kFma;
+}
 inline GemmCompute gemm_compute(MathPrecision p) {
   switch (p) {
     case MathPrecision::kTf32:
       return GemmCompute::kF32FastTf32;
     case MathPrecision::kBf16:
       return GemmCompute::kF32Fast16Bf;
+    case MathPrecision::kFp16:
+      return GemmCompute::kF32Fast16F;
     case MathPrecision::kFp32:
       break;
   }

@@ -257,12 +257,23 @@ struct ConvDesc {
     if (d) (void)cudnnDestroyConvolutionDescriptor(d);
   }
   // math: conv_plan.h's ConvMath (CUDNN_FMA_MATH for fp32; CUDNN_DEFAULT_MATH, TF32 tensor cores
-  // permitted, for tf32 and bf16).
+  // permitted, for tf32 and bf16; CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION, f16 tensor cores, for fp16).
+  static cudnnMathType_t cudnn_math(ConvMath math) {
+    switch (math) {
+      case ConvMath::kTensorOp:
+        return CUDNN_DEFAULT_MATH;
+      case ConvMath::kTensorOpConvert:
+        return CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
+      case ConvMath::kFma:
+        break;
+    }
+    return CUDNN_FMA_MATH;
+  }
   Status set(Conv2dParams p, ConvMath math) {
     SLIDE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
     SLIDE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, p.pad, p.pad, p.stride, p.stride, 1, 1,
                                                       CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, math == ConvMath::kFma ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
+    SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(d, cudnn_math(math)));
     return ok_status();
   }
 };
@@ -840,6 +851,8 @@ class CudaBackend final : public Backend {
         return CUBLAS_COMPUTE_32F_FAST_TF32;
       case GemmCompute::kF32Fast16Bf:
         return CUBLAS_COMPUTE_32F_FAST_16BF;
+      case GemmCompute::kF32Fast16F:
+        return CUBLAS_COMPUTE_32F_FAST_16F;
       case GemmCompute::kF32:
         break;
     }
@@ -878,7 +891,7 @@ class CudaBackend final : public Backend {
 
   template <typename Candidates, typename Workspace, typename Run>
   //
-  // Under tensor-op math (tf32, bf16) each candidate runs with the math type cuDNN's heuristics
+  // Under tensor-op math (tf32, bf16, fp16) each candidate runs with the math type cuDNN's heuristics
   // reported for it (perf.mathType, set on the descriptor before its workspace is asked for, as
   // PyTorch's cuDNN convolutions do): the same algorithm may be listed once per math type, and
   // its workspace and kernels differ by math type. Under FMA math (fp32) the descriptor stays
@@ -902,7 +915,7 @@ class CudaBackend final : public Backend {
     }
     Status last = ok_status();
     for (const AlgoCandidate& c : order) {
-      if (key.math == ConvMath::kTensorOp && c.math_type >= 0)
+      if (key.math != ConvMath::kFma && c.math_type >= 0)
         SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, static_cast<cudnnMathType_t>(c.math_type)));
       SLIDE_ASSIGN_OR_RETURN(size_t bytes, workspace(c.algo));
       Tensor ws;
@@ -927,8 +940,8 @@ class CudaBackend final : public Backend {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos.erase(key);
       }
-      if (key.math == ConvMath::kTensorOp)  // back to the math the heuristics are asked with
-        SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, CUDNN_DEFAULT_MATH));
+      if (key.math != ConvMath::kFma)  // back to the math the heuristics are asked with
+        SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, ConvDesc::cudnn_math(key.math)));
       return run_conv(key, ds, candidates, workspace, run);
     }
     return last;

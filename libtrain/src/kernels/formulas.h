@@ -99,6 +99,9 @@ SLIDE_HD float bf16_to_f32(uint16_t b) { return bits_float(static_cast<uint32_t>
 // (NVIDIA's cvt.rna.tf32.f32 rounds ties away from zero; TF32 ties are one case in 2^13, inside
 // the tolerance the precision contract allows.)
 SLIDE_HD float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+// f rounded to IEEE binary16 (10 mantissa bits, 5-bit exponent: beyond 65504 it rounds to inf,
+// below 2^-24 to zero, subnormals kept), as the f32 it stands for.
+SLIDE_HD float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 SLIDE_HD float round_to_tf32(float f) {
   uint32_t x = float_bits(f);
   if ((x & 0x7FFFFFFFu) >= 0x7F800000u) return f;  // inf, NaN

@@ -29,7 +29,7 @@ Status dispatch(DType dtype, F&& f) {
 }
 
 // A product operand as the reference multiplies it under a MathPrecision (backend.h): exactly,
-// or rounded to TF32 / bfloat16 through f32 (kernels/formulas.h).
+// or rounded to TF32 / bfloat16 / binary16 through f32 (kernels/formulas.h).
 struct Exact {
   template <typename T>
   double operator()(T v) const {
@@ -48,6 +48,12 @@ struct ToBf16 {
     return double(formulas::round_to_bf16(static_cast<float>(v)));
   }
 };
+struct ToF16 {
+  template <typename T>
+  double operator()(T v) const {
+    return double(formulas::round_to_f16(static_cast<float>(v)));
+  }
+};
 
 // Runs f.template operator()<T>(q) for the call's dtype, with q the operand rounding of
 // `precision` (a type per precision, so that fp32's loops are the plain ones).
@@ -59,6 +65,8 @@ Status dispatch_product(DType dtype, MathPrecision precision, F&& f) {
         return f.template operator()<T>(ToTf32{});
       case MathPrecision::kBf16:
         return f.template operator()<T>(ToBf16{});
+      case MathPrecision::kFp16:
+        return f.template operator()<T>(ToF16{});
       case MathPrecision::kFp32:
         break;
     }

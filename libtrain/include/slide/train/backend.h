@@ -60,13 +60,19 @@ class Backend;
 //          CUBLAS_COMPUTE_32F_FAST_16BF; its convolutions in TF32 tensor-op math (cuDNN's
 //          legacy calls offer no bf16 compute on f32 tensors); cpu: oneDNN fpmath_mode::bf16
 //          (bf16 instructions where the CPU has AVX512_BF16 or AMX, f32 elsewhere).
+//   kFp16: operands rounded to IEEE binary16 (5 exponent, 10 mantissa bits): beyond 65504 an
+//          operand becomes inf, below 2^-24 zero, so training needs dynamic loss scaling
+//          (loss_scaler.h; the trainer's TrainOptions::loss_scaler). cuda: cuDNN
+//          CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (f32 tensors down-converted to f16 for tensor
+//          cores) and CUBLAS_COMPUTE_32F_FAST_16F; cpu: oneDNN fpmath_mode::f16 (f16 instructions
+//          where the CPU has AVX512_FP16, f32 elsewhere).
 // The reference backend rounds every product operand to the named type exactly (round to nearest,
-// ties to even: kernels/formulas.h round_to_tf32 / round_to_bf16), the least accurate result the
-// contract allows; its f64 calls (gradient checks) round through f32 the same way.
-enum class MathPrecision : uint8_t { kFp32 = 0, kTf32 = 1, kBf16 = 2 };
-const char* math_precision_name(MathPrecision p);  // "fp32", "tf32", "bf16"
-// "fp32", "tf32" or "bf16". Errors: kInvalidArgument naming the accepted values; "fp16" is
-// kUnimplemented (it needs dynamic loss scaling in the trainer: loss_scaler.h, not yet wired).
+// ties to even: kernels/formulas.h round_to_tf32 / round_to_bf16 / round_to_f16), the least
+// accurate result the contract allows; its f64 calls (gradient checks) round through f32 the same
+// way.
+enum class MathPrecision : uint8_t { kFp32 = 0, kTf32 = 1, kBf16 = 2, kFp16 = 3 };
+const char* math_precision_name(MathPrecision p);  // "fp32", "tf32", "bf16", "fp16"
+// "fp32", "tf32", "bf16" or "fp16". Errors: kInvalidArgument naming the accepted values.
 [[nodiscard]] Result<MathPrecision> parse_math_precision(const std::string& name);
 
 // The weights of a fused inference convolution, prepared by one backend (prepare_fused_conv2d):

@@ -48,6 +48,13 @@ class Optimizer {
   // Errors: kOutOfRange (naming the step, and the first parameter whose gradient is not
   // finite), the backend's update's.
   [[nodiscard]] Status step(Backend& be, double lr);
+  // Whether every gradient of a parameter that is not frozen is finite (the check step() makes
+  // first). *first_bad, when given, gets the first parameter whose gradient is not. Errors: the
+  // backend's.
+  [[nodiscard]] Result<bool> gradients_finite(Backend& be, std::string* first_bad = nullptr);
+  // Multiplies the gradient of every parameter that is not frozen by `factor` (on the gradients'
+  // device): the loss scaler's unscale (loss_scaler.h). Errors: the backend's.
+  [[nodiscard]] Status scale_gradients(Backend& be, double factor);
   // Sets every gradient to zero (before the first micro-batch of a step), on the gradients' device.
   // Errors: the device's.
   [[nodiscard]] Status zero_grad();

@@ -14,6 +14,7 @@
 
 #include "slide/core/thread_pool.h"
 #include "slide/train/dataset.h"
+#include "slide/train/loss_scaler.h"
 #include "slide/train/oom_recovery.h"
 #include "slide/train/optimizer.h"
 
@@ -35,6 +36,7 @@ struct EpochStats {
   double all_reduce_seconds = 0;  // data-parallel: wall time in the gradient all-reduce
   int64_t accumulate = 0;   // micro-batches per step at the end (more than asked after OOM recovery)
   int64_t oom_retries = 0;  // steps rerun after running out of memory
+  int64_t skipped_steps = 0;  // steps skipped by the loss scaler (an inf/NaN gradient under fp16)
 };
 
 struct TrainOptions {
@@ -68,6 +70,16 @@ struct TrainOptions {
   // Tried on out of memory in a step before its micro-batches are split finer (oom_recovery.h
   // RefitFn; slide-train: the planner's offload fallback). Null: never.
   RefitFn refit_on_oom;
+  // Dynamic loss scaling (loss_scaler.h; slide-train --precision fp16), or null / disabled: none.
+  // Enabled, the loss gradient is multiplied by scale() before backward (with the micro-batch's
+  // share: exact, the scale being a power of two); after the gradients are summed (and
+  // all-reduced) they are multiplied by inv_scale() and checked: a step with an inf or NaN
+  // gradient is skipped (no parameter or optimizer state changes, the optimizer's step count
+  // stays, so the learning-rate schedule follows the applied steps) and the scaler backs off; it
+  // still counts in EpochStats::steps (its samples were consumed) and in skipped_steps. Every rank
+  // sees the same all-reduced gradients, so every rank skips the same steps. The caller keeps the
+  // scaler across epochs and in checkpoints.
+  LossScaler* loss_scaler = nullptr;
 };
 
 // Trains over `positions` (into data.tiles()) in an order shuffled with `epoch_seed`.

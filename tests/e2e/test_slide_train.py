@@ -388,16 +388,22 @@ class TestPrecision(Base):
     def weights(self, out, epoch):
         return read_safetensors(os.path.join(out, "checkpoints", "epoch-%d-step-0" % epoch, "model.safetensors"))
 
-    def test_bf16_training_resume_evaluate_and_embed(self):
-        fp32, bf16 = self.fp32_run(), os.path.join(self.tmp, "p_bf16")
-        r = self.run_ref(bf16, 2, "--precision", "bf16")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        a, b = self.weights(fp32, 2), self.weights(bf16, 2)
-        # Not fp32's weights, but near them: the relative L2 distance over every parameter.
+    def assert_near_fp32(self, out, epoch):
+        """The weights after `epoch` are not fp32's but near them: the relative L2 distance over
+        every parameter, returned, is above 0 and below 5%."""
+        a, b = self.weights(self.fp32_run(), epoch), self.weights(out, epoch)
         diff = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a)
         norm = sum(float(np.sum(a[k].astype(np.float64) ** 2)) for k in a)
         self.assertGreater(diff, 0.0)
         self.assertLess((diff / norm) ** 0.5, 0.05)
+        return (diff / norm) ** 0.5
+
+    def test_bf16_training_resume_evaluate_and_embed(self):
+        fp32, bf16 = self.fp32_run(), os.path.join(self.tmp, "p_bf16")
+        r = self.run_ref(bf16, 2, "--precision", "bf16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        distance = self.assert_near_fp32(bf16, 2)
+        b = self.weights(bf16, 2)
         with open(os.path.join(fp32, "metrics.jsonl")) as f, open(os.path.join(bf16, "metrics.jsonl")) as g:
             h32, h16 = [json.loads(l) for l in f], [json.loads(l) for l in g]
         self.assertLess(abs(h16[-1]["train_loss"] - h32[-1]["train_loss"]), 0.05)
@@ -460,7 +466,7 @@ class TestPrecision(Base):
         self.assertLess(rel, 0.05)
         sys.stderr.write("bf16 against fp32: weights after 2 epochs %.2e relative L2, final train loss %.4f vs %.4f, "
                          "evaluate probabilities %.2e max abs, embedded features %.2e of the largest\n"
-                         % ((diff / norm) ** 0.5, h16[-1]["train_loss"], h32[-1]["train_loss"], gap, rel))
+                         % (distance, h16[-1]["train_loss"], h32[-1]["train_loss"], gap, rel))
 
     def test_fp16_with_dynamic_loss_scaling(self):
         def history(out):
@@ -470,11 +476,7 @@ class TestPrecision(Base):
         fp32, fp16 = self.fp32_run(), os.path.join(self.tmp, "h_fp16")
         r = self.run_ref(fp16, 1, "--precision", "fp16")
         self.assertEqual(r.returncode, 0, r.stderr)
-        a, b = self.weights(fp32, 1), self.weights(fp16, 1)
-        diff = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a)
-        norm = sum(float(np.sum(a[k].astype(np.float64) ** 2)) for k in a)
-        self.assertGreater(diff, 0.0)
-        self.assertLess((diff / norm) ** 0.5, 0.05)
+        distance = self.assert_near_fp32(fp16, 1)
         h = history(fp16)
         self.assertEqual([(e["loss_scale"], e["skipped_steps"]) for e in h], [(65536.0, 0)])
         self.assertNotIn("loss_scale", history(fp32)[0])
@@ -515,7 +517,7 @@ class TestPrecision(Base):
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertIn(state_file + ": field 'loss_scaler.scale'", r.stderr)
         sys.stderr.write("fp16 against fp32: weights after 1 epoch %.2e relative L2; from a 2^30 scale: %d steps "
-                         "skipped, scale %g\n" % ((diff / norm) ** 0.5, sum(e["skipped_steps"] for e in h), scale))
+                         "skipped, scale %g\n" % (distance, sum(e["skipped_steps"] for e in h), scale))
 
     def test_unknown_precisions_and_bad_loss_scales_are_usage_errors_that_write_nothing(self):
         for extra, what in ((("--precision", "fp64"), "expected fp32, tf32, bf16 or fp16"),

@@ -33,6 +33,27 @@ std::string temp_dir() {
   return t;
 }
 
+// The LC25000 lung subset tiled at 16 px into `store`, opened.
+std::unique_ptr<TileDataset> lc16(const std::string& store) {
+  auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
+  REQUIRE(inputs.ok());
+  slide::tile::TileJobOptions topt;
+  topt.grid.tile_size_px = 16;
+  topt.progress = false;
+  REQUIRE(slide::tile::run_tiling(*inputs, store, topt).ok());
+  auto data = TileDataset::open({store});
+  REQUIRE(data.ok());
+  return std::move(*data);
+}
+
+// conv 3x3 (3 -> 6) -> ReLU -> global average pool -> linear (6 -> 3), no batch norm, into `net`.
+void add_tiny_cnn(Sequential& net, InitRng& rng) {
+  net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
+  net.add(std::make_unique<ReLU>());
+  net.add(std::make_unique<GlobalAvgPool>());
+  net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+}
+
 }  // namespace
 
 TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile store") {
@@ -164,22 +185,15 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
 }
 
 TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (no batch norm)") {
-  const std::string dir = temp_dir(), store = dir + "/lc";
-  auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
-  REQUIRE(inputs.ok());
-  slide::tile::TileJobOptions topt;
-  topt.grid.tile_size_px = 16;
-  topt.progress = false;
-  REQUIRE(slide::tile::run_tiling(*inputs, store, topt).ok());
-  auto data = TileDataset::open({store});
-  REQUIRE(data.ok());
+  const std::string dir = temp_dir();
+  auto data = lc16(dir + "/lc");
   std::vector<size_t> twelve;
   for (size_t i = 0; i < 360; i += 30) twelve.push_back(i);
 
   // sklearn's "balanced" weights: 160 tiles, 120 of lung_aca and 40 of lung_n, none of lung_scc.
   std::vector<size_t> first160(160);
   for (size_t i = 0; i < 160; ++i) first160[i] = i;
-  auto w = balanced_class_weights(**data, first160, cpu_allocator());
+  auto w = balanced_class_weights(*data, first160, cpu_allocator());
   REQUIRE(w.ok());
   CHECK(w->data<float>()[0] == doctest::Approx(160.0 / 360.0));
   CHECK(w->data<float>()[1] == doctest::Approx(160.0 / 120.0));
@@ -192,10 +206,7 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   auto run = [&](int64_t accumulate) {
     InitRng rng(5);
     Sequential net;
-    net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
-    net.add(std::make_unique<ReLU>());
-    net.add(std::make_unique<GlobalAvgPool>());
-    net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+    add_tiny_cnn(net, rng);
     std::vector<Parameter*> params;
     net.collect("", &params, nullptr);
     OptimizerConfig oc;
@@ -208,7 +219,7 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
     to.batch_size = 12;
     to.accumulate = accumulate;
     to.augment = {};
-    auto st = train_epoch(**cpu, net, **opt, sched, **data, twelve, to, 1, nullptr);
+    auto st = train_epoch(**cpu, net, **opt, sched, *data, twelve, to, 1, nullptr);
     REQUIRE_MESSAGE(st.ok(), st.status().to_string());
     CHECK(st->steps == 1);
     std::vector<float> w;
@@ -237,10 +248,7 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   {
     InitRng nan_rng(5);
     Sequential net;
-    net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, nan_rng)));
-    net.add(std::make_unique<ReLU>());
-    net.add(std::make_unique<GlobalAvgPool>());
-    net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, nan_rng)));
+    add_tiny_cnn(net, nan_rng);
     std::vector<Parameter*> params;
     net.collect("", &params, nullptr);
     params.back()->value.data<float>()[0] = std::nanf("");
@@ -252,7 +260,7 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
     TrainOptions to;
     to.batch_size = 6;
     to.augment = {};
-    auto st = train_epoch(**cpu, net, **opt, sched, **data, twelve, to, 1, nullptr);
+    auto st = train_epoch(**cpu, net, **opt, sched, *data, twelve, to, 1, nullptr);
     REQUIRE(!st.ok());
     CHECK(st.status().code() == slide::core::StatusCode::kOutOfRange);
     CHECK(st.status().message().find("step 0 of the epoch (optimizer step 1): the loss is nan") != std::string::npos);
@@ -263,15 +271,8 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
 }
 
 TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16 an overflowing step is skipped") {
-  const std::string dir = temp_dir(), store = dir + "/lc";
-  auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
-  REQUIRE(inputs.ok());
-  slide::tile::TileJobOptions topt;
-  topt.grid.tile_size_px = 16;
-  topt.progress = false;
-  REQUIRE(slide::tile::run_tiling(*inputs, store, topt).ok());
-  auto data = TileDataset::open({store});
-  REQUIRE(data.ok());
+  const std::string dir = temp_dir();
+  auto data = lc16(dir + "/lc");
   std::vector<size_t> twelve;
   for (size_t i = 0; i < 360; i += 30) twelve.push_back(i);
   struct Run {
@@ -286,10 +287,7 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
     REQUIRE((*be)->set_math_precision(precision).ok());
     InitRng rng(5);
     Sequential net;
-    net.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
-    net.add(std::make_unique<ReLU>());
-    net.add(std::make_unique<GlobalAvgPool>());
-    net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+    add_tiny_cnn(net, rng);
     std::vector<Parameter*> params;
     net.collect("", &params, nullptr);
     OptimizerConfig oc;
@@ -304,7 +302,7 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
     to.accumulate = 2;
     to.augment = {};
     to.loss_scaler = scaler;
-    auto st = train_epoch(**be, net, **opt, sched, **data, twelve, to, 1, nullptr);
+    auto st = train_epoch(**be, net, **opt, sched, *data, twelve, to, 1, nullptr);
     REQUIRE_MESSAGE(st.ok(), st.status().to_string());
     Run r;
     for (auto* p : params) r.weights.insert(r.weights.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
@@ -335,10 +333,7 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
   CHECK(big->skipped_steps() == 2);
   InitRng rng(5);
   Sequential fresh;
-  fresh.add(take(Conv2d::make(cpu_allocator(), DType::kF32, 3, 6, 3, {1, 1}, true, rng)));
-  fresh.add(std::make_unique<ReLU>());
-  fresh.add(std::make_unique<GlobalAvgPool>());
-  fresh.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
+  add_tiny_cnn(fresh, rng);
   std::vector<Parameter*> fp;
   fresh.collect("", &fp, nullptr);
   std::vector<float> initial;

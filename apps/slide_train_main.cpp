@@ -256,7 +256,7 @@ int run_main(int argc, char** argv) {
   slide::apps::add_backend_options(app, &backend, &device);
   slide::apps::add_precision_option(app, &precision);
   double loss_scale = 65536.0;
-  app.add_option("--loss-scale", loss_scale,
+  auto* loss_scale_opt = app.add_option("--loss-scale", loss_scale,
                  "--precision fp16: the initial dynamic loss scale (PyTorch GradScaler's init_scale; halved on an "
                  "inf/NaN gradient, which skips that step, doubled after 2000 good steps)")
       ->capture_default_str();
@@ -438,6 +438,9 @@ int run_main(int argc, char** argv) {
   if (!be.ok()) return fail(be.status());
   if (!(loss_scale > 0) || !std::isfinite(loss_scale))  // GradScaler's own check, before anything is written
     return fail(slide::core::invalid_argument("--loss-scale " + std::to_string(loss_scale) + ": must be finite and > 0"));
+  if (loss_scale_opt->count() > 0 && (*be)->math_precision() != slide::train::MathPrecision::kFp16)
+    return fail(slide::core::invalid_argument("--loss-scale applies to --precision fp16 (the other precisions need no "
+                                              "loss scaling), not to --precision " + precision));
   // --device names one GPU for one process; ranks take their node-local GPU (as NCCL does).
   if (device >= 0 && comm->world_size() > 1)
     return fail(slide::core::invalid_argument("--device is for one process; with " +
@@ -727,6 +730,7 @@ int run_main(int argc, char** argv) {
   slide::core::log_info("training", {{"ranks", comm->world_size()}, {"dist", comm->name()}, {"model", model_name}, {"train_tiles", static_cast<int64_t>(train.size())},
                                      {"val_tiles", static_cast<int64_t>(val.size())}, {"classes", classes},
                                      {"steps_per_epoch", steps_per_epoch}, {"backend", (*be)->name()},
+                                     {"precision", slide::train::math_precision_name((*be)->math_precision())},
                                      {"decode_threads", threads}, {"compute_threads", omp_get_max_threads()}});
   for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
     TrainOptions to;

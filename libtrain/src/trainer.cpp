@@ -247,8 +247,9 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       // (llm.c's dloss), on the device. The share is rounded to f32 first: a product of two f32
       // values rounded once is the f32 product, so this equals the f32 loop it replaced bit for bit.
       const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
-      // Under loss scaling, times the scale: a power of two, so share * scale is exact and the
-      // gradients are exactly scale times the unscaled ones until an operand over- or underflows.
+      // Under loss scaling, times the scale. With a power of two (GradScaler's 2^16 and every
+      // halving or doubling of it) share * scale is exact and the gradients are exactly scale times
+      // the unscaled ones until an operand over- or underflows.
       SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(share) * loss_scale, dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
       loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);

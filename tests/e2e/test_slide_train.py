@@ -521,7 +521,8 @@ class TestPrecision(Base):
 
     def test_unknown_precisions_and_bad_loss_scales_are_usage_errors_that_write_nothing(self):
         for extra, what in ((("--precision", "fp64"), "expected fp32, tf32, bf16 or fp16"),
-                            (("--precision", "fp16", "--loss-scale", "0"), "--loss-scale")):
+                            (("--precision", "fp16", "--loss-scale", "0"), "--loss-scale"),
+                            (("--precision", "bf16", "--loss-scale", "1024"), "--loss-scale applies to --precision fp16")):
             out = os.path.join(self.tmp, "p_bad_" + "_".join(extra))
             r = self.run_ref(out, 1, *extra)
             self.assertEqual(r.returncode, 2, r.stderr)

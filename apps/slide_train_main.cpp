@@ -802,7 +802,10 @@ int run_main(int argc, char** argv) {
                                 {"val_recall", slide::apps::metrics_or_null(v.recall)}, {"lr", lr_now},
                                 {"seconds", st->seconds + v.seconds}, {"images_per_s", st->samples / st->seconds},
                                 {"val_confusion", v.confusion}});
-    if (scaler) state["history"].back()["loss_scale"] = scaler->scale(), state["history"].back()["skipped_steps"] = st->skipped_steps;
+    if (scaler) {
+      state["history"].back()["loss_scale"] = scaler->scale();
+      state["history"].back()["skipped_steps"] = st->skipped_steps;
+    }
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);

@@ -262,16 +262,15 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
             info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
             a.stain_normalization != stain_json || a.precision != precision_attr) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
-          // Named only when one side has it (the message stays as it was for runs without).
-          const bool any_stain = !a.stain_normalization.empty() || !stain_json.empty();
-          auto stain = [any_stain](const std::string& j) {
-            return any_stain ? ", stain normalisation " + (j.empty() ? std::string("none") : j) : std::string();
+          // ", <label> <value>" (`unset` for an empty one), named only when either side has a value
+          // (the message stays as it was for runs without).
+          auto part = [](const std::string& was, const std::string& now, const std::string& label,
+                         const std::string& unset) {
+            const bool any = !was.empty() || !now.empty();
+            return [=](const std::string& v) { return any ? ", " + label + " " + (v.empty() ? unset : v) : std::string(); };
           };
-          // The precision likewise: named only when one side is not fp32.
-          const bool any_precision = !a.precision.empty() || !precision_attr.empty();
-          auto precision = [any_precision](const std::string& p) {
-            return any_precision ? ", precision " + (p.empty() ? std::string("fp32") : p) : std::string();
-          };
+          const auto stain = part(a.stain_normalization, stain_json, "stain normalisation", "none");
+          const auto precision = part(a.precision, precision_attr, "precision", "fp32");
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +
               slide::cache::feature_dtype_name(info.dtype) + ", weights " + a.weights_sha256.substr(0, 12) +

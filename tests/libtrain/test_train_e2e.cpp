@@ -54,6 +54,35 @@ void add_tiny_cnn(Sequential& net, InitRng& rng) {
   net.add(take(Linear::make(cpu_allocator(), DType::kF32, 6, 3, rng)));
 }
 
+struct TinyRun {
+  std::vector<float> weights;  // every parameter after the epoch, in collect order
+  EpochStats stats;
+  int64_t optimizer_steps = 0;
+};
+
+// One epoch of the tiny CNN (InitRng 5) over `positions` on `be`: SGD (OptimizerConfig's defaults)
+// at a constant learning rate of 0.5, no augmentation, the batch, micro-batches and loss scaler of `to`.
+TinyRun train_tiny(Backend& be, const TileDataset& data, const std::vector<size_t>& positions, TrainOptions to) {
+  InitRng rng(5);
+  Sequential net;
+  add_tiny_cnn(net, rng);
+  std::vector<Parameter*> params;
+  net.collect("", &params, nullptr);
+  auto opt = Optimizer::make(OptimizerConfig{}, params, cpu_allocator());
+  REQUIRE(opt.ok());
+  Schedule sched;
+  sched.kind = "constant";
+  sched.base_lr = 0.5;
+  to.augment = {};
+  auto st = train_epoch(be, net, **opt, sched, data, positions, to, 1, nullptr);
+  REQUIRE_MESSAGE(st.ok(), st.status().to_string());
+  TinyRun r;
+  for (auto* p : params) r.weights.insert(r.weights.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
+  r.stats = *st;
+  r.optimizer_steps = (*opt)->steps();
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile store") {
@@ -204,27 +233,12 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   // conv -> relu -> global pool -> linear: batch norm would see different statistics per
   // micro-batch (the documented exception), so it is left out here.
   auto run = [&](int64_t accumulate) {
-    InitRng rng(5);
-    Sequential net;
-    add_tiny_cnn(net, rng);
-    std::vector<Parameter*> params;
-    net.collect("", &params, nullptr);
-    OptimizerConfig oc;
-    auto opt = Optimizer::make(oc, params, cpu_allocator());
-    REQUIRE(opt.ok());
-    Schedule sched;
-    sched.kind = "constant";
-    sched.base_lr = 0.5;
     TrainOptions to;
     to.batch_size = 12;
     to.accumulate = accumulate;
-    to.augment = {};
-    auto st = train_epoch(**cpu, net, **opt, sched, *data, twelve, to, 1, nullptr);
-    REQUIRE_MESSAGE(st.ok(), st.status().to_string());
-    CHECK(st->steps == 1);
-    std::vector<float> w;
-    for (auto* p : params) w.insert(w.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
-    return w;
+    const TinyRun r = train_tiny(**cpu, *data, twelve, to);
+    CHECK(r.stats.steps == 1);
+    return r.weights;
   };
   const std::vector<float> one = run(1), three = run(3), five = run(5);  // 5: micro-batches of 2 and 3
   REQUIRE(one.size() == three.size());
@@ -275,45 +289,21 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
   auto data = lc16(dir + "/lc");
   std::vector<size_t> twelve;
   for (size_t i = 0; i < 360; i += 30) twelve.push_back(i);
-  struct Run {
-    std::vector<float> weights;
-    EpochStats stats;
-    int64_t optimizer_steps = 0;
-  };
-  // Two steps of 6 (SGD with momentum) of conv -> relu -> pool -> linear on `backend`.
+  // Two steps of 6 (two micro-batches each) of the tiny CNN on `backend`.
   auto run = [&](const char* backend, MathPrecision precision, LossScaler* scaler) {
     auto be = make_backend(backend);
     REQUIRE(be.ok());
     REQUIRE((*be)->set_math_precision(precision).ok());
-    InitRng rng(5);
-    Sequential net;
-    add_tiny_cnn(net, rng);
-    std::vector<Parameter*> params;
-    net.collect("", &params, nullptr);
-    OptimizerConfig oc;
-    oc.momentum = 0.9;
-    auto opt = Optimizer::make(oc, params, cpu_allocator());
-    REQUIRE(opt.ok());
-    Schedule sched;
-    sched.kind = "constant";
-    sched.base_lr = 0.5;
     TrainOptions to;
     to.batch_size = 6;
     to.accumulate = 2;
-    to.augment = {};
     to.loss_scaler = scaler;
-    auto st = train_epoch(**be, net, **opt, sched, *data, twelve, to, 1, nullptr);
-    REQUIRE_MESSAGE(st.ok(), st.status().to_string());
-    Run r;
-    for (auto* p : params) r.weights.insert(r.weights.end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
-    r.stats = *st;
-    r.optimizer_steps = (*opt)->steps();
-    return r;
+    return train_tiny(**be, *data, twelve, to);
   };
   // fp32: scaling by 2^16 and back is exact, so the weights are the unscaled run's bit for bit.
   auto scaler = LossScaler::make({});
   REQUIRE(scaler.ok());
-  const Run plain = run("cpu", MathPrecision::kFp32, nullptr), scaled = run("cpu", MathPrecision::kFp32, &*scaler);
+  const TinyRun plain = run("cpu", MathPrecision::kFp32, nullptr), scaled = run("cpu", MathPrecision::kFp32, &*scaler);
   CHECK(plain.weights == scaled.weights);
   CHECK(scaled.stats.skipped_steps == 0);
   CHECK(scaler->scale() == 65536.0);
@@ -325,7 +315,7 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
   huge.init_scale = 0x1p40;
   auto big = LossScaler::make(huge);
   REQUIRE(big.ok());
-  const Run skipped = run("reference", MathPrecision::kFp16, &*big);
+  const TinyRun skipped = run("reference", MathPrecision::kFp16, &*big);
   CHECK(skipped.stats.skipped_steps == 2);
   CHECK(skipped.stats.steps == 2);
   CHECK(skipped.optimizer_steps == 0);
@@ -343,7 +333,7 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
   // The same fp16 run with GradScaler's 2^16 steps both times.
   auto normal = LossScaler::make({});
   REQUIRE(normal.ok());
-  const Run fp16 = run("reference", MathPrecision::kFp16, &*normal);
+  const TinyRun fp16 = run("reference", MathPrecision::kFp16, &*normal);
   CHECK(fp16.stats.skipped_steps == 0);
   CHECK(fp16.optimizer_steps == 2);
   std::filesystem::remove_all(dir);

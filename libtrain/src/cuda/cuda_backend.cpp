@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -398,9 +399,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
     const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
                       conv_math(math_precision_)};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&] { return forward_candidates(ds); };
     auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
@@ -452,7 +453,7 @@ class CudaBackend final : public Backend {
     }
     if (unsupported) return composed();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     TensorDesc bias_d;
     SLIDE_RETURN_IF_ERROR(bias_d.set(1, d.K, 1, 1));
     ActivationDesc act;
@@ -479,9 +480,9 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
     const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
                       conv_math(math_precision_)};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
       cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
       int n = 0;
@@ -510,9 +511,9 @@ class CudaBackend final : public Backend {
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, conv_math(math_precision_)));
     const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
                       conv_math(math_precision_)};
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
       cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
       int n = 0;
@@ -871,8 +872,6 @@ class CudaBackend final : public Backend {
                                          std::to_string(first_bad) + " is outside [0, " + std::to_string(classes) + ")");
   }
 
-  // Runs a convolution with the cached algorithm for `key`, or chooses one: cuDNN's candidates in
-  // conv_plan.h's order, the first whose workspace the budget grants.
   // cuDNN's forward algorithms for `ds`, best first (the heuristics; for conv2d_forward and the
   // fused inference convolution alike), and an algorithm's workspace bytes.
   Result<std::vector<AlgoCandidate>> forward_candidates(const ConvDescs& ds) const {
@@ -889,24 +888,25 @@ class CudaBackend final : public Backend {
     return bytes;
   }
 
-  template <typename Candidates, typename Workspace, typename Run>
+  // Runs a convolution with the cached algorithm for `key`, or chooses one: cuDNN's candidates in
+  // conv_plan.h's order, the first whose workspace the budget grants.
   //
   // Under tensor-op math (tf32, bf16, fp16) each candidate runs with the math type cuDNN's heuristics
   // reported for it (perf.mathType, set on the descriptor before its workspace is asked for, as
   // PyTorch's cuDNN convolutions do): the same algorithm may be listed once per math type, and
   // its workspace and kernels differ by math type. Under FMA math (fp32) the descriptor stays
   // CUDNN_FMA_MATH.
+  template <typename Candidates, typename Workspace, typename Run>
   Status run_conv(const ConvKey& key, ConvDescs& ds, Candidates candidates, Workspace workspace, Run run) {
-    int cached = -1;
-    AlgoCandidate cached_candidate;
+    std::optional<AlgoCandidate> cached;
     {
       std::lock_guard<std::mutex> lock(st_->mu);
       auto it = st_->algos.find(key);
-      if (it != st_->algos.end()) cached_candidate = it->second, cached = it->second.algo;
+      if (it != st_->algos.end()) cached = it->second;
     }
     std::vector<AlgoCandidate> order;
-    if (cached >= 0) {
-      order.push_back(cached_candidate);
+    if (cached) {
+      order.push_back(*cached);
     } else {
       SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
       order = order_candidates(all, /*allow_nondeterministic=*/false);
@@ -929,13 +929,13 @@ class CudaBackend final : public Backend {
         ws = std::move(*t);
       }
       SLIDE_RETURN_IF_ERROR(run(c.algo, ws.raw(), bytes));
-      if (cached < 0) {
+      if (!cached) {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos[key] = c;
       }
       return ok_status();
     }
-    if (cached >= 0) {  // the cached algorithm's workspace no longer fits: choose again
+    if (cached) {  // the cached algorithm's workspace no longer fits: choose again
       {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos.erase(key);

@@ -93,14 +93,13 @@ SLIDE_HD uint16_t f32_to_bf16(float f) {
 SLIDE_HD float bf16_to_f32(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
 // --- Product operands at a math precision (backend.h: MathPrecision) -------------------------------
-// f rounded to bfloat16 (7 mantissa bits) or TF32 (10 mantissa bits, f32's 8-bit exponent), round
-// to nearest, ties to even, returned as the f32 it stands for: what the reference backend
-// multiplies under kBf16 / kTf32. Overflow gives inf; NaN stays NaN; inf and zero are kept.
-// (NVIDIA's cvt.rna.tf32.f32 rounds ties away from zero; TF32 ties are one case in 2^13, inside
-// the tolerance the precision contract allows.)
+// f rounded to bfloat16 (7 mantissa bits), IEEE binary16 (10 mantissa bits, 5-bit exponent:
+// beyond 65504 it rounds to inf, below 2^-24 to zero, subnormals kept) or TF32 (10 mantissa bits,
+// f32's 8-bit exponent), round to nearest, ties to even, returned as the f32 it stands for: what
+// the reference backend multiplies under kBf16 / kFp16 / kTf32. Overflow gives inf; NaN stays NaN;
+// inf and zero are kept. (NVIDIA's cvt.rna.tf32.f32 rounds ties away from zero; TF32 ties are one
+// case in 2^13, inside the tolerance the precision contract allows.)
 SLIDE_HD float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-// f rounded to IEEE binary16 (10 mantissa bits, 5-bit exponent: beyond 65504 it rounds to inf,
-// below 2^-24 to zero, subnormals kept), as the f32 it stands for.
 SLIDE_HD float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 SLIDE_HD float round_to_tf32(float f) {
   uint32_t x = float_bits(f);

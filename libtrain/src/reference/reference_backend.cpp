@@ -36,22 +36,11 @@ struct Exact {
     return double(v);
   }
 };
-struct ToTf32 {
+template <float (*Round)(float)>
+struct RoundedTo {
   template <typename T>
   double operator()(T v) const {
-    return double(formulas::round_to_tf32(static_cast<float>(v)));
-  }
-};
-struct ToBf16 {
-  template <typename T>
-  double operator()(T v) const {
-    return double(formulas::round_to_bf16(static_cast<float>(v)));
-  }
-};
-struct ToF16 {
-  template <typename T>
-  double operator()(T v) const {
-    return double(formulas::round_to_f16(static_cast<float>(v)));
+    return double(Round(static_cast<float>(v)));
   }
 };
 
@@ -62,11 +51,11 @@ Status dispatch_product(DType dtype, MathPrecision precision, F&& f) {
   return dispatch(dtype, [&]<typename T>() {
     switch (precision) {
       case MathPrecision::kTf32:
-        return f.template operator()<T>(ToTf32{});
+        return f.template operator()<T>(RoundedTo<formulas::round_to_tf32>{});
       case MathPrecision::kBf16:
-        return f.template operator()<T>(ToBf16{});
+        return f.template operator()<T>(RoundedTo<formulas::round_to_bf16>{});
       case MathPrecision::kFp16:
-        return f.template operator()<T>(ToF16{});
+        return f.template operator()<T>(RoundedTo<formulas::round_to_f16>{});
       case MathPrecision::kFp32:
         break;
     }

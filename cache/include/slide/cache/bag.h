@@ -31,7 +31,7 @@
 //     format_version  int32    1 (kBagFormatVersion)
 //   and, only when they apply: encoder_input_px (int32, tiles resized to the encoder's input),
 //     stain_normalization (string, JSON of the fitted stain target: slide-embed --stain-normalize)
-//     and precision (string, "tf32" or "bf16": the encoder's math precision, slide-embed --precision)
+//     and precision (string, "tf32", "bf16" or "fp16": the encoder's math precision, slide-embed --precision)
 //
 // Atomicity: BagWriter writes `<path>.partial` and renames it to `<path>` in commit(): a bag that
 // exists under its final name is complete. A `.partial` file is garbage from a killed run; the
@@ -107,7 +107,7 @@ struct BagAttributes {
   // {"macenko_he":[[..],[..],[..]],"macenko_max_c":[..],"method":"macenko"}), root string attribute
   // stain_normalization, written only then; "": none (and bags from before the option).
   std::string stain_normalization;
-  // The math precision of the encoder's products (slide-embed --precision: "tf32" or "bf16"), root
+  // The math precision of the encoder's products (slide-embed --precision: "tf32", "bf16" or "fp16"), root
   // string attribute precision, written only then; "": fp32 (and bags from before the option).
   std::string precision;
 };

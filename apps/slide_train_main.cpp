@@ -446,11 +446,6 @@ int run_main(int argc, char** argv) {
     return fail(slide::core::invalid_argument("--device is for one process; with " +
                                               std::to_string(comm->world_size()) +
                                               " ranks each takes its node-local GPU (the launcher's local rank)"));
-  // Synchronised batch norm reduces its statistics on the host (dist/sync_batch_norm.cpp): not
-  // on a device yet. Refused before anything is written.
-  if ((*be)->device() != Device::kCpu && sync_bn && comm->world_size() > 1)
-    return fail(slide::core::invalid_argument("--sync-bn runs on host backends (cpu, reference) for now, not on --backend " +
-                                              backend));
   // One writer per --out, for the whole run: rank 0 (the only rank that writes it) takes the lock
   // and refuses an earlier run without --resume or --overwrite; its failure stops every rank.
   std::unique_ptr<slide::core::DirLock> out_lock;

@@ -125,11 +125,11 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
   const Shape c{weight.value.dim(0)};
   SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, x.dtype(), "batch mean"));
   SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, x.dtype(), "batch 1/std"));
-  if (sync_ != nullptr) {  // host loops over NCHW: a blocked x is read through a plain copy
+  if (sync_ != nullptr) {  // the pieces read plain NCHW: a blocked x is read through a plain copy
     SLIDE_ASSIGN_OR_RETURN(const Tensor xp, be.to_plain(x));
-    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, xp, weight.value, bias.value, eps_, momentum_,
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, be, xp, weight.value, bias.value, eps_, momentum_,
                                                         running_mean.value, running_var.value, y, mean_, invstd_,
-                                                        &sync_count_));
+                                                        &sync_stats_));
     x_ = xp;
     return y;
   }
@@ -144,8 +144,8 @@ Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
   if (sync_ != nullptr) {
     SLIDE_ASSIGN_OR_RETURN(const Tensor dyp, be.to_plain(dy));
-    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, x_, dyp, weight.value, mean_, invstd_, sync_count_, dx,
-                                                         weight.grad, bias.grad));
+    SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, be, x_, dyp, weight.value, mean_, invstd_, sync_stats_,
+                                                         dx, weight.grad, bias.grad));
     return dx;
   }
   SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));

@@ -38,7 +38,8 @@ Status want_rank(const char* op, const char* name, const Tensor& t, size_t rank)
 }
 
 // Every defined tensor has the first one's dtype, which the backend implements, on its device.
-Status want_dtype(const char* op, Named ts, DTypes dtypes) {
+template <typename Range>
+Status want_dtype_of(const char* op, const Range& ts, DTypes dtypes) {
   const DType dt = ts.begin()->second->dtype();
   for (auto [name, t] : ts) {
     if (!t->defined()) continue;
@@ -56,9 +57,41 @@ Status want_dtype(const char* op, Named ts, DTypes dtypes) {
   return slide::core::unimplemented(std::string(op) + ": dtype " + dtype_name(dt) + " is not implemented here");
 }
 
+Status want_dtype(const char* op, Named ts, DTypes dtypes) { return want_dtype_of(op, ts, dtypes); }
+
 Status want_channels(const char* op, Named ts, int64_t c) {
   for (auto [name, t] : ts) SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {c}));
   return ok_status();
+}
+
+// An f64 sum tensor of a synchronised batch norm piece: `per_c` * C + `extra` elements.
+struct BnSum {
+  const char* name;
+  const Tensor* t;
+  int64_t per_c, extra;
+};
+
+// The synchronised batch norm pieces' checks (op_checks.h).
+Result<BnDims> batch_norm_sync_dims(const char* op, const Tensor& x, Named like_x, Named per_channel,
+                                    std::initializer_list<BnSum> sums, DTypes dtypes) {
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
+  const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
+  for (auto [name, t] : like_x) SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, x.shape()));
+  SLIDE_RETURN_IF_ERROR(want_channels(op, per_channel, d.C));
+  std::vector<std::pair<const char*, const Tensor*>> all{{"x", &x}};
+  all.insert(all.end(), like_x.begin(), like_x.end());
+  all.insert(all.end(), per_channel.begin(), per_channel.end());
+  SLIDE_RETURN_IF_ERROR(want_dtype_of(op, all, dtypes));
+  DTypes f64 = dtypes;
+  f64.f64 = true;
+  f64.blocked = false;
+  for (const BnSum& s : sums) {
+    SLIDE_RETURN_IF_ERROR(want_shape(op, s.name, *s.t, {s.per_c * d.C + s.extra}));
+    if (s.t->dtype() != DType::kF64)
+      return invalid_argument(std::string(op) + ": " + s.name + " is " + dtype_name(s.t->dtype()) + ", expected f64");
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{s.name, s.t}}, f64));
+  }
+  return d;
 }
 
 // x or dx [N,C,H,W] with w [K,C,R,S]: the convolution's extents.
@@ -183,6 +216,45 @@ Result<BnDims> validate_batch_norm_backward(const Tensor& x, const Tensor& dy, c
                                     {"save_invstd", &save_invstd}, {"dx", &dx}, {"dgamma", &dgamma}, {"dbeta", &dbeta}},
                                    dtypes));
   return d;
+}
+
+Result<BnDims> validate_batch_norm_stats(const Tensor& x, const Tensor& stats, DTypes dtypes) {
+  return batch_norm_sync_dims("batch_norm_stats", x, {}, {}, {{"stats", &stats, 1, 1}}, dtypes);
+}
+
+Result<BnDims> validate_batch_norm_deviations(const Tensor& x, const Tensor& stats, const Tensor& devs,
+                                              DTypes dtypes) {
+  return batch_norm_sync_dims("batch_norm_deviations", x, {}, {}, {{"stats", &stats, 1, 1}, {"devs", &devs, 1, 0}},
+                              dtypes);
+}
+
+Result<BnDims> validate_batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                      const Tensor& stats, const Tensor& devs,
+                                                      const Tensor& running_mean, const Tensor& running_var,
+                                                      const Tensor& y, const Tensor& save_mean,
+                                                      const Tensor& save_invstd, DTypes dtypes) {
+  return batch_norm_sync_dims("batch_norm_forward_from_stats", x, {{"y", &y}},
+                              {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
+                               {"running_var", &running_var}, {"save_mean", &save_mean}, {"save_invstd", &save_invstd}},
+                              {{"stats", &stats, 1, 1}, {"devs", &devs, 1, 0}}, dtypes);
+}
+
+Result<BnDims> validate_batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
+                                                   const Tensor& save_invstd, const Tensor& sums, const Tensor& dgamma,
+                                                   const Tensor& dbeta, DTypes dtypes) {
+  return batch_norm_sync_dims(
+      "batch_norm_backward_reduce", x, {{"dy", &dy}},
+      {{"save_mean", &save_mean}, {"save_invstd", &save_invstd}, {"dgamma", &dgamma}, {"dbeta", &dbeta}},
+      {{"sums", &sums, 2, 0}}, dtypes);
+}
+
+Result<BnDims> validate_batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                                  const Tensor& save_mean, const Tensor& save_invstd,
+                                                  const Tensor& stats, const Tensor& sums, const Tensor& dx,
+                                                  DTypes dtypes) {
+  return batch_norm_sync_dims("batch_norm_backward_elemt", x, {{"dy", &dy}, {"dx", &dx}},
+                              {{"gamma", &gamma}, {"save_mean", &save_mean}, {"save_invstd", &save_invstd}},
+                              {{"stats", &stats, 1, 1}, {"sums", &sums, 2, 0}}, dtypes);
 }
 
 Status validate_same_shape(const char* op, const Tensor& x, const Tensor& y, const Tensor* z, DTypes dtypes) {

@@ -55,6 +55,26 @@ struct LinearDims {
 [[nodiscard]] Result<BnDims> validate_batch_norm_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                                            const Tensor& running_mean, const Tensor& running_var,
                                                            const Tensor& y, DTypes dtypes);
+// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt):
+// x [N,C,H,W] (N may be 0), dy / y / dx of x's shape and the per-channel tensors [C], all in x's
+// dtype; the sums f64, plain, on the backend's device: stats [C+1], devs [C], sums [2C].
+[[nodiscard]] Result<BnDims> validate_batch_norm_stats(const Tensor& x, const Tensor& stats, DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_deviations(const Tensor& x, const Tensor& stats, const Tensor& devs,
+                                                            DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma,
+                                                                    const Tensor& beta, const Tensor& stats,
+                                                                    const Tensor& devs, const Tensor& running_mean,
+                                                                    const Tensor& running_var, const Tensor& y,
+                                                                    const Tensor& save_mean, const Tensor& save_invstd,
+                                                                    DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_backward_reduce(const Tensor& x, const Tensor& dy,
+                                                                 const Tensor& save_mean, const Tensor& save_invstd,
+                                                                 const Tensor& sums, const Tensor& dgamma,
+                                                                 const Tensor& dbeta, DTypes dtypes);
+[[nodiscard]] Result<BnDims> validate_batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                                                const Tensor& save_mean, const Tensor& save_invstd,
+                                                                const Tensor& stats, const Tensor& sums,
+                                                                const Tensor& dx, DTypes dtypes);
 [[nodiscard]] Result<BnDims> validate_batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
                                                           const Tensor& save_mean, const Tensor& save_invstd,
                                                           const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta,

@@ -17,7 +17,6 @@ import shlex
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -210,12 +209,20 @@ class TestEquivalence(Base):
         a, b = params(host, 2), params(os.path.join(self.tmp, "one_2_5_--accumulate_2_--backend_reference-sim"), 2)
         for k in a:
             self.assertTrue(np.array_equal(a[k], b[k]), k)
-        # --sync-bn reduces statistics on the host: refused on a device, before anything is written.
-        out = os.path.join(self.tmp, "sim_sync_bn")
-        r = self.train(2, out, 6, 1, "--backend", "reference-sim", "--sync-bn")
-        self.assertEqual(r.returncode, 2, r.stderr)
-        self.assertIn("--sync-bn", r.stderr)
-        self.assertFalse(os.path.exists(out))
+        # --sync-bn on the device: the backend's per-channel sums stay on it and are all-reduced
+        # through host copies (MPI); the same parameters and running statistics as two ranks of the
+        # host reference backend, bit for bit.
+        models = {}
+        for backend in ("reference-sim", "reference"):
+            out = os.path.join(self.tmp, "sync_bn_" + backend)
+            r = self.train(2, out, 6, 1, "--backend", backend, "--sync-bn")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            models[backend] = read_safetensors(
+                os.path.join(out, "checkpoints", "epoch-1-step-0", "model.safetensors"))
+        self.assertTrue(any("running_var" in k for k in models["reference"]))
+        self.assertEqual(sorted(models["reference"]), sorted(models["reference-sim"]))
+        for k in models["reference"]:
+            self.assertTrue(np.array_equal(models["reference"][k], models["reference-sim"][k]), k)
 
     def test_sync_bn_two_ranks_equal_one_rank_with_the_whole_batch(self):
         self.check(2, 6, [], ["--sync-bn"], same_validation=True)

@@ -159,11 +159,20 @@ class TestGpuRanks(unittest.TestCase):
             self.skipTest("needs two GPUs")
         self.check_two_gpus("gpus", [], ["--gpus", "2"])
 
-    def check_two_gpus(self, tag, launcher, extra):
+    def test_sync_bn_on_two_gpus_equals_one_gpu_with_the_whole_batch(self):
+        # --sync-bn: each batch norm's sums computed on the GPUs and all-reduced in place by NCCL;
+        # the running statistics are the whole batch's too.
+        if gpu_count() < 2:
+            self.skipTest("needs two GPUs")
+        self.check_two_gpus("sync_bn", [], ["--gpus", "2", "--sync-bn"], one_extra=[], with_running=True)
+
+    def check_two_gpus(self, tag, launcher, extra, one_extra=("--accumulate", "2"), with_running=False):
         """Two GPU ranks (started by `launcher` + slide-train ... `extra`) against one GPU with
-        --accumulate 2: the same weights up to float summation order."""
+        `one_extra` (by default --accumulate 2): the same weights up to float summation order.
+        Batch norm's running statistics are compared `with_running` (--sync-bn); otherwise they
+        are rank 0's own, by design."""
         one, two = os.path.join(TMP, tag + "_one"), os.path.join(TMP, tag + "_two")
-        r = train(one, "--epochs", "2", "--accumulate", "2")
+        r = train(one, "--epochs", "2", *one_extra)
         self.assertEqual(r.returncode, 0, r.stderr)
         args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
                 "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda"]
@@ -172,7 +181,10 @@ class TestGpuRanks(unittest.TestCase):
         self.assertIn("ranks=2", r.stderr)
         self.assertIn("dist=nccl", r.stderr)
         a, b = weights(one, 2), weights(two, 2)
+        self.assertEqual(sorted(a), sorted(b))
         for k in a:  # the same sums in another order (NCCL's ring): float rounding only
+            if "running_" in k and not with_running:
+                continue
             scale = max(float(np.abs(a[k]).max()), 1e-6)
             self.assertLessEqual(float(np.abs(a[k] - b[k]).max()), 1e-4 * scale, k)
 

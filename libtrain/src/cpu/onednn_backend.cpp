@@ -562,6 +562,36 @@ class OneDnnBackend final : public Backend {
   Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
     return loops_->gather_augment(tiles, records, images);
   }
+  // Synchronised batch norm's pieces: the reference's loops over plain tensors (the layer reads x
+  // and dy through to_plain). Per-channel sums of a few KB between all-reduces; their time is the
+  // loops', as the old host path's was.
+  Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("batch_norm_stats", {&x}));
+    return loops_->batch_norm_stats(x, stats);
+  }
+  Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("batch_norm_deviations", {&x}));
+    return loops_->batch_norm_deviations(x, stats, devs);
+  }
+  Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
+                                       const Tensor& devs, double eps, double momentum, Tensor& running_mean,
+                                       Tensor& running_var, Tensor& y, Tensor& save_mean,
+                                       Tensor& save_invstd) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("batch_norm_forward_from_stats", {&x, &y}));
+    return loops_->batch_norm_forward_from_stats(x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var,
+                                                 y, save_mean, save_invstd);
+  }
+  Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
+                                    const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("batch_norm_backward_reduce", {&x, &dy}));
+    return loops_->batch_norm_backward_reduce(x, dy, save_mean, save_invstd, sums, dgamma, dbeta);
+  }
+  Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                                   const Tensor& save_invstd, const Tensor& stats, const Tensor& sums,
+                                   Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(plain_f32("batch_norm_backward_elemt", {&x, &dy, &dx}));
+    return loops_->batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums, dx);
+  }
   Status sum_of_squares(const Tensor& x, double* out) override {
     SLIDE_RETURN_IF_ERROR(plain_f32("sum_of_squares", {&x}));
     return loops_->sum_of_squares(x, out);

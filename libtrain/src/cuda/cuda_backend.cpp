@@ -323,6 +323,7 @@ std::vector<AlgoCandidate> candidates_of(const Perf* perf, int n) {
 }
 
 float* f32(const Tensor& t) { return t.ptr<float>(); }
+double* f64(const Tensor& t) { return t.ptr<double>(); }
 
 class CudaBackend final : public Backend {
  public:
@@ -567,6 +568,51 @@ class CudaBackend final : public Backend {
                                                                 kDTypes));
     SLIDE_CUDA_CHECK(launch_bn_backward(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd), f32(dx),
                                         f32(dgamma), f32(dbeta), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+
+  // Synchronised batch norm's pieces: one block per channel as batch_norm_forward_training and
+  // batch_norm_backward; the f64 sums stay on the device between the pieces (NCCL all-reduces them
+  // in place; a host communicator stages them, dist/sync_batch_norm.cpp).
+  Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_stats(f32(x), f64(stats), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_deviations(f32(x), f64(stats), f64(devs), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
+                                       const Tensor& devs, double eps, double momentum, Tensor& running_mean,
+                                       Tensor& running_var, Tensor& y, Tensor& save_mean,
+                                       Tensor& save_invstd) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
+                                                                          running_var, y, save_mean, save_invstd,
+                                                                          kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(f32(x), f32(gamma), f32(beta), f64(stats), f64(devs), eps, momentum,
+                                                  f32(running_mean), f32(running_var), f32(y), f32(save_mean),
+                                                  f32(save_invstd), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
+                                    const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
+                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(f32(x), f32(dy), f32(save_mean), f32(save_invstd), f64(sums),
+                                               f32(dgamma), f32(dbeta), d.N, d.C, d.HW, st_->stream));
+    return ok_status();
+  }
+  Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                                   const Tensor& save_invstd, const Tensor& stats, const Tensor& sums,
+                                   Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
+                                                                      dx, kDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd),
+                                              f64(stats), f64(sums), f32(dx), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
 

@@ -102,32 +102,95 @@ __global__ void bias_grad_kernel(const float* dy, float* db, int64_t N, int64_t 
 }
 
 // --- Batch norm: one block per channel ---
-__global__ void bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps,
-                                           double momentum, float* running_mean, float* running_var, float* y,
-                                           float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBlock];
-  const int64_t c = blockIdx.x, M = N * HW;
+// Channel c of x [N, C, HW] as the block's threads walk it: thread t takes the channel's values
+// t, t + blockDim.x, ... (in (n, hw) order). The one-rank kernels and the synchronised pieces are
+// made of the helpers below, so that they sum in the same order and agree bit for bit.
+struct BnChannel {
+  int64_t N, C, HW, c;
+  template <typename F>
+  __device__ void each(F f) const {
+    const int64_t M = N * HW;
+    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) f(((j / HW) * C + c) * HW + j % HW);
+  }
+};
+
+// The sum of x over the channel (every thread gets it).
+__device__ double bn_channel_sum(const float* x, BnChannel ch, double* shared) {
   double local = 0;
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) local += x[((j / HW) * C + c) * HW + j % HW];
-  const double mean = block_sum(local, shared) / double(M);
-  local = 0;
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const double d = x[((j / HW) * C + c) * HW + j % HW] - mean;
+  ch.each([&](int64_t i) { local += x[i]; });
+  return block_sum(local, shared);
+}
+
+// The sum of (x - mean)^2 over the channel (every thread gets it).
+__device__ double bn_channel_deviations(const float* x, BnChannel ch, double mean, double* shared) {
+  double local = 0;
+  ch.each([&](int64_t i) {
+    const double d = x[i] - mean;
     local += d * d;
-  }
-  const double sq = block_sum(local, shared);
-  const double invstd = fm::bn_invstd(sq / double(M), eps);
+  });
+  return block_sum(local, shared);
+}
+
+// y over the channel, then (thread 0) the saved and running statistics; sq: the sum of squared
+// deviations over `count` values.
+__device__ void bn_channel_normalise(const float* x, const float* gamma, const float* beta, double mean, double sq,
+                                     double count, double eps, double momentum, float* running_mean,
+                                     float* running_var, float* y, float* save_mean, float* save_invstd,
+                                     BnChannel ch) {
+  const int64_t c = ch.c;
+  const double invstd = fm::bn_invstd(sq / count, eps);
   const double g = gamma[c], b = beta[c];
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
-    y[idx] = fm::bn_apply(x[idx], g, b, mean, invstd);
-  }
+  ch.each([&](int64_t i) { y[i] = fm::bn_apply(x[i], g, b, mean, invstd); });
   if (threadIdx.x == 0) {
     save_mean[c] = static_cast<float>(mean);
     save_invstd[c] = static_cast<float>(invstd);
     running_mean[c] = fm::bn_running(running_mean[c], momentum, mean);
-    running_var[c] = fm::bn_running(running_var[c], momentum, sq / double(M - 1));
+    running_var[c] = fm::bn_running(running_var[c], momentum, fm::bn_unbiased_var(sq, count));
   }
+}
+
+// sum dy and sum dy * xhat over the channel (every thread gets them); thread 0 adds them to
+// dbeta and dgamma.
+__device__ void bn_channel_grad_sums(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
+                                     float* dgamma, float* dbeta, BnChannel ch, double* shared, double* sum_dy,
+                                     double* sum_dy_xhat) {
+  const int64_t c = ch.c;
+  const double mean = save_mean[c], invstd = save_invstd[c];
+  double local_dy = 0, local_dy_xhat = 0;
+  ch.each([&](int64_t i) {
+    local_dy += dy[i];
+    local_dy_xhat += double(dy[i]) * fm::bn_xhat(x[i], mean, invstd);
+  });
+  *sum_dy = block_sum(local_dy, shared);
+  *sum_dy_xhat = block_sum(local_dy_xhat, shared);
+  if (threadIdx.x == 0) {
+    dgamma[c] += static_cast<float>(*sum_dy_xhat);
+    dbeta[c] += static_cast<float>(*sum_dy);
+  }
+}
+
+// dx over the channel from the two sums over `count` values.
+__device__ void bn_channel_input_grad(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                      const float* save_invstd, double count, double sum_dy, double sum_dy_xhat,
+                                      float* dx, BnChannel ch) {
+  const int64_t c = ch.c;
+  const double mean = save_mean[c], invstd = save_invstd[c];
+  const double k = double(gamma[c]) * invstd / count;
+  ch.each([&](int64_t i) {
+    dx[i] = fm::bn_input_grad(dy[i], fm::bn_xhat(x[i], mean, invstd), k, count, sum_dy, sum_dy_xhat);
+  });
+}
+
+__global__ void bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps,
+                                           double momentum, float* running_mean, float* running_var, float* y,
+                                           float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBlock];
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  const double count = double(N * HW);
+  const double mean = bn_channel_sum(x, ch, shared) / count;
+  const double sq = bn_channel_deviations(x, ch, mean, shared);
+  bn_channel_normalise(x, gamma, beta, mean, sq, count, eps, momentum, running_mean, running_var, y, save_mean,
+                       save_invstd, ch);
 }
 
 __global__ void bn_forward_inference_kernel(const float* x, const float* gamma, const float* beta,
@@ -144,25 +207,58 @@ __global__ void bn_backward_kernel(const float* x, const float* dy, const float*
                                    const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N,
                                    int64_t C, int64_t HW) {
   __shared__ double shared[kBlock];
-  const int64_t c = blockIdx.x, M = N * HW;
-  const double mean = save_mean[c], invstd = save_invstd[c];
-  double local_dy = 0, local_dy_xhat = 0;
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
-    local_dy += dy[idx];
-    local_dy_xhat += double(dy[idx]) * fm::bn_xhat(x[idx], mean, invstd);
-  }
-  const double sum_dy = block_sum(local_dy, shared);
-  const double sum_dy_xhat = block_sum(local_dy_xhat, shared);
-  const double k = double(gamma[c]) * invstd / double(M);
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const int64_t idx = ((j / HW) * C + c) * HW + j % HW;
-    dx[idx] = fm::bn_input_grad(dy[idx], fm::bn_xhat(x[idx], mean, invstd), k, double(M), sum_dy, sum_dy_xhat);
-  }
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  double sum_dy = 0, sum_dy_xhat = 0;
+  bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
+  bn_channel_input_grad(x, dy, gamma, save_mean, save_invstd, double(N * HW), sum_dy, sum_dy_xhat, dx, ch);
+}
+
+// --- Synchronised batch norm's pieces: the helpers above, cut where the sums are all-reduced ---
+__global__ void bn_stats_kernel(const float* x, double* stats, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBlock];
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  const double sum = bn_channel_sum(x, ch, shared);
   if (threadIdx.x == 0) {
-    dgamma[c] += static_cast<float>(sum_dy_xhat);
-    dbeta[c] += static_cast<float>(sum_dy);
+    stats[ch.c] = sum;
+    if (ch.c == 0) stats[C] = double(N * HW);
   }
+}
+
+__global__ void bn_deviations_kernel(const float* x, const double* stats, double* devs, int64_t N, int64_t C,
+                                     int64_t HW) {
+  __shared__ double shared[kBlock];
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  const double sq = bn_channel_deviations(x, ch, stats[ch.c] / stats[C], shared);
+  if (threadIdx.x == 0) devs[ch.c] = sq;
+}
+
+__global__ void bn_forward_from_stats_kernel(const float* x, const float* gamma, const float* beta,
+                                             const double* stats, const double* devs, double eps, double momentum,
+                                             float* running_mean, float* running_var, float* y, float* save_mean,
+                                             float* save_invstd, int64_t N, int64_t C, int64_t HW) {
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  bn_channel_normalise(x, gamma, beta, stats[ch.c] / stats[C], devs[ch.c], stats[C], eps, momentum, running_mean,
+                       running_var, y, save_mean, save_invstd, ch);
+}
+
+__global__ void bn_backward_reduce_kernel(const float* x, const float* dy, const float* save_mean,
+                                          const float* save_invstd, double* sums, float* dgamma, float* dbeta,
+                                          int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBlock];
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  double sum_dy = 0, sum_dy_xhat = 0;
+  bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
+  if (threadIdx.x == 0) {
+    sums[ch.c] = sum_dy;
+    sums[C + ch.c] = sum_dy_xhat;
+  }
+}
+
+__global__ void bn_backward_elemt_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                         const float* save_invstd, const double* stats, const double* sums, float* dx,
+                                         int64_t N, int64_t C, int64_t HW) {
+  const BnChannel ch{N, C, HW, blockIdx.x};
+  bn_channel_input_grad(x, dy, gamma, save_mean, save_invstd, stats[C], sums[ch.c], sums[C + ch.c], dx, ch);
 }
 
 // --- Pooling ---
@@ -479,6 +575,32 @@ cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gam
                                int64_t HW, cudaStream_t stream) {
   return launch_per_block(C, stream, bn_backward_kernel, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta, N,
                           C, HW);
+}
+cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_stats_kernel, x, stats, N, C, HW);
+}
+cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
+                                 cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_deviations_kernel, x, stats, devs, N, C, HW);
+}
+cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
+                                         const double* devs, double eps, double momentum, float* running_mean,
+                                         float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
+                                         int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_forward_from_stats_kernel, x, gamma, beta, stats, devs, eps, momentum,
+                          running_mean, running_var, y, save_mean, save_invstd, N, C, HW);
+}
+cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean,
+                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
+                                      int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_backward_reduce_kernel, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N,
+                          C, HW);
+}
+cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
+                                     int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_per_block(C, stream, bn_backward_elemt_kernel, x, dy, gamma, save_mean, save_invstd, stats, sums, dx,
+                          N, C, HW);
 }
 cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
                                     int kernel, int stride, int pad, cudaStream_t stream) {

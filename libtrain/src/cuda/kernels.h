@@ -48,6 +48,24 @@ cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gam
                                const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
                                int64_t HW, cudaStream_t stream);
 
+// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt),
+// one block per channel with the per-thread strides and block_sum tree of the kernels above, so
+// that over one rank they give launch_bn_forward_training's and launch_bn_backward's bits. The
+// sums are f64 device arrays: stats [C+1] (count at C), devs [C], sums [2C]. N may be 0.
+cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
+                                 cudaStream_t stream);
+cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
+                                         const double* devs, double eps, double momentum, float* running_mean,
+                                         float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
+                                         int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean,
+                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
+                                      int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
+                                     int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+
 // Max pooling of x [NC, H, W] to y [NC, P, Q]; backward gathers, for each input position, dy of the
 // windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
 cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,

@@ -173,6 +173,10 @@ template <typename T>
 SLIDE_HD T bn_running(T running, double momentum, double batch) {
   return static_cast<T>((1 - momentum) * double(running) + momentum * batch);
 }
+// The running variance's batch statistic from the sum of squared deviations over m values: the
+// unbiased sq / (m - 1), or sq / m for a single value (synchronised batch norm, whose global
+// count the backend cannot check before the all-reduce; one rank's batch norm refuses m < 2).
+SLIDE_HD double bn_unbiased_var(double sq, double m) { return m > 1 ? sq / (m - 1) : sq / m; }
 // xhat = (x - mean) invstd.
 template <typename T>
 SLIDE_HD double bn_xhat(T x, double mean, double invstd) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,78 @@ Status dispatch_product(DType dtype, MathPrecision precision, F&& f) {
         break;
     }
     return f.template operator()<T>(Exact{});
+  });
+}
+
+// Channel c of a plain x [N, C, HW], visited in (n, hw) order. The one-rank batch norm ops and
+// the synchronised pieces are made of the helpers below, so that they sum in the same order and
+// agree bit for bit.
+struct BnChannel {
+  int64_t N, C, HW, c;
+  template <typename F>
+  void each(F f) const {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < HW; ++i) f((n * C + c) * HW + i);
+  }
+};
+
+template <typename T>
+double bn_channel_sum(const T* x, BnChannel ch) {
+  double sum = 0;
+  ch.each([&](int64_t j) { sum += x[j]; });
+  return sum;
+}
+
+template <typename T>
+double bn_channel_deviations(const T* x, BnChannel ch, double mean) {
+  double sq = 0;
+  ch.each([&](int64_t j) {
+    const double d = x[j] - mean;
+    sq += d * d;
+  });
+  return sq;
+}
+
+// y over the channel, the saved and running statistics; sq: the sum of squared deviations over
+// `count` values.
+template <typename T>
+void bn_channel_normalise(const T* x, const T* gamma, const T* beta, double mean, double sq, double count, double eps,
+                          double momentum, T* running_mean, T* running_var, T* y, T* save_mean, T* save_invstd,
+                          BnChannel ch) {
+  const int64_t c = ch.c;
+  const double invstd = formulas::bn_invstd(sq / count, eps);
+  ch.each([&](int64_t j) { y[j] = formulas::bn_apply(x[j], double(gamma[c]), double(beta[c]), mean, invstd); });
+  save_mean[c] = static_cast<T>(mean);
+  save_invstd[c] = static_cast<T>(invstd);
+  running_mean[c] = formulas::bn_running(running_mean[c], momentum, mean);
+  running_var[c] = formulas::bn_running(running_var[c], momentum, formulas::bn_unbiased_var(sq, count));
+}
+
+// {sum dy, sum dy * xhat} over the channel, also added to dbeta and dgamma.
+template <typename T>
+std::pair<double, double> bn_channel_grad_sums(const T* x, const T* dy, const T* save_mean, const T* save_invstd,
+                                               T* dgamma, T* dbeta, BnChannel ch) {
+  const int64_t c = ch.c;
+  double sum_dy = 0, sum_dy_xhat = 0;
+  ch.each([&](int64_t j) {
+    sum_dy += dy[j];
+    sum_dy_xhat += double(dy[j]) * formulas::bn_xhat(x[j], double(save_mean[c]), double(save_invstd[c]));
+  });
+  dgamma[c] += static_cast<T>(sum_dy_xhat);
+  dbeta[c] += static_cast<T>(sum_dy);
+  return {sum_dy, sum_dy_xhat};
+}
+
+// dx over the channel from the two sums over `count` values.
+template <typename T>
+void bn_channel_input_grad(const T* x, const T* dy, const T* gamma, const T* save_mean, const T* save_invstd,
+                           double count, double sum_dy, double sum_dy_xhat, T* dx, BnChannel ch) {
+  const int64_t c = ch.c;
+  // dx = gamma * invstd / M * (M dy - sum dy - xhat sum(dy xhat))
+  const double k = double(gamma[c]) * double(save_invstd[c]) / count;
+  ch.each([&](int64_t j) {
+    const double xhat = formulas::bn_xhat(x[j], double(save_mean[c]), double(save_invstd[c]));
+    dx[j] = formulas::bn_input_grad(dy[j], xhat, k, count, sum_dy, sum_dy_xhat);
   });
 }
 
@@ -183,33 +256,15 @@ class ReferenceBackend final : public Backend {
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, dtypes_));
     const auto [N, C, HW] = d;
-    const int64_t M = N * HW;
+    const double count = double(N * HW);
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.ptr<T>(), *gp = gamma.ptr<T>(), *bp = beta.ptr<T>();
-      T *yp = y.ptr<T>(), *rm = running_mean.ptr<T>(), *rv = running_var.ptr<T>();
-      T *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
+      const T* xp = x.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
-        double sum = 0;
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t i = 0; i < HW; ++i) sum += xp[(n * C + c) * HW + i];
-        const double mean = sum / double(M);
-        double sq = 0;
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t i = 0; i < HW; ++i) {
-            const double d = xp[(n * C + c) * HW + i] - mean;
-            sq += d * d;
-          }
-        const double var = sq / double(M);
-        const double invstd = formulas::bn_invstd(var, eps);
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t i = 0; i < HW; ++i) {
-            const int64_t j = (n * C + c) * HW + i;
-            yp[j] = formulas::bn_apply(xp[j], double(gp[c]), double(bp[c]), mean, invstd);
-          }
-        sm[c] = static_cast<T>(mean);
-        si[c] = static_cast<T>(invstd);
-        rm[c] = formulas::bn_running(rm[c], momentum, mean);
-        rv[c] = formulas::bn_running(rv[c], momentum, sq / double(M - 1));
+        const BnChannel ch{N, C, HW, c};
+        const double mean = bn_channel_sum(xp, ch) / count;
+        const double sq = bn_channel_deviations(xp, ch, mean);
+        bn_channel_normalise(xp, gamma.ptr<T>(), beta.ptr<T>(), mean, sq, count, eps, momentum, running_mean.ptr<T>(),
+                             running_var.ptr<T>(), y.ptr<T>(), save_mean.ptr<T>(), save_invstd.ptr<T>(), ch);
       }
       return ok_status();
     });
@@ -243,31 +298,88 @@ class ReferenceBackend final : public Backend {
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 dtypes_));
     const auto [N, C, HW] = d;
-    const int64_t M = N * HW;
     return dispatch(x.dtype(), [&]<typename T>() {
-      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>(), *gp = gamma.ptr<T>();
-      const T *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
-      T *dxp = dx.ptr<T>(), *dgp = dgamma.ptr<T>(), *dbp = dbeta.ptr<T>();
+      const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>(), *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
-        // dx = gamma * invstd / M * (M dy - sum dy - xhat sum(dy xhat))
-        double sum_dy = 0, sum_dy_xhat = 0;
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t i = 0; i < HW; ++i) {
-            const int64_t j = (n * C + c) * HW + i;
-            const double xhat = formulas::bn_xhat(xp[j], double(sm[c]), double(si[c]));
-            sum_dy += dyp[j];
-            sum_dy_xhat += double(dyp[j]) * xhat;
-          }
-        const double k = double(gp[c]) * double(si[c]) / double(M);
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t i = 0; i < HW; ++i) {
-            const int64_t j = (n * C + c) * HW + i;
-            const double xhat = formulas::bn_xhat(xp[j], double(sm[c]), double(si[c]));
-            dxp[j] = formulas::bn_input_grad(dyp[j], xhat, k, double(M), sum_dy, sum_dy_xhat);
-          }
-        dgp[c] += static_cast<T>(sum_dy_xhat);
-        dbp[c] += static_cast<T>(sum_dy);
+        const BnChannel ch{N, C, HW, c};
+        const auto [sum_dy, sum_dy_xhat] =
+            bn_channel_grad_sums(xp, dyp, sm, si, dgamma.ptr<T>(), dbeta.ptr<T>(), ch);
+        bn_channel_input_grad(xp, dyp, gamma.ptr<T>(), sm, si, double(N * HW), sum_dy, sum_dy_xhat, dx.ptr<T>(), ch);
       }
+      return ok_status();
+    });
+  }
+
+  // Synchronised batch norm's pieces: the helpers of the two ops above, cut where the sums are
+  // all-reduced.
+  Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, dtypes_));
+    const auto [N, C, HW] = d;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      double* st = stats.ptr<double>();
+      for (int64_t c = 0; c < C; ++c) st[c] = bn_channel_sum(x.ptr<T>(), {N, C, HW, c});
+      st[C] = double(N * HW);
+      return ok_status();
+    });
+  }
+
+  Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, dtypes_));
+    const auto [N, C, HW] = d;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const double* st = stats.ptr<double>();
+      for (int64_t c = 0; c < C; ++c)
+        devs.ptr<double>()[c] = bn_channel_deviations(x.ptr<T>(), {N, C, HW, c}, st[c] / st[C]);
+      return ok_status();
+    });
+  }
+
+  Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
+                                       const Tensor& devs, double eps, double momentum, Tensor& running_mean,
+                                       Tensor& running_var, Tensor& y, Tensor& save_mean,
+                                       Tensor& save_invstd) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
+                                                                          running_var, y, save_mean, save_invstd,
+                                                                          dtypes_));
+    const auto [N, C, HW] = d;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const double *st = stats.ptr<double>(), *dv = devs.ptr<double>();
+      for (int64_t c = 0; c < C; ++c)
+        bn_channel_normalise(x.ptr<T>(), gamma.ptr<T>(), beta.ptr<T>(), st[c] / st[C], dv[c], st[C], eps, momentum,
+                             running_mean.ptr<T>(), running_var.ptr<T>(), y.ptr<T>(), save_mean.ptr<T>(),
+                             save_invstd.ptr<T>(), {N, C, HW, c});
+      return ok_status();
+    });
+  }
+
+  Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
+                                    const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
+                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta, dtypes_));
+    const auto [N, C, HW] = d;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      double* su = sums.ptr<double>();
+      for (int64_t c = 0; c < C; ++c)
+        std::tie(su[c], su[C + c]) = bn_channel_grad_sums(x.ptr<T>(), dy.ptr<T>(), save_mean.ptr<T>(),
+                                                          save_invstd.ptr<T>(), dgamma.ptr<T>(), dbeta.ptr<T>(),
+                                                          {N, C, HW, c});
+      return ok_status();
+    });
+  }
+
+  Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
+                                   const Tensor& save_invstd, const Tensor& stats, const Tensor& sums,
+                                   Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
+                                                                      dx, dtypes_));
+    const auto [N, C, HW] = d;
+    return dispatch(x.dtype(), [&]<typename T>() {
+      const double *st = stats.ptr<double>(), *su = sums.ptr<double>();
+      for (int64_t c = 0; c < C; ++c)
+        bn_channel_input_grad(x.ptr<T>(), dy.ptr<T>(), gamma.ptr<T>(), save_mean.ptr<T>(), save_invstd.ptr<T>(), st[C],
+                              su[c], su[C + c], dx.ptr<T>(), {N, C, HW, c});
       return ok_status();
     });
   }

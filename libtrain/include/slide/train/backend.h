@@ -201,6 +201,54 @@ class Backend {
                                                    const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx,
                                                    Tensor& dgamma, Tensor& dbeta) = 0;
 
+  // --- Synchronised batch normalisation's pieces (--sync-bn) -----------------------------------------
+  // The training forward and backward above, cut where the ranks' per-channel sums must be
+  // all-reduced (dist/sync_batch_norm.h composes them with the all-reduces between; PyTorch's
+  // SyncBatchNorm cuts at the same places: batch_norm_stats, batch_norm_elemt,
+  // batch_norm_backward_reduce, batch_norm_backward_elemt). x, dy, y, dx: [N,C,H,W] plain, N may
+  // be 0; gamma, beta, running_*, save_*, dgamma, dbeta: [C] in x's dtype; the sums are f64 on this
+  // backend's device, read by the next piece where they are (no host round trip of their own).
+  // Each sum is accumulated in double as batch_norm_forward_training / batch_norm_backward
+  // accumulate it on this backend, so that with one rank (the sums all-reduced over one) the
+  // pieces give those ops' results bit for bit. Errors: kInvalidArgument (shapes, dtypes, devices,
+  // layouts), kUnimplemented (a backend without them).
+  //
+  // stats [C+1] (overwritten): stats[k] = sum of x over (n, h, w) of channel k; stats[C] = N*H*W.
+  [[nodiscard]] virtual Status batch_norm_stats(const Tensor& x, Tensor& stats) {
+    return unimplemented_op("batch_norm_stats", x, stats);
+  }
+  // devs [C] (overwritten): devs[k] = sum over (n, h, w) of (x - mean_k)^2, mean_k = stats[k] / stats[C]
+  // (stats all-reduced over the ranks: the global mean; the two-pass variance, as one rank's).
+  [[nodiscard]] virtual Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) {
+    return unimplemented_op("batch_norm_deviations", x, stats, devs);
+  }
+  // The training forward from the all-reduced sums, M = stats[C]: mean = stats[k] / M, the biased
+  // var = devs[k] / M; then y, save_mean, save_invstd and the running statistics (the unbiased var
+  // devs[k] / (M - 1), or devs[k] / M when M is 1) as batch_norm_forward_training writes them.
+  [[nodiscard]] virtual Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                                                             const Tensor& stats, const Tensor& devs, double eps,
+                                                             double momentum, Tensor& running_mean,
+                                                             Tensor& running_var, Tensor& y, Tensor& save_mean,
+                                                             Tensor& save_invstd) {
+    return unimplemented_op("batch_norm_forward_from_stats", x, gamma, beta, stats, devs, eps, momentum, running_mean,
+                            running_var, y, save_mean, save_invstd);
+  }
+  // sums [2C] (overwritten) over this rank's values: sums[k] = sum dy, sums[C + k] = sum dy * xhat
+  // (xhat = (x - save_mean) save_invstd); and dbeta += sums[k], dgamma += sums[C + k], as
+  // batch_norm_backward adds them (the gradient all-reduce adds the other ranks' later).
+  [[nodiscard]] virtual Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
+                                                          const Tensor& save_invstd, Tensor& sums, Tensor& dgamma,
+                                                          Tensor& dbeta) {
+    return unimplemented_op("batch_norm_backward_reduce", x, dy, save_mean, save_invstd, sums, dgamma, dbeta);
+  }
+  // dx (overwritten) = gamma invstd / M (M dy - sums[k] - xhat sums[C + k]) with the all-reduced
+  // sums and the forward's stats (M = stats[C], the global count).
+  [[nodiscard]] virtual Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma,
+                                                         const Tensor& save_mean, const Tensor& save_invstd,
+                                                         const Tensor& stats, const Tensor& sums, Tensor& dx) {
+    return unimplemented_op("batch_norm_backward_elemt", x, dy, gamma, save_mean, save_invstd, stats, sums, dx);
+  }
+
   // --- Element-wise ------------------------------------------------------------------------------
   // y = max(x, 0); any shape. y may be x (in place).
   [[nodiscard]] virtual Status relu_forward(const Tensor& x, Tensor& y) = 0;

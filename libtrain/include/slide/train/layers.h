@@ -113,7 +113,7 @@ class BatchNorm2d final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = mean_ = invstd_ = Tensor(); }
+  void release() override { x_ = mean_ = invstd_ = sync_stats_ = Tensor(); }
   void set_batch_norm_sync(Communicator* comm) override { sync_ = comm; }
   double eps() const { return eps_; }
   Parameter weight, bias;        // gamma, beta
@@ -122,8 +122,8 @@ class BatchNorm2d final : public Layer {
  private:
   double eps_, momentum_;
   Communicator* sync_ = nullptr;  // --sync-bn: statistics over every rank
-  double sync_count_ = 0;         // --sync-bn: the last forward's values per channel over all ranks
-  Tensor x_, mean_, invstd_;
+  // --sync-bn: the last forward's all-reduced sums (f64 [C+1], the global count at C).
+  Tensor x_, mean_, invstd_, sync_stats_;
 };
 
 // ReLU. Saves: y (backward needs only the output).

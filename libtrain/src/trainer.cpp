@@ -1,5 +1,7 @@
 #include "slide/train/trainer.h"
 
+#include "batch_uploader.h"
+
 #include "slide/core/log.h"
 #include "slide/train/data_parallel.h"
 #include "slide/train/oom_recovery.h"
@@ -44,17 +46,24 @@ Status with_host_probs(Backend& be, Scored* sc) {
 }
 
 // images and labels on the backend's device; host_labels the labels in host memory (the same
-// tensor on a host backend), for the tallies.
+// tensor on a host backend), for the tallies. `uploaded`: when a BatchUploader copied them (their
+// slot is held until the batch goes; ready() before the batch's first op).
 struct Batch {
   Tensor images, labels, host_labels;
+  BatchUploader::Uploaded uploaded;
+  BatchUploader* uploader = nullptr;
+  Status ready() const { return uploader != nullptr ? uploader->ready(uploaded) : slide::core::ok_status(); }
 };
 
 // Decodes a batch on the host (on `pool`) and, on a device backend, uploads it: one copy per
-// micro-batch, made on the prefetch thread while the previous micro-batch computes. With the
-// dataset cached on the device (--cache device), the batch is gathered and augmented there.
-// `zero_labels` (predict): every label is written as 0, for tiles that may have none.
+// micro-batch, made on the prefetch thread while the previous micro-batch computes. With
+// `uploader` (training on a device) the batch is decoded into its (pinned) host memory and copied
+// on its copy engine, beside the compute; else with Backend::upload. With the dataset cached on
+// the device (--cache device), the batch is gathered and augmented there. `zero_labels`
+// (predict): every label is written as 0, for tiles that may have none.
 Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_t>& idx, const Augmentation& augment,
-                   uint64_t seed, slide::core::ThreadPool* pool, bool zero_labels = false) {
+                   uint64_t seed, slide::core::ThreadPool* pool, bool zero_labels = false,
+                   BatchUploader* uploader = nullptr) {
   Batch b;
   Tensor host_images;
   if (data.device_cached() && be.device() != Device::kCpu) {
@@ -62,10 +71,19 @@ Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_
     SLIDE_RETURN_IF_ERROR(data.load_batch_on_device(be, idx, augment, seed, &b.images, &b.host_labels));
   } else {
     // A host backend's tensors are host memory: decoded straight into its allocator.
-    Allocator& alloc = be.device() == Device::kCpu ? be.allocator() : cpu_allocator();
+    Allocator& alloc = be.device() == Device::kCpu ? be.allocator()
+                       : uploader != nullptr       ? uploader->host_allocator()
+                                                   : cpu_allocator();
     SLIDE_RETURN_IF_ERROR(data.load_batch(idx, augment, seed, pool, alloc, &host_images, &b.host_labels));
   }
   if (zero_labels) std::fill_n(b.host_labels.data<int32_t>(), b.host_labels.numel(), 0);
+  if (!b.images.defined() && uploader != nullptr) {
+    SLIDE_ASSIGN_OR_RETURN(b.uploaded, uploader->upload(host_images, b.host_labels));
+    b.images = b.uploaded.images;
+    b.labels = b.uploaded.labels;
+    b.uploader = uploader;
+    return b;
+  }
   // On a host backend to_device returns the tensor itself: images and labels are the host's.
   if (!b.images.defined()) {
     SLIDE_ASSIGN_OR_RETURN(b.images, to_device(be, host_images, "images"));
@@ -173,12 +191,18 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   // A bounded prefetch queue of one micro-batch: the next one is decoded (on the pool) while this
   // one computes. Decoding depends only on (seed, positions), so the order of work changes
   // nothing in the result.
+  // On a device, the micro-batches are copied on a copy engine of their own, double buffered
+  // (batch_uploader.h); declared before the prefetch future so that it outlives every batch.
+  std::unique_ptr<BatchUploader> uploader;
+  if (be.device() != Device::kCpu && !data.device_cached()) {
+    if (auto engine = be.new_copy_engine()) uploader = std::make_unique<BatchUploader>(be, std::move(engine));
+  }
   auto fetch = [&](const Micro& mb) {
     std::vector<size_t> idx(order.begin() + static_cast<long>(mb.a), order.begin() + static_cast<long>(mb.b));
     // Seeded per step: a sample's augmentation depends on its step and position, not on how the
     // step is split into ranks and micro-batches.
     if (idx.empty()) return Result<Batch>(Batch{});
-    return load(be, data, idx, options.augment, epoch_seed * 1000003 + mb.start, pool);
+    return load(be, data, idx, options.augment, epoch_seed * 1000003 + mb.start, pool, false, uploader.get());
   };
   std::future<Result<Batch>> next;
   if (!plan.empty()) next = std::async(std::launch::async, fetch, plan[0]);
@@ -229,6 +253,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     }
     const Status micro_status = [&]() -> Status {
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());
+    SLIDE_RETURN_IF_ERROR(batch.ready());  // the ops below run after its copy (on the device)
     if (i + 1 < plan.size()) next = std::async(std::launch::async, fetch, plan[i + 1]);
     if (mb.a != mb.b) {  // else: no sample of this step on this rank
       // Dropout's masks: sample j of this micro-batch gets seed + j, a function of its position in
@@ -275,6 +300,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
         if (plan[j].last) break;
       }
       if (next.valid()) (void)next.get();  // the prefetched micro-batch belongs to the old split
+      if (uploader != nullptr) SLIDE_RETURN_IF_ERROR(uploader->trim());  // its buffers, for the recovery
       SLIDE_RETURN_IF_ERROR(recovery.recover(micro_status, &micro_count, step_rank_n, be.allocator()));
       SLIDE_RETURN_IF_ERROR(opt.zero_grad());
       std::tie(loss_sum, correct, seen, right) =

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../libtrain/src/batch_uploader.h"
 #include "../../libtrain/src/dist/sync_batch_norm.h"
 #include "../libtrain/test_util.h"
 #include "device_probe.h"
@@ -611,6 +612,41 @@ TEST_CASE("cuda: tensors on the host are refused; budgets and zeros work on the 
   Pair h = make({1000}, 0, 0, 0, 5.0);
   down(*z, h.f);
   CHECK(h.f.data<float>()[999] == 0.0f);
+}
+
+TEST_CASE("cuda: input batches on their own copy stream (BatchUploader): ordered after their copies, slots reused") {
+  auto engine = gpu().new_copy_engine();
+  REQUIRE(engine != nullptr);
+  REQUIRE(engine->host_allocator() != nullptr);
+  BatchUploader up(gpu(), std::move(engine));
+  const int64_t n = 1 << 22;  // 16 MiB per batch: a copy long enough to race a kernel that did not wait
+  auto batch = [&](float v) {
+    Tensor h = Tensor::empty({n}, DType::kF32, up.host_allocator(), "pinned batch").value();
+    std::fill_n(h.data<float>(), n, v);
+    Tensor l = Tensor::empty({4}, DType::kI32, up.host_allocator(), "pinned labels").value();
+    std::fill_n(l.data<int32_t>(), 4, static_cast<int32_t>(v));
+    auto r = up.upload(h, l);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    return std::move(*r);
+  };
+  for (int round = 0; round < 3; ++round) {
+    BatchUploader::Uploaded a = batch(1.0f + round), b = batch(10.0f + round);
+    CHECK(a.slot != b.slot);
+    // The kernels run on the compute stream after the copies (ready): each reads its whole batch.
+    OK(up.ready(a));
+    OK(up.ready(b));
+    Tensor sa = Tensor::empty({n}, DType::kF32, gpu().allocator()).value();
+    Tensor sb = Tensor::empty({n}, DType::kF32, gpu().allocator()).value();
+    OK(gpu().scale(a.images, 2.0, sa));
+    OK(gpu().scale(b.images, 2.0, sb));
+    Pair ha = make({n}), hb = make({n});
+    down(sa, ha.f);
+    down(sb, hb.f);
+    CHECK(std::all_of(ha.f.data<float>(), ha.f.data<float>() + n, [&](float x) { return x == 2.0f * (1.0f + round); }));
+    CHECK(std::all_of(hb.f.data<float>(), hb.f.data<float>() + n, [&](float x) { return x == 2.0f * (10.0f + round); }));
+  }
+  CHECK(up.slot_count() == 2);  // each round reused the two slots
+  OK(up.trim());
 }
 
 TEST_CASE("cuda: the copy engine (activation offload) round trip, and offloaded ResNet-18 gradients bit for bit") {

@@ -20,7 +20,9 @@
 #include <vector>
 
 #include "slide/tile/pipeline.h"
+#include "../../libtrain/src/batch_uploader.h"
 #include "slide/train/checkpoint.h"
+#include "slide/train/copy_engine.h"
 #include "slide/train/trainer.h"
 #include "test_fixtures.h"
 
@@ -367,6 +369,77 @@ TEST_CASE("sim device: training with the dataset cached on the device (--cache d
   REQUIRE(data->cache_on_device(*sim, nullptr).ok());
   const RunResult b = train_run(*sim, Allocator::kUnlimited, 2, *data, true);
   check_same(a, b);
+}
+
+TEST_CASE("batch uploader: input batches copied on a copy thread, double buffered, slots reused and trimmed") {
+  auto be = backend("reference-sim");
+  // A copy thread that sleeps 30 ms before each copy: a ready() that did not wait for the copy
+  // would let the download below read the slot before the batch is in it.
+  BatchUploader up(*be, make_thread_copy_engine(std::chrono::milliseconds(30)));
+  auto host = [](float v, int64_t n) {
+    Tensor t = Tensor::empty({n, 3, 4, 4}, DType::kF32, cpu_allocator()).value();
+    std::fill_n(t.data<float>(), t.numel(), v);
+    return t;
+  };
+  auto labels = [](int32_t v, int64_t n) {
+    Tensor t = Tensor::empty({n}, DType::kI32, cpu_allocator()).value();
+    std::fill_n(t.data<int32_t>(), n, v);
+    return t;
+  };
+  auto all_equal = [&](const Tensor& device, float v) {
+    auto h = to_host(*be, device);
+    REQUIRE_MESSAGE(h.ok(), h.status().to_string());
+    return std::all_of(h->data<float>(), h->data<float>() + h->numel(), [&](float x) { return x == v; });
+  };
+  auto upload = [&](float v, int64_t n) {
+    auto r = up.upload(host(v, n), labels(static_cast<int32_t>(v), n));
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    return std::move(*r);
+  };
+  BatchUploader::Uploaded a = upload(1, 2);
+  REQUIRE(up.ready(a).ok());
+  CHECK(a.images.device() == Device::kSim);
+  CHECK(a.images.shape() == Shape{2, 3, 4, 4});
+  CHECK(all_equal(a.images, 1));
+  // a is held: the next batch takes another slot and leaves a's alone.
+  BatchUploader::Uploaded b = upload(2, 2);
+  CHECK(b.slot != a.slot);
+  REQUIRE(up.ready(b).ok());
+  CHECK(all_equal(a.images, 1));
+  CHECK(all_equal(b.images, 2));
+  auto l = to_host(*be, b.labels).value();
+  CHECK(l.data<int32_t>()[1] == 2);
+  // a released: its slot takes the next batch (smaller: a view of the same buffer).
+  const int slot_a = a.slot;
+  Tensor a_buffer = a.images;
+  a = {};
+  BatchUploader::Uploaded c = upload(3, 1);
+  CHECK(c.slot == slot_a);
+  CHECK(c.images.shares_storage(a_buffer));
+  CHECK(c.images.shape() == Shape{1, 3, 4, 4});
+  REQUIRE(up.ready(c).ok());
+  CHECK(all_equal(c.images, 3));
+  CHECK(all_equal(b.images, 2));
+  // A larger batch grows its slot's buffer.
+  const int slot_b = b.slot;
+  b = {};
+  BatchUploader::Uploaded d = upload(4, 5);
+  CHECK(d.slot == slot_b);
+  REQUIRE(up.ready(d).ok());
+  CHECK(all_equal(d.images, 4));
+  CHECK(up.slot_count() == 2);
+  // trim frees the buffers of the slots no batch holds (c's, once c is gone), not d's.
+  c = {};
+  a_buffer = Tensor();
+  const size_t before = be->allocator().current_bytes();
+  REQUIRE(up.trim().ok());
+  CHECK(before - be->allocator().current_bytes() >= 2 * 3 * 4 * 4 * sizeof(float) + 2 * sizeof(int32_t));
+  CHECK(all_equal(d.images, 4));
+  CHECK(up.slot_count() == 2);  // the slot stays, without buffers: the next batch allocates them
+  BatchUploader::Uploaded e = upload(5, 2);
+  REQUIRE(up.ready(e).ok());
+  CHECK(all_equal(e.images, 5));
+  // A prefetched batch never used: the uploader's destructor waits for its copy.
 }
 
 TEST_SUITE_END();

@@ -109,7 +109,9 @@ class PinnedHostMemory final : public RawDeviceMemory {
 // records an event of its own that wait() synchronises the host on. So after wait() the bytes are
 // there, the source may be freed (its block goes back to the caching allocator, whose next user
 // is queued on the compute stream after the copy is complete) and later compute sees the
-// destination. Host buffers are pinned (PinnedHostMemory). One thread (the training thread) uses it.
+// destination. Host buffers are pinned (PinnedHostMemory). Its calls may come from several
+// threads (the trainer's prefetch thread starts input copies that the training thread orders its
+// ops after): a mutex guards its events.
 class CudaCopyEngine final : public CopyEngine {
  public:
   explicit CudaCopyEngine(int device, cudaStream_t compute) : device_(device), compute_(compute) {}
@@ -129,7 +131,18 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   Result<uint64_t> start(Backend& be, const Tensor& src, Tensor& dst, CopyDirection dir) override {
+    return start_after(be, nullptr, src, dst, dir);
+  }
+
+  // With a fence: the copy stream waits for the fence's event only (a CudaFence of this device's
+  // compute stream); without: for everything queued on the compute stream so far.
+  Result<uint64_t> start_after(Backend& be, const DeviceFence* after, const Tensor& src, Tensor& dst,
+                               CopyDirection dir) override {
     SLIDE_RETURN_IF_ERROR(validate_copy(be, src, dst, dir));
+    const auto* fence = dynamic_cast<const CudaFence*>(after);
+    if (after != nullptr && fence == nullptr)
+      return slide::core::invalid_argument("cuda copy engine: the fence is not a cuda fence");
+    std::lock_guard<std::mutex> lock(mu_);
     SLIDE_CUDA_CHECK(cudaSetDevice(device_));
     cudaEvent_t done = nullptr;
     if (!spare_.empty()) {
@@ -140,10 +153,15 @@ class CudaCopyEngine final : public CopyEngine {
     }
     const uint64_t ticket = ++last_;
     pending_[ticket] = done;  // destroyed by the destructor should a call below fail
-    // The copy stream waits for the compute stream's work so far (cudaStreamWaitEvent uses the
-    // event as recorded at the time of the call, so ready_ can be recorded again next time).
-    SLIDE_CUDA_CHECK(cudaEventRecord(ready_, compute_));
-    SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, ready_, 0));
+    // The copy stream waits for the compute stream's work so far, or up to the fence
+    // (cudaStreamWaitEvent uses the event as recorded at the time of the call, so ready_ can be
+    // recorded again next time).
+    if (fence != nullptr) {
+      SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, fence->event(), 0));
+    } else {
+      SLIDE_CUDA_CHECK(cudaEventRecord(ready_, compute_));
+      SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, ready_, 0));
+    }
     if (src.bytes() > 0)
       SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(),
                                        dir == CopyDirection::kToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
@@ -153,6 +171,7 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   Status wait(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(ticket);
     if (it == pending_.end()) return slide::core::invalid_argument("cuda copy engine: no copy " + std::to_string(ticket));
     const cudaEvent_t e = it->second;
@@ -164,10 +183,23 @@ class CudaCopyEngine final : public CopyEngine {
     return ok_status();
   }
 
+  // The compute stream waits for the copy's event on the device; the event stays pending until
+  // wait() (cudaStreamWaitEvent used it as recorded now).
+  Status order_ops_after(Backend& be, uint64_t ticket) override {
+    (void)be;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(ticket);
+    if (it == pending_.end()) return slide::core::invalid_argument("cuda copy engine: no copy " + std::to_string(ticket));
+    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
+    SLIDE_CUDA_CHECK(cudaStreamWaitEvent(compute_, it->second, 0));
+    return ok_status();
+  }
+
   bool asynchronous() const override { return true; }
   Allocator* host_allocator() override { return pinned_.get(); }
 
  private:
+  std::mutex mu_;
   int device_;
   cudaStream_t compute_;
   cudaStream_t copy_ = nullptr;
@@ -386,6 +418,19 @@ class CudaBackend final : public Backend {
       st_->copy = std::move(engine);
     }
     return st_->copy.get();
+  }
+
+  // Another copy stream, for the trainer's input batches (uploaded from its prefetch thread while
+  // the compute stream runs the micro-batch before); null, with a warning, should it not be made
+  // (the batches are then uploaded on the compute stream).
+  std::unique_ptr<CopyEngine> new_copy_engine() override {
+    auto engine = std::make_unique<CudaCopyEngine>(st_->device, st_->stream);
+    if (Status s = engine->init(); !s.ok()) {
+      slide::core::log_warn("cuda: no copy stream for input batches; they are uploaded on the compute stream",
+                            {{"why", s.to_string()}});
+      return nullptr;
+    }
+    return engine;
   }
 
   Result<size_t> available_memory_bytes() override {

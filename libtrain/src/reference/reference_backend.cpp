@@ -156,6 +156,11 @@ class ReferenceBackend final : public Backend {
     if (!engine_) engine_ = make_thread_copy_engine();
     return engine_.get();
   }
+  // ... and uploads the trainer's input batches on a copy thread of their own.
+  std::unique_ptr<CopyEngine> new_copy_engine() override {
+    if (alloc_.device() != Device::kSim) return nullptr;
+    return make_thread_copy_engine();
+  }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));

@@ -126,6 +126,11 @@ class Backend {
   // activation offload), or null: offload then copies synchronously with upload / download.
   // Owned by the backend (or its device); the training thread calls it.
   virtual CopyEngine* copy_engine() { return nullptr; }
+  // A copy engine of its own (another copy stream on cuda), for a second user beside the training
+  // thread's offload: the trainer's input batches, started from its prefetch thread. Null where
+  // the backend has none (host backends; cuda when the stream cannot be made): upload instead.
+  // (Defined in transfer.cpp, where CopyEngine is complete.)
+  virtual std::unique_ptr<CopyEngine> new_copy_engine();
   // A fence after every op queued so far on this backend's device, or null where ops are complete
   // when they return (host backends: nothing to order after). Errors: the device's.
   [[nodiscard]] virtual Result<std::unique_ptr<DeviceFence>> fence() { return std::unique_ptr<DeviceFence>(); }

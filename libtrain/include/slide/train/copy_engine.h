@@ -4,7 +4,7 @@
 // a lookahead of one; vDNN's offload and prefetch).
 //
 // One interface, three engines:
-// - the cuda backend's (cuda_backend.cpp): a copy stream per device, ordered after the compute
+// - the cuda backend's (cuda_backend.cpp): a copy stream per engine, ordered after the compute
 //   stream's work by an event, cudaMemcpyAsync from and to pinned host memory (cudaHostAlloc,
 //   cached by size), and an event per copy that wait() synchronises on;
 // - the host-thread engine (make_thread_copy_engine) for devices in host memory (the simulated
@@ -33,10 +33,28 @@ class CopyEngine {
   // far. Both must stay allocated, and `src` unwritten, until wait(ticket) returns. Returns the
   // copy's ticket. Errors: kInvalidArgument (sizes or devices wrong), the device's.
   [[nodiscard]] virtual Result<uint64_t> start(Backend& be, const Tensor& src, Tensor& dst, CopyDirection dir) = 0;
+  // As start, but the copy waits (on the device) only for the work `be` had queued before `after`
+  // (a fence of be's, Backend::fence), not for everything queued since: for a buffer the caller
+  // knows no later op reads or writes (a double-buffered input batch whose previous user's ops
+  // ended at `after`), so that the copy runs beside the ops queued after the fence. Null `after`:
+  // as start. Default: start (ordered after everything: correct, without the overlap).
+  [[nodiscard]] virtual Result<uint64_t> start_after(Backend& be, const DeviceFence* after, const Tensor& src,
+                                                     Tensor& dst, CopyDirection dir) {
+    (void)after;
+    return start(be, src, dst, dir);
+  }
   // Returns when the copy of `ticket` is complete: its bytes are in `dst`, `src` may be freed or
   // written, and the backend's later ops see `dst`. Each ticket is waited for once. Errors: the
   // copy's (the first failure of the engine is reported by every later wait too).
   [[nodiscard]] virtual Status wait(uint64_t ticket) = 0;
+  // The ops `be` queues from now on run after the copy of `ticket` (cuda: the compute stream waits
+  // for the copy's event on the device, and the host goes on at once). The ticket must still be
+  // waited for (wait) before the copy's source is reused. Default: wait for it on the host, without
+  // using the ticket up (the host-thread engine's and the synchronous engine's waits may repeat).
+  [[nodiscard]] virtual Status order_ops_after(Backend& be, uint64_t ticket) {
+    (void)be;
+    return wait(ticket);
+  }
   // Whether copies run concurrently with the backend's ops (false: start() copies at once).
   virtual bool asynchronous() const = 0;
   // Where host copies should live (pinned memory on cuda), or null for the caller's host

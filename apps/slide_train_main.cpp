@@ -328,6 +328,14 @@ int run_main(int argc, char** argv) {
                  "Seconds a collective between ranks may take before the job stops with an error")
       ->capture_default_str()->check(number_option("dist-timeout"));
   app.add_flag("--sync-bn", sync_bn, "Batch norm statistics over all ranks' samples (default: per rank)");
+  double bucket_mb = static_cast<double>(slide::train::kDefaultBucketBytes) / (1 << 20);
+  bool no_overlap = false;
+  app.add_option("--bucket-mb", bucket_mb,
+                 "Gradient bucket size in MiB (as DDP's bucket_cap_mb): each bucket is all-reduced as soon as "
+                 "backward has finished its gradients")
+      ->capture_default_str()->check(CLI::Range(1.0 / (1 << 20), 1e6));
+  app.add_flag("--no-overlap", no_overlap,
+               "All-reduce the gradient buckets after backward instead of during it (to measure the overlap)");
   int gpus = 0;
   app.add_option("--gpus", gpus,
                  "Start N ranks on this machine and supervise them, without MPI (as torchrun --nproc-per-node): "
@@ -744,6 +752,8 @@ int run_main(int argc, char** argv) {
     to.refit_on_oom = memory_plan->refit;
     to.loss_scaler = scaler ? &*scaler : nullptr;
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
+    to.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
+    to.overlap_all_reduce = !no_overlap;
     // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
     slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),
                                    static_cast<int64_t>(train.size()) - to.start_step * batch, "img/s",

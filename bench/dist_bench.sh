@@ -22,11 +22,12 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 "$build/apps/slide-tile" --patches "$here/sample_data/patches/lc25000-lung-subset" --tile-size "$size" \
   -o "$tmp/lc" -q >/dev/null 2>&1
 
-# ours RANKS THREADS -> "images_per_s all_reduce_ms_per_step step_ms"
+# ours RANKS THREADS [slide-train options] -> "images_per_s all_reduce_ms_per_step step_ms"
 ours() {
-  local out="$tmp/run_$1x$2"
+  local out="$tmp/run_$1x$2${3:-}"
   OMP_NUM_THREADS=$2 mpirun -np "$1" "$build/apps/slide-train" --data "$tmp/lc" --val-fraction 0 --model "$model" \
-    --batch-size "$batch" --epochs 2 --threads 1 --cache ram --no-augment --out "$out" --log-json 2>"$out.log" >/dev/null
+    --batch-size "$batch" --epochs 2 --threads 1 --cache ram --no-augment --out "$out" --log-json "${@:3}" \
+    2>"$out.log" >/dev/null
   /usr/bin/python3 - "$out.log" "$batch" <<'PY'
 import json, math, sys
 recs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
@@ -42,6 +43,7 @@ peer() { /usr/bin/python3 "$here/bench/ddp_peer.py" --ranks "$1" --threads "$2" 
 
 read -r o1 _ s1 <<<"$(ours 1 2)"
 read -r o2 ar2 s2 <<<"$(ours 2 1)"
+read -r o3 ar3 s3 <<<"$(ours 2 1 --no-overlap)"
 p1=$(peer 1 2); p2=$(peer 2 1)
 params=$(/usr/bin/python3 -c "import torchvision; m=torchvision.models.$model(num_classes=3); print(sum(p.numel() for p in m.parameters()))")
 echo "$model ${size}px, global batch $batch, $(nproc) cores; gradient all-reduce $(awk -v p="$params" 'BEGIN{printf "%.1f MB", p*4/1e6}') per step"
@@ -52,5 +54,7 @@ printf '%-22s %12.2f %12.2f\n' "scaling efficiency" "$(awk -v a="$o2" -v b="$o1"
   "$(awk -v a="$p2" -v b="$p1" 'BEGIN{print a/b}')"
 printf 'slide-train 2 ranks: step %.0f ms, of which %.1f ms (%.1f%%) in the gradient all-reduce (1 rank x 2 threads: step %.0f ms)\n' \
   "$s2" "$ar2" "$(awk -v a="$ar2" -v b="$s2" 'BEGIN{print 100*a/b}')" "$s1"
+printf 'slide-train 2 ranks, buckets all-reduced after backward (--no-overlap): %.2f img/s, step %.0f ms, %.1f ms waiting in the all-reduce (overlap: %.2fx the images/s)\n' \
+  "$o3" "$s3" "$ar3" "$(awk -v a="$o2" -v b="$o3" 'BEGIN{print a/b}')"
 echo "the all-reduce alone (OMP_NUM_THREADS=1):"
 OMP_NUM_THREADS=1 mpirun -np 2 "$build/bench/allreduce_bench"

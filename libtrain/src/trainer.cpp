@@ -163,7 +163,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     std::vector<Parameter*> params;
     std::vector<Buffer*> buffers;
     model.collect("", &params, &buffers);
-    SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator(), kDefaultBucketBytes, &be));
+    SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator(), options.bucket_bytes, &be));
   }
   bool stop_all = false;  // data-parallel: some rank asked to stop (all-reduced with the gradients)
   const bool scaling = options.loss_scaler != nullptr && options.loss_scaler->enabled();
@@ -249,7 +249,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     if (mb.last && buckets != nullptr) {
       options.comm->set_step(opt.steps());
       SLIDE_RETURN_IF_ERROR(buckets->start_step(*options.comm, options.cancel != nullptr && options.cancel->load()));
-      model.set_backward_hook(&bucket_hook);
+      if (options.overlap_all_reduce) model.set_backward_hook(&bucket_hook);
     }
     const Status micro_status = [&]() -> Status {
     SLIDE_ASSIGN_OR_RETURN(Batch batch, next.get());

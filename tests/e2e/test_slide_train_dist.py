@@ -224,6 +224,19 @@ class TestEquivalence(Base):
         for k in models["reference"]:
             self.assertTrue(np.array_equal(models["reference"][k], models["reference-sim"][k]), k)
 
+    def test_bucket_size_and_overlap_change_no_number(self):
+        # Buckets of 10 KiB (dozens, each all-reduced as soon as backward has finished it) or every
+        # bucket after backward (--no-overlap): the default's parameters, bit for bit.
+        runs = {}
+        for tag, extra in (("default", []), ("small", ["--bucket-mb", "0.01"]), ("after", ["--no-overlap"])):
+            out = os.path.join(self.tmp, "buckets_" + tag)
+            r = self.train(2, out, 5, 1, *extra)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            runs[tag] = params(out, 1)
+        for tag in ("small", "after"):
+            for k in runs["default"]:
+                self.assertTrue(np.array_equal(runs["default"][k], runs[tag][k]), (tag, k))
+
     def test_sync_bn_two_ranks_equal_one_rank_with_the_whole_batch(self):
         self.check(2, 6, [], ["--sync-bn"], same_validation=True)
         self.assert_close(read_safetensors(os.path.join(self.tmp, "one_2_6_", "best.safetensors")),

@@ -166,6 +166,38 @@ class TestGpuRanks(unittest.TestCase):
             self.skipTest("needs two GPUs")
         self.check_two_gpus("sync_bn", [], ["--gpus", "2", "--sync-bn"], one_extra=[], with_running=True)
 
+    def test_a_stopped_gpu_rank_ends_the_nccl_job_within_the_deadline_and_one_gpu_resumes_it(self):
+        # A hung rank (SIGSTOP: alive, its NCCL connections open) under slide-train --gpus 2: rank 0's
+        # collective is aborted (ncclCommAbort) past --dist-timeout with an error naming the rank
+        # and the step, the launcher takes the job down, and the newest checkpoint resumes on one
+        # GPU (the same global batch of 32).
+        if gpu_count() < 2:
+            self.skipTest("needs two GPUs")
+        from test_slide_train_dist import hang_rank, rank_pids
+        out = os.path.join(TMP, "nccl_stopped")
+        args = [TRAIN, "--data", STORE, "--out", out, "--epochs", "1000", "--batch-size", "32", "--lr", "0.05",
+                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
+                "--gpus", "2", "--dist-timeout", "10"]
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not os.path.isdir(os.path.join(out, "checkpoints", "epoch-1-step-0")):
+            self.assertIsNone(p.poll(), "the run ended before its first checkpoint")
+            self.assertLess(time.monotonic(), deadline, "no checkpoint after 300 s")
+            time.sleep(0.2)
+        pids = rank_pids(p.pid, rank_variable=b"SLIDE_LAUNCH_RANK")
+        self.assertEqual(sorted(pids), [0, 1])
+        took, err = hang_rank(p, pids, 1, timeout=180)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertLess(took, 10 + 60)
+        self.assertRegex(err, r"rank 0 of 2 at step \d+: .*did not complete within 10 s")
+        # One GPU resumes from the newest complete checkpoint and trains one more epoch.
+        done = max(int(d.split("-")[1]) for d in os.listdir(os.path.join(out, "checkpoints"))
+                   if d.startswith("epoch-") and d.endswith("-step-0"))
+        r = train(out, "--epochs", str(done + 1), "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stderr, r"resumed .*epoch-%d-step-0" % done)
+        self.assertTrue(os.path.isdir(os.path.join(out, "checkpoints", "epoch-%d-step-0" % (done + 1))))
+
     def check_two_gpus(self, tag, launcher, extra, one_extra=("--accumulate", "2"), with_running=False):
         """Two GPU ranks (started by `launcher` + slide-train ... `extra`) against one GPU with
         `one_extra` (by default --accumulate 2): the same weights up to float summation order.

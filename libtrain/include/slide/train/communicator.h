@@ -31,6 +31,10 @@ class DeviceFence;  // backend.h
 
 enum class ReduceOp : uint8_t { kSum = 0, kAverage = 1 };
 
+// The gradient buckets' default size (data_parallel.h, TrainOptions::bucket_bytes): PyTorch
+// DistributedDataParallel's default bucket_cap_mb (25 MiB).
+inline constexpr size_t kDefaultBucketBytes = size_t{25} << 20;
+
 // A collective in flight, from Communicator::all_reduce_async.
 class CollectiveWork {
  public:

@@ -24,8 +24,6 @@
 
 namespace slide::train {
 
-// PyTorch DistributedDataParallel's default bucket_cap_mb (25 MiB).
-inline constexpr size_t kDefaultBucketBytes = size_t{25} << 20;
 
 class GradientBuckets {
  public:

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "slide/core/thread_pool.h"
+#include "slide/train/communicator.h"
 #include "slide/train/dataset.h"
 #include "slide/train/loss_scaler.h"
 #include "slide/train/oom_recovery.h"
@@ -60,6 +61,13 @@ struct TrainOptions {
   // then runs the same number of micro-batches per step (min(accumulate, step samples / ranks)),
   // and a step with fewer samples than ranks is kInvalidArgument.
   bool sync_batch_norm = false;
+  // With comm: the gradient buckets' size (GradientBuckets::make; PyTorch DDP's bucket_cap_mb),
+  // and whether each bucket's all-reduce starts as soon as backward has finished its gradients
+  // (true: overlapped with the rest of backward) or every bucket after backward (false: for
+  // measuring what the overlap hides). Neither changes a number: each element is summed over the
+  // same ranks whatever its bucket.
+  size_t bucket_bytes = kDefaultBucketBytes;
+  bool overlap_all_reduce = true;
   // Out of memory (kResourceExhausted) inside a step: the step's partial work is discarded
   // (gradients zeroed, saved activations released, batch norm's running statistics put back,
   // the allocator's cache trimmed), its micro-batches are halved (twice as many, up to one

@@ -428,7 +428,9 @@ namespace {
 // evaluate() and predict(): the batches of `positions` through `logits` and the softmax, in order,
 // no augmentation, with out-of-memory halving. `labelled`: the loss and tallies over the tiles'
 // labels (evaluate); else every label is taken as 0 for the loss op, whose probabilities do not
-// depend on the labels, and the loss and tallies are not kept (predict).
+// depend on the labels, and the loss and tallies are not kept (predict). On a device the next
+// batch is decoded on a prefetch thread while this one computes, and copied on the uploader's
+// copy stream as in training; on a host backend the batches are decoded in turn, as before.
 Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const TileDataset& data,
                                    const std::vector<size_t>& positions, int64_t batch_size,
                                    slide::core::ThreadPool* pool, bool labelled, std::vector<float>* probs_out) {
@@ -441,12 +443,32 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
   EpochStats st;
   int64_t correct = 0;
   double loss_sum = 0;
+  const bool on_device = be.device() != Device::kCpu;
+  std::unique_ptr<BatchUploader> uploader;  // before the prefetch future: it outlives every batch
+  if (on_device && !data.device_cached()) {
+    if (auto engine = be.new_copy_engine()) uploader = std::make_unique<BatchUploader>(be, std::move(engine));
+  }
+  auto fetch = [&](size_t a, size_t b) {
+    std::vector<size_t> idx(positions.begin() + static_cast<long>(a), positions.begin() + static_cast<long>(b));
+    return load(be, data, idx, Augmentation{}, 0, pool, /*zero_labels=*/!labelled, uploader.get());
+  };
+  std::future<Result<Batch>> next;  // on a device: the batch [next_start, next_end), being loaded
+  size_t next_start = 0, next_end = 0;
   for (size_t start = 0, end = 0; start < positions.size(); start = end) {
     end = std::min(positions.size(), start + static_cast<size_t>(batch_size));
-    std::vector<size_t> idx(positions.begin() + static_cast<long>(start), positions.begin() + static_cast<long>(end));
-    auto batch = load(be, data, idx, Augmentation{}, 0, pool, /*zero_labels=*/!labelled);
+    auto batch = [&]() -> Result<Batch> {
+      if (next.valid() && next_start == start && next_end == end) return next.get();
+      if (next.valid()) (void)next.get();  // loaded for the split before an out-of-memory halving
+      return fetch(start, end);
+    }();
+    if (on_device && end < positions.size()) {
+      next_start = end;
+      next_end = std::min(positions.size(), end + static_cast<size_t>(batch_size));
+      next = std::async(std::launch::async, fetch, next_start, next_end);
+    }
     auto scored = [&]() -> Result<Scored> {
       if (!batch.ok()) return batch.status();
+      SLIDE_RETURN_IF_ERROR(batch->ready());  // the ops below run after its copy (on the device)
       SLIDE_ASSIGN_OR_RETURN(Tensor z, logits(batch->images));
       if (z.rank() != 2 || z.dim(0) != batch->labels.dim(0) || z.dim(1) != static_cast<int64_t>(classes))
         return slide::core::invalid_argument((labelled ? "evaluate" : "predict") + std::string(": logits of shape ") +
@@ -461,6 +483,8 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
       // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
       batch_size = (batch_size + 1) / 2;
       slide::core::log_warn("out of memory in evaluation: batch halved", {{"batch_size", batch_size}});
+      if (next.valid()) (void)next.get();  // the prefetched batch of the old size
+      if (uploader != nullptr) SLIDE_RETURN_IF_ERROR(uploader->trim());  // the idle slots' buffers
       be.allocator().trim_cache();
       end = start;
       continue;

@@ -92,6 +92,16 @@ Result<Batch> load(Backend& be, const TileDataset& data, const std::vector<size_
   return b;
 }
 
+// A BatchUploader for the batches of `data` on be's device: null on a host backend, with the
+// dataset cached on the device (--cache device: nothing to copy), or where the backend has no
+// second copy engine (load() then uploads with Backend::upload).
+std::unique_ptr<BatchUploader> make_batch_uploader(Backend& be, const TileDataset& data) {
+  if (be.device() == Device::kCpu || data.device_cached()) return nullptr;
+  auto engine = be.new_copy_engine();
+  if (!engine) return nullptr;
+  return std::make_unique<BatchUploader>(be, std::move(engine));
+}
+
 // The loss and probabilities of a batch's logits.
 Result<Scored> score_logits(Backend& be, const Tensor& logits, const Batch& batch, double label_smoothing,
                             const Tensor& class_weights = Tensor()) {
@@ -193,10 +203,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   // nothing in the result.
   // On a device, the micro-batches are copied on a copy engine of their own, double buffered
   // (batch_uploader.h); declared before the prefetch future so that it outlives every batch.
-  std::unique_ptr<BatchUploader> uploader;
-  if (be.device() != Device::kCpu && !data.device_cached()) {
-    if (auto engine = be.new_copy_engine()) uploader = std::make_unique<BatchUploader>(be, std::move(engine));
-  }
+  const std::unique_ptr<BatchUploader> uploader = make_batch_uploader(be, data);
   auto fetch = [&](const Micro& mb) {
     std::vector<size_t> idx(order.begin() + static_cast<long>(mb.a), order.begin() + static_cast<long>(mb.b));
     // Seeded per step: a sample's augmentation depends on its step and position, not on how the
@@ -444,10 +451,8 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
   int64_t correct = 0;
   double loss_sum = 0;
   const bool on_device = be.device() != Device::kCpu;
-  std::unique_ptr<BatchUploader> uploader;  // before the prefetch future: it outlives every batch
-  if (on_device && !data.device_cached()) {
-    if (auto engine = be.new_copy_engine()) uploader = std::make_unique<BatchUploader>(be, std::move(engine));
-  }
+  // Before the prefetch future: it outlives every batch.
+  const std::unique_ptr<BatchUploader> uploader = make_batch_uploader(be, data);
   auto fetch = [&](size_t a, size_t b) {
     std::vector<size_t> idx(positions.begin() + static_cast<long>(a), positions.begin() + static_cast<long>(b));
     return load(be, data, idx, Augmentation{}, 0, pool, /*zero_labels=*/!labelled, uploader.get());

@@ -336,6 +336,11 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(1.0 / (1 << 20), 1e6));
   app.add_flag("--no-overlap", no_overlap,
                "All-reduce the gradient buckets after backward instead of during it (to measure the overlap)");
+  std::string dist_timeline;
+  app.add_option("--dist-timeline", dist_timeline,
+                 "Rank 0 writes every step's gradient all-reduce timeline to this CSV (step,t_ms,event,bucket,name: "
+                 "when backward finished each layer's gradients, when each bucket's all-reduce started and was "
+                 "seen complete), rewritten after each epoch; to see what the overlap hides");
   int gpus = 0;
   app.add_option("--gpus", gpus,
                  "Start N ranks on this machine and supervise them, without MPI (as torchrun --nproc-per-node): "
@@ -735,6 +740,9 @@ int run_main(int argc, char** argv) {
                                      {"steps_per_epoch", steps_per_epoch}, {"backend", (*be)->name()},
                                      {"precision", slide::train::math_precision_name((*be)->math_precision())},
                                      {"decode_threads", threads}, {"compute_threads", omp_get_max_threads()}});
+  std::string timeline_csv = "step,t_ms,event,bucket,name\n";  // --dist-timeline's rows so far
+  if (!dist_timeline.empty() && comm->world_size() == 1)
+    slide::core::log_warn("--dist-timeline: one rank, no gradient all-reduce to record");
   for (long epoch = state["epoch"].get<long>(); epoch < epochs; ++epoch) {
     TrainOptions to;
     to.batch_size = batch;
@@ -754,6 +762,17 @@ int run_main(int argc, char** argv) {
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
     to.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
     to.overlap_all_reduce = !no_overlap;
+    if (!dist_timeline.empty() && writer && to.comm != nullptr)
+      to.on_all_reduce_timeline = [&](int64_t step, const std::vector<slide::train::AllReduceEvent>& events) {
+        for (const auto& e : events) {
+          char row[96];
+          std::snprintf(row, sizeof row, "%lld,%.3f,%s,", static_cast<long long>(step), e.t_s * 1e3,
+                        slide::train::GradientBuckets::timeline_kind_name(e.kind));
+          timeline_csv += row;
+          if (e.bucket >= 0) timeline_csv += std::to_string(e.bucket + 1);
+          timeline_csv += "," + e.name + "\n";
+        }
+      };
     // Progress on rank 0: images/s, steps/s and the epoch's running training loss.
     slide::core::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs),
                                    static_cast<int64_t>(train.size()) - to.start_step * batch, "img/s",
@@ -772,6 +791,9 @@ int run_main(int argc, char** argv) {
                           &pool);
     progress.finish();
     if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
+    if (to.on_all_reduce_timeline)
+      if (auto w = slide::core::write_file_atomic(dist_timeline, timeline_csv); !w.ok())
+        return fail(w.with_context("--dist-timeline"));
     accumulate = std::max(accumulate, st->accumulate);  // after out-of-memory recovery: the finer split
     if (state.contains("memory"))
       state["memory"]["accumulate"] = accumulate, state["memory"]["ranks"] = comm->world_size();

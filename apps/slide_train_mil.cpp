@@ -175,7 +175,7 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
 int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>* cancel) {
   for (const char* tile_only : {"--data", "--val-data", "--model", "--width", "--accumulate", "--no-augment", "--color-jitter",
                                 "--random-resized-crop", "--stain-augment", "--dist", "--sync-bn", "--bucket-mb",
-                                "--no-overlap", "--checkpoint-activations",
+                                "--no-overlap", "--dist-timeline", "--checkpoint-activations",
                                 "--offload-activations", "--dry-run",
                                 "--global-batch"}) {
     const CLI::Option* opt = app.get_option_no_throw(tile_only);

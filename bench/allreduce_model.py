@@ -52,7 +52,15 @@ def main():
     ap.add_argument("--net-gbits", type=float, default=100.0, help="network per node, Gb/s (the issue's 100 Gb/s)")
     ap.add_argument("--net-efficiency", type=float, default=0.9, help="fraction of line rate achieved (assumed)")
     ap.add_argument("--net-alpha-us", type=float, default=10.0, help="per ring step between nodes, us (assumed; RDMA)")
+    ap.add_argument("--rig", metavar="FILE",
+                    help="check the model against measurements instead: FILE has lines 'RANKS GBITS BYTES MS' "
+                         "(one all-reduce of BYTES over RANKS ranks on a GBITS Gb/s link took MS ms; "
+                         "bench/allreduce_rig.sh writes it); prints the model's time at line rate "
+                         "(--net-efficiency 1) and with --net-alpha-us per step, and measured / model")
     a = ap.parse_args()
+    if a.rig:
+        check_rig(a.rig, a.net_alpha_us * 1e-6)
+        return
 
     params = a.params
     if params == 0:
@@ -81,6 +89,20 @@ def main():
         last_bucket = t * min(1.0, a.bucket_mb * 2**20 / n)
         eff_overlap = t_c / (t_c + max(last_bucket, t - a.backward_fraction * t_c))
         print("%-34s %6d %8.1f ms %12.1f%% %14.1f%%" % (name, p, 1000 * t, 100 * eff, 100 * eff_overlap))
+
+
+def check_rig(path, alpha_s):
+    """The ring model at line rate against measured all-reduces (the two-host rig): the model is the
+    bound a network-limited ring can reach, so model / measured is the fraction of the link used."""
+    print("%6s %8s %12s %12s %12s %10s" % ("ranks", "Gb/s", "MB", "measured ms", "model ms", "of model"))
+    with open(path) as f:
+        for line in f:
+            if not line.strip() or line.startswith("#"):
+                continue
+            p, gbits, n_bytes, ms = line.split()
+            p, gbits, n_bytes, ms = int(p), float(gbits), float(n_bytes), float(ms)
+            model = 1000 * ring_s(p, n_bytes, alpha_s, gbits / 8 * 1e9)
+            print("%6d %8g %12.1f %12.2f %12.2f %9.0f%%" % (p, gbits, n_bytes / 1e6, ms, model, 100 * model / ms))
 
 
 if __name__ == "__main__":

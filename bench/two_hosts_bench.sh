@@ -7,8 +7,11 @@
 # usage: bench/two_hosts_bench.sh [RATE [MODEL [TILE_PX [BATCH]]]]
 #        defaults: 1gbit resnet18 64 32. Needs root (network namespaces); build/ built.
 # BENCH_MPIRUN_ARGS: more mpirun options, e.g. "-x SLIDE_ALLREDUCE_RING_MIN=999999999999" (no ring).
+# BENCH_TRAIN_ARGS: more slide-train options, e.g. "--bucket-mb 5".
 # Prints, per link: the second epoch's images/s and all-reduce seconds (the first warms up), then
-# the fraction kept.
+# the fraction kept, then the slow link's all-reduce timeline over the second epoch's steps
+# (slide-train --dist-timeline, summarised by bench/timeline_summary.py): when each bucket started
+# and completed against the end of backward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rate="${1:-1gbit}" model="${2:-resnet18}" px="${3:-64}" batch="${4:-32}"
@@ -23,7 +26,7 @@ run() {  # $1: label, $2: rate ("" = unlimited)
   local log="$work/$1.log"
   tests/dist/two_hosts.sh mpirun ${BENCH_MPIRUN_ARGS:-} -np 2 build/apps/slide-train --data "$work/store" --out "$work/$1" \
     --model "$model" --batch-size "$batch" --epochs 2 --threads 1 --compute-threads 1 --cache ram \
-    --no-augment --seed 1 2> "$log" > /dev/null
+    --no-augment --seed 1 --dist-timeline "$work/$1.timeline.csv" ${BENCH_TRAIN_ARGS:-} 2> "$log" > /dev/null
   local line
   line="$(grep ' epoch=2 ' "$log")"
   local ips ars
@@ -36,3 +39,6 @@ printf '%-12s %12s %14s\n' "link" "images/s" "all-reduce s" >&2
 fast="$(run unlimited "")"
 slow="$(run "$rate" "$rate")"
 awk -v f="$fast" -v s="$slow" -v r="$rate" 'BEGIN { printf "kept at %s: %.0f%% of the unlimited images/s\n", r, 100 * s / f }'
+steps="$(awk -F, 'NR > 1 { if ($1 > m) m = $1 } END { print m }' "$work/$rate.timeline.csv")"
+echo "all-reduce timeline at $rate, second epoch:"
+/usr/bin/python3 bench/timeline_summary.py "$work/$rate.timeline.csv" --from-step $((steps / 2 + 1))

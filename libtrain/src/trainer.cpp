@@ -174,6 +174,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     std::vector<Buffer*> buffers;
     model.collect("", &params, &buffers);
     SLIDE_ASSIGN_OR_RETURN(buckets, GradientBuckets::make(params, be.allocator(), options.bucket_bytes, &be));
+    buckets->record_timeline(static_cast<bool>(options.on_all_reduce_timeline));
   }
   bool stop_all = false;  // data-parallel: some rank asked to stop (all-reduced with the gradients)
   const bool scaling = options.loss_scaler != nullptr && options.loss_scaler->enabled();
@@ -336,6 +337,7 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
     if (mb.last) {
       if (buckets != nullptr) {
         SLIDE_ASSIGN_OR_RETURN(stop_all, buckets->finish_step());
+        if (options.on_all_reduce_timeline) options.on_all_reduce_timeline(opt.steps() + 1, buckets->timeline());
       }
       bool apply = true;
       if (scaling) {

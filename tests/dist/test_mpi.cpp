@@ -10,10 +10,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
+#include "dist/communicators.h"
 #include "slide/train/communicator.h"
 #include "slide/train/data_parallel.h"
 #include "slide/train/layers.h"
@@ -33,6 +36,20 @@ std::vector<Parameter*> small_cnn_params(std::unique_ptr<Sequential>* model, uin
   return params;
 }
 }  // namespace
+
+TEST_CASE("Open MPI's TCP transport is given the send protocol before MPI_Init, unless the user chose") {
+  // make_communicator("mpi") has run (main): the variable was set then, before MPI_Init read it.
+  const char* flags = std::getenv("OMPI_MCA_btl_tcp_flags");
+  REQUIRE(flags != nullptr);
+  CHECK(std::string(flags) == "send,inplace,need-ack,need-csum");
+  // A user's value (mpirun --mca btl_tcp_flags ..., or the environment) is kept.
+  REQUIRE(setenv("OMPI_MCA_btl_tcp_flags", "send,put,inplace", 1) == 0);
+  CHECK_FALSE(dist::set_mpi_transport_defaults());
+  CHECK(std::string(std::getenv("OMPI_MCA_btl_tcp_flags")) == "send,put,inplace");
+  REQUIRE(unsetenv("OMPI_MCA_btl_tcp_flags") == 0);
+  CHECK(dist::set_mpi_transport_defaults());
+  CHECK(std::string(std::getenv("OMPI_MCA_btl_tcp_flags")) == "send,inplace,need-ack,need-csum");
+}
 
 TEST_CASE("the launch environment and MPI agree on the world") {
   CHECK(comm().name() == "mpi");
@@ -102,6 +119,35 @@ TEST_CASE("several asynchronous all-reduces in flight complete, each with its ow
     CHECK(bufs[b].front() == static_cast<float>(p * (b + 1)));
     CHECK(bufs[b].back() == static_cast<float>(p * (b + 1)));
   }
+}
+
+TEST_CASE("the progress thread completes collectives in flight while the caller makes no MPI call") {
+  // As during a layer's backward: started, then left alone. Without the progress thread
+  // (SLIDE_MPI_PROGRESS_US=0) neither an MPI_Iallreduce nor a ring (whose second step is posted by
+  // progress) completes without MPI calls; with it, both do, and the sums are right.
+  const int p = comm().world_size();
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(200003));
+  std::vector<std::unique_ptr<CollectiveWork>> work;
+  for (size_t b = 0; b < bufs.size(); ++b) {
+    for (size_t i = 0; i < bufs[b].size(); ++i) bufs[b][i] = static_cast<float>((b + 1) * (comm().rank() + 1) + i % 7);
+    work.push_back(
+        comm().all_reduce_async(bufs[b].data(), static_cast<int64_t>(bufs[b].size()), DType::kF32, ReduceOp::kSum, "left alone")
+            .value());
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  bool all = false;
+  while (!all && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    all = std::all_of(work.begin(), work.end(), [](const auto& w) { return w->completed(); });
+  }
+  CHECK(all);
+  for (auto& w : work) REQUIRE(w->wait().ok());
+  for (size_t b = 0; b < bufs.size(); ++b)
+    for (size_t i : {size_t{0}, size_t{5}, bufs[b].size() - 1}) {
+      double want = 0;
+      for (int r = 0; r < p; ++r) want += static_cast<double>((b + 1) * (r + 1) + i % 7);
+      CHECK(bufs[b][i] == static_cast<float>(want));
+    }
 }
 
 TEST_CASE("broadcast, all-gather and barrier") {

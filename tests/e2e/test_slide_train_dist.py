@@ -14,6 +14,7 @@ rig's), and Open MPI's settings for root, oversubscription and containers (tests
 import glob
 import json
 import shlex
+import csv
 import os
 import shutil
 import signal
@@ -225,17 +226,54 @@ class TestEquivalence(Base):
             self.assertTrue(np.array_equal(models["reference"][k], models["reference-sim"][k]), k)
 
     def test_bucket_size_and_overlap_change_no_number(self):
-        # Buckets of 10 KiB (dozens, each all-reduced as soon as backward has finished it) or every
+        # Buckets of 10 KiB (several, each all-reduced as soon as backward has finished it) or every
         # bucket after backward (--no-overlap): the default's parameters, bit for bit.
+        # Both also write --dist-timeline, checked below.
         runs = {}
+        timelines = {}
         for tag, extra in (("default", []), ("small", ["--bucket-mb", "0.01"]), ("after", ["--no-overlap"])):
             out = os.path.join(self.tmp, "buckets_" + tag)
+            if tag != "default":
+                timelines[tag] = os.path.join(self.tmp, "timeline_" + tag + ".csv")
+                extra = extra + ["--dist-timeline", timelines[tag]]
             r = self.train(2, out, 5, 1, *extra)
             self.assertEqual(r.returncode, 0, r.stderr)
             runs[tag] = params(out, 1)
         for tag in ("small", "after"):
             for k in runs["default"]:
                 self.assertTrue(np.array_equal(runs["default"][k], runs[tag][k]), (tag, k))
+        # The timeline: per step, every bucket started and completed once, after the layers that
+        # finish its gradients; overlapped, the buckets start during backward (before wait_start),
+        # with --no-overlap only after it, and no layer event is recorded.
+        for tag, path in timelines.items():
+            with open(path) as f:
+                rows = list(csv.DictReader(f))
+            self.assertTrue(rows, tag)
+            steps = sorted({int(r["step"]) for r in rows})
+            self.assertEqual(steps, list(range(1, len(steps) + 1)), tag)
+            self.assertGreaterEqual(len(steps), 2, tag)
+            for step in steps:
+                ev = [r for r in rows if int(r["step"]) == step]
+                t = [float(r["t_ms"]) for r in ev]
+                self.assertEqual(t, sorted(t), (tag, step))
+                kinds = [r["event"] for r in ev]
+                self.assertEqual(kinds[-1], "step_end", (tag, step))
+                self.assertEqual(kinds.count("wait_start"), 1, (tag, step))
+                wait_at = kinds.index("wait_start")
+                starts = [int(r["bucket"]) for r in ev if r["event"] == "bucket_start"]
+                dones = sorted(int(r["bucket"]) for r in ev if r["event"] == "bucket_done")
+                self.assertEqual(starts, list(range(1, len(starts) + 1)), (tag, step))
+                self.assertEqual(dones, starts, (tag, step))
+                first_start = kinds.index("bucket_start")
+                layers = [r["name"] for r in ev if r["event"] == "layer_done"]
+                if tag == "small":
+                    self.assertGreaterEqual(len(starts), 3, step)  # 10 KiB buckets: several
+                    self.assertLess(first_start, wait_at, step)
+                    self.assertEqual(layers[0], "fc.weight", step)  # backward's first layer: the head
+                    self.assertLess(max(i for i, k in enumerate(kinds) if k == "layer_done"), wait_at)
+                else:
+                    self.assertEqual(layers, [], step)
+                    self.assertGreater(first_start, wait_at, step)
 
     def test_sync_bn_two_ranks_equal_one_rank_with_the_whole_batch(self):
         self.check(2, 6, [], ["--sync-bn"], same_validation=True)

@@ -131,9 +131,12 @@ class RecordingComm final : public Communicator {
                                                            const std::string& what) override {
     started.push_back(what);
     struct Done final : CollectiveWork {
+      explicit Done(bool says) : says_completed(says) {}
       Status wait() override { return slide::core::ok_status(); }
+      bool completed() const override { return says_completed; }
+      bool says_completed;
     };
-    return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());
+    return std::unique_ptr<CollectiveWork>(std::make_unique<Done>(reports_completed));
   }
   Status broadcast(void*, size_t, int, const std::string&) override { return slide::core::ok_status(); }
   Status barrier(const std::string&) override { return slide::core::ok_status(); }
@@ -145,18 +148,29 @@ class RecordingComm final : public Communicator {
   std::vector<std::string> started;
   Device dev = Device::kCpu;  // where its collectives take buffers
   bool orders = false;        // whether start_after orders them (NCCL's does)
+  bool reports_completed = true;  // CollectiveWork::completed (false: only wait() knows, as NCCL)
+};
+
+// A small CNN's parameters in 8 KiB gradient buckets (several of them).
+struct SmallCnnBuckets {
+  std::unique_ptr<Sequential> model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 1).value();
+  std::vector<Parameter*> params;
+  std::unique_ptr<GradientBuckets> buckets;
+  size_t n = 0;  // buckets
+  RecordingComm comm;
+  SmallCnnBuckets() {
+    model->collect("", &params, nullptr);
+    buckets = GradientBuckets::make(params, cpu_allocator(), 8192).value();
+    n = buckets->bucket_count();
+    REQUIRE(n > 2);
+  }
 };
 
 }  // namespace
 
 TEST_CASE("gradient buckets overlapped with backward: each starts, in order, once its gradients are done") {
-  auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 1).value();
-  std::vector<Parameter*> params;
-  model->collect("", &params, nullptr);
-  auto buckets = GradientBuckets::make(params, cpu_allocator(), 8192).value();
-  const size_t n = buckets->bucket_count();
-  REQUIRE(n > 2);
-  RecordingComm comm;
+  SmallCnnBuckets cnn;
+  auto& [model, params, buckets, n, comm] = cnn;
   REQUIRE(buckets->start_step(comm, false).ok());
   CHECK(buckets->start_step(comm, false).code() == slide::core::StatusCode::kFailedPrecondition);
   CHECK_FALSE(buckets->started_any());
@@ -196,6 +210,60 @@ TEST_CASE("gradient buckets overlapped with backward: each starts, in order, onc
   buckets->cancel_step();
   REQUIRE(buckets->start_step(comm, false).ok());
   REQUIRE(buckets->finish_step().ok());
+}
+
+TEST_CASE("gradient buckets: the step timeline records layers, bucket starts and completions in order") {
+  using Kind = AllReduceEvent::Kind;
+  SmallCnnBuckets cnn;
+  auto& [model, params, buckets, n, comm] = cnn;
+  // Not recording: nothing kept.
+  REQUIRE(buckets->start_step(comm, false).ok());
+  for (auto it = params.rbegin(); it != params.rend(); ++it) REQUIRE(buckets->gradients_ready({*it}).ok());
+  REQUIRE(buckets->finish_step().ok());
+  CHECK(buckets->timeline().empty());
+  buckets->record_timeline(true);
+  for (bool reports : {true, false}) {
+    CAPTURE(reports);
+    comm.reports_completed = reports;
+    REQUIRE(buckets->start_step(comm, false).ok());
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      REQUIRE(buckets->gradients_ready({*it}).ok());
+      REQUIRE(buckets->gradients_ready({*it}).ok());  // a repeat completes nothing: not recorded
+    }
+    REQUIRE(buckets->finish_step().ok());
+    const auto& ev = buckets->timeline();
+    std::vector<std::string> layers;
+    std::vector<int64_t> starts, dones;
+    size_t wait_at = ev.size(), last_layer = 0;
+    for (size_t k = 0; k < ev.size(); ++k) {
+      if (k > 0) CHECK(ev[k].t_s >= ev[k - 1].t_s);
+      switch (ev[k].kind) {
+        case Kind::kLayerDone: layers.push_back(ev[k].name), last_layer = k; break;
+        case Kind::kBucketStart: starts.push_back(ev[k].bucket); break;
+        case Kind::kBucketDone:
+          // After its own start; seen at once when the work says so, else only by finish_step's wait.
+          CHECK(std::find(starts.begin(), starts.end(), ev[k].bucket) != starts.end());
+          CHECK((reports || k > wait_at));
+          dones.push_back(ev[k].bucket);
+          break;
+        case Kind::kWaitStart: wait_at = k; break;
+        case Kind::kStepEnd: CHECK(k + 1 == ev.size()); break;
+      }
+    }
+    // One layer event per parameter, in backward's (reverse) order, named by the parameter.
+    REQUIRE(layers.size() == params.size());
+    for (size_t k = 0; k < params.size(); ++k) CHECK(layers[k] == params[params.size() - 1 - k]->name);
+    CHECK(wait_at > last_layer);
+    CHECK(ev.back().kind == Kind::kStepEnd);
+    // Every bucket started once, in order, during backward (before finish_step), and completed once.
+    REQUIRE(starts.size() == n);
+    for (size_t b = 0; b < n; ++b) CHECK(starts[b] == static_cast<int64_t>(b));
+    std::sort(dones.begin(), dones.end());
+    CHECK(dones == starts);
+    for (size_t k = 0; k < ev.size(); ++k)
+      if (ev[k].kind == Kind::kBucketStart) CHECK(k < wait_at);
+    CHECK(std::string(GradientBuckets::timeline_kind_name(Kind::kBucketDone)) == "bucket_done");
+  }
 }
 
 TEST_CASE("gradient buckets on a device: each bucket's all-reduce is ordered after a fence of backward's work") {

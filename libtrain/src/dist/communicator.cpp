@@ -2,6 +2,7 @@
 // helpers every implementation shares.
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "dist/communicators.h"
 
@@ -118,6 +119,13 @@ std::unique_ptr<Communicator> make_local_communicator(double timeout_s) {
   return std::make_unique<LocalCommunicator>(timeout_s);
 }
 
+bool set_mpi_transport_defaults() {
+  // Open MPI 4.1's default is "send,put,inplace,need-ack,need-csum,hetero-rdma" (ompi_info --param
+  // btl tcp --level 9); without put, hetero-rdma (which qualifies put) goes too.
+  if (std::getenv("OMPI_MCA_btl_tcp_flags") != nullptr) return false;  // the user's choice
+  return setenv("OMPI_MCA_btl_tcp_flags", "send,inplace,need-ack,need-csum", /*overwrite=*/0) == 0;
+}
+
 void add_into(void* y, const void* x, int64_t count, DType dtype) {
   const auto add = [count](auto* out, const auto* in) {
     for (int64_t i = 0; i < count; ++i) out[i] += in[i];
@@ -141,6 +149,7 @@ Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void*
                                                         ReduceOp op, const std::string& what) {
   struct Done final : CollectiveWork {
     Status wait() override { return slide::core::ok_status(); }
+    bool completed() const override { return true; }
   };
   SLIDE_RETURN_IF_ERROR(comm.all_reduce(data, count, dtype, op, what));
   return std::unique_ptr<CollectiveWork>(std::make_unique<Done>());

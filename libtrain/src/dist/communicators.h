@@ -17,6 +17,15 @@ void scale_to_mean(void* data, int64_t count, DType dtype, int world_size);
 // "socket"): runs comm.all_reduce and returns work that is already done. Errors: all_reduce's.
 [[nodiscard]] Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void* data, int64_t count,
                                                                      DType dtype, ReduceOp op, const std::string& what);
+// Open MPI's TCP transport (btl tcp, between hosts) set to its send protocol, unless the user has
+// set OMPI_MCA_btl_tcp_flags (mpirun --mca btl_tcp_flags ..., or the environment): the default
+// flags add "put", an emulated RDMA whose control messages queue behind the bulk data when both
+// directions of a link are busy, as in a ring all-reduce. Measured on the two-host rig at 1 Gbit/s
+// (tests/dist/two_hosts.sh, build/bench/allreduce_bench, 2 ranks): with "put", 24 MB took 200-400
+// ms from one mpirun to the next (bimodal), MPI_Allreduce's too; with the send protocol 201-206 ms
+// in every run, 93-95% of the link. Sets the environment variable only (read by MPI_Init); other
+// MPI libraries ignore it. Returns whether it was set here.
+bool set_mpi_transport_defaults();
 #ifdef SLIDE_WITH_MPI
 // Errors: kInternal when MPI cannot start (the library's text).
 [[nodiscard]] Result<std::unique_ptr<Communicator>> make_mpi_communicator(double timeout_s);

@@ -68,8 +68,38 @@ Status GradientBuckets::start_step(Communicator& comm, bool stop_requested) {
   for (const Bucket& bk : buckets_) remaining_.push_back(static_cast<int64_t>(bk.params.size()));
   next_ = 0;
   work_.clear();
+  timeline_.clear();
+  noted_done_.clear();
+  step_t0_ = t0;
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return slide::core::ok_status();
+}
+
+const char* GradientBuckets::timeline_kind_name(TimelineEvent::Kind k) {
+  switch (k) {
+    case TimelineEvent::Kind::kLayerDone: return "layer_done";
+    case TimelineEvent::Kind::kBucketStart: return "bucket_start";
+    case TimelineEvent::Kind::kBucketDone: return "bucket_done";
+    case TimelineEvent::Kind::kWaitStart: return "wait_start";
+    case TimelineEvent::Kind::kStepEnd: return "step_end";
+  }
+  return "?";
+}
+
+void GradientBuckets::note(TimelineEvent::Kind kind, int64_t bucket, std::string name) {
+  if (!record_) return;
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_t0_).count();
+  timeline_.push_back({t, kind, bucket, std::move(name)});
+}
+
+void GradientBuckets::note_completed() {
+  if (!record_) return;
+  noted_done_.resize(work_.size(), false);
+  for (size_t k = 0; k < work_.size(); ++k)
+    if (!noted_done_[k] && work_[k]->completed()) {
+      noted_done_[k] = true;
+      note(TimelineEvent::Kind::kBucketDone, static_cast<int64_t>(k));
+    }
 }
 
 Tensor& GradientBuckets::reduced() { return staged_ ? staging_ : flat_; }
@@ -125,24 +155,29 @@ Status GradientBuckets::launch(size_t b) {
                                                              " of " + std::to_string(buckets_.size()) + " (" +
                                                              std::to_string(bk.count) + " floats)"));
   work_.push_back(std::move(w));
+  note(TimelineEvent::Kind::kBucketStart, static_cast<int64_t>(b));
   return slide::core::ok_status();
 }
 
 Status GradientBuckets::gradients_ready(const std::vector<Parameter*>& params) {
   if (comm_ == nullptr || staged_) return slide::core::ok_status();  // no step started, or no overlap
   const auto t0 = std::chrono::steady_clock::now();
+  const Parameter* first_new = nullptr;
   for (const Parameter* p : params) {
     const auto it = index_.find(p);
     if (it == index_.end() || done_[it->second.second]) continue;  // not ours, or already counted
     done_[it->second.second] = true;
     --remaining_[it->second.first];
+    if (first_new == nullptr) first_new = p;
   }
+  if (first_new != nullptr) note(TimelineEvent::Kind::kLayerDone, -1, first_new->name);
   // In bucket order, so that every rank starts the same collectives in the same order.
   while (next_ < buckets_.size() && remaining_[next_] == 0) {
     SLIDE_RETURN_IF_ERROR(launch(next_));
     ++next_;
   }
   for (auto& w : work_) SLIDE_RETURN_IF_ERROR(w->progress());
+  note_completed();
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return slide::core::ok_status();
 }
@@ -158,18 +193,27 @@ Result<bool> GradientBuckets::finish_step() {
       g->work_.clear();
     }
   } end_step{this};
+  note(TimelineEvent::Kind::kWaitStart, -1);
   if (staged_) {
     SLIDE_RETURN_IF_ERROR(device_->download(flat_, staging_));
     SLIDE_RETURN_IF_ERROR(write_stop_flag());
   }
   Status st;
   for (; next_ < buckets_.size() && st.ok(); ++next_) st = launch(next_);
-  for (auto& w : work_)
-    if (st.ok()) st = w->wait();
+  note_completed();
+  noted_done_.resize(work_.size(), false);
+  for (size_t k = 0; k < work_.size() && st.ok(); ++k) {
+    st = work_[k]->wait();
+    if (st.ok() && record_ && !noted_done_[k]) {
+      noted_done_[k] = true;
+      note(TimelineEvent::Kind::kBucketDone, static_cast<int64_t>(k));
+    }
+  }
   SLIDE_RETURN_IF_ERROR(st);
   if (staged_) SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));
   SLIDE_ASSIGN_OR_RETURN(const float stop, read_stop_flag());
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  note(TimelineEvent::Kind::kStepEnd, -1);
   return stop > 0.5f;
 }
 

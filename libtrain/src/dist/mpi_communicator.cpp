@@ -7,15 +7,26 @@
 // loop yields the core between tests for the first milliseconds (an all-reduce of a few MB
 // completes within them) and only then sleeps, so a long wait does not burn a core that an
 // oversubscribed rank needs.
+//
+// Progress while the trainer computes: Open MPI's TCP transport moves a large message only inside
+// MPI calls (each ring step needs the peer's acknowledgement, the next step needs the reduction
+// posted), so collectives polled only between layers crawl during backward. A progress thread
+// therefore tests every collective in flight every SLIDE_MPI_PROGRESS_US microseconds (default
+// 500; 0: none, polling between layers only) and sleeps on a condition variable when none is in
+// flight. Every MPI call of the communicator holds its mutex (MPI_THREAD_SERIALIZED: one thread in
+// MPI at a time); without that thread level the thread is not started.
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdlib>
 #include <memory>
-#include <vector>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "dist/communicators.h"
 
@@ -50,28 +61,55 @@ size_t ring_threshold_bytes() {
     const unsigned long long n = std::strtoull(v, &end, 10);
     if (*end == '\0') return static_cast<size_t>(n);
   }
-  // Measured on the two-host rig (tests/dist/two_hosts.sh, 2 ranks): the ring 1.34-1.45x faster
-  // than Open MPI 4.1's MPI_Iallreduce for 44.7 MB at 1 and 10 Gbit/s, even at 4 MB on 1 Gbit/s,
-  // slower at 4 MB on 10 Gbit/s. So: from 16 MiB (the 25 MiB gradient buckets take the ring).
-  return size_t{16} << 20;
+  // Measured on the two-host rig (tests/dist/two_hosts.sh, 2 ranks, Open MPI 4.1 over TCP with
+  // the send protocol, set_mpi_transport_defaults), ms per all-reduce, ring / MPI_Iallreduce:
+  //   1 Gbit/s:  256 KB 2.2 / 1.0-2.2, 1 MB 8.7 / 7.6, 4 MB 35-37 / 54-56;
+  //   10 Gbit/s: 256 KB 0.27-0.34 / 0.34-0.38, 1 MB 0.84-0.88 / 1.4-1.5, 4 MB 4.2-4.5 / 6.9-7.6.
+  // The ring wins from 4 MB at both speeds, so from 4 MiB (the 25 MiB gradient buckets, and the
+  // last, smaller bucket when it is 4 MiB or more).
+  return size_t{4} << 20;
+}
+
+// The progress thread's polling period (SLIDE_MPI_PROGRESS_US, microseconds; 0: no thread).
+int progress_period_us() {
+  if (const char* v = std::getenv("SLIDE_MPI_PROGRESS_US"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end == '\0' && n >= 0 && n <= 1000000) return static_cast<int>(n);
+  }
+  return 500;
 }
 
 class MpiCommunicator;
 
-// A collective in flight: wait() drives progress() against the deadline.
+// A collective in flight: wait() drives progress() against the deadline. progress() may be called
+// by the owner and by the communicator's progress thread: it holds the communicator's mutex, and a
+// failure seen by either is kept and returned to every later call.
 class MpiWorkBase : public CollectiveWork {
  public:
   ~MpiWorkBase() override;
   Status wait() final;
+  Status progress() final;
+  bool completed() const final { return done_.load(std::memory_order_acquire); }
+  // progress() with the communicator's mutex held (the progress thread's call).
+  Status progress_locked();
 
  protected:
   MpiWorkBase(MpiCommunicator* comm, std::string what) : comm_(comm), what_(std::move(what)), start_(Clock::now()) {}
-  // The result is in the buffer: scale a mean by 1/P, mark done.
+  // One test of the collective's requests (the mutex held): done_ set when it has completed.
+  virtual Status step() = 0;
+  // The result is in the buffer: scale a mean by 1/P, then mark done.
   void complete(void* data, int64_t count, DType dtype, bool average);
+  // Marks done after a failure (the requests are dead either way).
+  void finish_failed() { done_.store(true, std::memory_order_release); }
+  bool is_done() const { return done_.load(std::memory_order_relaxed); }
   MpiCommunicator* comm_;
   std::string what_;
   Clock::time_point start_;
-  bool done_ = false;
+
+ private:
+  std::atomic<bool> done_{false};
+  Status failed_;  // a failure seen by progress(), returned again to every later call
 };
 
 // One MPI request (MPI_Iallreduce, MPI_Ibcast, MPI_Ibarrier, MPI_Iallgather).
@@ -80,7 +118,10 @@ class MpiWork final : public MpiWorkBase {
   MpiWork(MpiCommunicator* comm, MPI_Request req, std::string what, void* data, int64_t count, DType dtype,
           bool average)
       : MpiWorkBase(comm, std::move(what)), req_(req), data_(data), count_(count), dtype_(dtype), average_(average) {}
-  Status progress() override;
+  ~MpiWork() override;
+
+ protected:
+  Status step() override;
 
  private:
   MPI_Request req_;
@@ -107,9 +148,11 @@ class MpiRingWork final : public MpiWorkBase {
   MpiRingWork(MpiCommunicator* comm, std::string what, void* data, int64_t count, DType dtype, MPI_Datatype type,
               bool average, int tag);
   ~MpiRingWork() override;
-  // Starts the first step. Errors: kInternal (MPI's text).
+  // Starts the first step (the mutex held). Errors: kInternal (MPI's text).
   Status start();
-  Status progress() override;
+
+ protected:
+  Status step() override;
 
  private:
   int64_t chunk_begin(int k) const { return count_ * k / size_; }
@@ -131,9 +174,20 @@ class MpiRingWork final : public MpiWorkBase {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(double timeout_s, MPI_Comm comm, int rank, int size, int local_rank)
-      : Communicator(timeout_s), comm_(comm), rank_(rank), size_(size), local_rank_(local_rank) {}
+  MpiCommunicator(double timeout_s, MPI_Comm comm, int rank, int size, int local_rank, int progress_us)
+      : Communicator(timeout_s), comm_(comm), rank_(rank), size_(size), local_rank_(local_rank) {
+    if (progress_us > 0 && size > 1)
+      progress_thread_ = std::thread([this, progress_us] { progress_loop(progress_us); });
+  }
   ~MpiCommunicator() override {
+    if (progress_thread_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+      }
+      wake_.notify_all();
+      progress_thread_.join();
+    }
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
@@ -171,20 +225,26 @@ class MpiCommunicator final : public Communicator {
       return slide::core::invalid_argument(what + ": average of i32 values");
     SLIDE_ASSIGN_OR_RETURN(MPI_Datatype type, mpi_type(dtype, what));
     const size_t bytes = static_cast<size_t>(count) * dtype_size(dtype);
+    std::unique_lock<std::mutex> lock(mu_);
     if (size_ > 1 && bytes >= ring_min_bytes_) {
       // Tags 1 .. 30000 in turn (MPI guarantees tags up to 32767): never two in flight at once.
       ring_tag_ = ring_tag_ % 30000 + 1;
       auto work =
           std::make_unique<MpiRingWork>(this, what, data, count, dtype, type, op == ReduceOp::kAverage, ring_tag_);
-      SLIDE_RETURN_IF_ERROR(work->start());
+      if (Status st = work->start(); !st.ok()) {
+        lock.unlock();  // the work's destructor takes the mutex
+        return st;
+      }
+      track(work.get());
       return std::unique_ptr<CollectiveWork>(std::move(work));
     }
     MPI_Request req = MPI_REQUEST_NULL;
     if (const int rc = MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), type, MPI_SUM, comm_, &req);
         rc != MPI_SUCCESS)
       return fail_internal(what, rc);
-    return std::unique_ptr<CollectiveWork>(
-        std::make_unique<MpiWork>(this, req, what, data, count, dtype, op == ReduceOp::kAverage));
+    auto work = std::make_unique<MpiWork>(this, req, what, data, count, dtype, op == ReduceOp::kAverage);
+    track(work.get());
+    return std::unique_ptr<CollectiveWork>(std::move(work));
   }
 
   Status broadcast(void* data, size_t bytes, int root, const std::string& what) override {
@@ -195,9 +255,12 @@ class MpiCommunicator final : public Communicator {
     for (size_t done = 0; done < bytes || (bytes == 0 && done == 0);) {
       const size_t n = std::min<size_t>(bytes - done, size_t{1} << 30);
       MPI_Request req = MPI_REQUEST_NULL;
-      if (const int rc = MPI_Ibcast(static_cast<char*>(data) + done, static_cast<int>(n), MPI_BYTE, root, comm_, &req);
-          rc != MPI_SUCCESS)
-        return fail_internal(what, rc);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (const int rc = MPI_Ibcast(static_cast<char*>(data) + done, static_cast<int>(n), MPI_BYTE, root, comm_, &req);
+            rc != MPI_SUCCESS)
+          return fail_internal(what, rc);
+      }
       SLIDE_RETURN_IF_ERROR(MpiWork(this, req, what, nullptr, 0, DType::kF32, false).wait());
       done += n;
       if (n == 0) break;
@@ -208,7 +271,10 @@ class MpiCommunicator final : public Communicator {
   Status barrier(const std::string& what) override {
     SLIDE_RETURN_IF_ERROR(usable(what));
     MPI_Request req = MPI_REQUEST_NULL;
-    if (const int rc = MPI_Ibarrier(comm_, &req); rc != MPI_SUCCESS) return fail_internal(what, rc);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (const int rc = MPI_Ibarrier(comm_, &req); rc != MPI_SUCCESS) return fail_internal(what, rc);
+    }
     return MpiWork(this, req, what, nullptr, 0, DType::kF32, false).wait();
   }
 
@@ -216,8 +282,12 @@ class MpiCommunicator final : public Communicator {
     SLIDE_RETURN_IF_ERROR(usable(what));
     std::vector<double> all(static_cast<size_t>(size_));
     MPI_Request req = MPI_REQUEST_NULL;
-    if (const int rc = MPI_Iallgather(&value, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, comm_, &req); rc != MPI_SUCCESS)
-      return fail_internal(what, rc);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (const int rc = MPI_Iallgather(&value, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, comm_, &req);
+          rc != MPI_SUCCESS)
+        return fail_internal(what, rc);
+    }
     SLIDE_RETURN_IF_ERROR(MpiWork(this, req, what, nullptr, 0, DType::kF32, false).wait());
     *out = std::move(all);
     return slide::core::ok_status();
@@ -231,32 +301,77 @@ class MpiCommunicator final : public Communicator {
     broken_ = true;
     return slide::core::internal_error(describe(what) + ": " + mpi_error_text(rc));
   }
+  // Guards every MPI call and the in-flight list (MPI_THREAD_SERIALIZED).
+  std::mutex& mutex() { return mu_; }
+  // A work no longer in flight (done, or destroyed): the progress thread forgets it. Mutex held.
+  void untrack(MpiWorkBase* w) { inflight_.erase(std::remove(inflight_.begin(), inflight_.end(), w), inflight_.end()); }
 
  private:
   Status usable(const std::string& what) const { return broken_ ? broken_error(what) : slide::core::ok_status(); }
+  // A collective started by all_reduce_async, for the progress thread. Mutex held.
+  void track(MpiWorkBase* w) {
+    if (!progress_thread_.joinable()) return;
+    inflight_.push_back(w);
+    wake_.notify_one();
+  }
+  // The progress thread: tests the collectives in flight every period_us, sleeps while there are
+  // none. A failure stays in its work, for its owner's next progress() or wait().
+  void progress_loop(int period_us) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      if (inflight_.empty()) {
+        wake_.wait(lock, [this] { return stopping_ || !inflight_.empty(); });
+        continue;
+      }
+      // progress_locked may untrack (a completed work): iterate over a copy.
+      const std::vector<MpiWorkBase*> now = inflight_;
+      for (MpiWorkBase* w : now) (void)w->progress_locked();
+      wake_.wait_for(lock, std::chrono::microseconds(period_us), [this] { return stopping_; });
+    }
+  }
   MPI_Comm comm_;
   int rank_, size_, local_rank_;
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};
   size_t ring_min_bytes_ = ring_threshold_bytes();
   int ring_tag_ = 0;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::vector<MpiWorkBase*> inflight_;  // started by all_reduce_async, not yet seen complete
+  bool stopping_ = false;
+  std::thread progress_thread_;
 
  public:
   MPI_Comm comm() const { return comm_; }
 };
 
 MpiWorkBase::~MpiWorkBase() {
+  std::lock_guard<std::mutex> lock(comm_->mutex());
+  comm_->untrack(this);
   // Abandoned in flight: MPI may still write into the buffer and the other ranks still expect
   // this rank's part, so the communicator can no longer be used or finalised.
-  if (!done_) comm_->mark_broken();
+  if (!is_done()) comm_->mark_broken();
+}
+
+Status MpiWorkBase::progress() {
+  std::lock_guard<std::mutex> lock(comm_->mutex());
+  return progress_locked();
+}
+
+Status MpiWorkBase::progress_locked() {
+  if (!failed_.ok()) return failed_;
+  if (is_done()) return slide::core::ok_status();
+  Status st = step();
+  if (!st.ok()) failed_ = st;
+  if (is_done()) comm_->untrack(this);
+  return st;
 }
 
 Status MpiWorkBase::wait() {
-  if (done_) return slide::core::ok_status();
   const auto deadline = start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(comm_->timeout_s()));
   const auto spin_until = Clock::now() + std::chrono::milliseconds(20);
   for (;;) {
     SLIDE_RETURN_IF_ERROR(progress());
-    if (done_) break;
+    if (is_done()) break;
     const auto now = Clock::now();
     if (now >= deadline) {
       comm_->mark_broken();
@@ -271,15 +386,20 @@ Status MpiWorkBase::wait() {
 }
 
 void MpiWorkBase::complete(void* data, int64_t count, DType dtype, bool average) {
-  done_ = true;
   if (average) scale_to_mean(data, count, dtype, comm_->world_size());
+  done_.store(true, std::memory_order_release);  // after the result: completed() publishes it
 }
 
-Status MpiWork::progress() {
-  if (done_) return slide::core::ok_status();
+MpiWork::~MpiWork() {
+  // Out of the progress thread's reach before this part of the object is gone.
+  std::lock_guard<std::mutex> lock(comm_->mutex());
+  comm_->untrack(this);
+}
+
+Status MpiWork::step() {
   int flag = 0;
   if (const int rc = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
-    done_ = true;  // the request is dead either way; the communicator is marked broken
+    finish_failed();  // the request is dead either way; the communicator is marked broken
     return comm_->fail_internal(what_, rc);
   }
   if (flag) complete(data_, count_, dtype_, average_);
@@ -293,6 +413,8 @@ MpiRingWork::MpiRingWork(MpiCommunicator* comm, std::string what, void* data, in
       recv_(new char[static_cast<size_t>(count / comm->world_size() + 1) * dtype_size(dtype)]) {}
 
 MpiRingWork::~MpiRingWork() {
+  std::lock_guard<std::mutex> lock(comm_->mutex());
+  comm_->untrack(this);  // out of the progress thread's reach first
   // Abandoned in flight (a failed step, a deadline): MPI may still write into the receive buffer,
   // so it is left allocated (leaked) rather than freed under it; the base marks the communicator
   // broken and the job goes down (MPI_Abort), as for an abandoned MPI_Iallreduce.
@@ -305,7 +427,7 @@ MpiRingWork::~MpiRingWork() {
 
 Status MpiRingWork::start() {
   if (count_ == 0) {
-    done_ = true;
+    complete(data_, 0, dtype_, false);
     return slide::core::ok_status();
   }
   return post();
@@ -322,12 +444,12 @@ Status MpiRingWork::post() {
   void* into = scatter ? static_cast<void*>(recv_.get()) : static_cast<void*>(at(recv_k));
   if (const int rc = MPI_Irecv(into, chunk_count(recv_k), type_, prev, tag_, comm_->comm(), &reqs_[0]);
       rc != MPI_SUCCESS) {
-    done_ = true;
+    finish_failed();
     return comm_->fail_internal(what_, rc);
   }
   if (const int rc = MPI_Isend(at(send_k), chunk_count(send_k), type_, next, tag_, comm_->comm(), &reqs_[1]);
       rc != MPI_SUCCESS) {
-    done_ = true;
+    finish_failed();
     return comm_->fail_internal(what_, rc);
   }
   return slide::core::ok_status();
@@ -338,11 +460,11 @@ void MpiRingWork::reduce() {
   add_into(at(k), recv_.get(), chunk_count(k), dtype_);
 }
 
-Status MpiRingWork::progress() {
-  while (!done_) {
+Status MpiRingWork::step() {
+  while (!is_done()) {
     int flag = 0;
     if (const int rc = MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE); rc != MPI_SUCCESS) {
-      done_ = true;
+      finish_failed();
       return comm_->fail_internal(what_, rc);
     }
     if (!flag) return slide::core::ok_status();
@@ -363,8 +485,9 @@ Result<std::unique_ptr<Communicator>> make_mpi_communicator(double timeout_s) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
+    set_mpi_transport_defaults();
     int provided = 0;
-    if (const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided); rc != MPI_SUCCESS)
+    if (const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided); rc != MPI_SUCCESS)
       return slide::core::internal_error("MPI_Init_thread: " + mpi_error_text(rc));
   }
   // Errors come back as return codes (the default handler aborts the job with MPI's own text).
@@ -381,7 +504,13 @@ Result<std::unique_ptr<Communicator>> make_mpi_communicator(double timeout_s) {
     MPI_Comm_rank(node, &local_rank);
     MPI_Comm_free(&node);
   }
-  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(timeout_s, comm, rank, size, local_rank));
+  // The progress thread needs MPI calls from two threads, one at a time (every call holds the
+  // communicator's mutex): MPI_THREAD_SERIALIZED, else none.
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  const int progress_us = level >= MPI_THREAD_SERIALIZED ? progress_period_us() : 0;
+  return std::unique_ptr<Communicator>(
+      std::make_unique<MpiCommunicator>(timeout_s, comm, rank, size, local_rank, progress_us));
 }
 
 }  // namespace slide::train::dist

@@ -48,6 +48,9 @@ class CollectiveWork {
   // between pieces of work (one MPI_Test). Others progress on their own: nothing to do. Errors: as
   // wait() (but never kDeadlineExceeded: only wait() enforces the deadline).
   [[nodiscard]] virtual Status progress() { return slide::core::ok_status(); }
+  // Whether progress() or wait() has seen the collective complete (for the step timeline,
+  // GradientBuckets::record_timeline): false while in flight, and wherever only wait() learns it.
+  virtual bool completed() const { return false; }
 };
 
 class Communicator {

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -74,6 +75,18 @@ class GradientBuckets {
     if (work_.empty()) comm_ = nullptr;
   }
 
+  // The step timeline, for measuring what the overlap hides (slide-train --dist-timeline,
+  // bench/two_hosts_bench.sh). With record_timeline(true), each step records, in seconds since its
+  // start_step (before the last micro-batch's forward): every gradients_ready call that completed
+  // a gradient of the buckets (a layer's backward done; `name`: its first parameter), every
+  // bucket's start, the first call that saw the bucket's collective complete
+  // (CollectiveWork::completed, else the end of its wait in finish_step), finish_step's start
+  // (backward done) and end. timeline() holds the last step's, from start_step to finish_step.
+  using TimelineEvent = AllReduceEvent;  // trainer.h
+  void record_timeline(bool on) { record_ = on; }
+  const std::vector<TimelineEvent>& timeline() const { return timeline_; }
+  static const char* timeline_kind_name(TimelineEvent::Kind k);
+
   size_t bucket_count() const { return buckets_.size(); }
   int64_t elements() const { return flat_.numel(); }  // gradient elements + 1 (the stop flag)
   // Wall time the trainer spent in these calls (starting, progressing and waiting for the
@@ -104,6 +117,14 @@ class GradientBuckets {
   size_t next_ = 0;                 // the next bucket to start
   std::vector<std::unique_ptr<CollectiveWork>> work_;
   double seconds_ = 0;
+  // The timeline (record_timeline): the step's start, its events, and per started bucket whether
+  // its completion is recorded.
+  void note(TimelineEvent::Kind kind, int64_t bucket, std::string name = {});
+  void note_completed();
+  bool record_ = false;
+  std::chrono::steady_clock::time_point step_t0_;
+  std::vector<TimelineEvent> timeline_;
+  std::vector<bool> noted_done_;
 };
 
 // An epoch's tallies summed over the ranks, in place: the loss sum (sum over samples of the

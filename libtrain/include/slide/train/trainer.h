@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "slide/core/thread_pool.h"
@@ -40,6 +41,16 @@ struct EpochStats {
   int64_t skipped_steps = 0;  // steps skipped by the loss scaler (an inf/NaN gradient under fp16)
 };
 
+// One event of a data-parallel step's gradient all-reduce (GradientBuckets::record_timeline), in
+// seconds since the step's last micro-batch began.
+struct AllReduceEvent {
+  enum class Kind { kLayerDone, kBucketStart, kBucketDone, kWaitStart, kStepEnd };
+  double t_s = 0;
+  Kind kind = Kind::kLayerDone;
+  int64_t bucket = -1;  // 0-based, for the bucket events
+  std::string name;     // kLayerDone: the layer's first parameter
+};
+
 struct TrainOptions {
   int64_t batch_size = 32;
   int64_t accumulate = 1;      // micro-batches per step
@@ -68,6 +79,9 @@ struct TrainOptions {
   // same ranks whatever its bucket.
   size_t bucket_bytes = kDefaultBucketBytes;
   bool overlap_all_reduce = true;
+  // With comm: called after every step with its optimizer step number (from 1) and the step's
+  // all-reduce timeline (GradientBuckets::record_timeline). Null: none recorded.
+  std::function<void(int64_t step, const std::vector<AllReduceEvent>& events)> on_all_reduce_timeline;
   // Out of memory (kResourceExhausted) inside a step: the step's partial work is discarded
   // (gradients zeroed, saved activations released, batch norm's running statistics put back,
   // the allocator's cache trimmed), its micro-batches are halved (twice as many, up to one

@@ -14,7 +14,8 @@ same command (slide-tile and slide-embed resume by themselves; slide-train with 
   embed  slide-embed of that store with the trained checkpoint as the model: every bag's features
          and coordinates
 
-Prints a table (stage, runs, kills that landed, outputs equal, peak RSS of each run: min, max) and
+Prints a table (stage, runs, kills that landed, outputs equal, peak RSS of each run: min, max, and
+its anonymous and file-backed parts, sampled every 20 ms from /proc/PID/status) and
 writes it as JSON to WORK/soak.json. Exit status 1 when an output differs or a run failed.
   scripts/soak.sh [--slide PATH] [--copies 20] [--kills 5] [--work DIR] [--seed 1] [--build build]
 Needs Debian's python3-lmdb, python3-h5py, python3-numpy (scripts/install-deps.sh).
@@ -38,37 +39,44 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def wait_for(p):
-    """(exit status as a shell reports it, peak RSS in MiB) of child process p, reaped."""
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    code = p.returncode if p.returncode >= 0 else 128 - p.returncode
-    return code, usage.ru_maxrss / 1024.0
+def rss_now(pid):
+    """(RssAnon, RssFile) of a live process in MiB, from /proc/PID/status; None once it is gone.
+    Anonymous memory is the process's own (heap, stacks); file-backed is mapped files' pages (LMDB's
+    memory-mapped store), which the kernel reclaims under pressure."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return (int(fields["RssAnon"].split()[0]) / 1024.0, int(fields["RssFile"].split()[0]) / 1024.0)
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def run(cmd, log, kill_after=None):
-    """Runs cmd (stderr to log); with kill_after (s), SIGKILLs it then if it still runs.
-    Returns (exit status, peak RSS MiB, killed, seconds)."""
+    """Runs cmd (stderr to log); with kill_after (s), SIGKILLs it then if it still runs. Samples its
+    anonymous and file-backed RSS every 20 ms. Returns (exit status as a shell reports it, peak RSS
+    MiB (ru_maxrss), killed, seconds, peak anonymous RSS MiB, peak file-backed RSS MiB)."""
     t0 = time.monotonic()
+    anon = filed = 0.0
     with open(log, "ab") as err:
         err.write(("\n$ " + " ".join(cmd) + "\n").encode())
         err.flush()
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         killed = False
-        if kill_after is not None:
-            deadline = t0 + kill_after
-            while time.monotonic() < deadline:
-                if p.poll() is not None:
-                    break
-                time.sleep(0.01)
-            else:
+        deadline = None if kill_after is None else t0 + kill_after
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid != 0:
+                break
+            sample = rss_now(p.pid)
+            if sample is not None:
+                anon, filed = max(anon, sample[0]), max(filed, sample[1])
+            if deadline is not None and not killed and time.monotonic() >= deadline:
                 p.send_signal(signal.SIGKILL)
                 killed = True
-        if p.returncode is None:
-            code, rss = wait_for(p)
-        else:  # already reaped by poll(): no rusage of its own
-            code, rss = p.returncode, float("nan")
-    return code, rss, killed and code == 128 + signal.SIGKILL, time.monotonic() - t0
+            time.sleep(0.02)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    code = p.returncode if p.returncode >= 0 else 128 - p.returncode
+    return code, usage.ru_maxrss / 1024.0, killed and code == 128 + signal.SIGKILL, time.monotonic() - t0, anon, filed
 
 
 def store_digest(store):
@@ -116,20 +124,21 @@ def checkpoint_digest(out):
 
 def soak_stage(name, make_cmd, rerun_cmd, digest, ref_out, soak_out, kills, rng, log, expect_ok=(0,)):
     """The reference run, then the killed-and-rerun one; returns the stage's row."""
-    code, rss, _, seconds = run(make_cmd(ref_out), log)
+    code, rss, _, seconds, anon, filed = run(make_cmd(ref_out), log)
     if code not in expect_ok:
         sys.exit("soak: %s reference run failed (exit %d); see %s" % (name, code, log))
-    rss_runs, landed, runs, failures = [rss], 0, 1, []
+    rss_runs, anon_runs, file_runs, landed, runs, failures = [rss], [anon], [filed], 0, 1, []
     for k in range(kills):
-        code, rss, killed, _ = run(rerun_cmd(soak_out), log, kill_after=rng.uniform(0.05, 0.95) * seconds)
+        code, rss, killed, _, anon, filed = run(rerun_cmd(soak_out), log,
+                                                kill_after=rng.uniform(0.05, 0.95) * seconds)
         runs += 1
-        rss_runs.append(rss)
+        rss_runs.append(rss), anon_runs.append(anon), file_runs.append(filed)
         landed += killed
         if not killed and code not in expect_ok:
             failures.append("run %d exit %d" % (runs, code))
-    code, rss, _, _ = run(rerun_cmd(soak_out), log)
+    code, rss, _, _, anon, filed = run(rerun_cmd(soak_out), log)
     runs += 1
-    rss_runs.append(rss)
+    rss_runs.append(rss), anon_runs.append(anon), file_runs.append(filed)
     if code not in expect_ok:
         failures.append("last run exit %d" % code)
     want, got = digest(ref_out), digest(soak_out)
@@ -137,7 +146,9 @@ def soak_stage(name, make_cmd, rerun_cmd, digest, ref_out, soak_out, kills, rng,
     row = {"stage": name, "runs": runs, "kills_landed": landed, "equal": want == got,
            "items": len(want), "reference_seconds": round(seconds, 2),
            "peak_rss_mib_min": round(min(rss_known), 1), "peak_rss_mib_max": round(max(rss_known), 1),
-           "peak_rss_mib_runs": [round(r, 1) for r in rss_runs], "failures": failures}
+           "peak_rss_mib_runs": [round(r, 1) for r in rss_runs],
+           "peak_anon_mib_runs": [round(r, 1) for r in anon_runs],
+           "peak_file_mib_runs": [round(r, 1) for r in file_runs], "failures": failures}
     if want != got:
         row["differ"] = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))[:10]
     return row
@@ -164,7 +175,7 @@ def main():
     patches = os.path.join(ROOT, "sample_data", "patches", "lc25000-lung-subset")
     lc = os.path.join(work, "lc")
     if not os.path.isdir(lc):
-        code, _, _, _ = run([tile, "--patches", patches, "--tile-size", "64", "-o", lc, "-q"], log)
+        code = run([tile, "--patches", patches, "--tile-size", "64", "-o", lc, "-q"], log)[0]
         if code != 0:
             sys.exit("soak: tiling the patches failed; see " + log)
     train_args = ["--data", lc, "--epochs", str(a.epochs), "--batch-size", "32", "--lr", "0.05", "--width", "8",
@@ -202,12 +213,14 @@ def main():
     rows.append(soak_stage("embed", embed_cmd, embed_cmd, bags_digest, os.path.join(work, "embed-ref"),
                            os.path.join(work, "embed-soak"), a.kills, rng, log))
 
-    print("%-6s %5s %13s %6s %6s %10s %14s" % ("stage", "runs", "kills landed", "equal", "items", "ref s",
-                                               "peak RSS MiB"))
+    print("%-6s %5s %13s %6s %6s %10s %14s %14s %14s" % ("stage", "runs", "kills landed", "equal", "items", "ref s",
+                                                        "peak RSS MiB", "of it anon", "file-backed"))
     for r in rows:
-        print("%-6s %5d %13d %6s %6d %10.2f %6.1f..%-6.1f%s" % (
+        print("%-6s %5d %13d %6s %6d %10.2f %6.1f..%-6.1f %6.1f..%-6.1f %6.1f..%-6.1f%s" % (
             r["stage"], r["runs"], r["kills_landed"], "yes" if r["equal"] else "NO", r["items"],
             r["reference_seconds"], r["peak_rss_mib_min"], r["peak_rss_mib_max"],
+            min(r["peak_anon_mib_runs"]), max(r["peak_anon_mib_runs"]),
+            min(r["peak_file_mib_runs"]), max(r["peak_file_mib_runs"]),
             ("  " + "; ".join(r["failures"])) if r["failures"] else ""))
     with open(os.path.join(work, "soak.json"), "w") as f:
         json.dump({"slide": a.slide, "copies": a.copies, "kills": a.kills, "seed": a.seed, "stages": rows}, f, indent=2)

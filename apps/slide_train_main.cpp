@@ -340,7 +340,8 @@ int run_main(int argc, char** argv) {
   app.add_option("--dist-timeline", dist_timeline,
                  "Rank 0 writes every step's gradient all-reduce timeline to this CSV (step,t_ms,event,bucket,name: "
                  "when backward finished each layer's gradients, when each bucket's all-reduce started and was "
-                 "seen complete), rewritten after each epoch; to see what the overlap hides");
+                 "seen complete), rewritten after each epoch, rank r > 0 to FILE.rank<r>; to see what the "
+                 "overlap hides");
   int gpus = 0;
   app.add_option("--gpus", gpus,
                  "Start N ranks on this machine and supervise them, without MPI (as torchrun --nproc-per-node): "
@@ -762,7 +763,7 @@ int run_main(int argc, char** argv) {
     if (comm->world_size() > 1) to.comm = comm.get(), to.sync_batch_norm = sync_bn;
     to.bucket_bytes = static_cast<size_t>(bucket_mb * (1 << 20));
     to.overlap_all_reduce = !no_overlap;
-    if (!dist_timeline.empty() && writer && to.comm != nullptr)
+    if (!dist_timeline.empty() && to.comm != nullptr)
       to.on_all_reduce_timeline = [&](int64_t step, const std::vector<slide::train::AllReduceEvent>& events) {
         for (const auto& e : events) {
           char row[96];
@@ -791,8 +792,10 @@ int run_main(int argc, char** argv) {
                           &pool);
     progress.finish();
     if (!st.ok()) return fail(st.status().with_context("epoch " + std::to_string(epoch)));
-    if (to.on_all_reduce_timeline)
-      if (auto w = slide::core::write_file_atomic(dist_timeline, timeline_csv); !w.ok())
+    if (to.on_all_reduce_timeline)  // rank 0 to FILE, rank r to FILE.rank<r> (a straggler shows there)
+      if (auto w = slide::core::write_file_atomic(
+              writer ? dist_timeline : dist_timeline + ".rank" + std::to_string(comm->rank()), timeline_csv);
+          !w.ok())
         return fail(w.with_context("--dist-timeline"));
     accumulate = std::max(accumulate, st->accumulate);  // after out-of-memory recovery: the finer split
     if (state.contains("memory"))

@@ -310,7 +310,7 @@ class MpiCommunicator final : public Communicator {
   Status usable(const std::string& what) const { return broken_ ? broken_error(what) : slide::core::ok_status(); }
   // A collective started by all_reduce_async, for the progress thread. Mutex held.
   void track(MpiWorkBase* w) {
-    if (!progress_thread_.joinable()) return;
+    if (!progress_thread_.joinable() || w->completed()) return;
     inflight_.push_back(w);
     wake_.notify_one();
   }
@@ -359,7 +359,10 @@ Status MpiWorkBase::progress() {
 
 Status MpiWorkBase::progress_locked() {
   if (!failed_.ok()) return failed_;
-  if (is_done()) return slide::core::ok_status();
+  if (is_done()) {
+    comm_->untrack(this);  // completed before it was tracked (an empty ring)
+    return slide::core::ok_status();
+  }
   Status st = step();
   if (!st.ok()) failed_ = st;
   if (is_done()) comm_->untrack(this);

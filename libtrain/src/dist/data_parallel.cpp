@@ -92,14 +92,18 @@ void GradientBuckets::note(TimelineEvent::Kind kind, int64_t bucket, std::string
   timeline_.push_back({t, kind, bucket, std::move(name)});
 }
 
+void GradientBuckets::note_done(size_t bucket) {
+  if (!record_) return;
+  if (noted_done_.size() < work_.size()) noted_done_.resize(work_.size(), false);
+  if (noted_done_[bucket]) return;
+  noted_done_[bucket] = true;
+  note(TimelineEvent::Kind::kBucketDone, static_cast<int64_t>(bucket));
+}
+
 void GradientBuckets::note_completed() {
   if (!record_) return;
-  noted_done_.resize(work_.size(), false);
   for (size_t k = 0; k < work_.size(); ++k)
-    if (!noted_done_[k] && work_[k]->completed()) {
-      noted_done_[k] = true;
-      note(TimelineEvent::Kind::kBucketDone, static_cast<int64_t>(k));
-    }
+    if (work_[k]->completed()) note_done(k);
 }
 
 Tensor& GradientBuckets::reduced() { return staged_ ? staging_ : flat_; }
@@ -201,13 +205,9 @@ Result<bool> GradientBuckets::finish_step() {
   Status st;
   for (; next_ < buckets_.size() && st.ok(); ++next_) st = launch(next_);
   note_completed();
-  noted_done_.resize(work_.size(), false);
   for (size_t k = 0; k < work_.size() && st.ok(); ++k) {
     st = work_[k]->wait();
-    if (st.ok() && record_ && !noted_done_[k]) {
-      noted_done_[k] = true;
-      note(TimelineEvent::Kind::kBucketDone, static_cast<int64_t>(k));
-    }
+    if (st.ok()) note_done(k);  // if no progress call saw it complete before
   }
   SLIDE_RETURN_IF_ERROR(st);
   if (staged_) SLIDE_RETURN_IF_ERROR(device_->upload(staging_, flat_));

@@ -345,10 +345,9 @@ class MpiCommunicator final : public Communicator {
 };
 
 MpiWorkBase::~MpiWorkBase() {
-  std::lock_guard<std::mutex> lock(comm_->mutex());
-  comm_->untrack(this);
-  // Abandoned in flight: MPI may still write into the buffer and the other ranks still expect
-  // this rank's part, so the communicator can no longer be used or finalised.
+  // Each final class has already left the progress thread's list, in its own destructor, before
+  // its members went. Abandoned in flight: MPI may still write into the buffer and the other
+  // ranks still expect this rank's part, so the communicator can no longer be used or finalised.
   if (!is_done()) comm_->mark_broken();
 }
 
@@ -359,10 +358,7 @@ Status MpiWorkBase::progress() {
 
 Status MpiWorkBase::progress_locked() {
   if (!failed_.ok()) return failed_;
-  if (is_done()) {
-    comm_->untrack(this);  // completed before it was tracked (an empty ring)
-    return slide::core::ok_status();
-  }
+  if (is_done()) return slide::core::ok_status();  // untracked when it completed (or never tracked)
   Status st = step();
   if (!st.ok()) failed_ = st;
   if (is_done()) comm_->untrack(this);

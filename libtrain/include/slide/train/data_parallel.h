@@ -120,7 +120,8 @@ class GradientBuckets {
   // The timeline (record_timeline): the step's start, its events, and per started bucket whether
   // its completion is recorded.
   void note(TimelineEvent::Kind kind, int64_t bucket, std::string name = {});
-  void note_completed();
+  void note_done(size_t bucket);  // its completion, once
+  void note_completed();          // note_done for every bucket whose work says it has completed
   bool record_ = false;
   std::chrono::steady_clock::time_point step_t0_;
   std::vector<TimelineEvent> timeline_;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A sanitizer build of slidestream (CUDA, fuzz targets and benchmarks off) and ctest on it: MODE
 # `address` (AddressSanitizer + UndefinedBehaviorSanitizer, the default) builds build-asan/, `thread`
-# (ThreadSanitizer) builds build-tsan/. Not part of CI (a second build and a slower suite would
-# double its time); run it before a release and after touching threads or memory.
+# (ThreadSanitizer) builds build-tsan/. CI runs only a slice of the address mode (ctest label
+# `sanitize`: libcore, libtile, apps/ and slide-tile, built by clang in tests/fuzz; a second build of
+# libtrain would not fit CI's time); run this before a release and after touching threads or memory.
 #   scripts/sanitize.sh [address|thread] [CTEST_ARGS...]     e.g. scripts/sanitize.sh address -L unit
 # Every finding stops its test (halt_on_error) and prints a stack. Leak checking is off: OpenSlide's
 # glib, HDF5 and Open MPI keep allocations for the process's life. OMP_NUM_THREADS=1 under

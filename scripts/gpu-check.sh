@@ -2,6 +2,8 @@
 # For whoever has an NVIDIA GPU: builds with CUDA required, then runs every gpu-labelled test (the
 # device probe and the cuda backend's op-by-op parity suite against the reference backend) and
 # prints each result. Usage: scripts/gpu-check.sh [extra cmake args]
+# (A GPU machine without our Debian packages: scripts/device-bundle.sh on a build machine, then
+# scripts/device-run.sh on the GPU machine.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || {

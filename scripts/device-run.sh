@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The GPU checks on a lent device machine, in one command that ends within its 10-minute limit:
+# unpacks .device/slide-gpu-bundle.tar.xz (scripts/device-bundle.sh, made here beforehand), finds
+# the device's own cuBLAS, cuDNN and NCCL, and runs, in this order, each under a timeout taken from
+# what is left of BUDGET_S (default 540 s):
+#   1. the device probe and the CUDA error mapping (gpu_tests, cuda_check_tests);
+#   2. the cuda backend against the reference backend, op by op (cuda_ops_tests: the parity suite);
+#   3. NCCL (nccl_tests; the two-GPU cases skip on one GPU);
+#   4. slide-train / evaluate / slide-embed on the GPU against the cpu backend
+#      (tests/e2e/test_slide_train_gpu.py, with the bundle's tools);
+#   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step).
+# Everything goes to $OUT/gpu-check.log (the device tool brings $OUT back) and one line per step to
+# $OUT/summary.txt. Usage, through the device tool, from the repository root:
+#   run(command="scripts/device-run.sh", carry=[".device"], timeout_s=600)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+out=${OUT:-/tmp/slide-gpu-out}
+mkdir -p "$out"
+log=$out/gpu-check.log
+summary=$out/summary.txt
+: > "$log"
+: > "$summary"
+budget=${BUDGET_S:-540}
+start=$(date +%s)
+say() { echo "$*" | tee -a "$log"; }
+note() { echo "$*" | tee -a "$summary" >> "$log"; }
+
+bundle=/tmp/slide-gpu-bundle
+if [[ ! -f .device/slide-gpu-bundle.tar.xz ]]; then
+  note "FAIL bundle: .device/slide-gpu-bundle.tar.xz is missing (scripts/device-bundle.sh here, then carry .device)"
+  exit 1
+fi
+rm -rf "$bundle"
+# tar's xz, or Python's lzma where the device has no xz.
+tar -C /tmp -xJf .device/slide-gpu-bundle.tar.xz 2>> "$log" ||
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall("/tmp")' .device/slide-gpu-bundle.tar.xz ||
+  { note "FAIL bundle: could not unpack"; exit 1; }
+cat "$bundle/MANIFEST" >> "$log"
+build=$bundle/build
+
+say "== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 | tee -a "$log" "$summary"
+say "$(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME"), $(ldd --version 2>&1 | head -1), $(nproc) cores"
+
+# NVIDIA's libraries as the device has them: pip wheels (site-packages/nvidia/*/lib), a CUDA
+# install, or the system's library directories. The first directory holding each wins.
+dirs=()
+for name in libcublas.so.13 libcublasLt.so.13 libcudnn.so.9 libnccl.so.2; do
+  found=$(ldconfig -p 2>/dev/null | awk -v n="$name" '$1 == n {print $NF; exit}')
+  if [[ -z "$found" ]]; then
+    found=$(find -H /usr /opt /root -xdev -name "$name" 2>/dev/null | head -1)
+  fi
+  if [[ -z "$found" ]]; then
+    note "FAIL libraries: $name not found on the device"
+  else
+    d=$(dirname "$found")
+    [[ " ${dirs[*]-} " == *" $d "* ]] || dirs+=("$d")
+    say "$name: $found"
+  fi
+done
+LD_LIBRARY_PATH=$(IFS=:; echo "${dirs[*]-}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH
+missing=0
+for b in "$build"/tests/* "$build"/apps/* "$build"/bench/*; do
+  if ldd "$b" | grep -q "not found"; then
+    say "$(basename "$b") cannot load: $(ldd "$b" | grep 'not found' | tr -s ' \t\n' ' ')"
+    missing=1
+  fi
+done
+((missing == 0)) && say "every binary's libraries resolve"
+
+# step NAME SECONDS COMMAND...: runs under a timeout capped by what is left of the budget.
+failed=0
+step() {
+  local name=$1 want=$2
+  shift 2
+  local left=$((budget - ($(date +%s) - start)))
+  if ((left < 20)); then
+    note "SKIP $name: the budget of ${budget} s is spent"
+    return
+  fi
+  local t=$((want < left ? want : left))
+  say "== $name (timeout ${t} s): $*"
+  local t0=$(date +%s)
+  timeout -k 10 "$t" "$@" >> "$log" 2>&1
+  local rc=$?
+  local secs=$(($(date +%s) - t0))
+  case $rc in
+    0) note "PASS $name (${secs} s)" ;;
+    77) note "SKIP $name: exit 77, no usable device (${secs} s)" ;;
+    124|137) note "TIMEOUT $name after ${secs} s"; failed=1 ;;
+    *) note "FAIL $name: exit $rc (${secs} s)"; failed=1 ;;
+  esac
+}
+
+step probe 60 "$build/tests/gpu_tests"
+if grep -q "^SKIP probe" "$summary"; then
+  note "no usable device: nothing else run"
+  cat "$summary"
+  exit 77
+fi
+step cuda_check 60 "$build/tests/cuda_check_tests"
+step cuda_ops_parity 300 "$build/tests/cuda_ops_tests"
+step nccl 90 "$build/tests/nccl_tests"
+# A Python with numpy for the e2e test (on the device, the python3 first on PATH holds PyTorch).
+py=""
+for p in python3 /usr/bin/python3; do
+  if command -v "$p" > /dev/null && "$p" -c 'import numpy' 2> /dev/null; then py=$(command -v "$p"); break; fi
+done
+[[ -n "$py" ]] || { note "FAIL python: no python3 with numpy"; py=python3; }
+step slide_train_gpu_e2e 240 env SLIDE_TILE="$build/apps/slide-tile" SLIDE_TRAIN="$build/apps/slide-train" \
+  SLIDE_EMBED="$build/apps/slide-embed" SLIDE_SAMPLE_DIR="$repo/sample_data" \
+  PYTHONPATH="$repo/tests/e2e" "$py" "$repo/tests/e2e/test_slide_train_gpu.py" -v
+for precision in fp32 tf32; do
+  step "resnet50_step_$precision" 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
+    --size 224 --steps 10 --precision "$precision"
+done
+grep -E "img/s|images/s" "$log" | tail -4 >> "$summary"
+say "== done in $(($(date +%s) - start)) s"
+cat "$summary"
+exit $failed

@@ -4,14 +4,17 @@
 # batch, the planner's peak, and the largest batch the planner fits in a 4 GiB budget each way;
 # then the published figures of the peers beside our ratios, in one run.
 #
-# usage: bench/memory_bench.sh [BUILD_DIR]   (default build/; BATCH, STEPS, THREADS, BUDGET override)
+# BACKEND=cuda (PRECISION=tf32) runs it on a GPU: device peaks, and offload measured as well.
+#
+# usage: bench/memory_bench.sh [BUILD_DIR]   (default build/; BATCH, STEPS, THREADS, BUDGET, BACKEND, PRECISION override)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$here/build}
 threads=${THREADS:-2}
 export OMP_NUM_THREADS=$threads
 echo "threads $threads; batch ${BATCH:-16} at 224 px; budget ${BUDGET:-4G}"
-out=$("$build/bench/memory_bench" --batch "${BATCH:-16}" --steps "${STEPS:-3}" --budget "${BUDGET:-4G}")
+out=$("$build/bench/memory_bench" --batch "${BATCH:-16}" --steps "${STEPS:-3}" --budget "${BUDGET:-4G}" \
+  --backend "${BACKEND:-cpu}" --precision "${PRECISION:-fp32}")
 echo "$out"
 # The peers' published figures (not rerun here: TFLMS needs a GPU and TensorFlow 1.x):
 #  - TFLMS (Le et al., 2018, "TFLMS: Large Model Support in TensorFlow by Graph Rewriting"):

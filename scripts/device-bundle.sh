@@ -24,7 +24,7 @@ root=$stage/slide-gpu-bundle
 mkdir -p "$root/lib"
 
 bins=(tests/gpu_tests tests/cuda_ops_tests tests/cuda_check_tests tests/nccl_tests
-      apps/slide-tile apps/slide-train apps/slide-embed bench/train_step bench/embed_step)
+      apps/slide-tile apps/slide-train apps/slide-embed bench/train_step bench/embed_step bench/memory_bench)
 for b in "${bins[@]}"; do
   if [[ ! -x "$build/$b" ]]; then
     echo "device-bundle: $build/$b is missing (a build with CUDA on: scripts/build.sh -DSLIDE_WITH_CUDA=ON)" >&2

@@ -8,7 +8,9 @@
 #   3. NCCL (nccl_tests; the two-GPU cases skip on one GPU);
 #   4. slide-train / evaluate / slide-embed on the GPU against the cpu backend
 #      (tests/e2e/test_slide_train_gpu.py, with the bundle's tools);
-#   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step).
+#   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step);
+#   6. bench/memory_bench on cuda: device peak measured against the planner's, with checkpointing,
+#      activation offload and both, their time, and the largest batch each fits in 16 GiB.
 # Everything goes to $OUT/gpu-check.log (the device tool brings $OUT back) and one line per step to
 # $OUT/summary.txt. Usage, through the device tool, from the repository root:
 #   run(command="scripts/device-run.sh", carry=[".device"], timeout_s=600)
@@ -116,7 +118,12 @@ for precision in fp32 tf32; do
   step "resnet50_step_$precision" 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
     --size 224 --steps 10 --precision "$precision"
 done
-grep -E "img/s|images/s" "$log" | tail -4 >> "$summary"
+# Issue 13's table and issue 11's planner check on the device: ResNet-50 at 224 px, batch 64, with
+# nothing, checkpointing, offload and both; measured device peak beside the planner's, images/s,
+# and the largest batch each fits in 16 GiB.
+step memory_resnet50 150 "$build/bench/memory_bench" --backend cuda --precision tf32 --models resnet50 \
+  --batch 64 --steps 3 --budget 16G
+grep -E "images_per_s=|measured on the device|checkpointing:" "$log" | tail -12 >> "$summary"
 say "== done in $(($(date +%s) - start)) s"
 cat "$summary"
 exit $failed

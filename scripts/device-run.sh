@@ -10,7 +10,8 @@
 #      (tests/e2e/test_slide_train_gpu.py, with the bundle's tools);
 #   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step);
 #   6. bench/memory_bench on cuda: device peak measured against the planner's, with checkpointing,
-#      activation offload and both, their time, and the largest batch each fits in 16 GiB.
+#      activation offload and both, their time, and the largest batch each fits in 16 GiB;
+#   7. slide-embed --model uni from a store at fp32, tf32, bf16 and fp16 (bench/uni_gpu_embed.sh).
 # Everything goes to $OUT/gpu-check.log (the device tool brings $OUT back) and one line per step to
 # $OUT/summary.txt. Usage, through the device tool, from the repository root:
 #   run(command="scripts/device-run.sh", carry=[".device"], timeout_s=600)
@@ -124,6 +125,9 @@ done
 step memory_resnet50 150 "$build/bench/memory_bench" --backend cuda --precision tf32 --models resnet50 \
   --batch 64 --steps 3 --budget 16G
 grep -E "images_per_s=|measured on the device|checkpointing:" "$log" | tail -12 >> "$summary"
+# Issue 14's GPU figure: UNI (ViT-L/16) end to end from a store, tiles/s per precision.
+step uni_embed 180 env PYTHON="$py" bench/uni_gpu_embed.sh "$build"
+grep -E "^uni \(ViT-L/16\)" "$log" >> "$summary"
 say "== done in $(($(date +%s) - start)) s"
 cat "$summary"
 exit $failed

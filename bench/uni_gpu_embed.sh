@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 14's GPU figure: slide-embed --model uni (ViT-L/16, 224 px, 1024-d class token) end to end
+# from a store, tiles/s at each precision, on the GPU (BACKEND=cuda, the default) or any backend.
+# UNI's published weights are gated, and the speed does not depend on their values: the weight
+# file is random, in timm's layout at UNI's shapes (bench/random_vit_weights.py). The store is
+# sample_data's CMU-1-Small-Region.svs listed COPIES times (default 50) in a manifest, tiled at
+# 0.5 µm/px, 224 px (43 tissue tiles a copy).
+#   [BACKEND=cuda] [PRECISIONS="fp32 tf32 bf16 fp16"] [COPIES=50] [BATCH=64] bench/uni_gpu_embed.sh [BUILD_DIR]
+# Prints one line per precision: tiles, seconds, tiles/s (slide-embed's own summary).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$here/build}
+backend=${BACKEND:-cuda}
+copies=${COPIES:-50}
+batch=${BATCH:-64}
+precisions=${PRECISIONS:-fp32 tf32 bf16 fp16}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+py=${PYTHON:-python3}
+
+"$py" "$here/bench/random_vit_weights.py" uni "$tmp/uni.safetensors"
+slide=$here/sample_data/slides/CMU-1-Small-Region.svs
+{
+  echo "slide_id,path"
+  for i in $(seq 1 "$copies"); do echo "cmu1-copy$i,$slide"; done
+} > "$tmp/slides.csv"
+"$build/apps/slide-tile" --manifest "$tmp/slides.csv" -o "$tmp/store" --mpp 0.5 --tile-size 224 -q
+for p in $precisions; do
+  log=$tmp/embed-$p.jsonl
+  "$build/apps/slide-embed" "$tmp/store" -o "$tmp/bags-$p" --model uni --weights "$tmp/uni.safetensors" \
+    --backend "$backend" --precision "$p" --batch-size "$batch" --log-json 2> "$log" > /dev/null ||
+    { echo "uni $backend $p: slide-embed failed:"; tail -3 "$log"; continue; }
+  "$py" - "$log" "$backend" "$p" <<'EOF'
+import json, sys
+log, backend, precision = sys.argv[1:4]
+for line in open(log):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if r.get("msg") == "summary" or r.get("event") == "summary" or "tiles_per_s" in r:
+        f = r.get("fields", r)
+        print("uni (ViT-L/16) %s %s: %s tiles in %.1f s, %.1f tiles/s" % (
+            backend, precision, f.get("tiles"), float(f.get("seconds", 0)), float(f.get("tiles_per_s", 0))))
+EOF
+done

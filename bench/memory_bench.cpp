@@ -87,9 +87,13 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   std::normal_distribution<float> n01;
   for (int64_t i = 0; i < hx.numel(); ++i) hx.data<float>()[i] = n01(rng);
   for (int64_t i = 0; i < batch; ++i) hy.data<int32_t>()[i] = static_cast<int32_t>(i % 3);
-  Tensor x = on_device ? *to_device(be, hx, "images") : hx;
-  Tensor y = on_device ? *to_device(be, hy, "labels") : hy;
-  if (on_device) hx = Tensor(), hy = Tensor();
+  Tensor x = hx, y = hy;
+  if (on_device) {  // the upload can run out of device memory: say so, as every other step does
+    auto dx = to_device(be, hx, "images");
+    auto dy = dx.ok() ? to_device(be, hy, "labels") : Result<Tensor>(dx.status());
+    if (!dy.ok()) return std::fprintf(stderr, "%s\n", dy.status().to_string().c_str()), 1;
+    x = *dx, y = *dy, hx = Tensor(), hy = Tensor();
+  }
   const size_t before = alloc.current_bytes() - x.bytes() - y.bytes();
   alloc.reset_peak();
   std::vector<double> times;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "slide/core/log.h"
 #include "slide/train/backend.h"
 
 namespace slide::apps {
@@ -30,8 +31,8 @@ inline void add_backend_options(CLI::App& app, std::string* backend, int* device
 inline void add_precision_option(CLI::App& app, std::string* precision) {
   app.add_option("--precision", *precision,
                  "Math precision of the convolutions and matrix products: fp32 | tf32 (NVIDIA tensor cores; f32 on "
-                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs) | fp16 (tensor cores; AVX512-FP16 on "
-                 "CPUs; training with dynamic loss scaling). Weights, activations, gradients and optimizer state "
+                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs, "
+                 "else f32) | fp16 (tensor cores; f32 on CPUs; training with dynamic loss scaling). Weights, activations, gradients and optimizer state "
                  "stay f32")
       ->capture_default_str();
 }
@@ -47,6 +48,17 @@ inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(
   if (!be.ok()) return slide::core::invalid_argument("--backend " + name + ": " + be.status().message());
   if (auto s = (*be)->set_math_precision(*p); !s.ok())
     return slide::core::invalid_argument("--precision " + precision + " on --backend " + name + ": " + s.message());
+  // What the precision means on this CPU (backend.h MathPrecision): a user who asked for bf16 on a
+  // CPU without bf16 instructions should know that it runs as fp32.
+  if ((*be)->name() == "cpu" && *p != slide::train::MathPrecision::kFp32) {
+    if (*p == slide::train::MathPrecision::kBf16 && slide::train::cpu_has_bf16_instructions())
+      slide::core::log_info("math precision", {{"precision", precision}, {"cpu", "bf16 instructions (oneDNN)"}});
+    else
+      slide::core::log_info("math precision: the products run in fp32 on this CPU",
+                            {{"precision", precision},
+                             {"why", *p == slide::train::MathPrecision::kBf16 ? "no AVX512_BF16 or AMX"
+                                                                               : "no such mode in oneDNN 2.6"}});
+  }
   return be;
 }
 

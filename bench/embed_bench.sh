@@ -4,7 +4,9 @@
 #  1. compute only: 224-px tiles, batch 32, tiles/s of each and the ratio (target >= 2x), and the
 #     fraction of the machine's measured FP32 peak (oneDNN sgemm on the same threads) each reaches;
 #  2. Vision Transformers (ViT-B/16, ViT-L/16), compute only, against torchvision's on the same threads;
-#  3. end to end from a store (LMDB read + JPEG decode on worker threads + forward + HDF5 bags):
+#  3. bf16 on CPUs with bf16 instructions: ours at --precision bf16 against ours at fp32 and PyTorch's
+#     autocast bf16 (bench/torch_bf16_peer.py);
+#  4. end to end from a store (LMDB read + JPEG decode on worker threads + forward + HDF5 bags):
 #     CMU-1-Small-Region tiled at 0.5 um/px into 224-px tiles, slide-embed's tiles/s and peak RSS.
 #
 # usage: bench/embed_bench.sh   (needs a build in $BUILD (default build/) and Debian's python3-torch
@@ -49,6 +51,25 @@ for spec in vit_b_16:17.6 vit_l_16:61.6; do
     "$(awk -v i="$o" -v g="$g" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')" \
     "$(awk -v i="$p2" -v g="$g" -v k="$peak" 'BEGIN{print 100*i*g*2/k}')"
 done
+
+# bf16 (--precision bf16), compute only, where the CPU has bf16 instructions (AVX512_BF16 or AMX;
+# elsewhere both sides would run f32): ours against our fp32 and against PyTorch's bf16 inference
+# (bench/torch_bf16_peer.py: torch.autocast, oneDNN's bf16 kernels underneath).
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+  for spec in resnet50:32 vit_b_16:16 vit_l_16:16; do
+    m=${spec%%:*}; b=${spec##*:}
+    f32=$("$build/bench/embed_step" --model "$m" --batch "$b" --size 224 --steps 3)
+    ours=$("$build/bench/embed_step" --model "$m" --batch "$b" --size 224 --steps 3 --precision bf16)
+    peer=$(/usr/bin/python3 "$here/bench/torch_bf16_peer.py" --model "$m" --batch "$b" --size 224 \
+             --threads "$threads" --steps 3)
+    f=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$f32"); o=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$ours")
+    p3=$(sed -E 's/.*images_per_s=([0-9.]+).*/\1/' <<<"$peer")
+    printf 'bf16      %-16s slide-embed %7.2f tiles/s (%.2fx its fp32)   pytorch autocast bf16 %7.2f tiles/s   ratio %.2fx\n' \
+      "$m" "$o" "$(awk -v a="$o" -v b="$f" 'BEGIN{print a/b}')" "$p3" "$(awk -v a="$o" -v b="$p3" 'BEGIN{print a/b}')"
+  done
+else
+  echo "bf16      skipped: this CPU has no bf16 instructions (AVX512_BF16 or AMX), so --precision bf16 runs as fp32"
+fi
 
 # End to end from a store.
 "$build/apps/slide-tile" "$here/sample_data/slides/CMU-1-Small-Region.svs" --mpp 0.5 --tile-size 224 --min-tissue 0 \

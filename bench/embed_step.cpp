@@ -4,6 +4,7 @@
 // layouts); prints the median images/s over the timed batches (the first is warm-up, and compiles).
 //
 // usage: embed_step [--model resnet50] [--layer layer3] [--batch 32] [--size 224] [--steps 6]
+//                   [--precision fp32|tf32|bf16|fp16]   (the cpu backend's math precision, backend.h)
 //   --model vit_b_16 | vit_l_16: torchvision's ViT-B/16 and ViT-L/16 (the peer's names) as
 //   libtrain's VisionTransformer (vit.h) on the cpu backend, random weights, class-token features.
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
@@ -25,12 +26,14 @@ int main(int argc, char** argv) {
   std::string model = "resnet50", layer;
   int64_t batch = 32, size = 224;
   int steps = 6;
+  std::string precision = "fp32";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--model")) model = argv[i + 1];
     else if (!std::strcmp(argv[i], "--layer")) layer = argv[i + 1];
     else if (!std::strcmp(argv[i], "--batch")) batch = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--size")) size = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--precision")) precision = argv[i + 1];
   }
   std::vector<float> x(static_cast<size_t>(batch * 3 * size * size));
   std::mt19937 g(0);
@@ -41,19 +44,27 @@ int main(int argc, char** argv) {
     std::vector<double> timed(times.begin() + 1, times.end());
     std::sort(timed.begin(), timed.end());
     const double med = timed[timed.size() / 2];
-    std::printf("mode=embed model=%s layer=%s batch=%lld size=%lld feature_dim=%lld images_per_s=%.2f\n", model.c_str(),
-                what.c_str(), static_cast<long long>(batch), static_cast<long long>(size),
-                static_cast<long long>(dim), static_cast<double>(batch) / med);
+    std::printf("mode=embed model=%s layer=%s precision=%s batch=%lld size=%lld feature_dim=%lld images_per_s=%.2f\n",
+                model.c_str(), what.c_str(), precision.c_str(), static_cast<long long>(batch),
+                static_cast<long long>(size), static_cast<long long>(dim), static_cast<double>(batch) / med);
   };
   auto die = [](const slide::core::Status& s) {
     std::fprintf(stderr, "%s\n", s.to_string().c_str());
     return 1;
   };
+  auto math = parse_math_precision(precision);
+  if (!math.ok()) return die(math.status());
+  auto make_cpu = [&]() -> Result<std::unique_ptr<Backend>> {
+    auto be = make_backend("cpu");
+    if (!be.ok()) return be.status();
+    if (auto st = (*be)->set_math_precision(*math); !st.ok()) return st;
+    return std::move(*be);
+  };
   if (model == "vit_b_16" || model == "vit_l_16") {
     VitConfig c;  // torchvision's vit_b_16 / vit_l_16 (Dosovitskiy et al. 2021), timm's layout
     c.image_size = static_cast<int>(size);
     if (model == "vit_l_16") c.width = 1024, c.depth = 24, c.heads = 16, c.mlp_hidden = 4096;
-    auto be = make_backend("cpu");
+    auto be = make_cpu();
     if (!be.ok()) return die(be.status());
     auto vit = VisionTransformer::create(**be, c);
     if (!vit.ok()) return die(vit.status());
@@ -79,7 +90,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", net.status().to_string().c_str());
     return 1;
   }
-  auto ex = FeatureExtractor::create(**net, layer);
+  auto be = make_cpu();
+  if (!be.ok()) return die(be.status());
+  auto ex = FeatureExtractor::create(**net, layer, std::move(*be));
   if (!ex.ok()) {
     std::fprintf(stderr, "%s\n", ex.status().to_string().c_str());
     return 1;

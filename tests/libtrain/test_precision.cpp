@@ -237,3 +237,79 @@ TEST_CASE("cpu under bf16: within bf16's error of the f64 result; fp32 again giv
   CHECK(worst(ly16, lyd, 64 * 0x1p-8) <= 1.0);
   CHECK(worst(y32, yd, 144 * 0x1p-20) <= 1.0);  // and f32 far tighter
 }
+
+// On a CPU with bf16 instructions the cpu backend rounds every product operand to bf16 itself
+// (oneDNN 2.6's fpmath mode alone changes nothing), so its results are the reference's under bf16
+// (operands rounded exactly, formulas.h round_to_bf16) up to the order of the f32 sums: far closer
+// than bf16's own error, which separates them from fp32's. Without those instructions bf16 is f32
+// on cpu, bit for bit. Every product op: convolution forward, backward data and weights, the fused
+// inference convolution (with residual and ReLU), linear forward and backward, matmul with
+// transposes, attention; channel counts that take oneDNN's blocked layouts (16) and ones that do
+// not (13).
+TEST_CASE("cpu under bf16: operands rounded as the reference rounds them where the CPU has bf16 instructions") {
+  auto cpu = testing::must_make("cpu");
+  auto ref = testing::must_make("reference");
+  PrecisionGuard cpu_guard{*cpu}, ref_guard{*ref};
+  const bool bf16 = cpu_has_bf16_instructions();
+  const std::string isa = bf16 ? "yes" : "no (bf16 is f32 on cpu)";
+  MESSAGE("this CPU has bf16 instructions: " << isa);
+  for (const int64_t C : {16, 13}) {
+    CAPTURE(C);
+    const Conv2dParams p{1, 1};
+    const int64_t N = 2, H = 9, W = 8, K = C, R = 3;
+    const Tensor x = f32_tensor({N, C, H, W}, 21), w = f32_tensor({K, C, R, R}, 22), b = f32_tensor({K}, 23),
+                 dy = f32_tensor({N, K, H, W}, 24), z = f32_tensor({N, K, H, W}, 25);
+    const Tensor lx = f32_tensor({7, 4 * C}, 26), lw = f32_tensor({2 * C, 4 * C}, 27), lb = f32_tensor({2 * C}, 28),
+                 ldy = f32_tensor({7, 2 * C}, 29);
+    const Tensor ma = f32_tensor({4 * C, 9}, 30), mb = f32_tensor({5, 4 * C}, 31);
+    const int64_t B = 2, T = 11, heads = C % 2 == 0 ? 2 : 1;  // attention: C = heads * Dh wide
+    const Tensor qkv = f32_tensor({B * T, 3 * C}, 32);
+    // Each op's outputs, plain; names[i] says which.
+    const std::vector<std::string> names{"conv y", "conv dx", "conv dw", "fused y", "linear y", "linear dx",
+                                         "linear dw", "matmul y", "attention out"};
+    auto run = [&](Backend& be, MathPrecision prec) {
+      REQUIRE(be.set_math_precision(prec).ok());
+      std::vector<Tensor> o{zeros({N, K, H, W}), zeros(x.shape()), zeros(w.shape()), zeros({N, K, H, W}),
+                            zeros({7, 2 * C}),   zeros(lx.shape()), zeros(lw.shape()), zeros({9, 5}),
+                            zeros({B * T, C})};
+      Tensor db = zeros({K}), ldb = zeros({2 * C});
+      REQUIRE(be.conv2d_forward(x, w, b, p, o[0]).ok());
+      REQUIRE(be.conv2d_backward_data(dy, w, p, o[1]).ok());
+      REQUIRE(be.conv2d_backward_weights(x, dy, p, o[2], db).ok());
+      auto fw = be.prepare_fused_conv2d(w, b);
+      REQUIRE(fw.ok());
+      std::copy(z.data<float>(), z.data<float>() + z.numel(), o[3].data<float>());
+      REQUIRE(be.fused_conv2d_inference(x, **fw, p, true, &o[3], o[3]).ok());  // in place over z
+      REQUIRE(be.linear_forward(lx, lw, lb, o[4]).ok());
+      REQUIRE(be.linear_backward_data(ldy, lw, o[5]).ok());
+      REQUIRE(be.linear_backward_weights(lx, ldy, o[6], ldb).ok());
+      REQUIRE(be.matmul(ma, true, mb, true, o[7]).ok());  // ma^T [9, 4C] times mb^T [4C, 5]
+      REQUIRE(be.attention_forward(qkv, B, heads, 0.25, o[8]).ok());
+      for (Tensor& t : o) {
+        auto plain = be.to_plain(t);
+        REQUIRE(plain.ok());
+        t = *plain;
+      }
+      return o;
+    };
+    const std::vector<Tensor> got = run(*cpu, MathPrecision::kBf16), f32 = run(*cpu, MathPrecision::kFp32),
+                              want = run(*ref, MathPrecision::kBf16);
+    auto max_diff = [](const Tensor& a, const Tensor& c) {
+      double m = 0;
+      for (int64_t i = 0; i < a.numel(); ++i) m = std::max(m, double(std::abs(a.data<float>()[i] - c.data<float>()[i])));
+      return m;
+    };
+    for (size_t i = 0; i < names.size(); ++i) {
+      CAPTURE(names[i]);
+      if (!bf16) {
+        CHECK(same_bits(got[i], f32[i]));
+        continue;
+      }
+      // Sums of at most 4C*9 = 144 products of operands in [-1, 1] (attention's second product:
+      // T = 11 probabilities summing to 1): two f32 orders of such sums differ by well under
+      // 2^-14, while bf16's rounding moves them by about 2^-9 each (the second check).
+      CHECK(max_diff(got[i], want[i]) <= 0x1p-14);
+      CHECK(max_diff(got[i], f32[i]) > 0x1p-12);
+    }
+  }
+}

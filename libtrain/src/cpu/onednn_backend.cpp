@@ -1,4 +1,5 @@
-// backend.h's op list on oneDNN 2.x primitives, f32, CPU engine.
+// backend.h's op list on oneDNN 2.x primitives, f32 tensors, CPU engine. Under --precision bf16 on
+// a CPU with bf16 instructions the products' operands are rounded to bf16 (operand_dt below).
 //
 // Layouts (tensor.h's Layout): convolutions are created with tag::any, so oneDNN picks its
 // blocked layouts; a convolution writes its output straight into the output tensor in the
@@ -82,6 +83,7 @@ class OneDnnBackend final : public Backend {
   // fpmath mode, on its next use.
   Status set_math_precision(MathPrecision p) override {
     cache_.clear();
+    bf16_operands_ = p == MathPrecision::kBf16 && cpu_has_bf16_instructions();
     return Backend::set_math_precision(p);
   }
 
@@ -100,7 +102,7 @@ class OneDnnBackend final : public Backend {
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kCpuTypes));
     return run("conv2d_forward", [&] {
-      auto& pd = conv_fwd_pd(d, p, b.defined());
+      auto& pd = conv_fwd_pd(d, p, b.defined(), operand_dt());
       const memory y_pd = out_mem(pd.dst_desc(), y);
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
                                            {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(md_of(w), w))},
@@ -131,9 +133,9 @@ class OneDnnBackend final : public Backend {
     if (prepared == nullptr) return slide::core::invalid_argument("fused_conv2d_inference: weights not prepared by cpu");
     return run("fused_conv2d_inference", [&] {
       const bool sum = residual != nullptr;
-      auto& pd = cached<dnnl::convolution_forward::primitive_desc>(
-          key_of("conv_fused", {d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, sum, relu}), [&] {
-            auto [src, wei, bmd, dst] = conv_mds(d, true);
+      auto& pd = cached_product<dnnl::convolution_forward::primitive_desc>(
+          key_of("conv_fused", {d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, sum, relu}), [&](dt op) {
+            auto [src, wei, bmd, dst] = conv_mds(d, true, op, op, dt::f32, /*pin_blocked=*/true);
             dnnl::convolution_forward::desc desc(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
                                                  src, wei, bmd, dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
             dnnl::post_ops po;
@@ -174,13 +176,15 @@ class OneDnnBackend final : public Backend {
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kCpuTypes));
     return run("conv2d_backward_data", [&] {
-      auto& pd = cached<dnnl::convolution_backward_data::primitive_desc>(conv_key("conv_bwd_data", d, p, false), [&] {
-        auto [src, wei, bias, dst] = conv_mds(d, false);
-        (void)bias;
-        dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src, wei, dst, {p.stride, p.stride},
-                                                   {p.pad, p.pad}, pad_r(d, p));
-        return dnnl::convolution_backward_data::primitive_desc(desc, product_attr(), eng_, conv_fwd_pd(d, p, false));
-      });
+      auto& pd = cached_product<dnnl::convolution_backward_data::primitive_desc>(
+          conv_key("conv_bwd_data", d, p, false), [&](dt op) {
+            auto [src, wei, bias, dst] = conv_mds(d, false, dt::f32, op, op);  // diff_src f32; w, diff_dst
+            (void)bias;
+            dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src, wei, dst,
+                                                       {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
+            return dnnl::convolution_backward_data::primitive_desc(desc, product_attr(), eng_,
+                                                                   conv_fwd_pd(d, p, false, op));
+          });
       const memory dx_pd = out_mem(pd.diff_src_desc(), dx);
       dnnl::convolution_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
                                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(md_of(w), w))},
@@ -199,14 +203,18 @@ class OneDnnBackend final : public Backend {
     }
     SLIDE_RETURN_IF_ERROR(run("conv2d_backward_weights", [&] {
       const bool bias = db.defined();
-      auto& pd = cached<dnnl::convolution_backward_weights::primitive_desc>(conv_key("conv_bwd_w", d, p, bias), [&] {
-        auto [src, wei, bmd, dst] = conv_mds(d, bias);
-        auto desc = bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, bmd,
-                                                                    dst, {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
-                         : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei, dst,
-                                                                    {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
-        return dnnl::convolution_backward_weights::primitive_desc(desc, product_attr(), eng_, conv_fwd_pd(d, p, bias));
-      });
+      auto& pd = cached_product<dnnl::convolution_backward_weights::primitive_desc>(
+          conv_key("conv_bwd_w", d, p, bias), [&](dt op) {
+            auto [src, wei, bmd, dst] = conv_mds(d, bias, op, dt::f32, op);  // x, diff_dst; diff_w f32
+            auto desc = bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei,
+                                                                        bmd, dst, {p.stride, p.stride}, {p.pad, p.pad},
+                                                                        pad_r(d, p))
+                             : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, wei,
+                                                                        dst, {p.stride, p.stride}, {p.pad, p.pad},
+                                                                        pad_r(d, p));
+            return dnnl::convolution_backward_weights::primitive_desc(desc, product_attr(), eng_,
+                                                                      conv_fwd_pd(d, p, bias, op));
+          });
       const memory dw_pd = out_mem(pd.diff_weights_desc(), dw_new, false);
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(md_of(x), x))},
                                            {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(md_of(dy), dy))},
@@ -391,9 +399,9 @@ class OneDnnBackend final : public Backend {
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kCpuTypes));
     return run("linear_forward", [&] {
-      auto& pd = ip_fwd_pd(d, b.defined());
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
-                                           {DNNL_ARG_WEIGHTS, mem(pd.weights_desc(), w)},
+      auto& pd = ip_fwd_pd(d, b.defined(), operand_dt());
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},
+                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.O, d.I}, tag::oi), w))},
                                            {DNNL_ARG_DST, mem(pd.dst_desc(), y)}};
       if (b.defined()) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
       dnnl::inner_product_forward(pd).execute(strm_, args);
@@ -404,14 +412,16 @@ class OneDnnBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kCpuTypes));
     return run("linear_backward_data", [&] {
-      auto& pd = cached<dnnl::inner_product_backward_data::primitive_desc>(key_of("ip_bwd_data", {d.N, d.I, d.O}), [&] {
-        dnnl::inner_product_backward_data::desc desc(plain({d.N, d.I}, tag::nc), plain({d.O, d.I}, tag::oi),
-                                                     plain({d.N, d.O}, tag::nc));
-        return dnnl::inner_product_backward_data::primitive_desc(desc, product_attr(), eng_, ip_fwd_pd(d, false));
-      });
-      dnnl::inner_product_backward_data(pd).execute(strm_, {{DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
-                                                            {DNNL_ARG_WEIGHTS, mem(pd.weights_desc(), w)},
-                                                            {DNNL_ARG_DIFF_SRC, mem(pd.diff_src_desc(), dx)}});
+      auto& pd = cached_product<dnnl::inner_product_backward_data::primitive_desc>(
+          key_of("ip_bwd_data", {d.N, d.I, d.O}), [&](dt op) {
+            dnnl::inner_product_backward_data::desc desc(plain({d.N, d.I}, tag::nc), plain({d.O, d.I}, tag::oi, op),
+                                                         plain({d.N, d.O}, tag::nc, op));
+            return dnnl::inner_product_backward_data::primitive_desc(desc, product_attr(), eng_, ip_fwd_pd(d, false, op));
+          });
+      dnnl::inner_product_backward_data(pd).execute(
+          strm_, {{DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(plain({d.N, d.O}, tag::nc), dy))},
+                  {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.O, d.I}, tag::oi), w))},
+                  {DNNL_ARG_DIFF_SRC, mem(pd.diff_src_desc(), dx)}});
     });
   }
 
@@ -425,15 +435,17 @@ class OneDnnBackend final : public Backend {
     }
     SLIDE_RETURN_IF_ERROR(run("linear_backward_weights", [&] {
       const bool bias = db.defined();
-      auto& pd = cached<dnnl::inner_product_backward_weights::primitive_desc>(
-          key_of("ip_bwd_w", {d.N, d.I, d.O, bias}), [&] {
-            const auto src = plain({d.N, d.I}, tag::nc), wei = plain({d.O, d.I}, tag::oi), dst = plain({d.N, d.O}, tag::nc);
+      auto& pd = cached_product<dnnl::inner_product_backward_weights::primitive_desc>(
+          key_of("ip_bwd_w", {d.N, d.I, d.O, bias}), [&](dt op) {
+            const auto src = plain({d.N, d.I}, tag::nc, op), wei = plain({d.O, d.I}, tag::oi),
+                       dst = plain({d.N, d.O}, tag::nc, op);
             auto desc = bias ? dnnl::inner_product_backward_weights::desc(src, wei, plain({d.O}, tag::x), dst)
                              : dnnl::inner_product_backward_weights::desc(src, wei, dst);
-            return dnnl::inner_product_backward_weights::primitive_desc(desc, product_attr(), eng_, ip_fwd_pd(d, bias));
+            return dnnl::inner_product_backward_weights::primitive_desc(desc, product_attr(), eng_,
+                                                                        ip_fwd_pd(d, bias, op));
           });
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, mem(pd.src_desc(), x)},
-                                           {DNNL_ARG_DIFF_DST, mem(pd.diff_dst_desc(), dy)},
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},
+                                           {DNNL_ARG_DIFF_DST, to_pd(pd.diff_dst_desc(), mem(plain({d.N, d.O}, tag::nc), dy))},
                                            {DNNL_ARG_DIFF_WEIGHTS, mem(pd.diff_weights_desc(), dw_new)}};
       if (bias) args.emplace(DNNL_ARG_DIFF_BIAS, mem(pd.diff_bias_desc(), db_new));
       dnnl::inner_product_backward_weights(pd).execute(strm_, args);
@@ -515,7 +527,10 @@ class OneDnnBackend final : public Backend {
   // Per sequence b: scores[H,T,T] = scale * Q K^T, one batched matmul over the H heads whose Q and
   // K^T are strided views into qkv (row stride 3C, head stride Dh: the permute of the default is
   // never made); softmax over the H*T rows; out_b[T, H, Dh] = scores V, written through a strided
-  // view (row stride C) so the heads land concatenated per token.
+  // view (row stride C) so the heads land concatenated per token. Under bf16 operands
+  // (operand_dt), the views are into a bf16 copy of qkv (one reorder for the batch) and each
+  // sequence's scores, softmax'd in f32, are rounded into a bf16 copy before the second product;
+  // scores and out stay f32.
   Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,
                            detail::validate_attention(qkv, batch, heads, scale, out, kCpuTypes));
@@ -523,33 +538,45 @@ class OneDnnBackend final : public Backend {
     const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
     SLIDE_ASSIGN_OR_RETURN(Tensor scores, Tensor::empty({H * T, T}, DType::kF32, alloc_, "attention scores"));
     return run("attention_forward", [&] {
-      const memory::desc q_md({H, T, Dh}, dt::f32, memory::dims{Dh, 3 * C, 1});
-      const memory::desc kt_md({H, Dh, T}, dt::f32, memory::dims{Dh, 1, 3 * C});
+      const dt op = operand_dt();
+      const memory::desc q_md({H, T, Dh}, op, memory::dims{Dh, 3 * C, 1});
+      const memory::desc kt_md({H, Dh, T}, op, memory::dims{Dh, 1, 3 * C});
       const memory::desc s_md({H, T, T}, dt::f32, tag::abc);
-      const memory::desc v_md({H, T, Dh}, dt::f32, memory::dims{Dh, 3 * C, 1});
+      const memory::desc s_op_md({H, T, T}, op, tag::abc);
+      const memory::desc v_md({H, T, Dh}, op, memory::dims{Dh, 3 * C, 1});
       const memory::desc o_md({H, T, Dh}, dt::f32, memory::dims{Dh, C, 1});
       const int64_t scale_bits = bits_of(scale);
-      auto& qk = cached<dnnl::matmul::primitive_desc>(key_of("attention_qk", {T, H, Dh, scale_bits}), [&] {
+      const std::string suffix = op == dt::bf16 ? ",bf16" : "";
+      // No fallback to f32 here: oneDNN's matmul has bf16 kernels wherever the ISA has bf16
+      // instructions (operand_dt is bf16 only there), for any strides.
+      auto& qk = cached<dnnl::matmul::primitive_desc>(key_of("attention_qk", {T, H, Dh, scale_bits}) + suffix, [&] {
         dnnl::primitive_attr attr = product_attr();
         attr.set_output_scales(0, {static_cast<float>(scale)});
         return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), attr, eng_);
       });
-      auto& sv = cached<dnnl::matmul::primitive_desc>(key_of("attention_sv", {T, H, Dh}), [&] {
-        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_md, v_md, o_md), product_attr(), eng_);
+      auto& sv = cached<dnnl::matmul::primitive_desc>(key_of("attention_sv", {T, H, Dh}) + suffix, [&] {
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_op_md, v_md, o_md), product_attr(), eng_);
       });
       auto& sm = softmax_fwd_pd(H * T, T);
-      const memory s_mem(s_md, eng_, scores.raw());
+      memory s_mem(s_md, eng_, scores.raw());
       const memory s_rows(sm.src_desc(), eng_, scores.raw());
-      auto* base = static_cast<float*>(qkv.raw());
+      memory s_op = op == dt::f32 ? s_mem : scratch(s_op_md);
+      const size_t esize = op == dt::f32 ? sizeof(float) : sizeof(uint16_t);
+      char* base = static_cast<char*>(qkv.raw());
+      if (op != dt::f32) {  // qkv rounded to the operands' type, once for the batch
+        const memory::desc flat_f32({qkv.numel()}, dt::f32, tag::a);
+        base = static_cast<char*>(to_pd(memory::desc({qkv.numel()}, op, tag::a), mem(flat_f32, qkv)).get_data_handle());
+      }
       auto* dst = static_cast<float*>(out.raw());
       for (int64_t b = 0; b < d.B; ++b) {
-        float* seq = base + b * T * 3 * C;
+        char* seq = base + static_cast<size_t>(b * T * 3 * C) * esize;
         dnnl::matmul(qk).execute(strm_, {{DNNL_ARG_SRC, memory(q_md, eng_, seq)},
-                                         {DNNL_ARG_WEIGHTS, memory(kt_md, eng_, seq + C)},
+                                         {DNNL_ARG_WEIGHTS, memory(kt_md, eng_, seq + C * esize)},
                                          {DNNL_ARG_DST, s_mem}});
         dnnl::softmax_forward(sm).execute(strm_, {{DNNL_ARG_SRC, s_rows}, {DNNL_ARG_DST, s_rows}});
-        dnnl::matmul(sv).execute(strm_, {{DNNL_ARG_SRC, s_mem},
-                                         {DNNL_ARG_WEIGHTS, memory(v_md, eng_, seq + 2 * C)},
+        if (op != dt::f32) dnnl::reorder(s_mem, s_op).execute(strm_, s_mem, s_op);
+        dnnl::matmul(sv).execute(strm_, {{DNNL_ARG_SRC, s_op},
+                                         {DNNL_ARG_WEIGHTS, memory(v_md, eng_, seq + 2 * C * esize)},
                                          {DNNL_ARG_DST, memory(o_md, eng_, dst + b * T * C)}});
       }
     });
@@ -644,13 +671,15 @@ class OneDnnBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d,
                            detail::validate_matmul(a, transpose_a, b, transpose_b, y, kCpuTypes));
     return run("matmul", [&] {
-      const auto a_md = plain({d.M, d.K}, transpose_a ? tag::ba : tag::ab);
-      const auto b_md = plain({d.K, d.N}, transpose_b ? tag::ba : tag::ab);
+      const tag ta = transpose_a ? tag::ba : tag::ab, tb = transpose_b ? tag::ba : tag::ab;
       const auto y_md = plain({d.M, d.N}, tag::ab);
-      auto& pd = cached<dnnl::matmul::primitive_desc>(key_of("matmul", {d.M, d.K, d.N, transpose_a, transpose_b}), [&] {
-        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, y_md), product_attr(), eng_);
-      });
-      dnnl::matmul(pd).execute(strm_, {{DNNL_ARG_SRC, mem(a_md, a)}, {DNNL_ARG_WEIGHTS, mem(b_md, b)},
+      auto& pd = cached_product<dnnl::matmul::primitive_desc>(
+          key_of("matmul", {d.M, d.K, d.N, transpose_a, transpose_b}), [&](dt op) {
+            return dnnl::matmul::primitive_desc(
+                dnnl::matmul::desc(plain({d.M, d.K}, ta, op), plain({d.K, d.N}, tb, op), y_md), product_attr(), eng_);
+          });
+      dnnl::matmul(pd).execute(strm_, {{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.M, d.K}, ta), a))},
+                                       {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.K, d.N}, tb), b))},
                                        {DNNL_ARG_DST, mem(y_md, y)}});
     });
   }
@@ -736,7 +765,31 @@ class OneDnnBackend final : public Backend {
     return *std::any_cast<PD>(&it->second);
   }
 
-  memory::desc plain(const Shape& s, tag t) const { return memory::desc(dims_of(s), dt::f32, t); }
+  // The element type of the products' operands (convolutions, inner products, matmuls): bf16
+  // under MathPrecision::kBf16 on a CPU with bf16 instructions (cpu_has_bf16_instructions), else
+  // f32. The operands are rounded by oneDNN's reorders into scratch (to nearest, ties to even, as
+  // kernels/formulas.h round_to_bf16); the products accumulate in f32 and their outputs are f32.
+  // oneDNN 2.6's fpmath_mode (product_attr) lets an implementation do this itself, but none of
+  // 2.6's does: under fpmath bf16 its f32 convolutions and matmuls stay f32 (ONEDNN_VERBOSE).
+  dt operand_dt() const { return bf16_operands_ ? dt::bf16 : dt::f32; }
+
+  // A product primitive's descriptor made by make(op): with bf16 operands when operand_dt() is
+  // bf16 and oneDNN has an implementation for them, else with f32 ones (which the contract
+  // allows: more accurate). Cached under key and the operand type.
+  template <typename PD, typename Make>
+  PD& cached_product(const std::string& key, Make make) {
+    return cached<PD>(key + (bf16_operands_ ? ",bf16" : ""), [&]() -> PD {
+      if (bf16_operands_) {
+        try {
+          return make(dt::bf16);
+        } catch (const dnnl::error&) {  // no bf16 implementation for this shape: f32
+        }
+      }
+      return make(dt::f32);
+    });
+  }
+
+  memory::desc plain(const Shape& s, tag t, dt type = dt::f32) const { return memory::desc(dims_of(s), type, t); }
   memory::desc flat(const Tensor& t) const { return memory::desc({t.numel()}, dt::f32, tag::a); }
   memory::desc chan_md(int64_t c) const { return memory::desc({c}, dt::f32, tag::a); }
   // The descriptor of an f32 tensor of shape s in layout l (plain: row-major over its rank).
@@ -775,9 +828,21 @@ class OneDnnBackend final : public Backend {
   };
   // A convolution's descriptors with oneDNN's free choice of layouts (tag::any): its blocked
   // layouts (nChw8c/nChw16c, OIhw8i8o, ...), whose direct jit kernels beat im2col + gemm on nchw.
-  ConvMds conv_mds(const detail::ConvDims& d, bool bias) const {
-    return {plain({d.N, d.C, d.H, d.W}, tag::any), plain({d.K, d.C, d.R, d.S}, tag::any),
-            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, tag::any)};
+  // The element types: src_t for x (or dx), wei_t for w (or dw), dst_t for y (or dy): f32, or bf16
+  // for a product's operands (operand_dt).
+  // `pin_blocked` (the inference convolutions): when both channel counts are multiples of the CPU's
+  // vector width, src and dst are asked for that blocked layout (nChw16c on AVX-512, nChw8c on
+  // AVX2), the one the activations around them are in. Left free, oneDNN 2.6's brgemm convolutions
+  // choose nhwc for forward_inference on AVX-512 CPUs, which a tensor cannot carry, and each
+  // convolution of slide-embed's graph was then bracketed by two reorders (40% of a ResNet-50
+  // layer3 batch on an AVX-512 host; bench/embed_bench.sh). Training's convolutions stay free:
+  // pinning one side only (8 channels in, 16 out) sent oneDNN to its reference kernel.
+  ConvMds conv_mds(const detail::ConvDims& d, bool bias, dt src_t, dt wei_t, dt dst_t, bool pin_blocked = false) const {
+    const int64_t block = avx512() ? 16 : 8;
+    const bool pin = pin_blocked && d.C % block == 0 && d.K % block == 0;
+    const tag image = pin ? (block == 16 ? tag::nChw16c : tag::nChw8c) : tag::any;
+    return {plain({d.N, d.C, d.H, d.W}, image, src_t), plain({d.K, d.C, d.R, d.S}, tag::any, wei_t),
+            bias ? plain({d.K}, tag::x) : memory::desc(), plain({d.N, d.K, d.P, d.Q}, image, dst_t)};
   }
 
   // Scratch for a reordered copy, from the (caching, budgeted) allocator; lives until run() ends.
@@ -842,16 +907,25 @@ class OneDnnBackend final : public Backend {
     return attr;
   }
 
-  dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias) {
-    return cached<dnnl::convolution_forward::primitive_desc>(conv_key("conv_fwd", d, p, bias), [&] {
-      auto [src, wei, bmd, dst] = conv_mds(d, bias);
+  // The training convolution's forward descriptor with operands of type `op` (x and w; y f32),
+  // also the hint of its backward descriptors. Under bf16 operands, oneDNN may lack a bf16
+  // implementation for a shape: then the f32 one (cached_product).
+  dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias, dt op) {
+    const std::string key = conv_key("conv_fwd", d, p, bias) + (op == dt::bf16 ? ",bf16" : "");
+    return cached<dnnl::convolution_forward::primitive_desc>(key, [&] {
+      auto [src, wei, bmd, dst] = conv_mds(d, bias, op, op, dt::f32);
       auto desc = bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, bmd, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
                        : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
-      return dnnl::convolution_forward::primitive_desc(desc, product_attr(), eng_);
+      try {
+        return dnnl::convolution_forward::primitive_desc(desc, product_attr(), eng_);
+      } catch (const dnnl::error&) {
+        if (op == dt::f32) throw;
+      }
+      return conv_fwd_pd(d, p, bias, dt::f32);  // no bf16 implementation: the f32 one
     });
   }
 
@@ -883,11 +957,14 @@ class OneDnnBackend final : public Backend {
 
   // The channel-blocked layout of oneDNN's jit kernels for `channels`: nChw16c on AVX-512 CPUs,
   // nChw8c on AVX2 ones, plain when channels is not a multiple of the block.
-  static Layout blocked_layout(int64_t channels) {
+  static bool avx512() {
     // dnnl_cpu_isa_t values are feature bit masks: an ISA includes avx512_core iff it has all its bits.
-    static const bool avx512 = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core) ==
-                               dnnl_cpu_isa_avx512_core;
-    if (avx512 && channels % 16 == 0) return Layout::kNChw16c;
+    static const bool has = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core) ==
+                            dnnl_cpu_isa_avx512_core;
+    return has;
+  }
+  static Layout blocked_layout(int64_t channels) {
+    if (avx512() && channels % 16 == 0) return Layout::kNChw16c;
     if (channels % 8 == 0) return Layout::kNChw8c;
     return Layout::kPlain;
   }
@@ -901,13 +978,23 @@ class OneDnnBackend final : public Backend {
     });
   }
 
-  dnnl::inner_product_forward::primitive_desc& ip_fwd_pd(const detail::LinearDims& d, bool bias) {
-    return cached<dnnl::inner_product_forward::primitive_desc>(key_of("ip_fwd", {d.N, d.I, d.O, bias}), [&] {
-      const auto src = plain({d.N, d.I}, tag::nc), wei = plain({d.O, d.I}, tag::oi), dst = plain({d.N, d.O}, tag::nc);
+  // The inner product's forward descriptor with operands of type `op` (x and w; y f32; the
+  // weights' layout oneDNN's choice under bf16), also the hint of its backward descriptors; the
+  // f32 one where oneDNN has no bf16 implementation.
+  dnnl::inner_product_forward::primitive_desc& ip_fwd_pd(const detail::LinearDims& d, bool bias, dt op) {
+    const std::string key = key_of("ip_fwd", {d.N, d.I, d.O, bias}) + (op == dt::bf16 ? ",bf16" : "");
+    return cached<dnnl::inner_product_forward::primitive_desc>(key, [&] {
+      const auto src = plain({d.N, d.I}, tag::nc, op), wei = plain({d.O, d.I}, op == dt::f32 ? tag::oi : tag::any, op),
+                 dst = plain({d.N, d.O}, tag::nc);
       auto desc = bias ? dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei,
                                                            plain({d.O}, tag::x), dst)
                        : dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei, dst);
-      return dnnl::inner_product_forward::primitive_desc(desc, product_attr(), eng_);
+      try {
+        return dnnl::inner_product_forward::primitive_desc(desc, product_attr(), eng_);
+      } catch (const dnnl::error&) {
+        if (op == dt::f32) throw;
+      }
+      return ip_fwd_pd(d, bias, dt::f32);
     });
   }
 
@@ -924,6 +1011,7 @@ class OneDnnBackend final : public Backend {
   std::unordered_map<std::string, std::any> cache_;
   static constexpr size_t kMaxCachedPrimitives = 512;
   std::unique_ptr<Backend> loops_;  // the reference backend, for ops oneDNN does not have
+  bool bf16_operands_ = false;      // operand_dt() is bf16
 
   // The cpu backend is f32 and the reference loops read plain tensors only: say so in the op's
   // name rather than the reference's.
@@ -943,5 +1031,14 @@ class OneDnnBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_onednn_backend(Allocator& alloc) { return std::make_unique<OneDnnBackend>(alloc); }
+
+bool cpu_has_bf16_instructions() {
+  // dnnl_cpu_isa_t values are feature bit masks: avx512_core_bf16 (AVX512_BF16) and the AMX ISAs
+  // above it include all its bits. ONEDNN_MAX_CPU_ISA caps the effective ISA (a test can turn the
+  // bf16 instructions off with it).
+  static const bool has = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core_bf16) ==
+                          dnnl_cpu_isa_avx512_core_bf16;
+  return has;
+}
 
 }  // namespace slide::train

@@ -58,20 +58,26 @@ class Backend;
 //          cpu: f32 (oneDNN 2.6 has no TF32 mode; f32 is more accurate, so allowed).
 //   kBf16: operands rounded to bfloat16 (8 exponent, 7 mantissa bits). cuda: cuBLAS
 //          CUBLAS_COMPUTE_32F_FAST_16BF; its convolutions in TF32 tensor-op math (cuDNN's
-//          legacy calls offer no bf16 compute on f32 tensors); cpu: oneDNN fpmath_mode::bf16
-//          (bf16 instructions where the CPU has AVX512_BF16 or AMX, f32 elsewhere).
+//          legacy calls offer no bf16 compute on f32 tensors); cpu: where the CPU has bf16
+//          instructions (AVX512_BF16 or AMX, cpu_has_bf16_instructions), the operands are rounded
+//          to bf16 by oneDNN reorders and the primitives run on bf16 kernels with f32 outputs;
+//          f32 elsewhere.
 //   kFp16: operands rounded to IEEE binary16 (5 exponent, 10 mantissa bits): beyond 65504 an
 //          operand becomes inf, below 2^-24 zero, so training needs dynamic loss scaling
 //          (loss_scaler.h; the trainer's TrainOptions::loss_scaler). cuda: cuDNN
 //          CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (f32 tensors down-converted to f16 for tensor
-//          cores) and CUBLAS_COMPUTE_32F_FAST_16F; cpu: oneDNN fpmath_mode::f16 (f16 instructions
-//          where the CPU has AVX512_FP16, f32 elsewhere).
+//          cores) and CUBLAS_COMPUTE_32F_FAST_16F; cpu: f32 (oneDNN 2.6's fpmath_mode::f16 is
+//          set, but none of its f32 kernels acts on it).
 // The reference backend rounds every product operand to the named type exactly (round to nearest,
 // ties to even: kernels/formulas.h round_to_tf32 / round_to_bf16 / round_to_f16), the least
 // accurate result the contract allows; its f64 calls (gradient checks) round through f32 the same
 // way.
 enum class MathPrecision : uint8_t { kFp32 = 0, kTf32 = 1, kBf16 = 2, kFp16 = 3 };
 const char* math_precision_name(MathPrecision p);  // "fp32", "tf32", "bf16", "fp16"
+// Whether this CPU has bf16 instructions that the cpu backend uses under kBf16: oneDNN's
+// effective ISA is avx512_core_bf16 (AVX512_BF16) or above (AMX), as capped by ONEDNN_MAX_CPU_ISA.
+// Without them the cpu backend's bf16 products are f32.
+bool cpu_has_bf16_instructions();
 // "fp32", "tf32", "bf16" or "fp16". Errors: kInvalidArgument naming the accepted values.
 [[nodiscard]] Result<MathPrecision> parse_math_precision(const std::string& name);
 

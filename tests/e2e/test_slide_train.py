@@ -398,6 +398,63 @@ class TestPrecision(Base):
         self.assertLess((diff / norm) ** 0.5, 0.05)
         return (diff / norm) ** 0.5
 
+    def test_cpu_bf16_runs_on_bf16_instructions_where_the_cpu_has_them(self):
+        """The cpu backend: on a CPU with bf16 instructions (/proc/cpuinfo's avx512_bf16 or
+        amx_bf16) bf16 training and embedding round the products' operands (results near fp32's,
+        not equal; a resume continues bit for bit), and the log says so; elsewhere bf16 is fp32,
+        bit for bit, and the log says that."""
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+        has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+
+        def run(out, epochs, *extra):
+            return subprocess.run([TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size",
+                                   "32", "--lr", "0.05", "--width", "16", "--threads", "2", "--seed", "3",
+                                   "--schedule", "constant"] + list(extra), capture_output=True, text=True)
+
+        outs = {}
+        for p in ("fp32", "bf16"):
+            outs[p] = os.path.join(self.tmp, "cpu_" + p)
+            r = run(outs[p], 2, "--precision", p)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            if p == "bf16":
+                self.assertIn("bf16 instructions" if has_bf16 else "the products run in fp32 on this CPU", r.stderr)
+        a, b = self.weights(outs["fp32"], 2), self.weights(outs["bf16"], 2)
+        diff = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a)
+        norm = sum(float(np.sum(a[k].astype(np.float64) ** 2)) for k in a)
+        if has_bf16:
+            self.assertGreater(diff, 0.0)
+            self.assertLess((diff / norm) ** 0.5, 0.05)
+        else:
+            self.assertEqual(diff, 0.0)
+        # A bf16 run resumed from its epoch-1 checkpoint ends on the same weights.
+        part = os.path.join(self.tmp, "cpu_bf16_resumed")
+        self.assertEqual(run(part, 1, "--precision", "bf16").returncode, 0)
+        r = run(part, 2, "--precision", "bf16", "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        c = self.weights(part, 2)
+        self.assertTrue(all(np.array_equal(b[k], c[k]) for k in b))
+        # slide-embed on cpu: bf16 features near fp32's, equal without bf16 instructions.
+        ck = os.path.join(outs["fp32"], "checkpoints", "epoch-2-step-0")
+        feats = {}
+        for p in ("fp32", "bf16"):
+            bags = os.path.join(self.tmp, "cpu_bags_" + p)
+            r = subprocess.run([EMBED, self.store, "-o", bags, "--weights", ck, "--precision", p, "-q"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            import h5py
+            name = sorted(n for n in os.listdir(bags) if n.endswith(".h5"))[0]
+            with h5py.File(os.path.join(bags, name), "r") as f:
+                feats[p] = f["features"][:]
+        rel = np.abs(feats["bf16"] - feats["fp32"]).max() / np.abs(feats["fp32"]).max()
+        if has_bf16:
+            self.assertGreater(rel, 0.0)
+            self.assertLess(rel, 0.05)
+        else:
+            self.assertEqual(rel, 0.0)
+        sys.stderr.write("cpu bf16 (bf16 instructions: %s) against fp32: weights after 2 epochs %.2e relative L2, "
+                         "embedded features %.2e of the largest\n" % (has_bf16, (diff / norm) ** 0.5, rel))
+
     def test_bf16_training_resume_evaluate_and_embed(self):
         fp32, bf16 = self.fp32_run(), os.path.join(self.tmp, "p_bf16")
         r = self.run_ref(bf16, 2, "--precision", "bf16")

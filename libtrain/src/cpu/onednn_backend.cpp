@@ -396,8 +396,29 @@ class OneDnnBackend final : public Backend {
     });
   }
 
+  // Under bf16 operands a matmul primitive (y[N,O] = x[N,I] times w seen as [I,O], bias [1,O]):
+  // oneDNN 2.6's brgemm bf16 matmul is about 8% faster than its bf16 inner product on a ViT's
+  // shapes (N = 3152, I and O 768 to 3072). At f32 the inner product, as before.
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kCpuTypes));
+    if (operand_dt() == dt::bf16) {
+      return run("linear_forward", [&] {
+        const bool bias = b.defined();
+        auto& pd = cached_product<dnnl::matmul::primitive_desc>(key_of("linear_mm", {d.N, d.I, d.O, bias}), [&](dt op) {
+          const auto src = plain({d.N, d.I}, tag::ab, op), wei = plain({d.I, d.O}, tag::any, op),
+                     dst = plain({d.N, d.O}, tag::ab);
+          return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(src, wei, plain({1, d.O}, tag::ab), dst)
+                                                   : dnnl::matmul::desc(src, wei, dst),
+                                              product_attr(), eng_);
+        });
+        std::unordered_map<int, memory> args{
+            {DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::ab), x))},
+            {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.I, d.O}, tag::ba), w))},  // w [O,I] as [I,O]
+            {DNNL_ARG_DST, mem(plain({d.N, d.O}, tag::ab), y)}};
+        if (bias) args.emplace(DNNL_ARG_BIAS, mem(plain({1, d.O}, tag::ab), b));
+        dnnl::matmul(pd).execute(strm_, args);
+      });
+    }
     return run("linear_forward", [&] {
       auto& pd = ip_fwd_pd(d, b.defined(), operand_dt());
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs one command of the sanitizer suite (ctest label `sanitize`) and fails when it fails or when
-# any process under it (the command, or a binary an e2e test starts) wrote an AddressSanitizer or
-# UndefinedBehaviorSanitizer report. Reports go to files under LOGDIR (emptied first), not only to
+# any process under it (the command, or a binary an e2e test starts) wrote an AddressSanitizer,
+# UndefinedBehaviorSanitizer or ThreadSanitizer report. Reports go to files under LOGDIR (emptied first), not only to
 # stderr: an e2e test that expects a tool to fail on a corrupt input would otherwise pass when the
 # tool failed through a sanitizer finding. Each report stops its process (halt_on_error).
 # Leak checking is off: OpenSlide's glib and libtiff keep allocations for the process's life.
@@ -13,6 +13,9 @@ rm -rf "$logdir"
 mkdir -p "$logdir"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:detect_stack_use_after_return=0:log_path=$logdir/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logdir/ubsan"
+# The ThreadSanitizer build's binaries (tests/fuzz's thread role): scripts/tsan.supp names what is
+# suppressed in uninstrumented libraries (OpenSlide's glib, libdeflate) and why.
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logdir/tsan:suppressions=$(cd "$(dirname "$0")/../.." && pwd)/scripts/tsan.supp"
 "$@"
 rc=$?
 shopt -s nullglob

@@ -1,6 +1,7 @@
 // Backend::attention_forward's default: multi-head attention composed from the op list's
-// permute, matmul, scale and softmax_forward, one sequence and head at a time (backend.h). Its
-// own file, beside the vtable's users that link only part of libtrain (tests/fuzz).
+// permute, matmul, scale and softmax_forward, one sequence and head at a time (backend.h); and
+// linear_gelu_forward's, linear_forward then gelu_forward. Their own file, beside the vtable's
+// users that link only part of libtrain (tests/fuzz).
 #include "slide/train/backend.h"
 
 #include <cmath>
@@ -38,6 +39,11 @@ Result<AttentionDims> validate_attention(const Tensor& qkv, int64_t batch, int64
 }
 
 }  // namespace detail
+
+Status Backend::linear_gelu_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
+  SLIDE_RETURN_IF_ERROR(linear_forward(x, w, b, y));
+  return gelu_forward(y, y);
+}
 
 Status Backend::attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) {
   SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,

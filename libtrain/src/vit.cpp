@@ -242,8 +242,8 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
     if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i], branch, N));
     SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
     SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm2_w, b.norm2_b, c.norm_eps, h));
-    SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.fc1_w, b.fc1_b, hidden));
     if (c.swiglu) {
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.fc1_w, b.fc1_b, hidden));
       SLIDE_ASSIGN_OR_RETURN(Tensor packed, hidden.reshape({N * T, 2, M}));
       SLIDE_RETURN_IF_ERROR(be_.permute(packed, {1, 0, 2}, halves));
       SLIDE_ASSIGN_OR_RETURN(Tensor a, halves.view(0, {N * T, M}));
@@ -253,7 +253,7 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
       SLIDE_RETURN_IF_ERROR(be_.mul(gate, bb, act));
       SLIDE_RETURN_IF_ERROR(be_.linear_forward(act, b.fc2_w, b.fc2_b, branch));
     } else {
-      SLIDE_RETURN_IF_ERROR(be_.gelu_forward(hidden, hidden));
+      SLIDE_RETURN_IF_ERROR(be_.linear_gelu_forward(h, b.fc1_w, b.fc1_b, hidden));
       SLIDE_RETURN_IF_ERROR(be_.linear_forward(hidden, b.fc2_w, b.fc2_b, branch));
     }
     if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i + 1], branch, N));

@@ -244,8 +244,8 @@ TEST_CASE("cpu under bf16: within bf16's error of the f64 result; fp32 again giv
 // than bf16's own error, which separates them from fp32's. Without those instructions bf16 is f32
 // on cpu, bit for bit. Every product op: convolution forward, backward data and weights, the fused
 // inference convolution (with residual and ReLU), linear forward and backward, matmul with
-// transposes, attention; channel counts that take oneDNN's blocked layouts (16) and ones that do
-// not (13).
+// transposes, attention, linear with GELU; channel counts that take oneDNN's blocked layouts (16)
+// and ones that do not (13).
 TEST_CASE("cpu under bf16: operands rounded as the reference rounds them where the CPU has bf16 instructions") {
   auto cpu = testing::must_make("cpu");
   auto ref = testing::must_make("reference");
@@ -266,12 +266,12 @@ TEST_CASE("cpu under bf16: operands rounded as the reference rounds them where t
     const Tensor qkv = f32_tensor({B * T, 3 * C}, 32);
     // Each op's outputs, plain; names[i] says which.
     const std::vector<std::string> names{"conv y", "conv dx", "conv dw", "fused y", "linear y", "linear dx",
-                                         "linear dw", "matmul y", "attention out"};
+                                         "linear dw", "matmul y", "attention out", "linear gelu y"};
     auto run = [&](Backend& be, MathPrecision prec) {
       REQUIRE(be.set_math_precision(prec).ok());
       std::vector<Tensor> o{zeros({N, K, H, W}), zeros(x.shape()), zeros(w.shape()), zeros({N, K, H, W}),
                             zeros({7, 2 * C}),   zeros(lx.shape()), zeros(lw.shape()), zeros({9, 5}),
-                            zeros({B * T, C})};
+                            zeros({B * T, C}),   zeros({7, 2 * C})};
       Tensor db = zeros({K}), ldb = zeros({2 * C});
       REQUIRE(be.conv2d_forward(x, w, b, p, o[0]).ok());
       REQUIRE(be.conv2d_backward_data(dy, w, p, o[1]).ok());
@@ -285,6 +285,7 @@ TEST_CASE("cpu under bf16: operands rounded as the reference rounds them where t
       REQUIRE(be.linear_backward_weights(lx, ldy, o[6], ldb).ok());
       REQUIRE(be.matmul(ma, true, mb, true, o[7]).ok());  // ma^T [9, 4C] times mb^T [4C, 5]
       REQUIRE(be.attention_forward(qkv, B, heads, 0.25, o[8]).ok());
+      REQUIRE(be.linear_gelu_forward(lx, lw, lb, o[9]).ok());
       for (Tensor& t : o) {
         auto plain = be.to_plain(t);
         REQUIRE(plain.ok());

@@ -159,3 +159,19 @@ TEST_CASE("attention_forward: the definition on the reference; cpu's strided bat
     CHECK(be->attention_forward(q, B, H, scale, alias).code() == StatusCode::kInvalidArgument);
   }
 }
+
+TEST_CASE("linear_gelu_forward: GELU(x w^T + b), cpu's fused post-op against the reference's composition") {
+  for (const bool bias : {true, false}) {
+    CAPTURE(bias);
+    Pair x = testing::make_pair({9, 24}, 21), w = testing::make_pair({40, 24}, 22, -0.5, 0.5),
+         b = testing::make_pair({40}, 23), y = testing::make_pair({9, 40});
+    const Tensor none;
+    OK(ref().linear_gelu_forward(x.d, w.d, bias ? b.d : none, y.d));
+    OK(cpu().linear_gelu_forward(x.f, w.f, bias ? b.f : none, y.f));
+    compare("linear gelu y", y, 1e-6);
+    // And the reference's is linear_forward then gelu_forward, by definition: check one value.
+    double pre = bias ? b.d.data<double>()[3] : 0.0;
+    for (int64_t i = 0; i < 24; ++i) pre += x.d.data<double>()[2 * 24 + i] * w.d.data<double>()[3 * 24 + i];
+    CHECK(y.d.data<double>()[2 * 40 + 3] == doctest::Approx(0.5 * pre * (1 + std::erf(pre / std::sqrt(2.0)))).epsilon(1e-12));
+  }
+}

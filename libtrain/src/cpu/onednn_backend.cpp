@@ -400,33 +400,11 @@ class OneDnnBackend final : public Backend {
   // oneDNN 2.6's brgemm bf16 matmul is about 8% faster than its bf16 inner product on a ViT's
   // shapes (N = 3152, I and O 768 to 3072). At f32 the inner product, as before.
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kCpuTypes));
-    if (operand_dt() == dt::bf16) {
-      return run("linear_forward", [&] {
-        const bool bias = b.defined();
-        auto& pd = cached_product<dnnl::matmul::primitive_desc>(key_of("linear_mm", {d.N, d.I, d.O, bias}), [&](dt op) {
-          const auto src = plain({d.N, d.I}, tag::ab, op), wei = plain({d.I, d.O}, tag::any, op),
-                     dst = plain({d.N, d.O}, tag::ab);
-          return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(src, wei, plain({1, d.O}, tag::ab), dst)
-                                                   : dnnl::matmul::desc(src, wei, dst),
-                                              product_attr(), eng_);
-        });
-        std::unordered_map<int, memory> args{
-            {DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::ab), x))},
-            {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.I, d.O}, tag::ba), w))},  // w [O,I] as [I,O]
-            {DNNL_ARG_DST, mem(plain({d.N, d.O}, tag::ab), y)}};
-        if (bias) args.emplace(DNNL_ARG_BIAS, mem(plain({1, d.O}, tag::ab), b));
-        dnnl::matmul(pd).execute(strm_, args);
-      });
-    }
-    return run("linear_forward", [&] {
-      auto& pd = ip_fwd_pd(d, b.defined(), operand_dt());
-      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},
-                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.O, d.I}, tag::oi), w))},
-                                           {DNNL_ARG_DST, mem(pd.dst_desc(), y)}};
-      if (b.defined()) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
-      dnnl::inner_product_forward(pd).execute(strm_, args);
-    });
+    return linear("linear_forward", x, w, b, false, y);
+  }
+  // The same primitive with an eltwise_gelu_erf post-op: GELU on the f32 outputs, in the primitive.
+  Status linear_gelu_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
+    return linear("linear_gelu_forward", x, w, b, true, y);
   }
 
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
@@ -706,6 +684,58 @@ class OneDnnBackend final : public Backend {
   }
 
  private:
+  // linear_forward, and linear_gelu_forward when `gelu`.
+  Status linear(const char* name, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu, Tensor& y) {
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear(name, x, w, &b, y, kCpuTypes));
+    const bool bias = b.defined();
+    auto attr = [&] {
+      dnnl::primitive_attr a = product_attr();
+      if (gelu) {
+        dnnl::post_ops po;
+        po.append_eltwise(1.f, dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
+        a.set_post_ops(po);
+      }
+      return a;
+    };
+    if (operand_dt() == dt::bf16) {
+      return run(name, [&] {
+        auto& pd = cached_product<dnnl::matmul::primitive_desc>(key_of("linear_mm", {d.N, d.I, d.O, bias, gelu}), [&](dt op) {
+          const auto src = plain({d.N, d.I}, tag::ab, op), wei = plain({d.I, d.O}, tag::any, op),
+                     dst = plain({d.N, d.O}, tag::ab);
+          return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(src, wei, plain({1, d.O}, tag::ab), dst)
+                                                   : dnnl::matmul::desc(src, wei, dst),
+                                              attr(), eng_);
+        });
+        std::unordered_map<int, memory> args{
+            {DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::ab), x))},
+            {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.I, d.O}, tag::ba), w))},  // w [O,I] as [I,O]
+            {DNNL_ARG_DST, mem(plain({d.N, d.O}, tag::ab), y)}};
+        if (bias) args.emplace(DNNL_ARG_BIAS, mem(plain({1, d.O}, tag::ab), b));
+        dnnl::matmul(pd).execute(strm_, args);
+      });
+    }
+    return run(name, [&] {
+      // The plain forward's descriptor is also its backward's hint (ip_fwd_pd); the GELU one is its own.
+      auto& pd = gelu ? cached<dnnl::inner_product_forward::primitive_desc>(
+                            key_of("ip_fwd_gelu", {d.N, d.I, d.O, bias}),
+                            [&] {
+                              const auto src = plain({d.N, d.I}, tag::nc), wei = plain({d.O, d.I}, tag::oi),
+                                         dst = plain({d.N, d.O}, tag::nc);
+                              auto desc = bias ? dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_inference,
+                                                                                   src, wei, plain({d.O}, tag::x), dst)
+                                               : dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_inference,
+                                                                                   src, wei, dst);
+                              return dnnl::inner_product_forward::primitive_desc(desc, attr(), eng_);
+                            })
+                      : ip_fwd_pd(d, bias, operand_dt());
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},
+                                           {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.O, d.I}, tag::oi), w))},
+                                           {DNNL_ARG_DST, mem(pd.dst_desc(), y)}};
+      if (bias) args.emplace(DNNL_ARG_BIAS, mem(pd.bias_desc(), b));
+      dnnl::inner_product_forward(pd).execute(strm_, args);
+    });
+  }
+
   Status eltwise_forward(const char* op, dnnl::algorithm alg, const Tensor& x, Tensor& y) {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kCpuTypes));
     return run(op, [&] {

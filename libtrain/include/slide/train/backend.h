@@ -367,6 +367,12 @@ class Backend {
   // y = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), the exact GELU (PyTorch's default); any shape, y
   // may be x.
   [[nodiscard]] virtual Status gelu_forward(const Tensor& x, Tensor& y) { return unimplemented_op("gelu_forward", x, y); }
+  // y[N,O] = GELU(x[N,I] w[O,I]^T + b[O]), GELU as gelu_forward: a ViT MLP's first layer with its
+  // activation, the inference form (nothing kept for a backward). b may be undefined. Errors: those
+  // of linear_forward. This default composes linear_forward and gelu_forward (y in place); cpu
+  // applies the GELU to the product's f32 outputs inside the primitive (oneDNN's
+  // eltwise_gelu_erf post-op), which saves a pass over y.
+  [[nodiscard]] virtual Status linear_gelu_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y);
   // dx = dy (Phi(x) + x phi(x)), from the forward's input x (overwritten).
   [[nodiscard]] virtual Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
     return unimplemented_op("gelu_backward", x, dy, dx);

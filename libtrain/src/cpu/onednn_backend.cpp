@@ -49,6 +49,12 @@ constexpr detail::DTypes kCpuTypes{true, false, true};  // f32; blocked layouts
 
 memory::dims dims_of(const Shape& s) { return memory::dims(s.begin(), s.end()); }
 
+// Whether oneDNN's effective ISA (the CPU's, capped by ONEDNN_MAX_CPU_ISA) includes `isa`:
+// dnnl_cpu_isa_t values are feature bit masks, and an ISA includes another iff it has all its bits.
+bool effective_isa_includes(dnnl_cpu_isa_t isa) {
+  return (static_cast<int>(dnnl::get_effective_cpu_isa()) & isa) == isa;
+}
+
 // A double's bits, for a primitive cache key.
 int64_t bits_of(double v) {
   int64_t b = 0;
@@ -688,15 +694,6 @@ class OneDnnBackend final : public Backend {
   Status linear(const char* name, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu, Tensor& y) {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear(name, x, w, &b, y, kCpuTypes));
     const bool bias = b.defined();
-    auto attr = [&] {
-      dnnl::primitive_attr a = product_attr();
-      if (gelu) {
-        dnnl::post_ops po;
-        po.append_eltwise(1.f, dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
-        a.set_post_ops(po);
-      }
-      return a;
-    };
     if (operand_dt() == dt::bf16) {
       return run(name, [&] {
         auto& pd = cached_product<dnnl::matmul::primitive_desc>(key_of("linear_mm", {d.N, d.I, d.O, bias, gelu}), [&](dt op) {
@@ -704,7 +701,7 @@ class OneDnnBackend final : public Backend {
                      dst = plain({d.N, d.O}, tag::ab);
           return dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(src, wei, plain({1, d.O}, tag::ab), dst)
                                                    : dnnl::matmul::desc(src, wei, dst),
-                                              attr(), eng_);
+                                              product_attr(gelu), eng_);
         });
         std::unordered_map<int, memory> args{
             {DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::ab), x))},
@@ -715,19 +712,7 @@ class OneDnnBackend final : public Backend {
       });
     }
     return run(name, [&] {
-      // The plain forward's descriptor is also its backward's hint (ip_fwd_pd); the GELU one is its own.
-      auto& pd = gelu ? cached<dnnl::inner_product_forward::primitive_desc>(
-                            key_of("ip_fwd_gelu", {d.N, d.I, d.O, bias}),
-                            [&] {
-                              const auto src = plain({d.N, d.I}, tag::nc), wei = plain({d.O, d.I}, tag::oi),
-                                         dst = plain({d.N, d.O}, tag::nc);
-                              auto desc = bias ? dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_inference,
-                                                                                   src, wei, plain({d.O}, tag::x), dst)
-                                               : dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_inference,
-                                                                                   src, wei, dst);
-                              return dnnl::inner_product_forward::primitive_desc(desc, attr(), eng_);
-                            })
-                      : ip_fwd_pd(d, bias, operand_dt());
+      auto& pd = ip_fwd_pd(d, bias, dt::f32, gelu);
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, to_pd(pd.src_desc(), mem(plain({d.N, d.I}, tag::nc), x))},
                                            {DNNL_ARG_WEIGHTS, to_pd(pd.weights_desc(), mem(plain({d.O, d.I}, tag::oi), w))},
                                            {DNNL_ARG_DST, mem(pd.dst_desc(), y)}};
@@ -824,20 +809,24 @@ class OneDnnBackend final : public Backend {
   // 2.6's does: under fpmath bf16 its f32 convolutions and matmuls stay f32 (ONEDNN_VERBOSE).
   dt operand_dt() const { return bf16_operands_ ? dt::bf16 : dt::f32; }
 
-  // A product primitive's descriptor made by make(op): with bf16 operands when operand_dt() is
-  // bf16 and oneDNN has an implementation for them, else with f32 ones (which the contract
-  // allows: more accurate). Cached under key and the operand type.
+  // A product primitive's descriptor made by make(op) with operands of type `op`, cached under key
+  // and op; where oneDNN has no bf16 implementation for the shape (make throws), the f32 one
+  // (which the contract allows: more accurate), cached under both.
+  template <typename PD, typename Make>
+  PD& cached_typed(const std::string& key, dt op, Make make) {
+    if (op == dt::f32) return cached<PD>(key, [&] { return make(dt::f32); });
+    return cached<PD>(key + ",bf16", [&]() -> PD {
+      try {
+        return make(dt::bf16);
+      } catch (const dnnl::error&) {  // no bf16 implementation for this shape: f32
+      }
+      return cached_typed<PD>(key, dt::f32, make);
+    });
+  }
+  // The same at this backend's operand type (operand_dt).
   template <typename PD, typename Make>
   PD& cached_product(const std::string& key, Make make) {
-    return cached<PD>(key + (bf16_operands_ ? ",bf16" : ""), [&]() -> PD {
-      if (bf16_operands_) {
-        try {
-          return make(dt::bf16);
-        } catch (const dnnl::error&) {  // no bf16 implementation for this shape: f32
-        }
-      }
-      return make(dt::f32);
-    });
+    return cached_typed<PD>(key, operand_dt(), make);
   }
 
   memory::desc plain(const Shape& s, tag t, dt type = dt::f32) const { return memory::desc(dims_of(s), type, t); }
@@ -950,33 +939,34 @@ class OneDnnBackend final : public Backend {
   // kTf32 stays strict f32, which the contract allows (more accurate). Under bf16 (f16), oneDNN
   // uses bf16 (f16) instructions where the CPU has them (AVX512_BF16 or AMX; AVX512_FP16) and f32
   // where it has not.
-  dnnl::primitive_attr product_attr() const {
+  // With `gelu`, an eltwise_gelu_erf post-op: the exact GELU on the product's f32 outputs
+  // (linear_gelu_forward).
+  dnnl::primitive_attr product_attr(bool gelu = false) const {
     dnnl::primitive_attr attr;
+    if (gelu) {
+      dnnl::post_ops po;
+      po.append_eltwise(1.f, dnnl::algorithm::eltwise_gelu_erf, 0.f, 0.f);
+      attr.set_post_ops(po);
+    }
     attr.set_fpmath_mode(math_precision_ == MathPrecision::kBf16   ? dnnl::fpmath_mode::bf16
                          : math_precision_ == MathPrecision::kFp16 ? dnnl::fpmath_mode::f16
                                                                    : dnnl::fpmath_mode::strict);
     return attr;
   }
 
-  // The training convolution's forward descriptor with operands of type `op` (x and w; y f32),
-  // also the hint of its backward descriptors. Under bf16 operands, oneDNN may lack a bf16
-  // implementation for a shape: then the f32 one (cached_product).
+  // The training convolution's forward descriptor with operands of type `op` (x and w; y f32; the
+  // f32 one where oneDNN has no bf16 implementation: cached_typed), also the hint of its backward
+  // descriptors.
   dnnl::convolution_forward::primitive_desc& conv_fwd_pd(const detail::ConvDims& d, Conv2dParams p, bool bias, dt op) {
-    const std::string key = conv_key("conv_fwd", d, p, bias) + (op == dt::bf16 ? ",bf16" : "");
-    return cached<dnnl::convolution_forward::primitive_desc>(key, [&] {
-      auto [src, wei, bmd, dst] = conv_mds(d, bias, op, op, dt::f32);
+    return cached_typed<dnnl::convolution_forward::primitive_desc>(conv_key("conv_fwd", d, p, bias), op, [&](dt t) {
+      auto [src, wei, bmd, dst] = conv_mds(d, bias, t, t, dt::f32);
       auto desc = bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, bmd, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p))
                        : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                                          dnnl::algorithm::convolution_direct, src, wei, dst,
                                                          {p.stride, p.stride}, {p.pad, p.pad}, pad_r(d, p));
-      try {
-        return dnnl::convolution_forward::primitive_desc(desc, product_attr(), eng_);
-      } catch (const dnnl::error&) {
-        if (op == dt::f32) throw;
-      }
-      return conv_fwd_pd(d, p, bias, dt::f32);  // no bf16 implementation: the f32 one
+      return dnnl::convolution_forward::primitive_desc(desc, product_attr(), eng_);
     });
   }
 
@@ -1009,9 +999,7 @@ class OneDnnBackend final : public Backend {
   // The channel-blocked layout of oneDNN's jit kernels for `channels`: nChw16c on AVX-512 CPUs,
   // nChw8c on AVX2 ones, plain when channels is not a multiple of the block.
   static bool avx512() {
-    // dnnl_cpu_isa_t values are feature bit masks: an ISA includes avx512_core iff it has all its bits.
-    static const bool has = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core) ==
-                            dnnl_cpu_isa_avx512_core;
+    static const bool has = effective_isa_includes(dnnl_cpu_isa_avx512_core);
     return has;
   }
   static Layout blocked_layout(int64_t channels) {
@@ -1030,22 +1018,19 @@ class OneDnnBackend final : public Backend {
   }
 
   // The inner product's forward descriptor with operands of type `op` (x and w; y f32; the
-  // weights' layout oneDNN's choice under bf16), also the hint of its backward descriptors; the
-  // f32 one where oneDNN has no bf16 implementation.
-  dnnl::inner_product_forward::primitive_desc& ip_fwd_pd(const detail::LinearDims& d, bool bias, dt op) {
-    const std::string key = key_of("ip_fwd", {d.N, d.I, d.O, bias}) + (op == dt::bf16 ? ",bf16" : "");
-    return cached<dnnl::inner_product_forward::primitive_desc>(key, [&] {
-      const auto src = plain({d.N, d.I}, tag::nc, op), wei = plain({d.O, d.I}, op == dt::f32 ? tag::oi : tag::any, op),
+  // weights' layout oneDNN's choice under bf16; the f32 one where oneDNN has no bf16
+  // implementation: cached_typed), with GELU on its outputs when `gelu` (product_attr). Without
+  // GELU also the hint of its backward descriptors.
+  dnnl::inner_product_forward::primitive_desc& ip_fwd_pd(const detail::LinearDims& d, bool bias, dt op,
+                                                         bool gelu = false) {
+    const std::string key = key_of(gelu ? "ip_fwd_gelu" : "ip_fwd", {d.N, d.I, d.O, bias});
+    return cached_typed<dnnl::inner_product_forward::primitive_desc>(key, op, [&](dt t) {
+      const auto src = plain({d.N, d.I}, tag::nc, t), wei = plain({d.O, d.I}, t == dt::f32 ? tag::oi : tag::any, t),
                  dst = plain({d.N, d.O}, tag::nc);
       auto desc = bias ? dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei,
                                                            plain({d.O}, tag::x), dst)
                        : dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, wei, dst);
-      try {
-        return dnnl::inner_product_forward::primitive_desc(desc, product_attr(), eng_);
-      } catch (const dnnl::error&) {
-        if (op == dt::f32) throw;
-      }
-      return ip_fwd_pd(d, bias, dt::f32);
+      return dnnl::inner_product_forward::primitive_desc(desc, product_attr(gelu), eng_);
     });
   }
 
@@ -1084,11 +1069,9 @@ class OneDnnBackend final : public Backend {
 std::unique_ptr<Backend> make_onednn_backend(Allocator& alloc) { return std::make_unique<OneDnnBackend>(alloc); }
 
 bool cpu_has_bf16_instructions() {
-  // dnnl_cpu_isa_t values are feature bit masks: avx512_core_bf16 (AVX512_BF16) and the AMX ISAs
-  // above it include all its bits. ONEDNN_MAX_CPU_ISA caps the effective ISA (a test can turn the
-  // bf16 instructions off with it).
-  static const bool has = (static_cast<int>(dnnl::get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core_bf16) ==
-                          dnnl_cpu_isa_avx512_core_bf16;
+  // avx512_core_bf16 is AVX512_BF16; the AMX ISAs above it include it. ONEDNN_MAX_CPU_ISA caps the
+  // effective ISA (a test turns the bf16 instructions off with it).
+  static const bool has = effective_isa_includes(dnnl_cpu_isa_avx512_core_bf16);
   return has;
 }
 

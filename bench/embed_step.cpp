@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_options.h"
 #include "slide/train/embed.h"
 #include "slide/train/vit.h"
 
@@ -52,14 +53,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", s.to_string().c_str());
     return 1;
   };
-  auto math = parse_math_precision(precision);
-  if (!math.ok()) return die(math.status());
-  auto make_cpu = [&]() -> Result<std::unique_ptr<Backend>> {
-    auto be = make_backend("cpu");
-    if (!be.ok()) return be.status();
-    if (auto st = (*be)->set_math_precision(*math); !st.ok()) return st;
-    return std::move(*be);
-  };
+  auto make_cpu = [&] { return slide::apps::open_backend("cpu", -1, precision); };
   if (model == "vit_b_16" || model == "vit_l_16") {
     VitConfig c;  // torchvision's vit_b_16 / vit_l_16 (Dosovitskiy et al. 2021), timm's layout
     c.image_size = static_cast<int>(size);

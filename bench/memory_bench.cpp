@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_options.h"
 #include "slide/train/activation_checkpoint.h"
 #include "slide/train/offload.h"
 #include "slide/train/optimizer.h"
@@ -134,11 +135,8 @@ int main(int argc, char** argv) {
   }
   auto budget = parse_bytes(budget_text);
   if (!budget.ok()) return std::fprintf(stderr, "--budget %s: %s\n", budget_text.c_str(), budget.status().to_string().c_str()), 2;
-  auto be = make_backend(backend);
-  if (!be.ok()) return std::fprintf(stderr, "--backend %s: %s\n", backend.c_str(), be.status().to_string().c_str()), 2;
-  auto prec = parse_math_precision(precision);
-  if (!prec.ok()) return std::fprintf(stderr, "--precision %s: %s\n", precision.c_str(), prec.status().to_string().c_str()), 2;
-  if (Status s = (*be)->set_math_precision(*prec); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 2;
+  auto be = slide::apps::open_backend(backend, -1, precision);  // slide-train's rule and messages
+  if (!be.ok()) return std::fprintf(stderr, "%s\n", be.status().to_string().c_str()), 2;
   const bool on_device = (*be)->device() != Device::kCpu;
   std::printf("backend %s (%s), precision %s\n", backend.c_str(), device_name((*be)->device()), precision.c_str());
   std::stringstream list(models);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_options.h"
 #include "slide/train/optimizer.h"
 
 using namespace slide::train;
@@ -31,17 +32,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--backend")) backend = argv[i + 1];
     else if (!std::strcmp(argv[i], "--precision")) precision = argv[i + 1];
   }
-  auto be = make_backend(backend);
-  auto prec = parse_math_precision(precision);
-  if (!prec.ok()) {
-    std::fprintf(stderr, "--precision %s: %s\n", precision.c_str(), prec.status().to_string().c_str());
-    return 1;
-  }
-  if (be.ok())
-    if (auto s = (*be)->set_math_precision(*prec); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.to_string().c_str());
-      return 1;
-    }
+  auto be = slide::apps::open_backend(backend, -1, precision);  // slide-train's rule and messages
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
   auto net = make_resnet(cpu_allocator(), DType::kF32, depth, classes, 0);
   if (!be.ok() || !net.ok()) {

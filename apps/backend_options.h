@@ -31,9 +31,9 @@ inline void add_backend_options(CLI::App& app, std::string* backend, int* device
 inline void add_precision_option(CLI::App& app, std::string* precision) {
   app.add_option("--precision", *precision,
                  "Math precision of the convolutions and matrix products: fp32 | tf32 (NVIDIA tensor cores; f32 on "
-                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs, "
-                 "else f32) | fp16 (tensor cores; f32 on CPUs; training with dynamic loss scaling). Weights, activations, gradients and optimizer state "
-                 "stay f32")
+                 "CPUs) | bf16 (tensor cores on GPUs, AVX512-BF16/AMX on CPUs, else f32) | fp16 (tensor cores; f32 "
+                 "on CPUs; training with dynamic loss scaling). Weights, activations, gradients and optimizer "
+                 "state stay f32")
       ->capture_default_str();
 }
 

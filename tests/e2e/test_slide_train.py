@@ -435,6 +435,7 @@ class TestPrecision(Base):
         c = self.weights(part, 2)
         self.assertTrue(all(np.array_equal(b[k], c[k]) for k in b))
         # slide-embed on cpu: bf16 features near fp32's, equal without bf16 instructions.
+        import h5py
         ck = os.path.join(outs["fp32"], "checkpoints", "epoch-2-step-0")
         feats = {}
         for p in ("fp32", "bf16"):
@@ -442,7 +443,6 @@ class TestPrecision(Base):
             r = subprocess.run([EMBED, self.store, "-o", bags, "--weights", ck, "--precision", p, "-q"],
                                capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
-            import h5py
             name = sorted(n for n in os.listdir(bags) if n.endswith(".h5"))[0]
             with h5py.File(os.path.join(bags, name), "r") as f:
                 feats[p] = f["features"][:]

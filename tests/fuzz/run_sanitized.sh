@@ -14,7 +14,9 @@ mkdir -p "$logdir"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:detect_stack_use_after_return=0:log_path=$logdir/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logdir/ubsan"
 # The ThreadSanitizer build's binaries (tests/fuzz's thread role): scripts/tsan.supp names what is
-# suppressed in uninstrumented libraries (OpenSlide's glib, libdeflate) and why.
+# suppressed in uninstrumented libraries (OpenSlide's glib, libdeflate) and why. (clang 14's TSan
+# runtime also reads UBSAN_OPTIONS, whose log_path then wins: its reports land in ubsan.PID files,
+# which fail the entry all the same.)
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$logdir/tsan:suppressions=$(cd "$(dirname "$0")/../.." && pwd)/scripts/tsan.supp"
 "$@"
 rc=$?

@@ -11,7 +11,13 @@
 #   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step);
 #   6. bench/memory_bench on cuda: device peak measured against the planner's, with checkpointing,
 #      activation offload and both, their time, and the largest batch each fits in 16 GiB;
-#   7. slide-embed --model uni from a store at fp32, tf32, bf16 and fp16 (bench/uni_gpu_embed.sh).
+#   7. slide-embed --model uni from a store at fp32, tf32, bf16 and fp16 (bench/uni_gpu_embed.sh);
+#   8. the compute-only figures beside PyTorch's on the same GPU (bench/torch_gpu_peer.py):
+#      ResNet-50 training at fp32, tf32, bf16 and fp16 (bench/train_step), and ViT-L/16 class-token
+#      features at batch 64 (bench/embed_step --model vit_l_16; the peer is timm's UNI architecture);
+#   9. where step 2 failed: step 2 again under compute-sanitizer's memcheck.
+# STEPS="probe slide_train_gpu_e2e peer_*" runs only the steps whose names match one of the
+# patterns (the bundle's unpacking and the library search always run).
 # Everything goes to $OUT/gpu-check.log (the device tool brings $OUT back) and one line per step to
 # $OUT/summary.txt. Usage, through the device tool, from the repository root:
 #   run(command="scripts/device-run.sh", carry=[".device"], timeout_s=600)
@@ -75,9 +81,16 @@ done
 
 # step NAME SECONDS COMMAND...: runs under a timeout capped by what is left of the budget.
 failed=0
+selected() {
+  [[ -z "${STEPS:-}" ]] && return 0
+  local p
+  for p in $STEPS; do [[ "$1" == $p ]] && return 0; done
+  return 1
+}
 step() {
   local name=$1 want=$2
   shift 2
+  selected "$name" || return 0
   local left=$((budget - ($(date +%s) - start)))
   if ((left < 20)); then
     note "SKIP $name: the budget of ${budget} s is spent"
@@ -98,7 +111,7 @@ step() {
 }
 
 step probe 60 "$build/tests/gpu_tests"
-if grep -q "^SKIP probe" "$summary"; then
+if grep -q "^SKIP probe: exit 77" "$summary"; then
   note "no usable device: nothing else run"
   cat "$summary"
   exit 77
@@ -115,7 +128,7 @@ done
 step slide_train_gpu_e2e 240 env SLIDE_TILE="$build/apps/slide-tile" SLIDE_TRAIN="$build/apps/slide-train" \
   SLIDE_EMBED="$build/apps/slide-embed" SLIDE_SAMPLE_DIR="$repo/sample_data" \
   PYTHONPATH="$repo/tests/e2e" "$py" "$repo/tests/e2e/test_slide_train_gpu.py" -v
-for precision in fp32 tf32; do
+for precision in fp32 tf32 bf16 fp16; do
   step "resnet50_step_$precision" 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
     --size 224 --steps 10 --precision "$precision"
 done
@@ -124,10 +137,42 @@ done
 # and the largest batch each fits in 16 GiB.
 step memory_resnet50 150 "$build/bench/memory_bench" --backend cuda --precision tf32 --models resnet50 \
   --batch 64 --steps 3 --budget 16G
-grep -E "images_per_s=|measured on the device|checkpointing:" "$log" | tail -12 >> "$summary"
+grep -E "checkpoint=|measured on the device|checkpointing:" "$log" | tail -8 >> "$summary"
+# The host link's bandwidth (pinned memory, 1 GiB each way), which bounds activation offload.
+step pcie_bandwidth 60 "$py" -c '
+import time, torch
+n = 1 << 30
+h, d = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device="cuda")
+for what, dst, src in (("host to device", d, h), ("device to host", h, d)):
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    print("pcie %s: %.1f GB/s (pinned, 1 GiB copies)" % (what, 5 * n / (time.perf_counter() - t0) / 1e9))
+'
+grep -E "^pcie " "$log" >> "$summary"
 # Issue 14's GPU figure: UNI (ViT-L/16) end to end from a store, tiles/s per precision.
 step uni_embed 180 env PYTHON="$py" bench/uni_gpu_embed.sh "$build"
 grep -E "^uni \(ViT-L/16\)" "$log" >> "$summary"
+for precision in fp32 tf32 bf16 fp16; do
+  step "peer_resnet50_train_$precision" 90 "$py" bench/torch_gpu_peer.py train --model resnet50 --batch 128 \
+    --precision "$precision"
+done
+for precision in fp32 tf32 bf16 fp16; do
+  step "vit_l16_embed_$precision" 90 "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
+    --steps 10 --precision "$precision"
+  step "peer_uni_embed_$precision" 90 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision "$precision"
+done
+grep -E "^mode=|^peer: " "$log" >> "$summary"
+# Where the parity suite failed: the same binary under compute-sanitizer's memcheck with the time
+# that is left (an out-of-bounds access or a launch error names its kernel and its line there).
+if grep -qE "^(FAIL|TIMEOUT) cuda_ops_parity" "$summary"; then
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+  if [[ -n "$cs" ]]; then
+    step cuda_ops_memcheck 200 "$cs" --tool memcheck --error-exitcode 3 --print-limit 20 "$build/tests/cuda_ops_tests"
+  fi
+fi
 say "== done in $(($(date +%s) - start)) s"
 cat "$summary"
 exit $failed

@@ -96,6 +96,7 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
   po.optimizer = optimizer;
   po.momentum = momentum;
   po.backend = backend_name;
+  po.workspace_backend = &be;  // cuDNN's convolution workspaces on cuda
   Allocator& alloc = be.allocator();
   // The training state already lives in the allocator; the plan adds its own figure for it, so
   // what else is live (class weights, ...) is the rest.

@@ -72,6 +72,7 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   po.classes = 3;
   po.prefetch = false;  // the steps below keep one batch, as train_step does
   po.backend = be.name();
+  po.workspace_backend = &be;  // cuDNN's convolution workspaces on cuda
   auto plan = plan_memory(**net, po);
   if (!plan.ok()) return std::fprintf(stderr, "%s\n", plan.status().to_string().c_str()), 1;
   const size_t state = plan->parameter_bytes + plan->gradient_bytes + plan->optimizer_bytes;

@@ -15,7 +15,10 @@
 #   8. the compute-only figures beside PyTorch's on the same GPU (bench/torch_gpu_peer.py):
 #      ResNet-50 training at fp32, tf32, bf16 and fp16 (bench/train_step), and ViT-L/16 class-token
 #      features at batch 64 (bench/embed_step --model vit_l_16; the peer is timm's UNI architecture);
-#   9. where step 2 failed: step 2 again under compute-sanitizer's memcheck.
+#   9. where the time goes: Nsight Compute's per-kernel GPU time (one metric, gpu__time_duration) of
+#      a ResNet-50 training step at tf32 and of a ViT-L/16 embedding batch at bf16, summarised per
+#      kernel by bench/ncu_summary.py (ncu.*.csv in $OUT);
+#  10. where step 2 failed: step 2 again under compute-sanitizer's memcheck.
 # STEPS="probe slide_train_gpu_e2e peer_*" runs only the steps whose names match one of the
 # patterns (the bundle's unpacking and the library search always run).
 # Everything goes to $OUT/gpu-check.log (the device tool brings $OUT back) and one line per step to
@@ -165,6 +168,20 @@ for precision in fp32 tf32 bf16 fp16; do
   step "peer_uni_embed_$precision" 90 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision "$precision"
 done
 grep -E "^mode=|^peer: " "$log" >> "$summary"
+# Where the time goes, kernel by kernel (ncu replays nothing for a single duration metric).
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1 || true)
+if [[ -n "$ncu" ]]; then
+  step profile_resnet50_train_tf32 150 "$ncu" --metrics gpu__time_duration.sum --csv \
+    --log-file "$out/ncu.resnet50.csv" "$build/bench/train_step" --backend cuda --model resnet50 --batch 64 \
+    --size 224 --steps 1 --precision tf32
+  [[ -f "$out/ncu.resnet50.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.resnet50.csv" --top 20 | tee -a "$log" "$summary"
+  step profile_vit_l16_embed_bf16 150 "$ncu" --metrics gpu__time_duration.sum --csv \
+    --log-file "$out/ncu.vit_l16.csv" "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
+    --steps 1 --precision bf16
+  [[ -f "$out/ncu.vit_l16.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.vit_l16.csv" --top 20 | tee -a "$log" "$summary"
+elif selected profile_resnet50_train_tf32; then
+  note "SKIP profiles: no ncu on the device"
+fi
 # Where the parity suite failed: the same binary under compute-sanitizer's memcheck with the time
 # that is left (an out-of-bounds access or a launch error names its kernel and its line there).
 if grep -qE "^(FAIL|TIMEOUT) cuda_ops_parity" "$summary"; then

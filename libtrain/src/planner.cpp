@@ -74,10 +74,13 @@ size_t conv_activation_scratch(const Tensor& t) {
 // A backend that computes nothing and, with `cpu_scratch`, holds the scratch the cpu backend
 // allocates from its allocator for the length of each op (onednn_backend.cpp: reorders of
 // weights and of activations not in a blocked layout, the dw/db scratch of the backward-weights
-// ops, batch norm's variance and gradient scratch, max pooling's recomputed output and workspace).
+// ops, batch norm's variance and gradient scratch, max pooling's recomputed output and workspace);
+// with a `workspace` backend, each convolution pass also holds that backend's workspace for it
+// (conv_workspace_bytes).
 class PlanBackend final : public Backend {
  public:
-  PlanBackend(Allocator& alloc, bool cpu_scratch) : alloc_(alloc), cpu_(cpu_scratch) {}
+  PlanBackend(Allocator& alloc, bool cpu_scratch, Backend* workspace)
+      : alloc_(alloc), cpu_(cpu_scratch), workspace_(workspace) {}
   std::string name() const override { return "plan"; }
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
@@ -86,15 +89,19 @@ class PlanBackend final : public Backend {
   Status upload(const Tensor&, Tensor&) override { return ok_status(); }
   Status download(const Tensor&, Tensor&) override { return ok_status(); }
 
-  Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor&, Conv2dParams, Tensor& y) override {
-    return hold({conv_activation_scratch(x), blocked_weight_bytes(w), conv_activation_scratch(y)});
+  Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor&, Conv2dParams p, Tensor& y) override {
+    SLIDE_ASSIGN_OR_RETURN(const size_t ws, device_workspace(ConvPass::kForward, x, w, p, y));
+    return hold({conv_activation_scratch(x), blocked_weight_bytes(w), conv_activation_scratch(y)}, ws);
   }
-  Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams, Tensor& dx) override {
-    return hold({conv_activation_scratch(dy), blocked_weight_bytes(w), conv_activation_scratch(dx)});
+  Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
+    SLIDE_ASSIGN_OR_RETURN(const size_t ws, device_workspace(ConvPass::kBackwardData, dx, w, p, dy));
+    return hold({conv_activation_scratch(dy), blocked_weight_bytes(w), conv_activation_scratch(dx)}, ws);
   }
-  Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams, Tensor& dw, Tensor& db) override {
+  Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
+    SLIDE_ASSIGN_OR_RETURN(const size_t ws, device_workspace(ConvPass::kBackwardWeights, x, dw, p, dy));
     return hold({dw.bytes(), db.bytes(), conv_activation_scratch(x), conv_activation_scratch(dy),
-                 blocked_weight_bytes(dw)});
+                 blocked_weight_bytes(dw)},
+                ws);
   }
   Status batch_norm_forward_training(const Tensor& x, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&,
                                      Tensor&, Tensor&, Tensor&) override {
@@ -152,20 +159,28 @@ class PlanBackend final : public Backend {
   Status matmul(const Tensor&, bool, const Tensor&, bool, Tensor&) override { return ok_status(); }
 
  private:
-  // Takes the scratch blocks together, then gives them back: only the peak sees them.
-  Status hold(std::initializer_list<size_t> sizes) {
-    if (!cpu_) return ok_status();
+  Result<size_t> device_workspace(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p, const Tensor& y) {
+    if (workspace_ == nullptr) return size_t{0};
+    return workspace_->conv_workspace_bytes(pass, x, w, p, y);
+  }
+  // Takes the scratch blocks (the cpu backend's, when planning for it) and a device workspace
+  // together, then gives them back: only the peak sees them.
+  Status hold(std::initializer_list<size_t> cpu_sizes, size_t device_workspace = 0) {
     std::vector<Tensor> held;
-    for (size_t b : sizes) {
-      if (b == 0) continue;
-      SLIDE_ASSIGN_OR_RETURN(Tensor t, Tensor::empty({static_cast<int64_t>(b)}, DType::kU8, alloc_, "scratch"));
+    auto take = [&](size_t b, const char* what) -> Status {
+      if (b == 0) return ok_status();
+      SLIDE_ASSIGN_OR_RETURN(Tensor t, Tensor::empty({static_cast<int64_t>(b)}, DType::kU8, alloc_, what));
       held.push_back(std::move(t));
-    }
-    return ok_status();
+      return ok_status();
+    };
+    if (cpu_)
+      for (size_t b : cpu_sizes) SLIDE_RETURN_IF_ERROR(take(b, "scratch"));
+    return take(device_workspace, "convolution workspace");
   }
 
   Allocator& alloc_;
   bool cpu_;
+  Backend* workspace_;
 };
 
 size_t param_bytes(const std::vector<Parameter*>& ps) {
@@ -229,7 +244,7 @@ Result<MemoryPlan> plan_memory(Sequential& model, const PlanOptions& o) {
   plan.micro_batch = o.micro_batch;
   plan.other_bytes = o.other_bytes;
   PlanAllocator pa;
-  PlanBackend pb(pa, o.backend == "cpu");
+  PlanBackend pb(pa, o.backend == "cpu", o.workspace_backend);
   struct Released {
     Sequential& m;
     ~Released() { m.release(); }

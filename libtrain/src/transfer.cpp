@@ -1,5 +1,5 @@
 // The one door between host code and a backend's device: Backend::upload / download (the
-// host backends' byte copies, available_memory_bytes; also where Backend's vtable is emitted), the transfer check every
+// host backends' byte copies, available_memory_bytes, conv_workspace_bytes's 0; also where Backend's vtable is emitted), the transfer check every
 // backend shares, and to_host / to_device. Apart from backend.cpp so that the checkpoint code
 // (and its fuzz target) needs no backend implementation.
 #include <unistd.h>
@@ -17,6 +17,10 @@ Result<size_t> Backend::available_memory_bytes() {
   const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (pages < 0 || page < 0) return slide::core::errno_status(errno, "sysconf(_SC_AVPHYS_PAGES)");
   return static_cast<size_t>(pages) * static_cast<size_t>(page);
+}
+
+Result<size_t> Backend::conv_workspace_bytes(ConvPass, const Tensor&, const Tensor&, Conv2dParams, const Tensor&) {
+  return size_t{0};
 }
 
 namespace detail {

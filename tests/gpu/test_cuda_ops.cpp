@@ -112,6 +112,54 @@ TEST_CASE("cuda vs reference: conv2d forward, backward data, backward weights (+
   }
 }
 
+TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass then takes (the planner's figure)") {
+  // ResNet-50's shapes at batch 16: the stem (7x7, stride 2), a 3x3 of layer1 and a strided 3x3 of
+  // layer2. Asked before the pass runs (cuDNN's first deterministic candidate) and after (the
+  // cached algorithm): both are the bytes the pass takes from the allocator beside its operands.
+  struct Case {
+    int64_t C, H, K, R;
+    Conv2dParams p;
+  };
+  Allocator& alloc = gpu().allocator();
+  for (Case c : {Case{3, 224, 64, 7, {2, 3}}, Case{64, 56, 64, 3, {1, 1}}, Case{128, 56, 128, 3, {2, 1}}}) {
+    CAPTURE(c.C);
+    CAPTURE(c.R);
+    const int64_t N = 16, P = conv_out_extent(c.H, c.R, c.p.stride, c.p.pad);
+    auto dev = [&](const Shape& s) {
+      auto t = Tensor::empty(s, DType::kF32, alloc, "operand");
+      REQUIRE(t.ok());
+      OK(t->set_zero());
+      return *t;
+    };
+    Tensor x = dev({N, c.C, c.H, c.H}), w = dev({c.K, c.C, c.R, c.R}), y = dev({N, c.K, P, P}),
+           dw = dev({c.K, c.C, c.R, c.R});
+    Tensor no_db;
+    auto taken = [&](auto&& run) {
+      OK(gpu().synchronize());
+      const size_t before = alloc.current_bytes();
+      alloc.reset_peak();
+      OK(run());
+      OK(gpu().synchronize());
+      return alloc.peak_bytes() - before;
+    };
+    for (ConvPass pass : {ConvPass::kForward, ConvPass::kBackwardData, ConvPass::kBackwardWeights}) {
+      CAPTURE(static_cast<int>(pass));
+      auto planned = gpu().conv_workspace_bytes(pass, x, w, c.p, y);
+      REQUIRE_MESSAGE(planned.ok(), planned.status().to_string());
+      const size_t bytes = taken([&] {
+        return pass == ConvPass::kForward        ? gpu().conv2d_forward(x, w, Tensor(), c.p, y)
+               : pass == ConvPass::kBackwardData ? gpu().conv2d_backward_data(y, w, c.p, x)
+                                                 : gpu().conv2d_backward_weights(x, y, c.p, dw, no_db);
+      });
+      MESSAGE("pass ", static_cast<int>(pass), ": planned ", *planned, " B, taken ", bytes, " B");
+      CHECK(bytes == *planned);
+      auto again = gpu().conv_workspace_bytes(pass, x, w, c.p, y);
+      REQUIRE(again.ok());
+      CHECK(*again == *planned);
+    }
+  }
+}
+
 TEST_CASE("cuda vs reference: fused inference convolution (cuDNN's bias + residual + ReLU; in place; no ReLU)") {
   struct Case {
     int64_t N, C, H, W, K, R;

@@ -218,9 +218,11 @@ struct DeviceState {
   std::unique_ptr<CachingDeviceAllocator> alloc;
   std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
   bool copy_failed = false;
-  std::mutex mu;  // guards algos and unfused
+  std::mutex mu;  // guards algos, unfused and planned_workspace
   std::unordered_map<ConvKey, AlgoCandidate, ConvKeyHash> algos;  // the algorithm (and math type) that ran per shape
   std::unordered_set<ConvKey, ConvKeyHash> unfused;     // fused shapes cuDNN answered NOT_SUPPORTED
+  // conv_workspace_bytes's answers for shapes with no algorithm cached yet (planned_workspace).
+  std::unordered_map<ConvKey, size_t, ConvKeyHash> planned_workspace;
 };
 
 Status init_device(int device, DeviceState* st) {
@@ -522,6 +524,33 @@ class CudaBackend final : public Backend {
     return composed();
   }
 
+  // Backend::conv_workspace_bytes: the workspace each pass's run_conv would take (planned_workspace).
+  Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
+                                      const Tensor& y) override {
+    // Shapes and dtypes only: the planner's placeholders live on no device.
+    const detail::DTypes any_device{kDTypes.f32, kDTypes.f64, kDTypes.blocked, x.device()};
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, Tensor(), p, y, any_device));
+    if (d.N * d.K * d.P * d.Q == 0 || d.N * d.C * d.H * d.W == 0) return size_t{0};  // the ops return early
+    const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
+                                    : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
+                                                                      : ConvDirection::kBackwardFilter;
+    const ConvKey key{direction, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, conv_math(math_precision_)};
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
+    switch (pass) {
+      case ConvPass::kForward:
+        return planned_workspace(key, ds, [&] { return forward_candidates(ds); },
+                                 [&](int algo) { return forward_workspace(ds, algo); });
+      case ConvPass::kBackwardData:
+        return planned_workspace(key, ds, [&] { return backward_data_candidates(ds); },
+                                 [&](int algo) { return backward_data_workspace(ds, algo); });
+      case ConvPass::kBackwardWeights:
+        return planned_workspace(key, ds, [&] { return backward_filter_candidates(ds); },
+                                 [&](int algo) { return backward_filter_workspace(ds, algo); });
+    }
+    return size_t{0};
+  }
+
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
@@ -529,19 +558,8 @@ class CudaBackend final : public Backend {
     const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
                       conv_math(math_precision_)};
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
-    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
-      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-      int n = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d,
-                                                                    CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
-      return candidates_of(perf, n);
-    };
-    auto workspace = [&](int algo) -> Result<size_t> {
-      size_t bytes = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-          st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &bytes));
-      return bytes;
-    };
+    auto candidates = [&] { return backward_data_candidates(ds); };
+    auto workspace = [&](int algo) { return backward_data_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1, zero = 0;  // dx is overwritten
       SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardData(st_->cudnn, &one, ds.w.d, f32(w), ds.y.d, f32(dy), ds.conv.d,
@@ -560,19 +578,8 @@ class CudaBackend final : public Backend {
     const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
                       conv_math(math_precision_)};
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
-    auto candidates = [&]() -> Result<std::vector<AlgoCandidate>> {
-      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-      int n = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-          st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
-      return candidates_of(perf, n);
-    };
-    auto workspace = [&](int algo) -> Result<size_t> {
-      size_t bytes = 0;
-      SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-          st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes));
-      return bytes;
-    };
+    auto candidates = [&] { return backward_filter_candidates(ds); };
+    auto workspace = [&](int algo) { return backward_filter_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1;  // dw += (the op list's accumulate rule): beta = 1
       SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st_->cudnn, &one, ds.x.d, f32(x), ds.y.d, f32(dy), ds.conv.d,
@@ -976,6 +983,69 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
     SLIDE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st_->cudnn, ds.x.d, ds.w.d, ds.conv.d, ds.y.d,
                                                               static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes));
+    return bytes;
+  }
+  // The same for backward data (dx from dy) and backward filter (dw from x and dy).
+  Result<std::vector<AlgoCandidate>> backward_data_candidates(const ConvDescs& ds) const {
+    cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+    int n = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d,
+                                                                  CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
+    return candidates_of(perf, n);
+  }
+  Result<size_t> backward_data_workspace(const ConvDescs& ds, int algo) const {
+    size_t bytes = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+        st_->cudnn, ds.w.d, ds.y.d, ds.conv.d, ds.x.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &bytes));
+    return bytes;
+  }
+  Result<std::vector<AlgoCandidate>> backward_filter_candidates(const ConvDescs& ds) const {
+    cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+    int n = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+        st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
+    return candidates_of(perf, n);
+  }
+  Result<size_t> backward_filter_workspace(const ConvDescs& ds, int algo) const {
+    size_t bytes = 0;
+    SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+        st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes));
+    return bytes;
+  }
+
+  // The workspace run_conv would take for `key`: the cached algorithm's, else the first
+  // candidate's in conv_plan.h's order (run_conv takes it when the budget grants it, and only a
+  // smaller one otherwise), under the math type it is listed with. Remembered per key until an
+  // algorithm is cached for it (the planner asks for the same shapes at every micro-batch it tries).
+  template <typename Candidates, typename Workspace>
+  Result<size_t> planned_workspace(const ConvKey& key, ConvDescs& ds, Candidates candidates, Workspace workspace) {
+    std::optional<AlgoCandidate> cached;
+    {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      auto it = st_->algos.find(key);
+      if (it != st_->algos.end()) cached = it->second;
+      if (!cached) {
+        auto planned = st_->planned_workspace.find(key);
+        if (planned != st_->planned_workspace.end()) return planned->second;
+      }
+    }
+    AlgoCandidate c;
+    if (cached) {
+      c = *cached;
+    } else {
+      SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
+      const std::vector<AlgoCandidate> order = order_candidates(all, /*allow_nondeterministic=*/false);
+      if (order.empty())
+        return slide::core::unimplemented("cuda conv2d: cuDNN offers no deterministic algorithm for this shape");
+      c = order.front();
+    }
+    if (key.math != ConvMath::kFma && c.math_type >= 0)
+      SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, static_cast<cudnnMathType_t>(c.math_type)));
+    SLIDE_ASSIGN_OR_RETURN(const size_t bytes, workspace(c.algo));
+    if (!cached) {
+      std::lock_guard<std::mutex> lock(st_->mu);
+      st_->planned_workspace[key] = bytes;
+    }
     return bytes;
   }
 

@@ -140,7 +140,8 @@ class ReferenceBackend final : public Backend {
  public:
   // On `alloc`'s device: the host (cpu), or the simulated device (Device::kSim), whose tensors
   // are host memory that only the backend reads.
-  explicit ReferenceBackend(Allocator& alloc) : alloc_(alloc), dtypes_{true, true, false, alloc.device()} {}
+  ReferenceBackend(Allocator& alloc, bool simulated_workspace)
+      : alloc_(alloc), dtypes_{true, true, false, alloc.device()}, simulated_workspace_(simulated_workspace) {}
   std::string name() const override { return alloc_.device() == Device::kSim ? "reference-sim" : "reference"; }
   Device device() const override { return alloc_.device(); }
   Allocator& allocator() override { return alloc_; }
@@ -162,8 +163,18 @@ class ReferenceBackend final : public Backend {
     return make_thread_copy_engine();
   }
 
+  Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
+                                      const Tensor& y) override {
+    if (!simulated_workspace_) return size_t{0};
+    // Shapes and dtypes only: the planner's placeholders live on no device.
+    const detail::DTypes any_device{dtypes_.f32, dtypes_.f64, dtypes_.blocked, x.device()};
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, Tensor(), p, y, any_device));
+    return workspace_bytes(pass, d, p, x.dtype());
+  }
+
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kForward, d, p, x.dtype()));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
@@ -191,6 +202,7 @@ class ReferenceBackend final : public Backend {
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, dtypes_));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardData, d, p, dy.dtype()));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
@@ -220,6 +232,7 @@ class ReferenceBackend final : public Backend {
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, dtypes_));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardWeights, d, p, x.dtype()));
     const auto [N, C, H, W, K, R, S, P, Q] = d;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
@@ -840,13 +853,37 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  static size_t workspace_bytes(ConvPass pass, const detail::ConvDims& d, Conv2dParams p, DType dtype) {
+    return simulated_conv_workspace_bytes(pass, d.N, d.C, d.H, d.W, d.K, d.R, d.S, d.P, d.Q, p, dtype);
+  }
+  // The simulated workspace of one pass, held by the caller for the pass's length (an undefined
+  // tensor when there is none).
+  Result<Tensor> workspace(ConvPass pass, const detail::ConvDims& d, Conv2dParams p, DType dtype) {
+    const size_t bytes = simulated_workspace_ ? workspace_bytes(pass, d, p, dtype) : 0;
+    if (bytes == 0) return Tensor();
+    return Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, alloc_, "simulated convolution workspace");
+  }
+
   Allocator& alloc_;
   const detail::DTypes dtypes_;  // f32 and f64, plain layouts, on alloc_'s device
+  const bool simulated_workspace_;
   std::unique_ptr<CopyEngine> engine_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_reference_backend(Allocator& alloc) { return std::make_unique<ReferenceBackend>(alloc); }
+size_t simulated_conv_workspace_bytes(ConvPass pass, int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, int64_t R,
+                                      int64_t S, int64_t P, int64_t Q, Conv2dParams p, DType dtype) {
+  if (N * C * H * W == 0 || N * K * P * Q == 0) return 0;
+  if (R == 1 && S == 1 && p.stride == 1 && p.pad == 0) return 0;
+  int64_t elements = C * R * S * P * Q;
+  if (pass == ConvPass::kBackwardData) elements += C * H * W;
+  if (pass == ConvPass::kBackwardWeights) elements += K * C * R * S;
+  return static_cast<size_t>(elements) * dtype_size(dtype);
+}
+
+std::unique_ptr<Backend> make_reference_backend(Allocator& alloc, bool simulated_conv_workspace) {
+  return std::make_unique<ReferenceBackend>(alloc, simulated_conv_workspace);
+}
 
 }  // namespace slide::train

@@ -35,6 +35,9 @@ struct Conv2dParams {
   int stride = 1;
   int pad = 0;
 };
+// The three passes of a convolution, for Backend::conv_workspace_bytes.
+enum class ConvPass { kForward, kBackwardData, kBackwardWeights };
+
 struct Pool2dParams {
   int kernel = 2;
   int stride = 2;
@@ -176,6 +179,17 @@ class Backend {
   // dw[K,C,R,S] += sum_n x (*) dy; db[K] += sum_{n,p,q} dy (db may be undefined).
   [[nodiscard]] virtual Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw,
                                                        Tensor& db) = 0;
+  // Bytes this backend takes from its allocator, beyond the operands, for the length of one
+  // convolution pass of these shapes: x [N,C,H,W], w [K,C,R,S], y [N,K,P,Q] as in conv2d_forward
+  // (backward data: dx, w, dy; backward weights: x, dw, dy); only shapes and dtypes are read, so
+  // the memory planner's placeholder tensors do. cuda: cuDNN's workspace for the algorithm that
+  // pass would run (the one cached for the shape, else the first of cuda/conv_plan.h's order, which
+  // it takes when the budget grants its workspace; a refused workspace only ever means a smaller
+  // one); the simulated device with a simulated workspace (reference_backend.h); 0 elsewhere (the
+  // cpu backend's scratch is the planner's own model of it, planner.cpp). Errors, where a backend
+  // has workspaces: kInvalidArgument for inconsistent shapes; the library's.
+  [[nodiscard]] virtual Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w,
+                                                            Conv2dParams p, const Tensor& y);
 
   // --- Fused inference convolution (the inference graph's, inference_graph.h) -------------------
   // A convolution of an inference graph: batch norm folded into its weights and bias, the residual

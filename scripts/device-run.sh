@@ -140,7 +140,7 @@ done
 # and the largest batch each fits in 16 GiB.
 step memory_resnet50 150 "$build/bench/memory_bench" --backend cuda --precision tf32 --models resnet50 \
   --batch 64 --steps 3 --budget 16G
-grep -E "checkpoint=|measured on the device|checkpointing:" "$log" | tail -8 >> "$summary"
+grep -E "checkpoint=|measured on the device|checkpointing:|to the host and back" "$log" | tail -10 >> "$summary"
 # The host link's bandwidth (pinned memory, 1 GiB each way), which bounds activation offload.
 step pcie_bandwidth 60 "$py" -c '
 import time, torch

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdio>
 #include <initializer_list>
+#include <limits>
+#include <string>
 
 namespace slide::train {
 
@@ -81,6 +83,8 @@ class PlanBackend final : public Backend {
  public:
   PlanBackend(Allocator& alloc, bool cpu_scratch, Backend* workspace)
       : alloc_(alloc), cpu_(cpu_scratch), workspace_(workspace) {}
+  // Why the planned micro-batch cannot run on the workspace backend ("": it can).
+  const std::string& unrunnable() const { return unrunnable_; }
   std::string name() const override { return "plan"; }
   Device device() const override { return Device::kCpu; }
   Allocator& allocator() override { return alloc_; }
@@ -159,9 +163,17 @@ class PlanBackend final : public Backend {
   Status matmul(const Tensor&, bool, const Tensor&, bool, Tensor&) override { return ok_status(); }
 
  private:
+  // A convolution the backend refuses as kResourceExhausted (a tensor past cuDNN's descriptor
+  // limit) makes the micro-batch unrunnable, not the plan an error: plan_memory then reports an
+  // infinite peak, which no budget fits.
   Result<size_t> device_workspace(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p, const Tensor& y) {
     if (workspace_ == nullptr) return size_t{0};
-    return workspace_->conv_workspace_bytes(pass, x, w, p, y);
+    auto bytes = workspace_->conv_workspace_bytes(pass, x, w, p, y);
+    if (!bytes.ok() && bytes.status().code() == slide::core::StatusCode::kResourceExhausted) {
+      if (unrunnable_.empty()) unrunnable_ = bytes.status().message();
+      return size_t{0};
+    }
+    return bytes;
   }
   // Takes the scratch blocks (the cpu backend's, when planning for it) and a device workspace
   // together, then gives them back: only the peak sees them.
@@ -181,6 +193,7 @@ class PlanBackend final : public Backend {
   Allocator& alloc_;
   bool cpu_;
   Backend* workspace_;
+  std::string unrunnable_;  // why this micro-batch cannot run on the backend ("": it can)
 };
 
 size_t param_bytes(const std::vector<Parameter*>& ps) {
@@ -315,6 +328,10 @@ Result<MemoryPlan> plan_memory(Sequential& model, const PlanOptions& o) {
   const size_t fixed = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_bytes + plan.other_bytes;
   for (auto& lp : plan.layers) lp.forward_peak_bytes += fixed, lp.backward_peak_bytes += fixed;
   plan.peak_bytes = fixed + step_peak;
+  if (!pb.unrunnable().empty()) {
+    plan.peak_bytes = std::numeric_limits<size_t>::max();
+    plan.peak_at = "nowhere: " + pb.unrunnable();
+  }
   return plan;
 }
 

@@ -53,6 +53,17 @@ TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's
   CHECK(cuda::order_candidates({{3, false, true, 0}}, true).empty());
 }
 
+TEST_CASE("fits_cudnn_descriptor: at most 2^31 - 1 elements, products checked without overflow") {
+  CHECK(cuda::fits_cudnn_descriptor(64, 64, 112, 112));
+  CHECK(cuda::fits_cudnn_descriptor(1, 1, 1, 2147483647));
+  CHECK_FALSE(cuda::fits_cudnn_descriptor(1, 1, 2, 1073741824));  // 2^31
+  CHECK(cuda::fits_cudnn_descriptor(2674, 64, 112, 112));        // ResNet's stem output at 224 px: 2,146,729,984
+  CHECK_FALSE(cuda::fits_cudnn_descriptor(2675, 64, 112, 112));  // 2,147,532,800
+  CHECK_FALSE(cuda::fits_cudnn_descriptor(int64_t{1} << 40, int64_t{1} << 40, 1, 1));  // no wrap-around
+  CHECK(cuda::fits_cudnn_descriptor(0, 3, 224, 224));
+  CHECK_FALSE(cuda::fits_cudnn_descriptor(-1, 3, 224, 224));
+}
+
 TEST_CASE("ConvKey: every field tells shapes apart") {
   using cuda::ConvKey;
   const ConvKey base{cuda::ConvDirection::kForward, 8, 3, 224, 224, 64, 7, 7, 2, 3};

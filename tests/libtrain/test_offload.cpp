@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -374,6 +375,33 @@ TEST_CASE("planner: a device's convolution workspaces are in the plan (the simul
     CHECK(with->peak_bytes - without->peak_bytes == b.peak - a.peak);
     CHECK(with->peak_bytes - state == b.peak);
   }
+}
+
+TEST_CASE("planner: a micro-batch past cuDNN's tensor limit fits no budget, and the search stops below it") {
+  // --batch-size auto searches up to the training set's size. On cuda a convolution whose tensor
+  // passes 2^31-1 elements is refused (kResourceExhausted, cuda/conv_plan.h); the plan at such a
+  // micro-batch must say it fits nothing rather than fail the run. ResNet-18's stem output at
+  // 224 px is N x 64 x 112 x 112: runnable up to N = 2674.
+  auto ws_be = make_reference_backend(sim_device_allocator(), /*simulated_conv_workspace=*/true);
+  auto m = resnet(18);
+  PlanOptions po;
+  po.sample_shape = {3, 224, 224};
+  po.classes = 3;
+  po.backend = "reference";
+  po.workspace_backend = ws_be.get();
+  po.micro_batch = 2675;
+  auto past = plan_memory(*m, po);
+  REQUIRE_MESSAGE(past.ok(), past.status().to_string());
+  CHECK(past->peak_bytes == std::numeric_limits<size_t>::max());
+  CHECK(past->peak_at.find("nowhere: simulated device: a convolution of 2675x") == 0);
+  po.micro_batch = 2674;
+  auto last = plan_memory(*m, po);
+  REQUIRE_MESSAGE(last.ok(), last.status().to_string());
+  CHECK(last->peak_bytes < (size_t{1} << 50));
+  // An unbounded budget: the search ends at the largest runnable micro-batch, not in an error.
+  auto largest = largest_planned_micro_batch(*m, po, std::numeric_limits<size_t>::max() - 1, 100000);
+  REQUIRE_MESSAGE(largest.ok(), largest.status().to_string());
+  CHECK(*largest == 2674);
 }
 
 TEST_SUITE_END();

@@ -78,6 +78,21 @@ struct ConvKeyHash {
   }
 };
 
+// Whether an N x C x H x W tensor fits cuDNN's legacy descriptors: int dimensions and strides, so at
+// most 2^31 - 1 elements (PyTorch splits the batch of a larger convolution for the same reason:
+// "cudnn: tensor too large"). A larger one is refused as kResourceExhausted, so that a step's
+// out-of-memory recovery and the planner's search treat it as a micro-batch too large to run.
+inline bool fits_cudnn_descriptor(int64_t n, int64_t c, int64_t h, int64_t w) {
+  constexpr int64_t kMax = 2147483647;
+  if (n < 0 || c < 0 || h < 0 || w < 0) return false;
+  int64_t e = 1;
+  for (int64_t d : {n, c, h, w}) {
+    if (d > kMax || (d > 0 && e > kMax / d)) return false;
+    e *= d;
+  }
+  return true;
+}
+
 // One of cuDNN's answers (cudnnConvolution*AlgoPerf_t), reduced to what the choice needs.
 struct AlgoCandidate {
   int algo = 0;

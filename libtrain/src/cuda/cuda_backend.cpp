@@ -266,6 +266,10 @@ struct TensorDesc {
     if (d) (void)cudnnDestroyTensorDescriptor(d);
   }
   Status set(int64_t n, int64_t c, int64_t h, int64_t w) {
+    if (!fits_cudnn_descriptor(n, c, h, w))
+      return slide::core::resource_exhausted("cuda: a " + std::to_string(n) + "x" + std::to_string(c) + "x" +
+                                             std::to_string(h) + "x" + std::to_string(w) +
+                                             " tensor is past cuDNN's 2^31-1 elements; a smaller micro-batch runs");
     SLIDE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
     SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, static_cast<int>(n),
                                                  static_cast<int>(c), static_cast<int>(h), static_cast<int>(w)));

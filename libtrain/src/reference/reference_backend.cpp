@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cross_entropy.h"
+#include "cuda/conv_plan.h"
 #include "kernels/formulas.h"
 #include "op_checks.h"
 #include "slide/train/copy_engine.h"
@@ -853,13 +854,20 @@ class ReferenceBackend final : public Backend {
     });
   }
 
-  static size_t workspace_bytes(ConvPass pass, const detail::ConvDims& d, Conv2dParams p, DType dtype) {
+  // The simulated workspace, or kResourceExhausted for a tensor past cuDNN's descriptor limit
+  // (cuda::fits_cudnn_descriptor), as the cuda backend refuses it.
+  static Result<size_t> workspace_bytes(ConvPass pass, const detail::ConvDims& d, Conv2dParams p, DType dtype) {
+    if (!cuda::fits_cudnn_descriptor(d.N, d.C, d.H, d.W) || !cuda::fits_cudnn_descriptor(d.N, d.K, d.P, d.Q))
+      return slide::core::resource_exhausted("simulated device: a convolution of " + std::to_string(d.N) + "x" +
+                                             std::to_string(d.C) + "x" + std::to_string(d.H) + "x" +
+                                             std::to_string(d.W) + " is past cuDNN's 2^31-1 elements per tensor");
     return simulated_conv_workspace_bytes(pass, d.N, d.C, d.H, d.W, d.K, d.R, d.S, d.P, d.Q, p, dtype);
   }
   // The simulated workspace of one pass, held by the caller for the pass's length (an undefined
   // tensor when there is none).
   Result<Tensor> workspace(ConvPass pass, const detail::ConvDims& d, Conv2dParams p, DType dtype) {
-    const size_t bytes = simulated_workspace_ ? workspace_bytes(pass, d, p, dtype) : 0;
+    if (!simulated_workspace_) return Tensor();
+    SLIDE_ASSIGN_OR_RETURN(const size_t bytes, workspace_bytes(pass, d, p, dtype));
     if (bytes == 0) return Tensor();
     return Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, alloc_, "simulated convolution workspace");
   }

@@ -12,7 +12,8 @@ namespace slide::train {
 // With `simulated_conv_workspace`, each convolution pass takes a workspace of
 // simulated_conv_workspace_bytes from `alloc` for its length, as cuDNN's passes do on cuda, and
 // conv_workspace_bytes reports it: the memory planner's workspace accounting runs and is tested on
-// the simulated device (tests/libtrain/test_memory.cpp).
+// the simulated device (tests/libtrain/test_offload.cpp). Like cuda, it refuses a convolution
+// with a tensor past cuDNN's 2^31-1 elements as kResourceExhausted (cuda/conv_plan.h).
 std::unique_ptr<Backend> make_reference_backend(Allocator& alloc, bool simulated_conv_workspace = false);
 
 // The simulated workspace of a convolution pass, in bytes of `dtype`: one sample's im2col matrix,

@@ -67,8 +67,11 @@ struct MemoryPlan {
   size_t input_bytes = 0;      // images + labels of one micro-batch (twice that with prefetch)
   size_t saved_bytes = 0;      // all activations kept at the end of forward
   size_t other_bytes = 0;
-  size_t peak_bytes = 0;       // the step's predicted peak of live bytes (everything above)
+  size_t peak_bytes = 0;       // the step's predicted peak of live bytes (everything above);
+                               // SIZE_MAX when the backend cannot run this micro-batch at all
+                               // (a convolution past cuDNN's tensor limit): it fits no budget
   std::string peak_at;         // where the peak falls: "forward <layer>", "backward <layer>", "loss"
+                               // ("nowhere: <why>" for an unrunnable micro-batch)
 
   // The table: one row per layer (output shape, parameters, gradients, optimizer state, saved
   // activations, peaks in MiB), then the totals and the peak.

@@ -34,6 +34,31 @@ TEST_CASE("launch_1d: ceil(n / threads) blocks, bounded; nothing for n == 0") {
   CHECK(g.blocks * g.threads * ((n + g.blocks * g.threads - 1) / (g.blocks * g.threads)) >= n);
 }
 
+TEST_CASE("for_channel: a thread's walk over a channel is the division's, value for value, in order") {
+  // The batch norm and bias-gradient kernels sum in this order: it must be (j / HW, j % HW) for
+  // j = t, t + T, ... exactly (the results are then the same bits as with the divisions).
+  struct Case {
+    int64_t N, C, HW, T;
+  };
+  for (Case k : {Case{1, 1, 1, 1}, Case{3, 5, 7, 4}, Case{2, 3, 49, 256}, Case{4, 64, 3136, 256}, Case{5, 2, 256, 256},
+                 Case{3, 4, 300, 256}, Case{7, 3, 1, 256}, Case{2, 2, 1000, 3}}) {
+    CAPTURE(k.HW);
+    CAPTURE(k.T);
+    for (int64_t c : {int64_t{0}, k.C - 1}) {
+      for (int64_t t : {int64_t{0}, int64_t{1}, k.T / 2, k.T - 1}) {
+        std::vector<int64_t> want, got;
+        for (int64_t j = t; j < k.N * k.HW; j += k.T) want.push_back((j / k.HW * k.C + c) * k.HW + j % k.HW);
+        kernels::for_channel(k.N, k.C, k.HW, c, t, k.T, [&](int64_t i) { got.push_back(i); });
+        CHECK(got == want);
+      }
+    }
+  }
+  int calls = 0;
+  kernels::for_channel(0, 3, 4, 0, 0, 256, [&](int64_t) { ++calls; });
+  kernels::for_channel(3, 3, 0, 0, 0, 256, [&](int64_t) { ++calls; });
+  CHECK(calls == 0);
+}
+
 TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's order, without repeats") {
   using cuda::AlgoCandidate;
   const std::vector<AlgoCandidate> from_cudnn = {

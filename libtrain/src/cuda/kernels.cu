@@ -12,19 +12,24 @@ namespace {
 
 namespace fm = slide::train::formulas;
 
-constexpr int kBlock = 256;  // threads per block everywhere here (a power of two: block_sum)
+constexpr int kBlock = 256;  // threads per block everywhere here (a power of two: block_sum) but
+// batch norm's per-channel kernels: one block per channel, so a layer of 64 channels (ResNet's stem
+// and layer1, where the activations are largest) has only 64 blocks; 1024 threads each keep four
+// times the loads in flight (within __launch_bounds__: 64 registers a thread at most).
+constexpr int kBnBlock = 1024;
 
 #define SLIDE_GRID_STRIDE(i, n)                                                                 \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n);        \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// The sum (or maximum) of every thread's `v` in the block (blockDim.x == kBlock); every thread
-// gets it. A fixed tree: the same inputs give the same result on every run.
+// The sum (or maximum) of every thread's `v` in the block (blockDim.x == B; `shared` holds B
+// doubles); every thread gets it. A fixed tree: the same inputs give the same result on every run.
+template <int B = kBlock>
 __device__ double block_sum(double v, double* shared) {
   const int t = threadIdx.x;
   shared[t] = v;
   __syncthreads();
-  for (int s = kBlock / 2; s > 0; s >>= 1) {
+  for (int s = B / 2; s > 0; s >>= 1) {
     if (t < s) shared[t] += shared[t + s];
     __syncthreads();
   }
@@ -54,12 +59,12 @@ cudaError_t launch_grid_stride(int64_t n, cudaStream_t stream, Kernel kernel, Ar
   return cudaGetLastError();
 }
 
-// One block per channel / row: at most 2^31 - 1 blocks (CUDA's grid x limit).
-template <typename Kernel, typename... Args>
+// One block of B threads per channel / row: at most 2^31 - 1 blocks (CUDA's grid x limit).
+template <int B = kBlock, typename Kernel, typename... Args>
 cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel, Args... args) {
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 2147483647) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(args...);
+  kernel<<<static_cast<unsigned>(blocks), B, 0, stream>>>(args...);
   return cudaGetLastError();
 }
 
@@ -93,24 +98,21 @@ __global__ void bias_grad_kernel(const float* dy, float* db, int64_t N, int64_t 
   __shared__ double shared[kBlock];
   const int64_t k = blockIdx.x;
   double local = 0;
-  for (int64_t j = threadIdx.x; j < N * inner; j += blockDim.x) {
-    const int64_t n = j / inner, i = j % inner;
-    local += dy[(n * K + k) * inner + i];
-  }
+  kernels::for_channel(N, K, inner, k, threadIdx.x, blockDim.x, [&](int64_t i) { local += dy[i]; });
   const double total = block_sum(local, shared);
   if (threadIdx.x == 0) db[k] += static_cast<float>(total);
 }
 
-// --- Batch norm: one block per channel ---
+// --- Batch norm: one block of kBnBlock threads per channel ---
 // Channel c of x [N, C, HW] as the block's threads walk it: thread t takes the channel's values
-// t, t + blockDim.x, ... (in (n, hw) order). The one-rank kernels and the synchronised pieces are
-// made of the helpers below, so that they sum in the same order and agree bit for bit.
+// t, t + blockDim.x, ... (in (n, hw) order; kernels::for_channel, without a division per value).
+// The one-rank kernels and the synchronised pieces are made of the helpers below, so that they sum
+// in the same order and agree bit for bit.
 struct BnChannel {
   int64_t N, C, HW, c;
   template <typename F>
   __device__ void each(F f) const {
-    const int64_t M = N * HW;
-    for (int64_t j = threadIdx.x; j < M; j += blockDim.x) f(((j / HW) * C + c) * HW + j % HW);
+    kernels::for_channel(N, C, HW, c, threadIdx.x, blockDim.x, f);
   }
 };
 
@@ -118,7 +120,7 @@ struct BnChannel {
 __device__ double bn_channel_sum(const float* x, BnChannel ch, double* shared) {
   double local = 0;
   ch.each([&](int64_t i) { local += x[i]; });
-  return block_sum(local, shared);
+  return block_sum<kBnBlock>(local, shared);
 }
 
 // The sum of (x - mean)^2 over the channel (every thread gets it).
@@ -128,7 +130,7 @@ __device__ double bn_channel_deviations(const float* x, BnChannel ch, double mea
     const double d = x[i] - mean;
     local += d * d;
   });
-  return block_sum(local, shared);
+  return block_sum<kBnBlock>(local, shared);
 }
 
 // y over the channel, then (thread 0) the saved and running statistics; sq: the sum of squared
@@ -161,8 +163,8 @@ __device__ void bn_channel_grad_sums(const float* x, const float* dy, const floa
     local_dy += dy[i];
     local_dy_xhat += double(dy[i]) * fm::bn_xhat(x[i], mean, invstd);
   });
-  *sum_dy = block_sum(local_dy, shared);
-  *sum_dy_xhat = block_sum(local_dy_xhat, shared);
+  *sum_dy = block_sum<kBnBlock>(local_dy, shared);
+  *sum_dy_xhat = block_sum<kBnBlock>(local_dy_xhat, shared);
   if (threadIdx.x == 0) {
     dgamma[c] += static_cast<float>(*sum_dy_xhat);
     dbeta[c] += static_cast<float>(*sum_dy);
@@ -181,10 +183,11 @@ __device__ void bn_channel_input_grad(const float* x, const float* dy, const flo
   });
 }
 
-__global__ void bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps,
-                                           double momentum, float* running_mean, float* running_var, float* y,
-                                           float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBlock];
+__global__ void __launch_bounds__(kBnBlock)
+    bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps, double momentum,
+                               float* running_mean, float* running_var, float* y, float* save_mean, float* save_invstd,
+                               int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBnBlock];
   const BnChannel ch{N, C, HW, blockIdx.x};
   const double count = double(N * HW);
   const double mean = bn_channel_sum(x, ch, shared) / count;
@@ -203,10 +206,11 @@ __global__ void bn_forward_inference_kernel(const float* x, const float* gamma, 
   }
 }
 
-__global__ void bn_backward_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                   const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N,
-                                   int64_t C, int64_t HW) {
-  __shared__ double shared[kBlock];
+__global__ void __launch_bounds__(kBnBlock)
+    bn_backward_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                       const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+                       int64_t HW) {
+  __shared__ double shared[kBnBlock];
   const BnChannel ch{N, C, HW, blockIdx.x};
   double sum_dy = 0, sum_dy_xhat = 0;
   bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
@@ -214,8 +218,9 @@ __global__ void bn_backward_kernel(const float* x, const float* dy, const float*
 }
 
 // --- Synchronised batch norm's pieces: the helpers above, cut where the sums are all-reduced ---
-__global__ void bn_stats_kernel(const float* x, double* stats, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBlock];
+__global__ void __launch_bounds__(kBnBlock)
+    bn_stats_kernel(const float* x, double* stats, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBnBlock];
   const BnChannel ch{N, C, HW, blockIdx.x};
   const double sum = bn_channel_sum(x, ch, shared);
   if (threadIdx.x == 0) {
@@ -224,27 +229,28 @@ __global__ void bn_stats_kernel(const float* x, double* stats, int64_t N, int64_
   }
 }
 
-__global__ void bn_deviations_kernel(const float* x, const double* stats, double* devs, int64_t N, int64_t C,
-                                     int64_t HW) {
-  __shared__ double shared[kBlock];
+__global__ void __launch_bounds__(kBnBlock)
+    bn_deviations_kernel(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBnBlock];
   const BnChannel ch{N, C, HW, blockIdx.x};
   const double sq = bn_channel_deviations(x, ch, stats[ch.c] / stats[C], shared);
   if (threadIdx.x == 0) devs[ch.c] = sq;
 }
 
-__global__ void bn_forward_from_stats_kernel(const float* x, const float* gamma, const float* beta,
-                                             const double* stats, const double* devs, double eps, double momentum,
-                                             float* running_mean, float* running_var, float* y, float* save_mean,
-                                             float* save_invstd, int64_t N, int64_t C, int64_t HW) {
+__global__ void __launch_bounds__(kBnBlock)
+    bn_forward_from_stats_kernel(const float* x, const float* gamma, const float* beta, const double* stats,
+                                 const double* devs, double eps, double momentum, float* running_mean,
+                                 float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
+                                 int64_t C, int64_t HW) {
   const BnChannel ch{N, C, HW, blockIdx.x};
   bn_channel_normalise(x, gamma, beta, stats[ch.c] / stats[C], devs[ch.c], stats[C], eps, momentum, running_mean,
                        running_var, y, save_mean, save_invstd, ch);
 }
 
-__global__ void bn_backward_reduce_kernel(const float* x, const float* dy, const float* save_mean,
-                                          const float* save_invstd, double* sums, float* dgamma, float* dbeta,
-                                          int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBlock];
+__global__ void __launch_bounds__(kBnBlock)
+    bn_backward_reduce_kernel(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
+                              double* sums, float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW) {
+  __shared__ double shared[kBnBlock];
   const BnChannel ch{N, C, HW, blockIdx.x};
   double sum_dy = 0, sum_dy_xhat = 0;
   bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
@@ -254,9 +260,10 @@ __global__ void bn_backward_reduce_kernel(const float* x, const float* dy, const
   }
 }
 
-__global__ void bn_backward_elemt_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                         const float* save_invstd, const double* stats, const double* sums, float* dx,
-                                         int64_t N, int64_t C, int64_t HW) {
+__global__ void __launch_bounds__(kBnBlock)
+    bn_backward_elemt_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                             const float* save_invstd, const double* stats, const double* sums, float* dx, int64_t N,
+                             int64_t C, int64_t HW) {
   const BnChannel ch{N, C, HW, blockIdx.x};
   bn_channel_input_grad(x, dy, gamma, save_mean, save_invstd, stats[C], sums[ch.c], sums[C + ch.c], dx, ch);
 }
@@ -561,46 +568,46 @@ cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const
                                        double momentum, float* running_mean, float* running_var, float* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_forward_training_kernel, x, gamma, beta, eps, momentum, running_mean,
-                          running_var, y, save_mean, save_invstd, N, C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_forward_training_kernel, x, gamma, beta, eps, momentum, running_mean,
+                                    running_var, y, save_mean, save_invstd, N, C, HW);
 }
 cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
                                         const float* running_mean, const float* running_var, double eps, float* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_grid_stride(N * C * HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean,
-                            running_var, eps, y, C, HW, N * C * HW);
+  return launch_grid_stride(N * C * HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean, running_var,
+                            eps, y, C, HW, N * C * HW);
 }
 cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
                                const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
                                int64_t HW, cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_backward_kernel, x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta, N,
-                          C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_backward_kernel, x, dy, gamma, save_mean, save_invstd, dx, dgamma,
+                                    dbeta, N, C, HW);
 }
 cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_stats_kernel, x, stats, N, C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_stats_kernel, x, stats, N, C, HW);
 }
 cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
                                  cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_deviations_kernel, x, stats, devs, N, C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_deviations_kernel, x, stats, devs, N, C, HW);
 }
 cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
                                          const double* devs, double eps, double momentum, float* running_mean,
                                          float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
                                          int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_forward_from_stats_kernel, x, gamma, beta, stats, devs, eps, momentum,
-                          running_mean, running_var, y, save_mean, save_invstd, N, C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_forward_from_stats_kernel, x, gamma, beta, stats, devs, eps, momentum,
+                                    running_mean, running_var, y, save_mean, save_invstd, N, C, HW);
 }
-cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean,
-                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
-                                      int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_backward_reduce_kernel, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N,
-                          C, HW);
+cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
+                                      double* sums, float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW,
+                                      cudaStream_t stream) {
+  return launch_per_block<kBnBlock>(C, stream, bn_backward_reduce_kernel, x, dy, save_mean, save_invstd, sums, dgamma,
+                                    dbeta, N, C, HW);
 }
 cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
                                      const float* save_invstd, const double* stats, const double* sums, float* dx,
                                      int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block(C, stream, bn_backward_elemt_kernel, x, dy, gamma, save_mean, save_invstd, stats, sums, dx,
-                          N, C, HW);
+  return launch_per_block<kBnBlock>(C, stream, bn_backward_elemt_kernel, x, dy, gamma, save_mean, save_invstd, stats,
+                                    sums, dx, N, C, HW);
 }
 cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
                                     int kernel, int stride, int pad, cudaStream_t stream) {

@@ -1,10 +1,19 @@
-// Launch geometry of the cuda backend's own kernels, in plain C++ so that it is unit-tested on the
-// CPU. Every element-wise kernel is a grid-stride loop (each thread handles elements i, i + grid *
-// block, ...), so any n is covered by a bounded grid.
+// Launch geometry of the cuda backend's own kernels, and how their threads walk a channel, in plain
+// C++ (host and device) so that it is unit-tested on the CPU. Every element-wise kernel is a
+// grid-stride loop (each thread handles elements i, i + grid * block, ...), so any n is covered by
+// a bounded grid.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#define SLIDE_LAUNCH_HD __host__ __device__ inline
+#define SLIDE_UNROLL_4 _Pragma("unroll 4")
+#else
+#define SLIDE_LAUNCH_HD inline
+#define SLIDE_UNROLL_4
+#endif
 
 namespace slide::train::kernels {
 
@@ -18,6 +27,36 @@ struct Launch1d {
 inline Launch1d launch_1d(int64_t n, int threads = 256, int64_t max_blocks = 65535 * 8) {
   if (n <= 0) return {};
   return {std::min<int64_t>((n + threads - 1) / threads, max_blocks), threads};
+}
+
+// Channel c of an [N, C, HW] tensor (NCHW with HW = H * W), walked with stride T from t: calls
+// f(index) for the channel's values j = t, t + T, t + 2T, ... < N * HW, in that order, at
+// index = (j / HW * C + c) * HW + j % HW. This is how a block's thread t (T = blockDim.x) walks a
+// channel in the batch norm and bias-gradient kernels (one block per channel), which sum in this
+// order. The quotient and remainder are carried from one value to the next (the stride as whole
+// planes and a remainder, at most one carry a step) instead of a 64-bit division per value, which
+// on a GPU costs more than the load it indexes; the values and their order are the division's.
+// A counted loop, unrolled by 4 on the device, so that a thread's next loads are issued before
+// the previous values are used (the order of f's calls, and so of any sum, is unchanged).
+template <typename F>
+SLIDE_LAUNCH_HD void for_channel(int64_t N, int64_t C, int64_t HW, int64_t c, int64_t t, int64_t T, F&& f) {
+  if (N <= 0 || HW <= 0 || T <= 0 || t < 0 || t >= N * HW) return;
+  const int64_t plane = C * HW;                 // one sample's elements
+  const int64_t dn = T / HW, dh = T % HW;       // the stride: whole samples, then the rest
+  int64_t hw = t % HW;
+  int64_t base = (t / HW * C + c) * HW;         // the current sample's channel c
+  const int64_t count = (N * HW - t + T - 1) / T;  // values j = t + k T < N * HW
+  const int64_t step = dn * plane;
+  SLIDE_UNROLL_4
+  for (int64_t k = 0; k < count; ++k) {
+    f(base + hw);
+    base += step;
+    hw += dh;
+    if (hw >= HW) {
+      hw -= HW;
+      base += plane;
+    }
+  }
 }
 
 }  // namespace slide::train::kernels

@@ -168,14 +168,15 @@ for precision in fp32 tf32 bf16 fp16; do
   step "peer_uni_embed_$precision" 90 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision "$precision"
 done
 grep -E "^mode=|^peer: " "$log" >> "$summary"
-# Where the time goes, kernel by kernel (ncu replays nothing for a single duration metric).
+# Where the time goes, kernel by kernel (a single metric keeps ncu's cost per kernel small; clocks as
+# they run, not locked to base, as ncu did on these machines).
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1 || true)
 if [[ -n "$ncu" ]]; then
-  step profile_resnet50_train_tf32 150 "$ncu" --metrics gpu__time_duration.sum --csv \
+  step profile_resnet50_train_tf32 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$out/ncu.resnet50.csv" "$build/bench/train_step" --backend cuda --model resnet50 --batch 64 \
     --size 224 --steps 1 --precision tf32
   [[ -f "$out/ncu.resnet50.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.resnet50.csv" --top 20 | tee -a "$log" "$summary"
-  step profile_vit_l16_embed_bf16 150 "$ncu" --metrics gpu__time_duration.sum --csv \
+  step profile_vit_l16_embed_bf16 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$out/ncu.vit_l16.csv" "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
     --steps 1 --precision bf16
   [[ -f "$out/ncu.vit_l16.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.vit_l16.csv" --top 20 | tee -a "$log" "$summary"

@@ -26,6 +26,7 @@ TILE = os.environ["SLIDE_TILE"]
 TRAIN = os.environ["SLIDE_TRAIN"]
 EMBED = os.environ["SLIDE_EMBED"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LC = os.path.join(SAMPLE, "patches", "lc25000-lung-subset")
 TMP = tempfile.mkdtemp(prefix="slide_train_gpu_")
 STORE = os.path.join(TMP, "lc")
@@ -171,6 +172,38 @@ class TestGpuTrain(unittest.TestCase):
         self.assertEqual(len(feats["cuda"]), 2)
         for a, b in zip(feats["cuda"], feats["cpu"]):
             self.assertLess(float(np.abs(a - b).max()), 1e-4 * max(float(np.abs(b).max()), 1e-6))
+
+    def test_vit_slide_embed_on_the_gpu_equals_the_cpu(self):
+        # ViT-B/16 at the vit-b16 preset's shapes, random weights (bench/random_vit_weights.py), on
+        # 40 tiles of CMU-1-Small-Region at 224 px in batches of 16 (the last one short): cuBLAS's
+        # FP32 GEMMs and our attention, layer norm, GELU and permute kernels against oneDNN's,
+        # through 12 blocks, to 1e-4 of the features' magnitude; at tf32 within 1e-2.
+        import h5py
+        store = os.path.join(TMP, "cmu224")
+        r = subprocess.run([TILE, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "0.5",
+                            "--tile-size", "224", "--max-tiles-per-slide", "40", "-o", store, "-q"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        weights = os.path.join(TMP, "vit-b16.safetensors")
+        r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "random_vit_weights.py"), "vit-b16", weights],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        feats = {}
+        for backend, precision in (("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "tf32")):
+            bags = os.path.join(TMP, "vit_bags_%s_%s" % (backend, precision))
+            r = subprocess.run([EMBED, store, "-o", bags, "--weights", weights, "--model", "vit-b16", "--backend",
+                                backend, "--precision", precision, "--batch-size", "16"],
+                               capture_output=True, text=True, timeout=900)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with h5py.File(os.path.join(bags, "CMU-1-Small-Region.h5"), "r") as f:
+                feats[backend, precision] = f["features"][()]
+        ref = feats["cpu", "fp32"]
+        self.assertEqual(ref.shape, (40, 768))
+        scale = float(np.abs(ref).max())
+        for key, tol in ((("cuda", "fp32"), 1e-4), (("cuda", "tf32"), 1e-2)):
+            self.assertEqual(feats[key].shape, ref.shape)
+            err = float(np.abs(feats[key].astype(np.float64) - ref).max())
+            self.assertLessEqual(err, tol * scale, "%s: features differ by %g (scale %g)" % (key, err, scale))
 
 
 def gpu_count():

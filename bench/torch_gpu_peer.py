@@ -16,7 +16,7 @@ after two warm-up steps:
 
   peer: PyTorch 2.11.0 mode=train model=resnet50 precision=tf32 batch=128 images_per_s=1234.5
 
-usage: torch_gpu_peer.py train|embed [--model M] [--batch N] [--size 224] [--steps 10] [--precision P]
+usage: torch_gpu_peer.py train|embed [--model M] [--batch N] [--size 224] [--steps 10] [--precision P[,P...]]
 """
 import argparse
 import contextlib
@@ -31,20 +31,19 @@ ap.add_argument("--model", default=None)
 ap.add_argument("--batch", type=int, default=None)
 ap.add_argument("--size", type=int, default=224)
 ap.add_argument("--steps", type=int, default=10)
-ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
+ap.add_argument("--precision", default="fp32",
+                help="fp32, tf32, bf16 or fp16, or several separated by commas (one line each, one process)")
 ap.add_argument("--device", default="cuda", help="cuda (the figure); cpu checks this script where there is no GPU")
 a = ap.parse_args()
 model = a.model or ("resnet50" if a.mode == "train" else "uni")
 batch = a.batch or (128 if a.mode == "train" else 64)
-tf32 = a.precision == "tf32"
-torch.backends.cudnn.allow_tf32 = tf32
-torch.backends.cuda.matmul.allow_tf32 = tf32
+precisions = a.precision.split(",")
+for p in precisions:
+    if p not in ("fp32", "tf32", "bf16", "fp16"):
+        ap.error("--precision %s is not one of fp32, tf32, bf16, fp16" % p)
 torch.backends.cudnn.benchmark = True
-half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
 dev = torch.device(a.device)
-autocast = torch.autocast(dev.type, dtype=half) if half is not None else contextlib.nullcontext()
 torch.manual_seed(0)
-times = []
 
 
 def sync():
@@ -52,43 +51,56 @@ def sync():
         torch.cuda.synchronize()
 
 
-if a.mode == "train":
-    import torchvision
-    m = getattr(torchvision.models, model)(num_classes=3).to(dev)
-    x = torch.randn(batch, 3, a.size, a.size, device=dev)
-    y = torch.randint(0, 3, (batch,), device=dev)
-    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    scaler = (torch.amp.GradScaler("cuda", enabled=a.precision == "fp16") if hasattr(torch.amp, "GradScaler")
-              else torch.cuda.amp.GradScaler(enabled=a.precision == "fp16"))
-    lossf = torch.nn.CrossEntropyLoss()
-    for _ in range(a.steps + 2):
-        sync()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast:
-            loss = lossf(m(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        sync()
-        times.append(time.perf_counter() - t0)
-else:
-    if model == "uni":
-        import timm
-        m = timm.create_model("vit_large_patch16_224", img_size=a.size, init_values=1e-5, num_classes=0)
-    else:
+def run(precision):
+    """The median seconds of a step (train) or a batch (embed) at `precision`."""
+    tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast(dev.type, dtype=half) if half is not None else contextlib.nullcontext()
+    times = []
+    if a.mode == "train":
         import torchvision
-        m = getattr(torchvision.models, model)(image_size=a.size)
-        m.heads = torch.nn.Identity()
-    m = m.to(dev).eval()
-    x = torch.randn(batch, 3, a.size, a.size)
-    with torch.inference_mode():
+        m = getattr(torchvision.models, model)(num_classes=3).to(dev)
+        x = torch.randn(batch, 3, a.size, a.size, device=dev)
+        y = torch.randint(0, 3, (batch,), device=dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        scaler = (torch.amp.GradScaler("cuda", enabled=precision == "fp16") if hasattr(torch.amp, "GradScaler")
+                  else torch.cuda.amp.GradScaler(enabled=precision == "fp16"))
+        lossf = torch.nn.CrossEntropyLoss()
         for _ in range(a.steps + 2):
             sync()
             t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
             with autocast:
-                f = m(x.to(dev))
-            f.float().cpu()
+                loss = lossf(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sync()
             times.append(time.perf_counter() - t0)
-print("peer: PyTorch %s mode=%s model=%s precision=%s batch=%d images_per_s=%.1f"
-      % (torch.__version__.split("+")[0], a.mode, model, a.precision, batch, batch / statistics.median(times[2:])))
+    else:
+        if model == "uni":
+            import timm
+            m = timm.create_model("vit_large_patch16_224", img_size=a.size, init_values=1e-5, num_classes=0)
+        else:
+            import torchvision
+            m = getattr(torchvision.models, model)(image_size=a.size)
+            m.heads = torch.nn.Identity()
+        m = m.to(dev).eval()
+        x = torch.randn(batch, 3, a.size, a.size)
+        with torch.inference_mode():
+            for _ in range(a.steps + 2):
+                sync()
+                t0 = time.perf_counter()
+                with autocast:
+                    f = m(x.to(dev))
+                f.float().cpu()
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+for p in precisions:
+    seconds = run(p)
+    print("peer: PyTorch %s mode=%s model=%s precision=%s batch=%d images_per_s=%.1f"
+          % (torch.__version__.split("+")[0], a.mode, model, p, batch, batch / seconds), flush=True)

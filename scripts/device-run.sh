@@ -156,17 +156,15 @@ for what, dst, src in (("host to device", d, h), ("device to host", h, d)):
 '
 grep -E "^pcie " "$log" >> "$summary"
 # Issue 14's GPU figure: UNI (ViT-L/16) end to end from a store, tiles/s per precision.
-step uni_embed 180 env PYTHON="$py" bench/uni_gpu_embed.sh "$build"
+step uni_embed 180 env PYTHON="$py" COPIES=4 bench/uni_gpu_embed.sh "$build"
 grep -E "^uni \(ViT-L/16\)" "$log" >> "$summary"
-for precision in fp32 tf32 bf16 fp16; do
-  step "peer_resnet50_train_$precision" 90 "$py" bench/torch_gpu_peer.py train --model resnet50 --batch 128 \
-    --precision "$precision"
-done
+step peer_resnet50_train 120 "$py" bench/torch_gpu_peer.py train --model resnet50 --batch 128 \
+  --precision fp32,tf32,bf16,fp16
 for precision in fp32 tf32 bf16 fp16; do
   step "vit_l16_embed_$precision" 90 "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
     --steps 10 --precision "$precision"
-  step "peer_uni_embed_$precision" 90 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision "$precision"
 done
+step peer_uni_embed 120 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision fp32,tf32,bf16,fp16
 grep -E "^mode=|^peer: " "$log" >> "$summary"
 # Where the time goes, kernel by kernel (a single metric keeps ncu's cost per kernel small; clocks as
 # they run, not locked to base, as ncu did on these machines).

@@ -5,9 +5,11 @@
 # file is random, in timm's layout at UNI's shapes (bench/random_vit_weights.py). The store is
 # sample_data's CMU-1-Small-Region.svs listed COPIES times (default 6) in a manifest, tiled at
 # 0.5 µm/px, 224 px, with tile origins STRIDE px apart (default 32: 1966 tissue tiles a copy, the
-# thousands of a whole slide, so that the per-slide work, a bag file written and committed, weighs
-# as on real slides). With 50 copies of 43 tiles (STRIDE=224) the first H200 run measured 470
-# tiles/s at tf32, bf16 and fp16 alike: a bound other than the GPU's arithmetic.
+# thousands of a whole slide). The first H200 run (50 copies of 43 tiles, STRIDE=224) measured 470
+# tiles/s at tf32, bf16 and fp16 alike. Not the host side: slide-embed with a trivial ViT (width 16,
+# depth 1) on those stores runs 2600 tiles/s on 2 cores, per-slide work included. Most likely the
+# precision: activations and weights stay f32 at every --precision (issue 11 item 6), so cuBLAS's
+# bf16 and fp16 compute types read the same f32 bytes as TF32.
 #   [BACKEND=cuda] [PRECISIONS="fp32 tf32 bf16 fp16"] [COPIES=6] [STRIDE=32] [BATCH=64] bench/uni_gpu_embed.sh [BUILD_DIR]
 # Prints one line per precision: tiles, seconds, tiles/s (slide-embed's own summary).
 set -euo pipefail

@@ -455,8 +455,10 @@ TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward
 }
 
 TEST_CASE("cuda vs reference: multi-head attention (strided-batched GEMMs straight into qkv)") {
-  // Odd sizes: 3 sequences of 7 tokens, 4 heads of 5; and ViT-B/16's own shape, one sequence.
-  for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{1, 197, 12, 64}}) {
+  // Odd sizes: 3 sequences of 7 tokens, 4 heads of 5; ViT-B/16's own shape, one sequence and two
+  // (each head's GEMMs are batched over the sequences, head-major scores).
+  for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{1, 197, 12, 64},
+                             std::array<int64_t, 4>{2, 197, 12, 64}}) {
     CAPTURE(T);
     const int64_t C = H * Dh;
     const double scale = 1.0 / std::sqrt(double(Dh));

@@ -750,23 +750,37 @@ class CudaBackend final : public Backend {
                            detail::validate_attention(qkv, batch, heads, scale, out, kDTypes));
     const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
     constexpr int64_t kMax = 2147483647;
-    if (3 * C > kMax || T * T > kMax || H > kMax)
+    if (3 * C > kMax || T * T > kMax || H > kMax || d.B > kMax)
       return slide::core::unimplemented("cuda attention_forward: an extent over 2^31 - 1");
-    SLIDE_ASSIGN_OR_RETURN(Tensor scores, Tensor::empty({H * T, T}, DType::kF32, *st_->alloc, "attention scores"));
+    // Every sequence's scores at once, head-major: scores[h][b] = [T, T] (H * B * T * T floats, about
+    // qkv's own size for a ViT), so that each product is one strided-batched GEMM per head over the B
+    // sequences (a sequence's rows are T * 3C apart in qkv, T * C in out) and the softmax one launch:
+    // 2H + 1 calls a layer instead of 3B (one per sequence and product), which left the GPU waiting
+    // on launches at B = 64.
+    SLIDE_ASSIGN_OR_RETURN(Tensor scores,
+                           Tensor::empty({H * d.B * T, T}, DType::kF32, *st_->alloc, "attention scores"));
     const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
     const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
-              ld_out = static_cast<int>(C), h = static_cast<int>(H);
-    for (int64_t b = 0; b < d.B; ++b) {
-      const float* seq = f32(qkv) + b * T * 3 * C;
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, seq + C,
-                                                    CUDA_R_32F, ld_qkv, Dh, seq, CUDA_R_32F, ld_qkv, Dh, &zero,
-                                                    f32(scores), CUDA_R_32F, t, T * T, h, compute_type(),
+              ld_out = static_cast<int>(C), batch_count = static_cast<int>(d.B);
+    const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * T;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* q = f32(qkv) + h * Dh;  // sequence 0's head h: q, then k at +C, v at +2C
+      float* sc = f32(scores) + h * d.B * T * T;
+      // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C,
+                                                    CUDA_R_32F, ld_qkv, seq_qkv, q, CUDA_R_32F, ld_qkv, seq_qkv, &zero,
+                                                    sc, CUDA_R_32F, t, seq_scores, batch_count, compute_type(),
                                                     CUBLAS_GEMM_DEFAULT));
-      SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), f32(scores), H * T, T, st_->stream));
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, seq + 2 * C,
-                                                    CUDA_R_32F, ld_qkv, Dh, f32(scores), CUDA_R_32F, t, T * T, &zero,
-                                                    f32(out) + b * T * C, CUDA_R_32F, ld_out, Dh, h, compute_type(),
-                                                    CUBLAS_GEMM_DEFAULT));
+    }
+    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), f32(scores), H * d.B * T, T, st_->stream));
+    for (int64_t h = 0; h < H; ++h) {
+      const float* v = f32(qkv) + 2 * C + h * Dh;
+      const float* sc = f32(scores) + h * d.B * T * T;
+      // Row-major out_h = sc v, written into head h's Dh columns of each token's row.
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v,
+                                                    CUDA_R_32F, ld_qkv, seq_qkv, sc, CUDA_R_32F, t, seq_scores, &zero,
+                                                    f32(out) + h * Dh, CUDA_R_32F, ld_out, seq_out, batch_count,
+                                                    compute_type(), CUBLAS_GEMM_DEFAULT));
     }
     return ok_status();
   }

@@ -365,16 +365,21 @@ TEST_CASE("cuda vs reference: linear forward, backward data, backward weights (+
 }
 
 TEST_CASE("cuda vs reference: row softmax; softmax cross-entropy with weights and smoothing; bad labels") {
-  Pair x = make({3, 13}, 61, -4, 4), y = make({3, 13}), dy = make({3, 13}, 62), dx = make({3, 13});
-  Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
-  OK(ref().softmax_forward(x.d, y.d));
-  OK(gpu().softmax_forward(X, Y));
-  down(Y, y.f);
-  compare("softmax y", y, 1e-6);
-  OK(ref().softmax_backward(y.d, dy.d, dx.d));
-  OK(gpu().softmax_backward(Y, DY, DX));
-  down(DX, dx.f);
-  compare("softmax dx", dx, 1e-6);
+  // A warp per row (rows of at most 1024: 3 rows of 13; 37 rows of 197 over 5 blocks of 8), a block
+  // per row beyond (2 rows of 1500).
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 13}, {37, 197}, {2, 1500}}) {
+    CAPTURE(C);
+    Pair x = make({R, C}, 61, -4, 4), y = make({R, C}), dy = make({R, C}, 62), dx = make({R, C});
+    Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);
+    OK(ref().softmax_forward(x.d, y.d));
+    OK(gpu().softmax_forward(X, Y));
+    down(Y, y.f);
+    compare("softmax y", y, 1e-6);
+    OK(ref().softmax_backward(y.d, dy.d, dx.d));
+    OK(gpu().softmax_backward(Y, DY, DX));
+    down(DX, dx.f);
+    compare("softmax dx", dx, 1e-6);
+  }
 
   const Tensor labels = labels_host({2, 0, 4, 4, 1, 3, 0});
   Tensor L = up(labels);

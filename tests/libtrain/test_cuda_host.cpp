@@ -34,6 +34,23 @@ TEST_CASE("launch_1d: ceil(n / threads) blocks, bounded; nothing for n == 0") {
   CHECK(g.blocks * g.threads * ((n + g.blocks * g.threads - 1) / (g.blocks * g.threads)) >= n);
 }
 
+TEST_CASE("launch_rows: a warp per row up to 1024 values, 8 rows a block of 256; a block per longer row") {
+  auto g = kernels::launch_rows(37, 197);
+  CHECK(g.rows_per_block == 8);
+  CHECK(g.threads == 256);
+  CHECK(g.blocks == 5);  // 40 >= 37 rows
+  g = kernels::launch_rows(16 * 64 * 197, 197);  // UNI's attention at batch 64: every row covered once
+  CHECK(g.blocks * g.rows_per_block >= 16 * 64 * 197);
+  CHECK((g.blocks - 1) * g.rows_per_block < 16 * 64 * 197);
+  g = kernels::launch_rows(2, 1024);
+  CHECK(g.rows_per_block == 8);
+  g = kernels::launch_rows(2, 1025);
+  CHECK(g.rows_per_block == 1);
+  CHECK(g.blocks == 2);
+  CHECK(kernels::launch_rows(0, 5).blocks == 0);
+  CHECK(kernels::launch_rows(5, 0).blocks == 0);
+}
+
 TEST_CASE("for_channel: a thread's walk over a channel is the division's, value for value, in order") {
   // The batch norm and bias-gradient kernels sum in this order: it must be (j / HW, j % HW) for
   // j = t, t + T, ... exactly (the results are then the same bits as with the divisions).

@@ -29,6 +29,24 @@ inline Launch1d launch_1d(int64_t n, int threads = 256, int64_t max_blocks = 655
   return {std::min<int64_t>((n + threads - 1) / threads, max_blocks), threads};
 }
 
+// Row-wise kernels (softmax over rows of C values): a row of at most kWarpRowMax values goes to one
+// warp of 32 threads (shuffles, no block barrier), rows_per_block of them to a block of `threads`;
+// a longer row to a whole block (rows_per_block 1). Attention's rows (T = 197 for a ViT at 224 px,
+// H * B * T of them a layer) are short and many: a block of 256 threads per row left 59 idle and
+// synchronised the block 3 x 8 times per row.
+struct RowsLaunch {
+  int64_t blocks = 0;  // 0: launch nothing
+  int threads = 0;
+  int rows_per_block = 0;  // > 1: one warp per row
+};
+constexpr int64_t kWarpRowMax = 1024;
+inline RowsLaunch launch_rows(int64_t rows, int64_t row_length, int threads = 256) {
+  if (rows <= 0 || row_length <= 0) return {};
+  if (row_length > kWarpRowMax) return {rows, threads, 1};
+  const int per_block = threads / 32;
+  return {(rows + per_block - 1) / per_block, threads, per_block};
+}
+
 // Channel c of an [N, C, HW] tensor (NCHW with HW = H * W), walked with stride T from t: calls
 // f(index) for the channel's values j = t, t + T, t + 2T, ... < N * HW, in that order, at
 // index = (j / HW * C + c) * HW + j % HW. This is how a block's thread t (T = blockDim.x) walks a

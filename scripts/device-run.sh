@@ -165,6 +165,12 @@ for precision in fp32 tf32 bf16 fp16; do
     --steps 10 --precision "$precision"
 done
 step peer_uni_embed 120 "$py" bench/torch_gpu_peer.py embed --model uni --batch 64 --precision fp32,tf32,bf16,fp16
+# Issue 11's embedding target (ResNet-50 layer3, fp16, 5,000 tiles/s on one H100): the compute with
+# each batch's upload and download (bench/embed_step), at fp16 and tf32.
+for precision in fp16 tf32; do
+  step "resnet50_layer3_embed_$precision" 60 "$build/bench/embed_step" --backend cuda --model resnet50 \
+    --batch 256 --steps 10 --precision "$precision"
+done
 grep -E "^mode=|^peer: " "$log" >> "$summary"
 # Where the time goes, kernel by kernel (a single metric keeps ncu's cost per kernel small; clocks as
 # they run, not locked to base, as ncu did on these machines).

@@ -23,6 +23,10 @@ trap 'rm -rf "$stage"' EXIT
 root=$stage/slide-gpu-bundle
 mkdir -p "$root/lib"
 
+for tool in patchelf objcopy ldd xz; do
+  command -v "$tool" > /dev/null || { echo "device-bundle: $tool is missing (patchelf: apt-get install patchelf)" >&2; exit 1; }
+done
+
 bins=(tests/gpu_tests tests/cuda_ops_tests tests/cuda_check_tests tests/nccl_tests
       apps/slide-tile apps/slide-train apps/slide-embed bench/train_step bench/embed_step bench/memory_bench)
 for b in "${bins[@]}"; do

@@ -35,10 +35,15 @@ STORE = os.path.join(TMP, "lc")
 STORE40 = os.path.join(TMP, "lc40")
 
 
-def train(out, *extra, backend="cuda", epochs=1, width=8, store=STORE):
-    args = [TRAIN, "--data", store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
-            "--width", str(width), "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", backend]
-    return subprocess.run(args + list(extra), capture_output=True, text=True)
+def train_args(out, *extra, backend="cuda", epochs=1, width=8, store=STORE):
+    """slide-train's command line for these tests: the common options, then `extra`."""
+    return [TRAIN, "--data", store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
+            "--width", str(width), "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend",
+            backend] + list(extra)
+
+
+def train(out, *extra, **options):
+    return subprocess.run(train_args(out, *extra, **options), capture_output=True, text=True)
 
 
 def weights(out, epoch, name="model"):
@@ -108,9 +113,7 @@ class TestGpuTrain(unittest.TestCase):
         r = train(ref, epochs=3)
         self.assertEqual(r.returncode, 0, r.stderr)
         out = os.path.join(TMP, "gpu_killed")
-        p = subprocess.Popen([TRAIN, "--data", STORE, "--out", out, "--epochs", "3", "--batch-size", "32",
-                              "--lr", "0.05", "--width", "8", "--threads", "4", "--seed", "3", "--schedule",
-                              "constant", "--backend", "cuda"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(train_args(out, epochs=3), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "checkpoints", "epoch-1-step-0")):
             time.sleep(0.01)
@@ -262,9 +265,7 @@ class TestGpuRanks(unittest.TestCase):
             self.skipTest("needs two GPUs")
         from test_slide_train_dist import hang_rank, rank_pids
         out = os.path.join(TMP, "nccl_stopped")
-        args = [TRAIN, "--data", STORE, "--out", out, "--epochs", "1000", "--batch-size", "32", "--lr", "0.05",
-                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda",
-                "--gpus", "2", "--dist-timeout", "10"]
+        args = train_args(out, "--gpus", "2", "--dist-timeout", "10", epochs=1000)
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
         while not os.path.isdir(os.path.join(out, "checkpoints", "epoch-1-step-0")):
@@ -293,9 +294,7 @@ class TestGpuRanks(unittest.TestCase):
         one, two = os.path.join(TMP, tag + "_one"), os.path.join(TMP, tag + "_two")
         r = train(one, *one_extra, epochs=2)
         self.assertEqual(r.returncode, 0, r.stderr)
-        args = [TRAIN, "--data", STORE, "--out", two, "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
-                "--width", "8", "--threads", "4", "--seed", "3", "--schedule", "constant", "--backend", "cuda"]
-        r = subprocess.run(launcher + args + extra, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(launcher + train_args(two, *extra, epochs=2), capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("ranks=2", r.stderr)
         self.assertIn("dist=nccl", r.stderr)

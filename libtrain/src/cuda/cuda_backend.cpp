@@ -451,8 +451,7 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     ConvDescs ds;
-    const ConvKey key{ConvDirection::kForward, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
-                      conv_math(math_precision_)};
+    const ConvKey key = conv_key(ConvDirection::kForward, d, p);
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&] { return forward_candidates(ds); };
     auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
@@ -496,8 +495,7 @@ class CudaBackend final : public Backend {
       if (relu) SLIDE_RETURN_IF_ERROR(relu_forward(y, y));
       return ok_status();
     };
-    const ConvKey key{ConvDirection::kForwardFused, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
-                      conv_math(math_precision_)};
+    const ConvKey key = conv_key(ConvDirection::kForwardFused, d, p);
     bool unsupported = !relu;
     if (!unsupported) {
       std::lock_guard<std::mutex> lock(st_->mu);
@@ -538,7 +536,7 @@ class CudaBackend final : public Backend {
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
                                                                       : ConvDirection::kBackwardFilter;
-    const ConvKey key{direction, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, conv_math(math_precision_)};
+    const ConvKey key = conv_key(direction, d, p);
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     switch (pass) {
@@ -559,8 +557,7 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     ConvDescs ds;
-    const ConvKey key{ConvDirection::kBackwardData, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
-                      conv_math(math_precision_)};
+    const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p);
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&] { return backward_data_candidates(ds); };
     auto workspace = [&](int algo) { return backward_data_workspace(ds, algo); };
@@ -579,8 +576,7 @@ class CudaBackend final : public Backend {
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     ConvDescs ds;
-    const ConvKey key{ConvDirection::kBackwardFilter, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad,
-                      conv_math(math_precision_)};
+    const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p);
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
     auto candidates = [&] { return backward_filter_candidates(ds); };
     auto workspace = [&](int algo) { return backward_filter_workspace(ds, algo); };
@@ -1029,6 +1025,12 @@ class CudaBackend final : public Backend {
     SLIDE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
         st_->cudnn, ds.x.d, ds.y.d, ds.conv.d, ds.w.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes));
     return bytes;
+  }
+
+  // The algorithm cache's key of a convolution pass at this backend's math precision (the ops and
+  // conv_workspace_bytes alike, so that the planner asks about the algorithm the op will run).
+  ConvKey conv_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p) const {
+    return ConvKey{direction, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, conv_math(math_precision_)};
   }
 
   // The workspace run_conv would take for `key`: the cached algorithm's, else the first

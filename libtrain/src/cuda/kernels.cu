@@ -310,23 +310,45 @@ __global__ void gap_backward_kernel(const float* dy, float* dx, int64_t HW, int6
   SLIDE_GRID_STRIDE(i, n) { dx[i] = static_cast<float>(double(dy[i / HW]) / double(HW)); }
 }
 
-// --- Row softmax: one block per row ---
-__global__ void softmax_forward_kernel(const float* x, float* y, int64_t C) {
-  __shared__ double shared[kBlock];
-  const float* xr = x + blockIdx.x * C;
-  float* yr = y + blockIdx.x * C;
+// --- Row softmax: one block per row, or one warp per row (kernels::launch_rows) ---
+// A row's softmax and its backward, walked by `first`, `first + stride`, ... (a block's threads or a
+// warp's lanes) with the maximum and sums taken by `max` and `sum` (every walker gets the row's
+// value); the per-value arithmetic is formulas.h's, as the reference backend's.
+template <typename Max, typename Sum>
+__device__ void softmax_row(const float* xr, float* yr, int64_t C, int first, int stride, Max max, Sum sum) {
   double m = -INFINITY;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) m = fmax(m, double(xr[c]));
-  m = block_max(m, shared);
+  for (int64_t c = first; c < C; c += stride) m = fmax(m, double(xr[c]));
+  m = max(m);
   double local = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += exp(double(xr[c]) - m);
-  const double se = block_sum(local, shared);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) yr[c] = static_cast<float>(exp(double(xr[c]) - m) / se);
+  for (int64_t c = first; c < C; c += stride) local += fm::softmax_term(xr[c], m);
+  const double se = sum(local);
+  for (int64_t c = first; c < C; c += stride) yr[c] = static_cast<float>(fm::softmax_term(xr[c], m) / se);
+}
+template <typename Sum>
+__device__ void softmax_row_backward(const float* yr, const float* dyr, float* dxr, int64_t C, int first, int stride,
+                                     Sum sum) {
+  double local = 0;
+  for (int64_t c = first; c < C; c += stride) local += double(dyr[c]) * double(yr[c]);
+  const double dot = sum(local);
+  for (int64_t c = first; c < C; c += stride) dxr[c] = static_cast<float>(fm::softmax_grad(yr[c], dyr[c], dot));
 }
 
-// The same two kernels with one warp per row (kernels::launch_rows: rows of at most kWarpRowMax
-// values): the warp's maximum and sum by a shuffle tree, then lane 0's value for every lane (one
-// result per row, the same on every run); the per-value arithmetic is the block kernels'.
+__global__ void softmax_forward_kernel(const float* x, float* y, int64_t C) {
+  __shared__ double shared[kBlock];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
+  softmax_row(x + base, y + base, C, threadIdx.x, blockDim.x, [&](double v) { return block_max(v, shared); },
+              [&](double v) { return block_sum(v, shared); });
+}
+
+__global__ void softmax_backward_kernel(const float* y, const float* dy, float* dx, int64_t C) {
+  __shared__ double shared[kBlock];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
+  softmax_row_backward(y + base, dy + base, dx + base, C, threadIdx.x, blockDim.x,
+                       [&](double v) { return block_sum(v, shared); });
+}
+
+// The warp's maximum and sum by a shuffle tree, then lane 0's value for every lane (one result per
+// row, the same on every run).
 constexpr int kWarp = 32;
 __device__ double warp_max(double v) {
   for (int o = kWarp / 2; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -346,38 +368,14 @@ __device__ int64_t warp_row(int64_t R) {
 __global__ void softmax_forward_warp_kernel(const float* x, float* y, int64_t R, int64_t C) {
   const int64_t row = warp_row(R);
   if (row < 0) return;
-  const int lane = static_cast<int>(threadIdx.x % kWarp);
-  const float* xr = x + row * C;
-  float* yr = y + row * C;
-  double m = -INFINITY;
-  for (int64_t c = lane; c < C; c += kWarp) m = fmax(m, double(xr[c]));
-  m = warp_max(m);
-  double local = 0;
-  for (int64_t c = lane; c < C; c += kWarp) local += exp(double(xr[c]) - m);
-  const double se = warp_sum(local);
-  for (int64_t c = lane; c < C; c += kWarp) yr[c] = static_cast<float>(exp(double(xr[c]) - m) / se);
+  softmax_row(x + row * C, y + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
 }
 
 __global__ void softmax_backward_warp_kernel(const float* y, const float* dy, float* dx, int64_t R, int64_t C) {
   const int64_t row = warp_row(R);
   if (row < 0) return;
-  const int lane = static_cast<int>(threadIdx.x % kWarp);
-  const int64_t base = row * C;
-  double local = 0;
-  for (int64_t c = lane; c < C; c += kWarp) local += double(dy[base + c]) * double(y[base + c]);
-  const double dot = warp_sum(local);
-  for (int64_t c = lane; c < C; c += kWarp)
-    dx[base + c] = static_cast<float>(double(y[base + c]) * (double(dy[base + c]) - dot));
-}
-
-__global__ void softmax_backward_kernel(const float* y, const float* dy, float* dx, int64_t C) {
-  __shared__ double shared[kBlock];
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
-  double local = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += double(dy[base + c]) * double(y[base + c]);
-  const double dot = block_sum(local, shared);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-    dx[base + c] = static_cast<float>(double(y[base + c]) * (double(dy[base + c]) - dot));
+  softmax_row_backward(y + row * C, dy + row * C, dx + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp,
+                       warp_sum);
 }
 
 // --- Cross-entropy ---
@@ -671,23 +669,17 @@ cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC,
 cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream) {
   return launch_grid_stride(NC * HW, stream, gap_backward_kernel, dy, dx, HW, NC * HW);
 }
-// Rows of a warp each, or a block each when long (kernels::launch_rows).
-template <typename Kernel, typename... Args>
-cudaError_t launch_warp_rows(const kernels::RowsLaunch& g, cudaStream_t stream, Kernel kernel, Args... args) {
-  if (g.blocks <= 0) return cudaSuccess;
-  if (g.blocks > 2147483647) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(g.blocks), g.threads, 0, stream>>>(args...);
-  return cudaGetLastError();
-}
+// Rows of a warp each (g.blocks blocks of kBlock threads), or a block each when long
+// (kernels::launch_rows).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream) {
   const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
-  if (g.rows_per_block > 1) return launch_warp_rows(g, stream, softmax_forward_warp_kernel, x, y, R, C);
+  if (g.rows_per_block > 1) return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel, x, y, R, C);
   return launch_per_block(R, stream, softmax_forward_kernel, x, y, C);
 }
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
                                     cudaStream_t stream) {
   const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
-  if (g.rows_per_block > 1) return launch_warp_rows(g, stream, softmax_backward_warp_kernel, y, dy, dx, R, C);
+  if (g.rows_per_block > 1) return launch_per_block(g.blocks, stream, softmax_backward_warp_kernel, y, dy, dx, R, C);
   return launch_per_block(R, stream, softmax_backward_kernel, y, dy, dx, C);
 }
 cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* labels, const float* weights,

@@ -158,6 +158,13 @@ SLIDE_HD T gelu_grad(T x, T dy) {
   return static_cast<T>(double(dy) * (cdf + v * pdf));
 }
 
+// --- Row softmax (backend.h: softmax_forward, softmax_backward) ----------------------------------
+// y_c = exp(x_c - max) / sum_j exp(x_j - max), in double (the row's maximum subtracted so that exp
+// cannot overflow): softmax_term is each exp, the caller divides by their sum. Backward, through the
+// Jacobian diag(y) - y y^T: dx_c = y_c (dy_c - sum_j dy_j y_j), `dot` being that sum.
+SLIDE_HD double softmax_term(double x, double max) { return std::exp(x - max); }
+SLIDE_HD double softmax_grad(double y, double dy, double dot) { return y * (dy - dot); }
+
 // --- Batch normalisation (backend.h: batch_norm_*; Ioffe & Szegedy, 2015) ------------------------
 // invstd = 1 / sqrt(var + eps), var the biased batch variance (or the running one at inference).
 SLIDE_HD double bn_invstd(double var, double eps) { return 1.0 / std::sqrt(var + eps); }

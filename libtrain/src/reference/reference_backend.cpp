@@ -663,8 +663,9 @@ class ReferenceBackend final : public Backend {
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t c = 0; c < C; ++c) m = std::max(m, double(xp[r * C + c]));
         double se = 0;
-        for (int64_t c = 0; c < C; ++c) se += std::exp(double(xp[r * C + c]) - m);
-        for (int64_t c = 0; c < C; ++c) yp[r * C + c] = static_cast<T>(std::exp(double(xp[r * C + c]) - m) / se);
+        for (int64_t c = 0; c < C; ++c) se += formulas::softmax_term(double(xp[r * C + c]), m);
+        for (int64_t c = 0; c < C; ++c)
+          yp[r * C + c] = static_cast<T>(formulas::softmax_term(double(xp[r * C + c]), m) / se);
       }
       return ok_status();
     });
@@ -680,7 +681,7 @@ class ReferenceBackend final : public Backend {
         double dot = 0;
         for (int64_t c = 0; c < C; ++c) dot += double(dyp[r * C + c]) * double(yp[r * C + c]);
         for (int64_t c = 0; c < C; ++c)
-          dxp[r * C + c] = static_cast<T>(double(yp[r * C + c]) * (double(dyp[r * C + c]) - dot));
+          dxp[r * C + c] = static_cast<T>(formulas::softmax_grad(double(yp[r * C + c]), double(dyp[r * C + c]), dot));
       }
       return ok_status();
     });

@@ -2,8 +2,9 @@
 # A sanitizer build of slidestream (CUDA, fuzz targets and benchmarks off) and ctest on it: MODE
 # `address` (AddressSanitizer + UndefinedBehaviorSanitizer, the default) builds build-asan/, `thread`
 # (ThreadSanitizer) builds build-tsan/. CI runs only a slice of each mode (ctest label `sanitize`,
-# built by clang in tests/fuzz: address on libcore, libtile, apps/, cache's bags and slide-tile;
-# thread on slide-tile's e2e tests; a second build of libtrain would not fit CI's time); run this before a release and after touching threads or memory.
+# tests/fuzz: libcore, libtile, apps/, cache's bags and slide-tile; tests/sanitize: libtrain,
+# slide-train, slide-embed; see tests/fuzz/README.md); run this before a release and after touching
+# threads or memory.
 #   scripts/sanitize.sh [address|thread] [CTEST_ARGS...]     e.g. scripts/sanitize.sh address -L unit
 # Every finding stops its test (halt_on_error) and prints a stack. Leak checking is off: OpenSlide's
 # glib, HDF5 and Open MPI keep allocations for the process's life. OMP_NUM_THREADS=1 under

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -29,7 +30,10 @@ namespace {
 __attribute__((target("f16c"))) uint16_t hardware_f16(float f) {
   return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
 }
-bool have_f16c() { return __builtin_cpu_supports("f16c"); }
+bool have_f16c() {  // CPUID leaf 1, ECX bit 29 (<cpuid.h>; clang 14 has no "f16c" for __builtin_cpu_supports)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
 #else
 uint16_t hardware_f16(float) { return 0; }
 bool have_f16c() { return false; }

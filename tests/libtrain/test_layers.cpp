@@ -125,7 +125,8 @@ TEST_CASE("layers: backward without a training forward is a precondition error; 
 TEST_CASE("resnet18/34/50: torchvision's parameter counts and names; a forward on the cpu backend") {
   // torchvision.models.resnetNN(num_classes=1000): sum(p.numel() for p in m.parameters()).
   const std::pair<int, int64_t> expected[] = {{18, 11689512}, {34, 21797672}, {50, 25557032}};
-  for (auto [depth, count] : expected) {
+  for (const auto& [depth_, count] : expected) {
+    const int depth = depth_;  // CAPTURE takes it into a lambda; clang < 16 refuses a structured binding there
     CAPTURE(depth);
     auto net = make_resnet(cpu_allocator(), DType::kF32, depth, 1000, 1);
     REQUIRE_MESSAGE(net.ok(), net.status().to_string());

@@ -176,7 +176,9 @@ class ReferenceBackend final : public Backend {
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kForward, d, p, x.dtype()));
-    const auto [N, C, H, W, K, R, S, P, Q] = d;
+    // Plain locals, not a structured binding: the lambda below uses them, and clang before 16
+    // rejects a structured binding named in a lambda (P1091, C++20), which the sanitizer builds meet.
+    const int64_t N = d.N, C = d.C, H = d.H, W = d.W, K = d.K, R = d.R, S = d.S, P = d.P, Q = d.Q;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
       T* yp = y.ptr<T>();
@@ -204,7 +206,7 @@ class ReferenceBackend final : public Backend {
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardData, d, p, dy.dtype()));
-    const auto [N, C, H, W, K, R, S, P, Q] = d;
+    const int64_t N = d.N, C = d.C, H = d.H, W = d.W, K = d.K, R = d.R, S = d.S, P = d.P, Q = d.Q;
     return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
       std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
@@ -234,7 +236,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardWeights, d, p, x.dtype()));
-    const auto [N, C, H, W, K, R, S, P, Q] = d;
+    const int64_t N = d.N, C = d.C, H = d.H, W = d.W, K = d.K, R = d.R, S = d.S, P = d.P, Q = d.Q;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
       T* dwp = dw.ptr<T>();
@@ -274,7 +276,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     const double count = double(N * HW);
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
@@ -294,7 +296,7 @@ class ReferenceBackend final : public Backend {
                                       Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
                                                                                          running_var, y, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.ptr<T>(), *gp = gamma.ptr<T>(), *bp = beta.ptr<T>();
       const T *rm = running_mean.ptr<T>(), *rv = running_var.ptr<T>();
@@ -316,7 +318,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>(), *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
       for (int64_t c = 0; c < C; ++c) {
@@ -333,7 +335,7 @@ class ReferenceBackend final : public Backend {
   // all-reduced.
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       double* st = stats.ptr<double>();
       for (int64_t c = 0; c < C; ++c) st[c] = bn_channel_sum(x.ptr<T>(), {N, C, HW, c});
@@ -344,7 +346,7 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const double* st = stats.ptr<double>();
       for (int64_t c = 0; c < C; ++c)
@@ -361,7 +363,7 @@ class ReferenceBackend final : public Backend {
                            detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                           running_var, y, save_mean, save_invstd,
                                                                           dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const double *st = stats.ptr<double>(), *dv = devs.ptr<double>();
       for (int64_t c = 0; c < C; ++c)
@@ -376,7 +378,7 @@ class ReferenceBackend final : public Backend {
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
                                                        x, dy, save_mean, save_invstd, sums, dgamma, dbeta, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       double* su = sums.ptr<double>();
       for (int64_t c = 0; c < C; ++c)
@@ -393,7 +395,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
                                                                       dx, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const double *st = stats.ptr<double>(), *su = sums.ptr<double>();
       for (int64_t c = 0; c < C; ++c)
@@ -452,7 +454,7 @@ class ReferenceBackend final : public Backend {
 
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_global_avg_pool("global_avg_pool_forward", x, y, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
       T* yp = y.ptr<T>();
@@ -468,7 +470,7 @@ class ReferenceBackend final : public Backend {
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, dtypes_));
-    const auto [N, C, HW] = d;
+    const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(dy.dtype(), [&]<typename T>() {
       const T* dyp = dy.ptr<T>();
       T* dxp = dx.ptr<T>();
@@ -480,7 +482,7 @@ class ReferenceBackend final : public Backend {
 
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, dtypes_));
-    const auto [N, I, O] = d;
+    const int64_t N = d.N, I = d.I, O = d.O;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
       T* yp = y.ptr<T>();
@@ -497,7 +499,7 @@ class ReferenceBackend final : public Backend {
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, dtypes_));
-    const auto [N, I, O] = d;
+    const int64_t N = d.N, I = d.I, O = d.O;
     return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
       T* dxp = dx.ptr<T>();
@@ -514,7 +516,7 @@ class ReferenceBackend final : public Backend {
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_weights", x, dw, &db, dy, dtypes_));
-    const auto [N, I, O] = d;
+    const int64_t N = d.N, I = d.I, O = d.O;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
       T* dwp = dw.ptr<T>();
@@ -818,7 +820,7 @@ class ReferenceBackend final : public Backend {
 
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::MatmulDims d, detail::validate_matmul(a, transpose_a, b, transpose_b, y, dtypes_));
-    const auto [M, K, N] = d;
+    const int64_t M = d.M, K = d.K, N = d.N;
     return dispatch_product(a.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
       T* yp = y.ptr<T>();
@@ -839,7 +841,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
                            detail::validate_max_pool(y ? "max_pool2d_forward" : "max_pool2d_backward", x, p, y, dy, dx,
                                                      dtypes_));
-    const auto [N, C, H, W, P, Q] = d;
+    const int64_t N = d.N, C = d.C, H = d.H, W = d.W, P = d.P, Q = d.Q;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
       if (dx && dx->bytes() > 0) std::memset(dx->raw(), 0, dx->bytes());

@@ -733,14 +733,15 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(launch_layer_norm_forward(f32(x), f32(gamma), f32(beta), eps, f32(y), d.N, d.I, st_->stream));
     return ok_status();
   }
-  // Multi-head attention (backend.h), per sequence b: two cuBLAS strided-batched GEMMs over the H
-  // heads, whose operands are strided views straight into qkv (no permutes), and one row softmax.
+  // Multi-head attention (backend.h), per head h: two cuBLAS strided-batched GEMMs over the B
+  // sequences, whose operands are strided views straight into qkv (no permutes), and between them
+  // one row softmax over every head's and sequence's scores.
   // Row-major X [r, c] with row stride L is, to column-major cuBLAS, X^T [c, r] with ld L:
   //   scores_h^T [T, T] = K_h Q_h^T: A = K_h^T (as stored, ld 3C) transposed, B = Q_h^T (as
-  //   stored, ld 3C), m = n = T, k = Dh, alpha = scale; heads Dh apart in A and B, T*T in C;
+  //   stored, ld 3C), m = n = T, k = Dh, alpha = scale; sequences T*3C apart in A and B, T*T in C;
   //   out_h^T [Dh, T] = V_h^T P_h^T: A = V_h^T (ld 3C), B = P_h^T (the row-major probabilities,
-  //   ld T), m = Dh, n = T, k = T; C = out_h^T with ld C, heads Dh apart (concatenated per token).
-  // 3 launches per sequence instead of the default's 4 per head plus two permutes.
+  //   ld T), m = Dh, n = T, k = T; C = out_h^T with ld C at column h*Dh (heads concatenated per
+  //   token), sequences T*C apart.
   Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,
                            detail::validate_attention(qkv, batch, heads, scale, out, kDTypes));

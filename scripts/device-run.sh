@@ -15,6 +15,9 @@
 #   8. the compute-only figures beside PyTorch's on the same GPU (bench/torch_gpu_peer.py):
 #      ResNet-50 training at fp32, tf32, bf16 and fp16 (bench/train_step), and ViT-L/16 class-token
 #      features at batch 64 (bench/embed_step --model vit_l_16; the peer is timm's UNI architecture);
+#      ResNet-50 layer3 embedding at fp16 and tf32 (bench/embed_step, issue 11's embedding target);
+#      then issue 11's training target end to end: slide-train ResNet-50 from a store with --cache
+#      device at tf32 and fp16, and slide-embed of that store (bench/gpu_bench.sh);
 #   9. where the time goes: Nsight Compute's per-kernel GPU time (one metric, gpu__time_duration) of
 #      a ResNet-50 training step at tf32 and of a ViT-L/16 embedding batch at bf16, summarised per
 #      kernel by bench/ncu_summary.py (ncu.*.csv in $OUT);
@@ -172,6 +175,15 @@ for precision in fp16 tf32; do
     --batch 256 --steps 10 --precision "$precision"
 done
 grep -E "^mode=|^peer: " "$log" >> "$summary"
+# Issue 11's training target, end to end: slide-train ResNet-50 from a store (the LC25000 subset
+# listed 8 times, 2880 tiles) with --cache device, 2 epochs, the last epoch's images/s beside
+# NVIDIA's DeepLearningExamples figure; then slide-embed of that store at layer3 (bench/gpu_bench.sh,
+# its compute-only part left out: timed above).
+for precision in tf32 fp16; do
+  step "resnet50_train_e2e_$precision" 150 env BUILD="$build" PYTHON="$py" SKIP_COMPUTE=1 PRECISION="$precision" \
+    REPEAT=8 EPOCHS=2 BATCH=128 bench/gpu_bench.sh
+done
+grep -E "^slide-train .* last epoch|info  summary bags_written" "$log" >> "$summary"
 # Where the time goes, kernel by kernel (a single metric keeps ncu's cost per kernel small; clocks as
 # they run, not locked to base, as ncu did on these machines).
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1 || true)

@@ -1,7 +1,7 @@
-// The sanitizer suite's self-check (ctest sanitize_selfcheck, WILL_FAIL): a heap-buffer-overflow
-// read, which AddressSanitizer must report and run_sanitized.sh must turn into a failed entry. If
-// this entry ever passes, the sanitizer suite's other entries prove nothing (instrumentation lost,
-// reports not seen).
+// The sanitizer suite's self-check (ctest sanitize_selfcheck, and tests/sanitize's for its ASan
+// build): a heap-buffer-overflow read, which AddressSanitizer must report; the entry passes only
+// when run_sanitized.sh's output holds that report. If this entry ever fails, the sanitizer
+// suite's other entries prove nothing (instrumentation lost, reports not seen).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -1,7 +1,8 @@
-// The ThreadSanitizer entries' self-check (ctest sanitize_tsan_selfcheck, WILL_FAIL): two threads
-// increment one plain int with no synchronisation, a data race that ThreadSanitizer must report
-// and run_sanitized.sh must turn into a failed entry. If this entry ever passes, the tsan entries
-// prove nothing (instrumentation lost, reports not seen).
+// The ThreadSanitizer entries' self-check (ctest sanitize_tsan_selfcheck, and tests/sanitize's for
+// its g++ build): two threads increment one plain int with no synchronisation, a data race that
+// ThreadSanitizer must report; the entry passes only when run_sanitized.sh's output holds that
+// report. If this entry ever fails, the tsan entries prove nothing (instrumentation lost, reports
+// not seen).
 #include <cstdio>
 #include <thread>
 

@@ -33,7 +33,8 @@ Result<AttentionDims> validate_attention(const Tensor& qkv, int64_t batch, int64
       qkv.layout() != Layout::kPlain || out.layout() != Layout::kPlain)
     return slide::core::invalid_argument(op + "qkv and out must be plain, of one dtype, on " +
                                          device_name(dtypes.device));
-  if (!((qkv.dtype() == DType::kF32 && dtypes.f32) || (qkv.dtype() == DType::kF64 && dtypes.f64)))
+  if (!((qkv.dtype() == DType::kF32 && dtypes.f32) || (qkv.dtype() == DType::kF64 && dtypes.f64) ||
+        (is_half(qkv.dtype()) && dtypes.half)))
     return slide::core::unimplemented(op + "dtype " + dtype_name(qkv.dtype()) + " is not implemented here");
   return AttentionDims{batch, rows / batch, heads, C / heads};
 }

@@ -53,7 +53,8 @@ Status want_dtype_of(const char* op, const Range& ts, DTypes dtypes) {
       return invalid_argument(std::string(op) + ": " + name + " is in the " + layout_name(t->layout()) +
                               " layout, which this backend does not read (Backend::to_plain)");
   }
-  if ((dt == DType::kF32 && dtypes.f32) || (dt == DType::kF64 && dtypes.f64)) return ok_status();
+  if ((dt == DType::kF32 && dtypes.f32) || (dt == DType::kF64 && dtypes.f64) || (is_half(dt) && dtypes.half))
+    return ok_status();
   return slide::core::unimplemented(std::string(op) + ": dtype " + dtype_name(dt) + " is not implemented here");
 }
 
@@ -264,6 +265,19 @@ Status validate_same_shape(const char* op, const Tensor& x, const Tensor& y, con
   return want_dtype(op, {{"first operand", &x}, {"second operand", &y}, {"output", z != nullptr ? z : &x}}, dtypes);
 }
 
+Status validate_add(const Tensor& a, const Tensor& b, const Tensor& y, DTypes dtypes) {
+  const char* op = "add";
+  if (!a.defined() || !b.defined() || a.dtype() == b.dtype() || !dtypes.half || !is_half(b.dtype()))
+    return validate_same_shape(op, a, b, &y, dtypes);
+  // A half-precision b added into f32 a and y.
+  SLIDE_RETURN_IF_ERROR(validate_same_shape(op, a, a, &y, dtypes));
+  if (a.dtype() != DType::kF32)
+    return invalid_argument(std::string(op) + ": first operand is " + dtype_name(a.dtype()) + " and second " +
+                            dtype_name(b.dtype()) + " (a half-precision second operand goes into f32 only)");
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "second operand", b, a.shape()));
+  return want_dtype(op, {{"second operand", &b}}, dtypes);
+}
+
 Result<PoolDims> validate_max_pool(const char* op, const Tensor& x, Pool2dParams p, const Tensor* y, const Tensor* dy,
                                    const Tensor* dx, DTypes dtypes) {
   SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 4));
@@ -433,6 +447,22 @@ Result<LinearDims> validate_layer_norm(const Tensor& x, const Tensor& gamma, con
   SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
   SLIDE_RETURN_IF_ERROR(want_channels(op, {{"gamma", &gamma}, {"beta", &beta}}, x.dim(1)));
   if (!(eps > 0)) return invalid_argument(std::string(op) + ": eps " + std::to_string(eps) + " must be > 0");
+  if (is_half(x.dtype()) || is_half(y.dtype())) {
+    // Half-precision storage: x and y each f32 or one half type, gamma and beta f32.
+    if (is_half(x.dtype()) && is_half(y.dtype()) && x.dtype() != y.dtype())
+      return invalid_argument(std::string(op) + ": x is " + dtype_name(x.dtype()) + " and y " + dtype_name(y.dtype()) +
+                              " (one half-precision type per call)");
+    for (const Tensor* t : {&x, &y})
+      if (!is_half(t->dtype()) && t->dtype() != DType::kF32)
+        return invalid_argument(std::string(op) + ": " + (t == &x ? "x" : "y") + " is " + dtype_name(t->dtype()) +
+                                "; beside a half-precision tensor it must be f32");
+    if (gamma.dtype() != DType::kF32 || beta.dtype() != DType::kF32)
+      return invalid_argument(std::string(op) + ": gamma and beta must be f32 with half-precision x or y");
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}}, dtypes));
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"y", &y}}, dtypes));
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"gamma", &gamma}, {"beta", &beta}}, dtypes));
+    return LinearDims{x.dim(0), x.dim(1), x.dim(1)};
+  }
   SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"y", &y}}, dtypes));
   return LinearDims{x.dim(0), x.dim(1), x.dim(1)};
 }

@@ -18,12 +18,21 @@ namespace slide::train::detail {
 // Which floating dtypes a backend implements, whether it reads blocked layouts (tensor.h), and
 // on which device its tensors are.
 // `device` is where the backend's tensors live: every tensor of a call must be there.
+// `half`: f16 and bf16 storage (backend.h, "Half-precision storage"), which a backend sets only
+// for the ops that take it (with_half below).
 struct DTypes {
   bool f32 = true;
   bool f64 = false;
   bool blocked = false;
   Device device = Device::kCpu;
+  bool half = false;
 };
+// `d` with f16 / bf16 storage accepted: for the ops of backend.h's half-precision list.
+inline DTypes with_half(DTypes d) {
+  d.half = true;
+  return d;
+}
+inline bool is_half(DType t) { return t == DType::kF16 || t == DType::kBF16; }
 
 struct ConvDims {
   int64_t N, C, H, W, K, R, S, P, Q;
@@ -101,6 +110,9 @@ struct MatmulDims {
   int64_t M, K, N;
 };
 // x and y (and z when given) [R,C] of one shape (the row softmax): returns {R, C} as {N, I, I}.
+// add's operands: a, b and y of one dtype (validate_same_shape), or, with dtypes.half, a and y f32
+// and b f16 / bf16 (a residual stream in f32 taking a half-precision branch).
+[[nodiscard]] Status validate_add(const Tensor& a, const Tensor& b, const Tensor& y, DTypes dtypes);
 [[nodiscard]] Result<LinearDims> validate_rows(const char* op, const Tensor& x, const Tensor& y, const Tensor* z,
                                                DTypes dtypes);
 // y[M,N] = op(a)[M,K] op(b)[K,N]; y must not share storage with a or b.

@@ -154,6 +154,9 @@ Status VisionTransformer::load(const std::string& path) {
     SLIDE_RETURN_IF_ERROR(load_safetensors(path, into));
     for (size_t i = 0; i < names.size(); ++i) SLIDE_RETURN_IF_ERROR(be_.upload(host[i], *names[i].second));
   }
+  // New weights: the half-precision copies of the old ones are stale.
+  half_blocks_.clear();
+  half_dtype_ = DType::kF32;
   // Layer scale's gamma repeated over the tokens, so that it is one element-wise product per image.
   ls_rows_.clear();
   if (config_.layer_scale) {
@@ -177,6 +180,37 @@ Status VisionTransformer::layer_scale(const Tensor& rows, Tensor& x2d, int64_t n
   return ok_status();
 }
 
+Status VisionTransformer::prepare_half(DType half) {
+  if (half_dtype_ == half) return ok_status();
+  half_blocks_.clear();
+  half_dtype_ = DType::kF32;
+  auto cast = [&](const Tensor& t, Tensor* out) -> Status {
+    if (!t.defined()) return ok_status();
+    SLIDE_ASSIGN_OR_RETURN(*out, Tensor::empty(t.shape(), half, be_.allocator(), "ViT weights in half precision"));
+    return be_.cast(t, *out);
+  };
+  std::vector<HalfBlock> blocks(blocks_.size());
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    HalfBlock& h = blocks[i];
+    SLIDE_RETURN_IF_ERROR(cast(b.qkv_w, &h.qkv_w));
+    SLIDE_RETURN_IF_ERROR(cast(b.qkv_b, &h.qkv_b));
+    SLIDE_RETURN_IF_ERROR(cast(b.proj_w, &h.proj_w));
+    SLIDE_RETURN_IF_ERROR(cast(b.proj_b, &h.proj_b));
+    SLIDE_RETURN_IF_ERROR(cast(b.fc1_w, &h.fc1_w));
+    SLIDE_RETURN_IF_ERROR(cast(b.fc1_b, &h.fc1_b));
+    SLIDE_RETURN_IF_ERROR(cast(b.fc2_w, &h.fc2_w));
+    SLIDE_RETURN_IF_ERROR(cast(b.fc2_b, &h.fc2_b));
+    if (config_.layer_scale) {
+      SLIDE_RETURN_IF_ERROR(cast(ls_rows_[2 * i], &h.ls1_rows));
+      SLIDE_RETURN_IF_ERROR(cast(ls_rows_[2 * i + 1], &h.ls2_rows));
+    }
+  }
+  half_blocks_ = std::move(blocks);
+  half_dtype_ = half;
+  return ok_status();
+}
+
 // Multi-head self-attention of h [N*T, D] (already normalised) into out [N*T, D], before proj.
 Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
   const VitConfig& c = config_;
@@ -193,6 +227,13 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
     return slide::core::failed_precondition("ViT: load() the weights before forward()");
   Allocator& alloc = be_.allocator();
   auto empty = [&](const Shape& s, const char* what) { return Tensor::empty(s, DType::kF32, alloc, what); };
+  // The blocks' activations: f32, or half precision with the residual stream x in f32 (vit.h).
+  const DType act = activation_dtype();
+  if (act != DType::kF32 && act != DType::kF16 && act != DType::kBF16)
+    return invalid_argument(std::string("ViT: activations in ") + dtype_name(act) + " (f32, f16 or bf16)");
+  const bool half = act != DType::kF32;
+  if (half) SLIDE_RETURN_IF_ERROR(prepare_half(act));
+  auto empty_act = [&](const Shape& s, const char* what) { return Tensor::empty(s, act, alloc, what); };
 
   // Patch embedding: [N, D, G, G] -> [N, G*G, D].
   SLIDE_ASSIGN_OR_RETURN(Tensor conv, empty({N, D, G, G}, "patch embedding"));
@@ -221,42 +262,52 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
     SLIDE_RETURN_IF_ERROR(be_.add(span, pos, span));
   }
 
-  SLIDE_ASSIGN_OR_RETURN(Tensor h, empty({N * T, D}, "normalised tokens"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor qkv, empty({N * T, 3 * D}, "qkv"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, empty({N * T, D}, "attention context"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor branch, empty({N * T, D}, "residual branch"));
-  SLIDE_ASSIGN_OR_RETURN(Tensor hidden, empty({N * T, c.swiglu ? 2 * M : M}, "MLP hidden"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, empty_act({N * T, D}, "normalised tokens"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor qkv, empty_act({N * T, 3 * D}, "qkv"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor ctx, empty_act({N * T, D}, "attention context"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor branch, empty_act({N * T, D}, "residual branch"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor hidden, empty_act({N * T, c.swiglu ? 2 * M : M}, "MLP hidden"));
   // SwiGLU: fc1's output [N*T, 2, M] split into halves [2, N*T, M], then SiLU(a) * b.
-  Tensor halves, act, gate;
+  Tensor halves, swiglu_out, gate;
   if (c.swiglu) {
-    SLIDE_ASSIGN_OR_RETURN(halves, empty({2, N * T, M}, "SwiGLU halves"));
-    SLIDE_ASSIGN_OR_RETURN(gate, empty({N * T, M}, "SwiGLU gate"));
-    SLIDE_ASSIGN_OR_RETURN(act, empty({N * T, M}, "SwiGLU output"));
+    SLIDE_ASSIGN_OR_RETURN(halves, empty_act({2, N * T, M}, "SwiGLU halves"));
+    SLIDE_ASSIGN_OR_RETURN(gate, empty_act({N * T, M}, "SwiGLU gate"));
+    SLIDE_ASSIGN_OR_RETURN(swiglu_out, empty_act({N * T, M}, "SwiGLU output"));
   }
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const Block& b = blocks_[i];
+    // The linear layers' weights and the layer-scale rows in the activations' dtype.
+    const HalfBlock* hb = half ? &half_blocks_[i] : nullptr;
+    const Tensor& qkv_w = hb ? hb->qkv_w : b.qkv_w;
+    const Tensor& qkv_b = hb ? hb->qkv_b : b.qkv_b;
+    const Tensor& proj_w = hb ? hb->proj_w : b.proj_w;
+    const Tensor& proj_b = hb ? hb->proj_b : b.proj_b;
+    const Tensor& fc1_w = hb ? hb->fc1_w : b.fc1_w;
+    const Tensor& fc1_b = hb ? hb->fc1_b : b.fc1_b;
+    const Tensor& fc2_w = hb ? hb->fc2_w : b.fc2_w;
+    const Tensor& fc2_b = hb ? hb->fc2_b : b.fc2_b;
     SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm1_w, b.norm1_b, c.norm_eps, h));
-    SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.qkv_w, b.qkv_b, qkv));
+    SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, qkv_w, qkv_b, qkv));
     SLIDE_RETURN_IF_ERROR(be_.attention_forward(qkv, N, c.heads, 1.0 / std::sqrt(static_cast<double>(D / c.heads)), ctx));
-    SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, b.proj_w, b.proj_b, branch));
-    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i], branch, N));
+    SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, proj_w, proj_b, branch));
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(hb ? hb->ls1_rows : ls_rows_[2 * i], branch, N));
     SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
     SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm2_w, b.norm2_b, c.norm_eps, h));
     if (c.swiglu) {
-      SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, b.fc1_w, b.fc1_b, hidden));
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, fc1_w, fc1_b, hidden));
       SLIDE_ASSIGN_OR_RETURN(Tensor packed, hidden.reshape({N * T, 2, M}));
       SLIDE_RETURN_IF_ERROR(be_.permute(packed, {1, 0, 2}, halves));
       SLIDE_ASSIGN_OR_RETURN(Tensor a, halves.view(0, {N * T, M}));
       SLIDE_ASSIGN_OR_RETURN(Tensor bb, halves.view(N * T * M, {N * T, M}));
       SLIDE_RETURN_IF_ERROR(be_.sigmoid_forward(a, gate));
       SLIDE_RETURN_IF_ERROR(be_.mul(gate, a, gate));  // SiLU(a) = a sigmoid(a)
-      SLIDE_RETURN_IF_ERROR(be_.mul(gate, bb, act));
-      SLIDE_RETURN_IF_ERROR(be_.linear_forward(act, b.fc2_w, b.fc2_b, branch));
+      SLIDE_RETURN_IF_ERROR(be_.mul(gate, bb, swiglu_out));
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(swiglu_out, fc2_w, fc2_b, branch));
     } else {
-      SLIDE_RETURN_IF_ERROR(be_.linear_gelu_forward(h, b.fc1_w, b.fc1_b, hidden));
-      SLIDE_RETURN_IF_ERROR(be_.linear_forward(hidden, b.fc2_w, b.fc2_b, branch));
+      SLIDE_RETURN_IF_ERROR(be_.linear_gelu_forward(h, fc1_w, fc1_b, hidden));
+      SLIDE_RETURN_IF_ERROR(be_.linear_forward(hidden, fc2_w, fc2_b, branch));
     }
-    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(ls_rows_[2 * i + 1], branch, N));
+    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(hb ? hb->ls2_rows : ls_rows_[2 * i + 1], branch, N));
     SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
   }
   if (!c.fc_norm) SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, norm_w_, norm_b_, c.norm_eps, x));

@@ -290,6 +290,35 @@ class TestTimmVariants(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+    def test_half_activations_near_the_reference(self):
+        """The trunk with f16 / bf16 activations (VisionTransformer::set_activation_dtype; what
+        cuda runs under --precision fp16 / bf16), here on the reference backend, the oracle of the
+        GPU's parity suite: features within a few roundings of the half type of the float64 timm
+        transcription, on real tiles, and not the f32 run's features (the half path ran)."""
+        images = real_tiles(2, 64)
+        tmp = tempfile.mkdtemp(prefix="vit_half_")
+        try:
+            for i, name in enumerate(("uni (layer scale, class token)",
+                                      "virchow2-like (SwiGLU, layer scale, 4 registers, class token + mean)")):
+                cfg = dict(self.BASE, **self.VARIANTS[name])
+                w = random_timm_weights(cfg, 40 + i)
+                weights = os.path.join(tmp, "w%d.safetensors" % i)
+                write_safetensors(weights, w)
+                expected = timm_reference(w, images, cfg)
+                r, f32 = run_golden(tmp, "reference", weights, images, dict(cfg, activations="f32"))
+                self.assertEqual(r.returncode, 0, r.stderr)
+                self.assertLess(rel_err(f32, expected), 1e-5, name)
+                for act, u in (("f16", 2.0 ** -11), ("bf16", 2.0 ** -8)):
+                    with self.subTest(variant=name, activations=act):
+                        r, got = run_golden(tmp, "reference", weights, images, dict(cfg, activations=act))
+                        self.assertEqual(r.returncode, 0, r.stderr)
+                        err = rel_err(got, expected)
+                        print("%s, %s activations: %.2f u of the float64 reference" % (name, act, err / u))
+                        self.assertLess(err, 4 * u)  # measured 0.5 to 1.1 u
+                        self.assertGreater(rel_err(got, f32), 0)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def test_pos_embed_resampling_equals_torch(self):
         """resample_pos_embed (vit.h) against timm's resample_abs_pos_embed on F.interpolate(bicubic,
         antialias=True): up (a 14 x 14 grid to 16 x 16, a 224-px ViT-B/16 run at 256 px) and down

@@ -16,9 +16,12 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "../../libtrain/src/batch_uploader.h"
 #include "../../libtrain/src/dist/sync_batch_norm.h"
@@ -31,6 +34,8 @@
 #include "slide/train/layers.h"
 #include "slide/train/offload.h"
 #include "slide/train/trainer.h"
+#include "slide/train/checkpoint.h"
+#include "slide/train/vit.h"
 
 using namespace slide::train;
 using slide::core::StatusCode;
@@ -551,6 +556,203 @@ TEST_CASE("cuda at tf32, bf16 and fp16 (--precision): convolutions, linear, matm
   OK(gpu().linear_forward(LX, LW, LB, LY));
   down(LY, ly.f);
   compare("fp32 again: linear y", ly, 1e-4);
+}
+
+namespace {
+
+// Host f32 values uniform in [lo, hi), rounded to `half` and back (so every backend sees the same
+// half-precision values), and host tensors converted by the reference's cast.
+Tensor host_as(const Tensor& t, DType dtype) {
+  auto out = Tensor::empty(t.shape(), dtype, cpu_allocator(), "host copy");
+  REQUIRE(out.ok());
+  OK(ref().cast(t, *out));
+  return *out;
+}
+Tensor host_half(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
+  return host_as(make(s, seed, lo, hi).f, half);
+}
+// The device tensor's values as host f32 (downloaded, then widened by the reference's cast).
+std::vector<float> device_values(const Tensor& dev) {
+  auto host = Tensor::empty(dev.shape(), dev.dtype(), cpu_allocator(), "download");
+  REQUIRE(host.ok());
+  down(dev, *host);
+  const Tensor f = dev.dtype() == DType::kF32 ? *host : host_as(*host, DType::kF32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+std::vector<float> host_values(const Tensor& t) {
+  const Tensor f = t.dtype() == DType::kF32 ? t : host_as(t, DType::kF32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+// The largest |a - b| over max(1, max |b|) (compare's normalisation).
+double worst_of(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double scale = 1, worst = 0;
+  for (float v : b) scale = std::max(scale, double(std::abs(v)));
+  for (size_t i = 0; i < a.size(); ++i) {
+    REQUIRE_MESSAGE(std::isfinite(a[i]), "element ", i, " is not finite");
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / scale);
+  }
+  return worst;
+}
+Tensor empty_on(Backend& be, const Shape& s, DType t) {
+  auto r = Tensor::empty(s, t, be.allocator(), "output");
+  REQUIRE(r.ok());
+  return *r;
+}
+
+}  // namespace
+
+TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, sigmoid, mul, mixed add, layer norm, "
+          "permute, attention)") {
+  // The reference computes each op in f32 from the stored values and rounds once (backend.h). cuda's
+  // element-wise kernels run the same formulas, so only a last-bit difference of a device function
+  // (erff, expf) can flip a rounding: one half-type ulp, at most 2u of the normalised error below.
+  // Its GEMMs accumulate in another order (f32 on tensor cores): again one flip apart; attention
+  // rounds its probabilities once more (u of each, times |v| <= 2). Bounds in the half type's unit
+  // roundoff u (f16 2^-11, bf16 2^-8) of compare's normalised error; a wrong element or layout
+  // errs by order 1. The errors are printed.
+  for (const DType half : {DType::kF16, DType::kBF16}) {
+    const std::string name = dtype_name(half);
+    CAPTURE(name);
+    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    // linear, with and without bias; ViT-B's qkv width, and an odd one.
+    for (auto [N, I, O] : {std::array<int64_t, 3>{7, 24, 13}, std::array<int64_t, 3>{394, 768, 2304}}) {
+      CAPTURE(O);
+      const Tensor x = host_half({N, I}, 201, half), w = host_half({O, I}, 202, half, -0.1, 0.1),
+                   b = host_half({O}, 203, half);
+      for (const bool bias : {true, false}) {
+        Tensor want = empty_on(ref(), {N, O}, half), got = empty_on(gpu(), {N, O}, half);
+        OK(ref().linear_forward(x, w, bias ? b : Tensor(), want));
+        OK(gpu().linear_forward(up(x), up(w), bias ? up(b) : Tensor(), got));
+        const double e = worst_of(device_values(got), host_values(want));
+        MESSAGE(name, " linear ", N, "x", I, "x", O, bias ? " with bias" : "", ": ", e / u, " u");
+        CHECK(e <= 2 * u);
+      }
+      Tensor want = empty_on(ref(), {N, O}, half), got = empty_on(gpu(), {N, O}, half);
+      OK(ref().linear_gelu_forward(x, w, b, want));
+      OK(gpu().linear_gelu_forward(up(x), up(w), up(b), got));
+      CHECK(worst_of(device_values(got), host_values(want)) <= 4 * u);
+    }
+    // Element-wise: the same formulas.
+    const Tensor v = host_half({5, 999}, 204, half, -4, 4), v2 = host_half({5, 999}, 205, half, -4, 4);
+    const Tensor V = up(v), V2 = up(v2);
+    for (int op = 0; op < 3; ++op) {
+      CAPTURE(op);
+      Tensor want = empty_on(ref(), v.shape(), half), got = empty_on(gpu(), v.shape(), half);
+      if (op == 0) {
+        OK(ref().gelu_forward(v, want));
+        OK(gpu().gelu_forward(V, got));
+      } else if (op == 1) {
+        OK(ref().sigmoid_forward(v, want));
+        OK(gpu().sigmoid_forward(V, got));
+      } else {
+        OK(ref().mul(v, v2, want));
+        OK(gpu().mul(V, V2, got));
+      }
+      CHECK(worst_of(device_values(got), host_values(want)) <= 2 * u);
+    }
+    // add: an f32 stream taking a half branch, in place (the ViT's x += branch); and all half.
+    const Pair a = make({5, 999}, 206, -3, 3);
+    Tensor A = up(a.f), want = *a.f.clone();
+    OK(ref().add(want, v, want));
+    OK(gpu().add(A, V, A));
+    CHECK(worst_of(device_values(A), host_values(want)) == 0);  // one f32 addition of the same values
+    Tensor want_h = empty_on(ref(), v.shape(), half), got_h = empty_on(gpu(), v.shape(), half);
+    OK(ref().add(v, v2, want_h));
+    OK(gpu().add(V, V2, got_h));
+    CHECK(worst_of(device_values(got_h), host_values(want_h)) <= 2 * u);
+    // Layer norm: f32 -> half (the ViT's norms), half -> half, half -> f32.
+    const Pair g = make({999}, 207, 0.5, 1.5), bb = make({999}, 208);
+    const Tensor G = up(g.f), BB = up(bb.f);
+    for (auto [from, to] : {std::pair{DType::kF32, half}, std::pair{half, half}, std::pair{half, DType::kF32}}) {
+      const Tensor in = from == DType::kF32 ? a.f : v;
+      Tensor want_ln = empty_on(ref(), in.shape(), to), got_ln = empty_on(gpu(), in.shape(), to);
+      OK(ref().layer_norm_forward(in, g.f, bb.f, 1e-6, want_ln));
+      OK(gpu().layer_norm_forward(up(in), G, BB, 1e-6, got_ln));
+      CHECK(worst_of(device_values(got_ln), host_values(want_ln)) <= (to == DType::kF32 ? 1e-5 : 2 * u));
+    }
+    // permute moves bits.
+    const Tensor q = host_half({2, 5, 3, 4, 3}, 209, half);
+    Tensor want_p = empty_on(ref(), {3, 2, 4, 5, 3}, half), got_p = empty_on(gpu(), {3, 2, 4, 5, 3}, half);
+    OK(ref().permute(q, {2, 0, 3, 1, 4}, want_p));
+    OK(gpu().permute(up(q), {2, 0, 3, 1, 4}, got_p));
+    CHECK(device_values(got_p) == host_values(want_p));
+    // Attention: odd sizes, and ViT-B/16's shape over two sequences.
+    for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{2, 197, 12, 64}}) {
+      CAPTURE(T);
+      const int64_t C = H * Dh;
+      const Tensor qkv = host_half({B * T, 3 * C}, 210, half, -2, 2);
+      Tensor want_a = empty_on(ref(), {B * T, C}, half), got_a = empty_on(gpu(), {B * T, C}, half);
+      OK(ref().attention_forward(qkv, B, H, 1.0 / std::sqrt(double(Dh)), want_a));
+      OK(gpu().attention_forward(up(qkv), B, H, 1.0 / std::sqrt(double(Dh)), got_a));
+      const double e = worst_of(device_values(got_a), host_values(want_a));
+      MESSAGE(name, " attention ", B, "x", T, " tokens, ", H, " heads of ", Dh, ": ", e / u, " u");
+      CHECK(e <= 6 * u);
+    }
+    // Refused: a half first operand with an f32 second; half where the list has none (relu).
+    Tensor out32 = empty_on(gpu(), v.shape(), DType::kF32), outh = empty_on(gpu(), v.shape(), half);
+    CHECK(gpu().add(V, A, outh).code() == StatusCode::kInvalidArgument);
+    CHECK(gpu().relu_forward(V, outh).code() == StatusCode::kUnimplemented);
+    CHECK(gpu().softmax_forward(V, outh).code() == StatusCode::kUnimplemented);
+    (void)out32;
+  }
+}
+
+TEST_CASE("cuda: the ViT at fp16 and bf16 keeps f16 / bf16 activations and matches the reference's f32 features") {
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
+  VitConfig c;  // a small Virchow2-like trunk: SwiGLU, layer scale, register tokens, token + mean
+  c.image_size = 64;
+  c.patch_size = 16;
+  c.width = 128;
+  c.depth = 4;
+  c.heads = 2;
+  c.mlp_hidden = 96;
+  c.swiglu = true;
+  c.layer_scale = true;
+  c.reg_tokens = 4;
+  c.pool = VitPool::kTokenAndMean;
+  auto host_vit = VisionTransformer::create(ref(), c);
+  REQUIRE(host_vit.ok());
+  std::mt19937_64 rng(211);
+  std::uniform_real_distribution<double> uni(-1, 1);
+  for (const NamedTensor& nt : (*host_vit)->named_parameters()) {
+    const Tensor& t = *nt.tensor;
+    const bool gain = nt.name.find("norm") != std::string::npos && nt.name.find(".weight") != std::string::npos;
+    const bool ls = nt.name.find("gamma") != std::string::npos;
+    const double scale = t.rank() >= 2 ? 1.0 / std::sqrt(double(t.numel() / t.dim(0))) : 0.2;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      t.data<float>()[i] = static_cast<float>(gain ? 1 + 0.2 * uni(rng) : ls ? 0.3 + 0.2 * uni(rng) : scale * uni(rng));
+  }
+  const std::string path = "/tmp/slide_gpu_half_vit_" + std::to_string(::getpid()) + ".safetensors";
+  OK(save_safetensors(path, (*host_vit)->named_parameters()));
+  auto dev_vit = VisionTransformer::create(gpu(), c);
+  REQUIRE(dev_vit.ok());
+  const Status loaded = (*dev_vit)->load(path);
+  OK((*host_vit)->load(path));
+  std::remove(path.c_str());
+  OK(loaded);
+  const int64_t N = 5, F = c.feature_dim();
+  const Pair images = make({N, 3, 64, 64}, 212, -2, 2);
+  Tensor want = empty_on(ref(), {N, F}, DType::kF32);
+  OK((*host_vit)->forward(images.f, want));
+  const Tensor IMAGES = up(images.f);
+  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
+    const std::string name = math_precision_name(prec);
+    CAPTURE(name);
+    OK(gpu().set_math_precision(prec));
+    CHECK((*dev_vit)->activation_dtype() == half);  // the backend's choice, as slide-embed runs it
+    Tensor got = empty_on(gpu(), {N, F}, DType::kF32);
+    OK((*dev_vit)->forward(IMAGES, got));
+    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double e = worst_of(device_values(got), host_values(want));
+    MESSAGE(name, " ViT features against the reference's f32: ", e / u, " u");
+    // The reference's own half run is within 4 u of its f32 (test_half_storage.cpp); cuda's sums run
+    // in another order and its attention rounds the probabilities: 16 u, far below a wrong
+    // element's order-1 error.
+    CHECK(e < 16 * u);
+  }
 }
 
 TEST_CASE("cuda vs reference: cast f32 <-> f16 / bf16, bit for bit (the same formulas)") {

@@ -5,7 +5,8 @@
 // usage: golden_vit BACKEND WEIGHTS.safetensors INPUT.safetensors OUT.safetensors N KEY=VALUE...
 //   keys: image, patch, width, depth, heads, mlp, reg, class_token (0/1), no_embed_class (0/1),
 //   layer_scale (0/1), fc_norm (0/1), swiglu (0/1), pool (token|mean|token_mean|attention),
-//   pool_dim, pool_heads (the attentional pooler), prefix (the trunk's name prefix, e.g. visual.trunk.)
+//   pool_dim, pool_heads (the attentional pooler), prefix (the trunk's name prefix, e.g. visual.trunk.),
+//   activations (f32|f16|bf16: VisionTransformer::set_activation_dtype; default the backend's)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
     return 1;
   };
   VitConfig c;
+  std::string activations;
   for (int i = 6; i < argc; ++i) {
     const std::string kv = argv[i];
     const auto eq = kv.find('=');
@@ -52,6 +54,7 @@ int main(int argc, char** argv) {
     else if (k == "pool_dim") c.pool_dim = n;
     else if (k == "pool_heads") c.pool_heads = n;
     else if (k == "prefix") c.name_prefix = v;
+    else if (k == "activations") activations = v;
     else return die(slide::core::invalid_argument("unknown key " + k));
   }
   const int64_t N = std::atoll(argv[5]);
@@ -60,6 +63,11 @@ int main(int argc, char** argv) {
   auto vit = VisionTransformer::create(**be, c);
   if (!vit.ok()) return die(vit.status());
   if (auto s = (*vit)->load(argv[2]); !s.ok()) return die(s);
+  if (!activations.empty()) {
+    if (activations != "f32" && activations != "f16" && activations != "bf16")
+      return die(slide::core::invalid_argument("activations=" + activations + ": f32, f16 or bf16"));
+    (*vit)->set_activation_dtype(activations == "f16" ? DType::kF16 : activations == "bf16" ? DType::kBF16 : DType::kF32);
+  }
   auto images = Tensor::empty({N, 3, c.image_size, c.image_size}, DType::kF32, (*be)->allocator(), "images");
   auto features = Tensor::empty({N, c.feature_dim()}, DType::kF32, (*be)->allocator(), "features");
   if (!images.ok() || !features.ok()) return die(images.ok() ? features.status() : images.status());

@@ -33,6 +33,8 @@ using slide::core::ok_status;
 using slide::core::StatusCode;
 
 constexpr detail::DTypes kDTypes{true, false, false, Device::kCuda};
+// The ops of backend.h's half-precision storage list also take f16 / bf16.
+constexpr detail::DTypes kHalfDTypes{true, false, false, Device::kCuda, true};
 
 // --- Device state (one per device, for the process's life) ---------------------------------------
 
@@ -362,6 +364,13 @@ std::vector<AlgoCandidate> candidates_of(const Perf* perf, int n) {
 
 float* f32(const Tensor& t) { return t.ptr<float>(); }
 double* f64(const Tensor& t) { return t.ptr<double>(); }
+// A floating tensor's storage for the kernels (f32, f16, bf16) and for cuBLAS.
+CastType storage(DType t) {
+  return t == DType::kF16 ? CastType::kF16 : t == DType::kBF16 ? CastType::kBF16 : CastType::kF32;
+}
+cudaDataType_t cublas_type(DType t) {
+  return t == DType::kF16 ? CUDA_R_16F : t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -370,6 +379,13 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   Device device() const override { return Device::kCuda; }
   Allocator& allocator() override { return *st_->alloc; }
+  // Half-precision storage under fp16 / bf16 (backend.h): the ViT trunk's GEMMs then read f16 / bf16
+  // operands (cuBLAS's tensor-core kernels, f32 accumulation) instead of converting f32 ones.
+  DType activation_dtype() const override {
+    return math_precision_ == MathPrecision::kFp16   ? DType::kF16
+           : math_precision_ == MathPrecision::kBf16 ? DType::kBF16
+                                                     : DType::kF32;
+  }
 
   // --- Host <-> device ---
   // Transfers may come from another thread than the one that made the backend (the trainer
@@ -673,21 +689,28 @@ class CudaBackend final : public Backend {
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     return unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx);
   }
-  Status add(const Tensor& a, const Tensor& b, Tensor& y) override { return binary("add", Binary::kAdd, a, b, y); }
+  Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_binary(Binary::kAdd, storage(a.dtype()), a.raw(), storage(b.dtype()), b.raw(), y.raw(),
+                                   a.numel(), st_->stream));
+    return ok_status();
+  }
   Status mul(const Tensor& a, const Tensor& b, Tensor& y) override { return binary("mul", Binary::kMul, a, b, y); }
   Status tanh_forward(const Tensor& x, Tensor& y) override { return unary("tanh_forward", Unary::kTanh, x, y); }
   Status tanh_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     return unary_grad("tanh_backward", UnaryGrad::kTanh, y, dy, dx);
   }
   Status sigmoid_forward(const Tensor& x, Tensor& y) override {
-    return unary("sigmoid_forward", Unary::kSigmoid, x, y);
+    return unary("sigmoid_forward", Unary::kSigmoid, x, y, kHalfDTypes);
   }
   Status sigmoid_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     return unary_grad("sigmoid_backward", UnaryGrad::kSigmoid, y, dy, dx);
   }
 
   // --- Vision Transformer ops ---
-  Status gelu_forward(const Tensor& x, Tensor& y) override { return unary("gelu_forward", Unary::kGelu, x, y); }
+  Status gelu_forward(const Tensor& x, Tensor& y) override {
+    return unary("gelu_forward", Unary::kGelu, x, y, kHalfDTypes);
+  }
   Status gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override {
     return unary_grad("gelu_backward", UnaryGrad::kGelu, x, dy, dx);
   }
@@ -729,8 +752,9 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
   Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kDTypes));
-    SLIDE_CUDA_CHECK(launch_layer_norm_forward(f32(x), f32(gamma), f32(beta), eps, f32(y), d.N, d.I, st_->stream));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_layer_norm_forward(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), eps,
+                                               storage(y.dtype()), y.raw(), d.N, d.I, st_->stream));
     return ok_status();
   }
   // Multi-head attention (backend.h), per head h: two cuBLAS strided-batched GEMMs over the B
@@ -744,11 +768,12 @@ class CudaBackend final : public Backend {
   //   token), sequences T*C apart.
   Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,
-                           detail::validate_attention(qkv, batch, heads, scale, out, kDTypes));
+                           detail::validate_attention(qkv, batch, heads, scale, out, kHalfDTypes));
     const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
     constexpr int64_t kMax = 2147483647;
     if (3 * C > kMax || T * T > kMax || H > kMax || d.B > kMax)
       return slide::core::unimplemented("cuda attention_forward: an extent over 2^31 - 1");
+    if (detail::is_half(qkv.dtype())) return attention_half(qkv, d, scale, out);
     // Every sequence's scores at once, head-major: scores[h][b] = [T, T] (H * B * T * T floats, about
     // qkv's own size for a ViT), so that each product is one strided-batched GEMM per head over the B
     // sequences (a sequence's rows are T * 3C apart in qkv, T * C in out) and the softmax one launch:
@@ -781,8 +806,45 @@ class CudaBackend final : public Backend {
     }
     return ok_status();
   }
+  // attention_forward on half-precision storage: the same two strided-batched GEMMs per head, with
+  // f16 / bf16 operands and f32 accumulation (CUBLAS_COMPUTE_32F). The scores come out in f32 (a
+  // documented cublasGemmEx combination: half A and B, f32 C), the softmax reads them in f32 and
+  // writes the probabilities in the half type, the operand of the second GEMM, whose output is
+  // the half-precision out (backend.h allows this one rounding of the probabilities).
+  Status attention_half(const Tensor& qkv, const detail::AttentionDims& d, double scale, Tensor& out) {
+    const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
+    const DType half = qkv.dtype();
+    const cudaDataType_t type = cublas_type(half);
+    SLIDE_ASSIGN_OR_RETURN(Tensor scores,
+                           Tensor::empty({H * d.B * T, T}, DType::kF32, *st_->alloc, "attention scores"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty({H * d.B * T, T}, half, *st_->alloc, "attention probabilities"));
+    const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
+    const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
+              ld_out = static_cast<int>(C), batch_count = static_cast<int>(d.B);
+    const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * T;
+    // Element offsets as in attention_forward; the pointers are 16-bit elements.
+    const uint16_t* base = qkv.ptr<uint16_t>();
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* q = base + h * Dh;
+      float* sc = f32(scores) + h * d.B * T * T;
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C, type,
+                                                    ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv, &zero, sc, CUDA_R_32F, t,
+                                                    seq_scores, batch_count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(half), probs.raw(), H * d.B * T, T, st_->stream));
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* v = base + 2 * C + h * Dh;
+      const uint16_t* p = probs.ptr<uint16_t>() + h * d.B * T * T;
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
+                                                    ld_qkv, seq_qkv, p, type, t, seq_scores, &zero,
+                                                    out.ptr<uint16_t>() + h * Dh, type, ld_out, seq_out, batch_count,
+                                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return ok_status();
+  }
+
   Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kHalfDTypes));
     PermuteGeometry g;
     g.rank = static_cast<int>(perm.size());
     int64_t x_stride[6] = {0}, s = 1;
@@ -791,7 +853,7 @@ class CudaBackend final : public Backend {
       g.y_extent[i] = y.dim(static_cast<size_t>(i));
       g.in_stride[i] = x_stride[perm[static_cast<size_t>(i)]];
     }
-    SLIDE_CUDA_CHECK(launch_permute(f32(x), f32(y), y.numel(), g, st_->stream));
+    SLIDE_CUDA_CHECK(launch_permute(dtype_size(x.dtype()), x.raw(), y.raw(), y.numel(), g, st_->stream));
     return ok_status();
   }
 
@@ -825,7 +887,15 @@ class CudaBackend final : public Backend {
 
   // --- Fully connected (cuBLAS is column-major: a row-major [r, c] matrix is its [c, r] transpose) ---
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
+                           detail::validate_linear("linear_forward", x, w, &b, y, kHalfDTypes));
+    if (detail::is_half(x.dtype())) {
+      // Half-precision storage: y filled with the bias rows, then y = x w^T + y in one cuBLAS call
+      // (f16 / bf16 operands, f32 accumulation and scalars), so bias and product are rounded once.
+      if (b.defined()) SLIDE_CUDA_CHECK(launch_fill_rows(storage(y.dtype()), y.raw(), b.raw(), d.N, d.O, st_->stream));
+      return gemm_ex(CUBLAS_OP_T, CUBLAS_OP_N, d.O, d.N, d.I, w.raw(), d.I, x.raw(), d.I, cublas_type(x.dtype()), 1.0f,
+                     b.defined() ? 1.0f : 0.0f, y.raw(), cublas_type(y.dtype()), d.O, CUBLAS_COMPUTE_32F);
+    }
     // y^T [O, N] = w [O, I] x^T [I, N]: A = w seen as [I, O] transposed, B = x seen as [I, N].
     SLIDE_RETURN_IF_ERROR(gemm(CUBLAS_OP_T, CUBLAS_OP_N, d.O, d.N, d.I, f32(w), d.I, f32(x), d.I, 0.0f, f32(y), d.O));
     if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.O, 1, st_->stream));
@@ -921,9 +991,9 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  Status unary(const char* op, Unary f, const Tensor& x, Tensor& y) {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, kDTypes));
-    SLIDE_CUDA_CHECK(launch_unary(f, f32(x), f32(y), x.numel(), st_->stream));
+  Status unary(const char* op, Unary f, const Tensor& x, Tensor& y, detail::DTypes dtypes = kDTypes) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, y, nullptr, dtypes));
+    SLIDE_CUDA_CHECK(launch_unary(f, storage(x.dtype()), x.raw(), y.raw(), x.numel(), st_->stream));
     return ok_status();
   }
   Status unary_grad(const char* op, UnaryGrad f, const Tensor& y, const Tensor& dy, Tensor& dx) {
@@ -931,9 +1001,11 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(launch_unary_grad(f, f32(y), f32(dy), f32(dx), y.numel(), st_->stream));
     return ok_status();
   }
+  // mul (kHalfDTypes: one dtype for the three).
   Status binary(const char* op, Binary b, const Tensor& x, const Tensor& z, Tensor& y) {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, z, &y, kDTypes));
-    SLIDE_CUDA_CHECK(launch_binary(b, f32(x), f32(z), f32(y), x.numel(), st_->stream));
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, x, z, &y, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_binary(b, storage(x.dtype()), x.raw(), storage(z.dtype()), z.raw(), y.raw(), x.numel(),
+                                   st_->stream));
     return ok_status();
   }
 
@@ -953,6 +1025,27 @@ class CudaBackend final : public Backend {
     SLIDE_CUBLAS_CHECK(cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                     &alpha, A, CUDA_R_32F, static_cast<int>(lda), B, CUDA_R_32F, static_cast<int>(ldb),
                                     &beta, C, CUDA_R_32F, static_cast<int>(ldc), compute_type(), CUBLAS_GEMM_DEFAULT));
+    return ok_status();
+  }
+  // The same for half-precision storage: A and B of ab_type (CUDA_R_16F or CUDA_R_16BF), C of c_type
+  // (the same, or CUDA_R_32F), f32 scalars and accumulation (`compute` CUBLAS_COMPUTE_32F): among
+  // cublasGemmEx's documented type combinations, run on tensor cores.
+  Status gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
+                 int64_t lda, const void* B, int64_t ldb, cudaDataType_t ab_type, float alpha, float beta, void* C,
+                 cudaDataType_t c_type, int64_t ldc, cublasComputeType_t compute) {
+    if (m == 0 || n == 0) return ok_status();
+    constexpr int64_t kMax = 2147483647;
+    if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax)
+      return slide::core::unimplemented("cuda gemm: an extent over 2^31 - 1");
+    if (k == 0) {
+      // C = beta C: untouched for beta 1 (the bias rows), zeros for 0 (all-zero bits in every type).
+      const size_t elem = c_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t);
+      if (beta == 0.0f) SLIDE_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<size_t>(m * n) * elem, st_->stream));
+      return ok_status();
+    }
+    SLIDE_CUBLAS_CHECK(cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                    &alpha, A, ab_type, static_cast<int>(lda), B, ab_type, static_cast<int>(ldb), &beta,
+                                    C, c_type, static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
     return ok_status();
   }
 

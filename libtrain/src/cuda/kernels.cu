@@ -68,11 +68,35 @@ cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel,
   return cudaGetLastError();
 }
 
+// --- Storage types (half-precision storage, backend.h) ---
+// An element as stored (T) and its f32 value: f32 as it is; f16 and bf16 as 16-bit patterns,
+// converted by formulas.h (exact to f32; to the half type rounded to nearest even), the functions
+// the reference backend's cast runs.
+struct F32 {
+  using T = float;
+  __device__ static float load(float v) { return v; }
+  __device__ static float store(float v) { return v; }
+};
+struct F16 {
+  using T = uint16_t;
+  __device__ static float load(uint16_t v) { return fm::f16_to_f32(v); }
+  __device__ static uint16_t store(float v) { return fm::f32_to_f16(v); }
+};
+struct BF16 {
+  using T = uint16_t;
+  __device__ static float load(uint16_t v) { return fm::bf16_to_f32(v); }
+  __device__ static uint16_t store(float v) { return fm::f32_to_bf16(v); }
+};
+
 // --- Element-wise ---
-__global__ void unary_kernel(Unary f, const float* x, float* y, int64_t n) {
+template <typename S>
+__global__ void unary_kernel(Unary f, const typename S::T* x, typename S::T* y, int64_t n) {
   SLIDE_GRID_STRIDE(i, n) {
-    const float v = x[i];
-    y[i] = f == Unary::kRelu ? fm::relu(v) : f == Unary::kTanh ? tanhf(v) : f == Unary::kGelu ? fm::gelu(v) : fm::sigmoid(v);
+    const float v = S::load(x[i]);
+    y[i] = S::store(f == Unary::kRelu   ? fm::relu(v)
+                    : f == Unary::kTanh ? tanhf(v)
+                    : f == Unary::kGelu ? fm::gelu(v)
+                                        : fm::sigmoid(v));
   }
 }
 
@@ -85,8 +109,20 @@ __global__ void unary_grad_kernel(UnaryGrad f, const float* y, const float* dy, 
   }
 }
 
-__global__ void binary_kernel(Binary op, const float* a, const float* b, float* y, int64_t n) {
-  SLIDE_GRID_STRIDE(i, n) { y[i] = op == Binary::kAdd ? a[i] + b[i] : a[i] * b[i]; }
+// y (of a's storage) = a op b, in f32.
+template <typename SA, typename SB>
+__global__ void binary_kernel(Binary op, const typename SA::T* a, const typename SB::T* b, typename SA::T* y,
+                              int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    const float u = SA::load(a[i]), v = SB::load(b[i]);
+    y[i] = SA::store(op == Binary::kAdd ? u + v : u * v);
+  }
+}
+
+// y[r, c] = row[c] for y [rows, cols] (a linear layer's bias, before the GEMM adds to it).
+template <typename S>
+__global__ void fill_rows_kernel(typename S::T* y, const typename S::T* row, int64_t cols, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { y[i] = row[i % cols]; }
 }
 
 __global__ void bias_add_kernel(float* y, const float* b, int64_t K, int64_t inner, int64_t n) {
@@ -314,15 +350,15 @@ __global__ void gap_backward_kernel(const float* dy, float* dx, int64_t HW, int6
 // A row's softmax and its backward, walked by `first`, `first + stride`, ... (a block's threads or a
 // warp's lanes) with the maximum and sums taken by `max` and `sum` (every walker gets the row's
 // value); the per-value arithmetic is formulas.h's, as the reference backend's.
-template <typename Max, typename Sum>
-__device__ void softmax_row(const float* xr, float* yr, int64_t C, int first, int stride, Max max, Sum sum) {
+template <typename SY = F32, typename Max, typename Sum>
+__device__ void softmax_row(const float* xr, typename SY::T* yr, int64_t C, int first, int stride, Max max, Sum sum) {
   double m = -INFINITY;
   for (int64_t c = first; c < C; c += stride) m = fmax(m, double(xr[c]));
   m = max(m);
   double local = 0;
   for (int64_t c = first; c < C; c += stride) local += fm::softmax_term(xr[c], m);
   const double se = sum(local);
-  for (int64_t c = first; c < C; c += stride) yr[c] = static_cast<float>(fm::softmax_term(xr[c], m) / se);
+  for (int64_t c = first; c < C; c += stride) yr[c] = SY::store(static_cast<float>(fm::softmax_term(xr[c], m) / se));
 }
 template <typename Sum>
 __device__ void softmax_row_backward(const float* yr, const float* dyr, float* dxr, int64_t C, int first, int stride,
@@ -333,11 +369,12 @@ __device__ void softmax_row_backward(const float* yr, const float* dyr, float* d
   for (int64_t c = first; c < C; c += stride) dxr[c] = static_cast<float>(fm::softmax_grad(yr[c], dyr[c], dot));
 }
 
-__global__ void softmax_forward_kernel(const float* x, float* y, int64_t C) {
+template <typename SY>
+__global__ void softmax_forward_kernel(const float* x, typename SY::T* y, int64_t C) {
   __shared__ double shared[kBlock];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
-  softmax_row(x + base, y + base, C, threadIdx.x, blockDim.x, [&](double v) { return block_max(v, shared); },
-              [&](double v) { return block_sum(v, shared); });
+  softmax_row<SY>(x + base, y + base, C, threadIdx.x, blockDim.x, [&](double v) { return block_max(v, shared); },
+                  [&](double v) { return block_sum(v, shared); });
 }
 
 __global__ void softmax_backward_kernel(const float* y, const float* dy, float* dx, int64_t C) {
@@ -365,10 +402,11 @@ __device__ int64_t warp_row(int64_t R) {
   return row < R ? row : -1;
 }
 
-__global__ void softmax_forward_warp_kernel(const float* x, float* y, int64_t R, int64_t C) {
+template <typename SY>
+__global__ void softmax_forward_warp_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C) {
   const int64_t row = warp_row(R);
   if (row < 0) return;
-  softmax_row(x + row * C, y + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
+  softmax_row<SY>(x + row * C, y + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
 }
 
 __global__ void softmax_backward_warp_kernel(const float* y, const float* dy, float* dx, int64_t R, int64_t C) {
@@ -500,23 +538,31 @@ __global__ void scale_kernel(const float* x, double alpha, float* y, int64_t n) 
   SLIDE_GRID_STRIDE(i, n) { y[i] = static_cast<float>(alpha * double(x[i])); }
 }
 
-// One block per row.
-__global__ void layer_norm_kernel(const float* x, const float* gamma, const float* beta, double eps, float* y,
-                                  int64_t C) {
+// One block per row; x and y of storage SX and SY (f32, or half: backend.h), statistics in double
+// from the values as stored.
+template <typename SX, typename SY>
+__global__ void layer_norm_kernel(const typename SX::T* x, const float* gamma, const float* beta, double eps,
+                                  typename SY::T* y, int64_t C) {
   __shared__ double shared[kBlock];
-  const float* row = x + static_cast<int64_t>(blockIdx.x) * C;
-  float* out = y + static_cast<int64_t>(blockIdx.x) * C;
+  const typename SX::T* row = x + static_cast<int64_t>(blockIdx.x) * C;
+  typename SY::T* out = y + static_cast<int64_t>(blockIdx.x) * C;
   double local = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += row[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += SX::load(row[c]);
   const double mean = block_sum(local, shared) / double(C);
   local = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += (double(row[c]) - mean) * (double(row[c]) - mean);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const double d = double(SX::load(row[c])) - mean;
+    local += d * d;
+  }
   const double invstd = fm::bn_invstd(block_sum(local, shared) / double(C), eps);
+  // y may be x (same storage only when SX is SY): each element is read before it is written, by
+  // the same thread.
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-    out[c] = fm::bn_apply(row[c], double(gamma[c]), double(beta[c]), mean, invstd);
+    out[c] = SY::store(fm::bn_apply(SX::load(row[c]), double(gamma[c]), double(beta[c]), mean, invstd));
 }
 
-__global__ void permute_kernel(const float* x, float* y, int64_t n, PermuteGeometry g) {
+template <typename T>
+__global__ void permute_kernel(const T* x, T* y, int64_t n, PermuteGeometry g) {
   SLIDE_GRID_STRIDE(o, n) {
     int64_t rest = o, src = 0;
     for (int i = g.rank - 1; i >= 0; --i) {
@@ -590,17 +636,60 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
   }
 }
 
+// Runs f(S{}) with S the storage type of `t`.
+template <typename F>
+cudaError_t with_storage(CastType t, F&& f) {
+  switch (t) {
+    case CastType::kF16: return f(F16{});
+    case CastType::kBF16: return f(BF16{});
+    case CastType::kF32: return f(F32{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream) {
-  return launch_grid_stride(n, stream, unary_kernel, f, x, y, n);
+  return launch_unary(f, CastType::kF32, x, y, n, stream);
+}
+cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream) {
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(n, stream, unary_kernel<S>, f, static_cast<const T*>(x), static_cast<T*>(y), n);
+  });
 }
 cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n,
                               cudaStream_t stream) {
   return launch_grid_stride(n, stream, unary_grad_kernel, f, y, dy, dx, n);
 }
 cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
-  return launch_grid_stride(n, stream, binary_kernel, op, a, b, y, n);
+  return launch_binary(op, CastType::kF32, a, CastType::kF32, b, y, n, stream);
+}
+cudaError_t launch_binary(Binary op, CastType ta, const void* a, CastType tb, const void* b, void* y, int64_t n,
+                          cudaStream_t stream) {
+  if (ta == tb)
+    return with_storage(ta, [&](auto s) {
+      using S = decltype(s);
+      using T = typename S::T;
+      return launch_grid_stride(n, stream, binary_kernel<S, S>, op, static_cast<const T*>(a), static_cast<const T*>(b),
+                                static_cast<T*>(y), n);
+    });
+  if (ta != CastType::kF32) return cudaErrorInvalidValue;  // only f32 a (and y) with a half b
+  return with_storage(tb, [&](auto s) {
+    using SB = decltype(s);
+    return launch_grid_stride(n, stream, binary_kernel<F32, SB>, op, static_cast<const float*>(a),
+                              static_cast<const typename SB::T*>(b), static_cast<float*>(y), n);
+  });
+}
+cudaError_t launch_fill_rows(CastType t, void* y, const void* row, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (cols < 1) return rows * cols == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(rows * cols, stream, fill_rows_kernel<S>, static_cast<T*>(y), static_cast<const T*>(row),
+                              cols, rows * cols);
+  });
 }
 cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
   return launch_grid_stride(N * K * inner, stream, bias_add_kernel, y, b, K, inner, N * K * inner);
@@ -673,8 +762,18 @@ cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t 
 // (kernels::launch_rows).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream) {
   const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
-  if (g.rows_per_block > 1) return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel, x, y, R, C);
-  return launch_per_block(R, stream, softmax_forward_kernel, x, y, C);
+  if (g.rows_per_block > 1) return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<F32>, x, y, R, C);
+  return launch_per_block(R, stream, softmax_forward_kernel<F32>, x, y, C);
+}
+cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream) {
+  const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
+  return with_storage(ty, [&](auto s) {
+    using SY = decltype(s);
+    using T = typename SY::T;
+    if (g.rows_per_block > 1)
+      return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<SY>, x, static_cast<T*>(y), R, C);
+    return launch_per_block(R, stream, softmax_forward_kernel<SY>, x, static_cast<T*>(y), C);
+  });
 }
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
                                     cudaStream_t stream) {
@@ -716,10 +815,31 @@ cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cuda
 }
 cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
                                       int64_t R, int64_t C, cudaStream_t stream) {
-  return launch_per_block(R, stream, layer_norm_kernel, x, gamma, beta, eps, y, C);
+  return launch_layer_norm_forward(CastType::kF32, x, gamma, beta, eps, CastType::kF32, y, R, C, stream);
+}
+cudaError_t launch_layer_norm_forward(CastType tx, const void* x, const float* gamma, const float* beta, double eps,
+                                      CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream) {
+  return with_storage(tx, [&](auto sx) {
+    using SX = decltype(sx);
+    return with_storage(ty, [&](auto sy) {
+      using SY = decltype(sy);
+      return launch_per_block(R, stream, layer_norm_kernel<SX, SY>, static_cast<const typename SX::T*>(x), gamma,
+                              beta, eps, static_cast<typename SY::T*>(y), C);
+    });
+  });
 }
 cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream) {
-  return launch_grid_stride(n, stream, permute_kernel, x, y, n, g);
+  return launch_permute(sizeof(float), x, y, n, g, stream);
+}
+cudaError_t launch_permute(size_t element_bytes, const void* x, void* y, int64_t n, PermuteGeometry g,
+                           cudaStream_t stream) {
+  if (element_bytes == sizeof(float))
+    return launch_grid_stride(n, stream, permute_kernel<float>, static_cast<const float*>(x), static_cast<float*>(y),
+                              n, g);
+  if (element_bytes == sizeof(uint16_t))
+    return launch_grid_stride(n, stream, permute_kernel<uint16_t>, static_cast<const uint16_t*>(x),
+                              static_cast<uint16_t*>(y), n, g);
+  return cudaErrorInvalidValue;
 }
 cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                               double momentum, double dampening, double weight_decay, bool nesterov, bool first_step,

@@ -3,7 +3,9 @@
 // errors while running at the next synchronising call. The per-element arithmetic is
 // kernels/formulas.h's, the same functions the reference backend runs on the CPU.
 //
-// Shapes are the op list's (backend.h); all tensors are f32, row-major, on the device. Per-channel
+// Shapes are the op list's (backend.h); tensors are f32, row-major, on the device, except where a
+// launcher takes a CastType: f16 / bf16 storage (backend.h, "Half-precision storage"), 16-bit
+// patterns converted by formulas.h, arithmetic in f32 (or double for sums). Per-channel
 // reductions accumulate in double, in one block per channel (or row), so their results differ from
 // the CPU's only by the order of the additions.
 #pragma once
@@ -22,12 +24,23 @@ enum class Unary { kRelu, kTanh, kSigmoid, kGelu };
 enum class UnaryGrad { kRelu, kTanh, kSigmoid, kGelu };
 enum class Binary { kAdd, kMul };
 
-// y = f(x) over n elements (y may be x).
+// CastType is declared here for the half-precision launchers (it also names cast's types below).
+enum class CastType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// y = f(x) over n elements (y may be x); the second form with x and y of storage t.
 cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream);
+cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream);
 // dx = f'(y) dy over n elements, from the forward's output y.
 cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
-// y = a op b over n elements (y may be a or b).
+// y = a op b over n elements (y may be a or b); the second form with a and y of storage ta and b of
+// tb: ta == tb, or ta f32 and tb half (an f32 residual taking a half-precision branch). Other
+// pairs: cudaErrorInvalidValue.
 cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+cudaError_t launch_binary(Binary op, CastType ta, const void* a, CastType tb, const void* b, void* y, int64_t n,
+                          cudaStream_t stream);
+// y[r, c] = row[c] for y [rows, cols] of storage t (a linear layer's bias, which the GEMM then adds
+// to with beta = 1: one rounding of bias + product).
+cudaError_t launch_fill_rows(CastType t, void* y, const void* row, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // y[n, k, i] += b[k] for y [N, K, inner] (the bias of a convolution, inner = P Q, or of a linear
 // layer, inner = 1).
@@ -76,8 +89,10 @@ cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx,
 cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream);
 cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream);
 
-// Row softmax of x [R, C] and its backward.
+// Row softmax of x [R, C] and its backward; the second forward writes y of storage ty (attention's
+// probabilities in half precision, the operand of its second GEMM).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream);
+cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream);
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
                                     cudaStream_t stream);
 
@@ -96,7 +111,6 @@ cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* lab
 
 // y = x converted between f32, f16 and bf16 (kernels/formulas.h), n elements; storage as the
 // types say (f32: float; f16 / bf16: uint16_t bit patterns).
-enum class CastType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 cudaError_t launch_cast(const void* x, CastType from, void* y, CastType to, int64_t n, cudaStream_t stream);
 // out[0] = sum of x_i^2 over n elements, in double: `blocks` blocks (at most kSumOfSquaresBlocks)
 // write their partial sums to partial[0 .. blocks), then one block adds them (a fixed tree: the
@@ -109,6 +123,9 @@ cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cuda
 // Layer norm of each row of x [R, C] (backend.h): one block per row, double accumulation.
 cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
                                       int64_t R, int64_t C, cudaStream_t stream);
+// The same with x of storage tx and y of ty (gamma, beta f32); y may be x when tx == ty.
+cudaError_t launch_layer_norm_forward(CastType tx, const void* x, const float* gamma, const float* beta, double eps,
+                                      CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream);
 // y = x permuted: rank <= 6, y_extent[i] = x's extent of perm[i], in_stride[i] = x's row-major
 // stride of dimension perm[i].
 struct PermuteGeometry {
@@ -117,6 +134,9 @@ struct PermuteGeometry {
   int64_t in_stride[6] = {0};
 };
 cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream);
+// The same for elements of element_bytes (4: f32; 2: f16 / bf16 patterns), moved as they are.
+cudaError_t launch_permute(size_t element_bytes, const void* x, void* y, int64_t n, PermuteGeometry g,
+                           cudaStream_t stream);
 
 // Optimizer updates over n parameters (momentum_buf null without momentum).
 cudaError_t launch_sgd_update(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,

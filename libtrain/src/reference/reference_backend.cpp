@@ -426,6 +426,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
+    if (detail::is_half(b.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, detail::with_half(dtypes_)));
+      return via_f32({&a, &b}, y, [&](std::vector<Tensor>& f, Tensor& out) { return add(f[0], f[1], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("add", a, b, &y, dtypes_));
     return dispatch(a.dtype(), [&]<typename T>() {
       const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
@@ -436,6 +440,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status mul(const Tensor& a, const Tensor& b, Tensor& y) override {
+    if (detail::is_half(a.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, detail::with_half(dtypes_)));
+      return via_f32({&a, &b}, y, [&](std::vector<Tensor>& f, Tensor& out) { return mul(f[0], f[1], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("mul", a, b, &y, dtypes_));
     return dispatch(a.dtype(), [&]<typename T>() {
       const T *ap = a.ptr<T>(), *bp = b.ptr<T>();
@@ -481,6 +489,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_linear("linear_forward", x, w, &b, y, detail::with_half(dtypes_)).status());
+      return via_f32({&x, &w, &b}, y,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return linear_forward(f[0], f[1], f[2], out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear("linear_forward", x, w, &b, y, dtypes_));
     const int64_t N = d.N, I = d.I, O = d.O;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
@@ -636,6 +649,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status sigmoid_forward(const Tensor& x, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_forward", x, y, nullptr, detail::with_half(dtypes_)));
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return sigmoid_forward(f[0], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sigmoid_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
@@ -691,6 +708,12 @@ class ReferenceBackend final : public Backend {
 
   // --- Vision Transformer ops ---
   Status layer_norm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y) override {
+    if (detail::is_half(x.dtype()) || detail::is_half(y.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_layer_norm(x, gamma, beta, eps, y, detail::with_half(dtypes_)).status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return layer_norm_forward(f[0], gamma, beta, eps, out);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_layer_norm(x, gamma, beta, eps, y, dtypes_));
     const int64_t R = d.N, C = d.I;
     return dispatch(x.dtype(), [&]<typename T>() {
@@ -712,6 +735,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status gelu_forward(const Tensor& x, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, detail::with_half(dtypes_)));
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return gelu_forward(f[0], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
@@ -794,14 +821,14 @@ class ReferenceBackend final : public Backend {
   }
 
   Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, dtypes_));
+    SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, detail::with_half(dtypes_)));
     const size_t rank = perm.size();
     // Strides of x (row-major), taken in y's order: y's index i walks x with in_stride[i].
     int64_t x_stride[6] = {0}, in_stride[6] = {0}, extent[6] = {0};
     int64_t s = 1;
     for (size_t i = rank; i-- > 0;) x_stride[i] = s, s *= x.dim(i);
     for (size_t i = 0; i < rank; ++i) in_stride[i] = x_stride[perm[i]], extent[i] = y.dim(i);
-    return dispatch(x.dtype(), [&]<typename T>() {
+    auto run = [&]<typename T>() {
       const T* xp = x.ptr<T>();
       T* yp = y.ptr<T>();
       int64_t idx[6] = {0};
@@ -815,7 +842,22 @@ class ReferenceBackend final : public Backend {
         }
       }
       return ok_status();
-    });
+    };
+    // Elements are moved, not computed: half-precision storage as its 16-bit patterns.
+    if (detail::is_half(x.dtype())) return run.template operator()<uint16_t>();
+    return dispatch(x.dtype(), run);
+  }
+
+  // Attention: the op list's default composition (attention.cpp); half-precision qkv through f32.
+  Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
+    if (detail::is_half(qkv.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_attention(qkv, batch, heads, scale, out, detail::with_half(dtypes_)).status());
+      return via_f32({&qkv}, out, [&](std::vector<Tensor>& f, Tensor& o) {
+        return Backend::attention_forward(f[0], batch, heads, scale, o);
+      });
+    }
+    return Backend::attention_forward(qkv, batch, heads, scale, out);
   }
 
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
@@ -837,6 +879,28 @@ class ReferenceBackend final : public Backend {
 
  private:
   // Forward (y != nullptr) or backward (dx != nullptr) of max pooling.
+  // Half-precision storage (backend.h): `op` run in f32 on f32 copies of the half inputs (exact
+  // conversions), its f32 result rounded once into `out` (cast: round to nearest even). Inputs
+  // already f32, and undefined ones, pass as they are; so does `out` when it is f32 (an input may
+  // then be out itself: the ops called are element-wise in place).
+  template <typename Op>
+  Status via_f32(std::initializer_list<const Tensor*> in, Tensor& out, Op op) {
+    std::vector<Tensor> f;
+    for (const Tensor* t : in) {
+      if (!t->defined() || !detail::is_half(t->dtype())) {
+        f.push_back(*t);
+        continue;
+      }
+      SLIDE_ASSIGN_OR_RETURN(Tensor up, Tensor::empty(t->shape(), DType::kF32, alloc_, "f32 copy of a half operand"));
+      SLIDE_RETURN_IF_ERROR(cast(*t, up));
+      f.push_back(std::move(up));
+    }
+    if (!detail::is_half(out.dtype())) return op(f, out);
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(out.shape(), DType::kF32, alloc_, "f32 result before rounding"));
+    SLIDE_RETURN_IF_ERROR(op(f, y));
+    return cast(y, out);
+  }
+
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
                            detail::validate_max_pool(y ? "max_pool2d_forward" : "max_pool2d_backward", x, p, y, dy, dx,

@@ -8,8 +8,8 @@
 //   any mix of layouts and chooses its outputs' (written to Tensor::layout()); the others take
 //   plain tensors only (kInvalidArgument). Parameters and their gradients are always plain.
 //   All floating tensors
-//   of one call share a dtype (f32; f64 on the reference backend for gradient checks). Labels are
-//   i32.
+//   of one call share a dtype (f32; f64 on the reference backend for gradient checks), except
+//   where "Half-precision storage" below says otherwise. Labels are i32.
 // - Outputs are allocated by the caller with the documented shape; an op writes them whole.
 // - Backward ops *overwrite* input gradients (dx) and *accumulate* (+=) into parameter gradients
 //   (dw, db, dgamma, dbeta), as llm.c does, so gradient accumulation over micro-batches is
@@ -154,6 +154,28 @@ class Backend {
     return slide::core::ok_status();
   }
   MathPrecision math_precision() const { return math_precision_; }
+
+  // --- Half-precision storage ---------------------------------------------------------------------
+  // A few ops also take f16 or bf16 tensors (one of the two per call), so that a model can keep
+  // its activations and weights in half precision (half the bytes to move, and cuBLAS's f16 / bf16
+  // tensor-core GEMMs on operands that need no conversion): the Vision Transformer's trunk.
+  //   linear_forward, linear_gelu_forward, gelu_forward, sigmoid_forward, mul, permute,
+  //   attention_forward: every floating tensor of the call of one half type;
+  //   add: all of one type, or a and y f32 with b half (y = a + b in f32: the residual stream
+  //   kept in f32, as torch.autocast keeps it, taking a half-precision branch);
+  //   layer_norm_forward: x and y each f32 or half, gamma and beta f32 (statistics in f32 or
+  //   wider from the values as stored).
+  // Products accumulate in f32 or wider; each output element is rounded once to its dtype (round to
+  // nearest even, kernels/formulas.h), except that attention may round its probabilities to the
+  // half type before the second product (cuda: the operand of a tensor-core GEMM), as PyTorch's
+  // half-precision attention does. The reference backend computes in f32 from the stored values
+  // and rounds the output once: the oracle. cuda implements these; cpu keeps f32 storage (its bf16
+  // runs through oneDNN's f32-in, bf16-compute primitives) and answers kUnimplemented.
+  //
+  // The dtype in which a model should keep its activations on this backend at its math precision:
+  // f16 / bf16 where the backend has the half-precision ops above and the precision is kFp16 /
+  // kBf16 (cuda), else f32 (models may always run f32).
+  virtual DType activation_dtype() const { return DType::kF32; }
 
   // Bytes the device could still give, before any budget: the host's available memory
   // (sysconf's available pages) for backends in host memory, the GPU's free memory

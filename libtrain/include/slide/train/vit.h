@@ -57,6 +57,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,8 +124,22 @@ class VisionTransformer {
   [[nodiscard]] Status load(const std::string& path);
 
   // features [N, feature_dim()] (overwritten) of images [N, 3, image_size, image_size], both on
-  // the backend's device. Errors: kInvalidArgument for other shapes; the backend's.
+  // the backend's device, f32. Errors: kInvalidArgument for other shapes; the backend's.
+  //
+  // Precision: the trunk's blocks keep their activations (the normalised tokens, qkv, attention,
+  // the MLP) and their linear layers' weights in activation_dtype(). In f16 / bf16 (backend.h,
+  // "Half-precision storage"), as torch.autocast runs a timm ViT: the residual stream (patch
+  // embedding, tokens, the sums after each branch), layer norm's statistics and parameters, the
+  // final norm and the pooling stay f32; each layer norm writes its output in the half type, and
+  // each branch (attention, MLP, scaled by layer scale) is added into the f32 stream. The half
+  // copies of the weights are made once, on the first such forward after load().
   [[nodiscard]] Status forward(const Tensor& images, Tensor& features);
+
+  // The dtype of the trunk's activations and matrix weights: the backend's activation_dtype() (f16
+  // / bf16 on cuda under --precision fp16 / bf16, else f32) unless set_activation_dtype chose one
+  // (kF32, kF16 or kBF16: tests run the half-precision path on the reference backend).
+  DType activation_dtype() const { return act_override_ ? *act_override_ : be_.activation_dtype(); }
+  void set_activation_dtype(DType dtype) { act_override_ = dtype; }
 
   const VitConfig& config() const { return config_; }
   // Every parameter with its timm name (for loading and tests).
@@ -142,8 +157,18 @@ class VisionTransformer {
     Tensor query, q_w, k_w, v_w, in_b, out_w, out_b, ln_q_w, ln_q_b, ln_k_w, ln_k_b, ln_w, ln_b;
   };
 
+  // The blocks' linear weights and biases, and the layer-scale rows, in the half type `half_dtype_`
+  // (kF32: none made yet), cast from the f32 parameters (prepare_half).
+  struct HalfBlock {
+    Tensor qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ls1_rows, ls2_rows;
+  };
+  Status prepare_half(DType half);
+
   Backend& be_;
   VitConfig config_;
+  std::optional<DType> act_override_;  // none: the backend's activation_dtype()
+  DType half_dtype_ = DType::kF32;
+  std::vector<HalfBlock> half_blocks_;
   Tensor cls_token_, reg_token_, pos_embed_, patch_w_, patch_b_, norm_w_, norm_b_;
   std::vector<Block> blocks_;
   AttnPool attn_pool_;

@@ -59,6 +59,11 @@ inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(
                              {"why", *p == slide::train::MathPrecision::kBf16 ? "no AVX512_BF16 or AMX"
                                                                                : "no such mode in oneDNN 2.6"}});
   }
+  // Where the backend keeps inference activations in half precision (cuda under fp16 / bf16: the
+  // ViT's trunk and the CNNs' inference graph), say so.
+  if (const slide::train::DType act = (*be)->activation_dtype(); act != slide::train::DType::kF32)
+    slide::core::log_info("half-precision activations for inference (ViT trunk, CNN inference graph)",
+                          {{"precision", precision}, {"activations", slide::train::dtype_name(act)}});
   return be;
 }
 

@@ -206,7 +206,7 @@ Status prepare_conv(Backend& be, ConvNode* c) {
   return ok_status();
 }
 
-// y = the fused convolution of x (a new activation from the backend's allocator).
+// y = the fused convolution of x (a new activation of x's dtype from the backend's allocator).
 Result<Tensor> run_conv(Backend& be, const ConvNode& c, const Tensor& x) {
   if (x.rank() != 4) return invalid_argument(c.name + ": input " + shape_string(x.shape()) + " is not [N,C,H,W]");
   const int64_t P = conv_out_extent(x.dim(2), c.R, c.p.stride, c.p.pad);
@@ -214,7 +214,7 @@ Result<Tensor> run_conv(Backend& be, const ConvNode& c, const Tensor& x) {
   if (P < 1 || Q < 1)
     return invalid_argument(c.name + ": input " + shape_string(x.shape()) + " is too small for the cut (a " +
                             std::to_string(c.R) + "x" + std::to_string(c.S) + " convolution's output would be empty)");
-  SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({x.dim(0), c.K, P, Q}, DType::kF32, be.allocator(), "activation"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({x.dim(0), c.K, P, Q}, x.dtype(), be.allocator(), "activation"));
   SLIDE_RETURN_IF_ERROR_CTX(be.fused_conv2d_inference(x, *c.prepared, c.p, c.relu, nullptr, y), c.name);
   return y;
 }
@@ -276,7 +276,22 @@ Result<Tensor> InferenceGraph::run(Backend& be, const Tensor& images) const {
     return invalid_argument("inference graph: images " + shape_string(images.shape()) + " " +
                             dtype_name(images.dtype()) + ", expected [N, 3, H, W] f32 with N >= 1");
   const int64_t N = images.dim(0);
+  const DType act = activation_dtype(be);
+  if (act != DType::kF32 && act != DType::kF16 && act != DType::kBF16)
+    return invalid_argument(std::string("inference graph: activations in ") + dtype_name(act) + " (f32, f16 or bf16)");
   Tensor a = images;
+  if (act != DType::kF32) {
+    SLIDE_ASSIGN_OR_RETURN(a, Tensor::empty(images.shape(), act, be.allocator(), "images in half precision"));
+    SLIDE_RETURN_IF_ERROR(be.cast(images, a));
+  }
+  // Half-precision activations back to f32 (before pooling: the features are f32).
+  auto to_f32 = [&](Tensor& t) -> Status {
+    if (t.dtype() == DType::kF32) return ok_status();
+    SLIDE_ASSIGN_OR_RETURN(Tensor wide, Tensor::empty(t.shape(), DType::kF32, be.allocator(), "activation in f32"));
+    SLIDE_RETURN_IF_ERROR(be.cast(t, wide));
+    t = std::move(wide);
+    return ok_status();
+  };
   bool flat = false;  // [N, C] after pooling
   for (const Node& n : nodes_) {
     switch (n.kind) {
@@ -313,13 +328,14 @@ Result<Tensor> InferenceGraph::run(Backend& be, const Tensor& images) const {
         if (P < 1 || Q < 1)
           return invalid_argument(n.name + ": input " + shape_string(a.shape()) +
                                   " is too small for the cut (the pooling's output would be empty)");
-        SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({N, a.dim(1), P, Q}, DType::kF32, be.allocator(), "activation"));
+        SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({N, a.dim(1), P, Q}, a.dtype(), be.allocator(), "activation"));
         SLIDE_RETURN_IF_ERROR_CTX(be.max_pool2d_forward(a, n.pool, y), n.name);
         a = std::move(y);
         break;
       }
       case Node::kGap: {
         if (flat) break;
+        SLIDE_RETURN_IF_ERROR(to_f32(a));
         SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({N, a.dim(1)}, DType::kF32, be.allocator(), "pooled features"));
         SLIDE_RETURN_IF_ERROR_CTX(be.global_avg_pool_forward(a, y), n.name);
         a = std::move(y);
@@ -340,6 +356,7 @@ Result<Tensor> InferenceGraph::run(Backend& be, const Tensor& images) const {
     }
   }
   if (!flat) {
+    SLIDE_RETURN_IF_ERROR(to_f32(a));
     SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty({N, a.dim(1)}, DType::kF32, be.allocator(), "pooled features"));
     SLIDE_RETURN_IF_ERROR_CTX(be.global_avg_pool_forward(a, y), "global average pooling");
     a = std::move(y);

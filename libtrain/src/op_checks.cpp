@@ -135,9 +135,19 @@ Result<ConvDims> validate_fused_conv2d_inference(const Backend* self, const Tens
   SLIDE_RETURN_IF_ERROR(want_shape(op, "b", w.bias(), {d.K}));
   if (residual != nullptr) SLIDE_RETURN_IF_ERROR(want_shape(op, "residual", *residual, {d.N, d.K, d.P, d.Q}));
   const Tensor none;
-  SLIDE_RETURN_IF_ERROR(want_dtype(
-      op, {{"x", &x}, {"w", &w.weight()}, {"b", &w.bias()}, {"residual", residual ? residual : &none}, {"y", &y}},
-      dtypes));
+  if (dtypes.half && is_half(y.dtype())) {
+    // Half-precision storage: x, residual and y of one half type; the prepared weights f32.
+    SLIDE_RETURN_IF_ERROR(
+        want_dtype(op, {{"y", &y}, {"x", &x}, {"residual", residual ? residual : &none}}, dtypes));
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"w", &w.weight()}, {"b", &w.bias()}}, dtypes));
+    if (w.weight().dtype() != DType::kF32)
+      return invalid_argument(std::string(op) + ": the prepared weights are " + dtype_name(w.weight().dtype()) +
+                              ", expected f32 (the backend converts them for half-precision activations)");
+  } else {
+    SLIDE_RETURN_IF_ERROR(want_dtype(
+        op, {{"x", &x}, {"w", &w.weight()}, {"b", &w.bias()}, {"residual", residual ? residual : &none}, {"y", &y}},
+        dtypes));
+  }
   if (x.defined() && y.defined() && x.raw() == y.raw() && x.bytes() > 0)
     return invalid_argument(std::string(op) + ": y must not share x's storage");
   return d;

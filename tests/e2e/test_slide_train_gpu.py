@@ -159,22 +159,26 @@ class TestGpuTrain(unittest.TestCase):
                 probs[backend] = np.array([[float(v) for v in l.split(",")[4:7]] for l in f.read().splitlines()[1:]])
         self.assertEqual(probs["cuda"].shape, (360, 3))
         self.assertLess(np.abs(probs["cuda"] - probs["cpu"]).max(), 1e-4)
-        # slide-embed with that checkpoint: the engine's forward on the GPU against the fused cpu path.
+        # slide-embed with that checkpoint: the inference graph on the GPU against the cpu's, at fp32,
+        # and at fp16 / bf16, where the GPU keeps the graph's activations in f16 / bf16 (half-
+        # precision storage: cuDNN's half convolutions; 2e-2 and 5e-2 of the features' magnitude).
         import h5py
         feats = {}
-        for backend in ("cuda", "cpu"):
-            bags = os.path.join(TMP, "gpu_bags_" + backend)
+        for backend, precision in (("cuda", "fp32"), ("cpu", "fp32"), ("cuda", "fp16"), ("cuda", "bf16")):
+            bags = os.path.join(TMP, "gpu_bags_%s_%s" % (backend, precision))
             r = subprocess.run([EMBED, STORE, "-o", bags, "--weights", os.path.join(out, "checkpoints", "epoch-1-step-0"),
-                                "--backend", backend, "--slides", "lung_aca/lungaca1,lung_n/lungn10"],
+                                "--backend", backend, "--precision", precision,
+                                "--slides", "lung_aca/lungaca1,lung_n/lungn10"],
                                capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
-            feats[backend] = []
+            feats[backend, precision] = []
             for name in sorted(f for f in os.listdir(bags) if f.endswith(".h5")):
                 with h5py.File(os.path.join(bags, name), "r") as f:
-                    feats[backend].append(f["features"][:])
-        self.assertEqual(len(feats["cuda"]), 2)
-        for a, b in zip(feats["cuda"], feats["cpu"]):
-            self.assertLess(float(np.abs(a - b).max()), 1e-4 * max(float(np.abs(b).max()), 1e-6))
+                    feats[backend, precision].append(f["features"][:])
+        for key, tol in ((("cuda", "fp32"), 1e-4), (("cuda", "fp16"), 2e-2), (("cuda", "bf16"), 5e-2)):
+            self.assertEqual(len(feats[key]), 2)
+            for a, b in zip(feats[key], feats["cpu", "fp32"]):
+                self.assertLess(float(np.abs(a - b).max()), tol * max(float(np.abs(b).max()), 1e-6), key)
 
     def test_mixed_precision_training_stays_near_fp32(self):
         # --precision tf32 / bf16 / fp16 on the GPU (fp16 with the dynamic loss scaler): one epoch of
@@ -210,7 +214,8 @@ class TestGpuTrain(unittest.TestCase):
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
         feats = {}
-        for backend, precision in (("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "tf32")):
+        for backend, precision in (("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "tf32"), ("cuda", "fp16"),
+                                   ("cuda", "bf16")):
             bags = os.path.join(TMP, "vit_bags_%s_%s" % (backend, precision))
             r = subprocess.run([EMBED, store, "-o", bags, "--weights", weights, "--model", "vit-b16", "--backend",
                                 backend, "--precision", precision, "--batch-size", "16"],
@@ -221,7 +226,10 @@ class TestGpuTrain(unittest.TestCase):
         ref = feats["cpu", "fp32"]
         self.assertEqual(ref.shape, (40, 768))
         scale = float(np.abs(ref).max())
-        for key, tol in ((("cuda", "fp32"), 1e-4), (("cuda", "tf32"), 1e-2)):
+        # fp16 / bf16: the trunk's activations and linear weights in f16 / bf16 (half-precision
+        # storage), the residual stream f32.
+        for key, tol in ((("cuda", "fp32"), 1e-4), (("cuda", "tf32"), 1e-2), (("cuda", "fp16"), 2e-2),
+                         (("cuda", "bf16"), 5e-2)):
             self.assertEqual(feats[key].shape, ref.shape)
             err = float(np.abs(feats[key].astype(np.float64) - ref).max())
             self.assertLessEqual(err, tol * scale, "%s: features differ by %g (scale %g)" % (key, err, scale))

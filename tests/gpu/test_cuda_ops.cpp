@@ -34,6 +34,8 @@
 #include "slide/train/layers.h"
 #include "slide/train/offload.h"
 #include "slide/train/trainer.h"
+#include "slide/train/embed.h"
+#include "slide/train/inference_graph.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/vit.h"
 
@@ -752,6 +754,71 @@ TEST_CASE("cuda: the ViT at fp16 and bf16 keeps f16 / bf16 activations and match
     // in another order and its attention rounds the probabilities: 16 u, far below a wrong
     // element's order-1 error.
     CHECK(e < 16 * u);
+  }
+}
+
+TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused convolution, max pooling) and "
+          "ResNet-18 cut at layer3 at fp16 / bf16") {
+  // cuDNN's half-precision convolution (f32 compute) rounds its output, then our epilogue adds
+  // bias and residual and rounds again; the reference rounds once: a few roundings apart, plus
+  // cuDNN's own summation order. Bounds in u (f16 2^-11, bf16 2^-8) of compare's normalised error.
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
+  for (const DType half : {DType::kF16, DType::kBF16}) {
+    const std::string name = dtype_name(half);
+    CAPTURE(name);
+    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const Conv2dParams p{2, 1};
+    const int64_t N = 3, C = 13, H = 9, W = 9, K = 16, R = 3, P = 5;
+    const Pair w = make({K, C, R, R}, 221, -0.3, 0.3), b = make({K}, 222);
+    auto ref_w = ref().prepare_fused_conv2d(w.f, b.f);
+    auto gpu_w = gpu().prepare_fused_conv2d(w.f, b.f);
+    REQUIRE(ref_w.ok());
+    REQUIRE(gpu_w.ok());
+    const Tensor x = host_half({N, C, H, W}, 223, half), z = host_half({N, K, P, P}, 224, half);
+    for (int variant = 0; variant < 3; ++variant) {  // ReLU; ReLU + residual in place (a block's last); no ReLU
+      CAPTURE(variant);
+      Tensor want = variant == 1 ? *z.clone() : empty_on(ref(), {N, K, P, P}, half);
+      Tensor got = variant == 1 ? up(z) : empty_on(gpu(), {N, K, P, P}, half);
+      const bool relu = variant != 2;
+      OK(ref().fused_conv2d_inference(x, **ref_w, p, relu, variant == 1 ? &want : nullptr, want));
+      OK(gpu().fused_conv2d_inference(up(x), **gpu_w, p, relu, variant == 1 ? &got : nullptr, got));
+      const double e = worst_of(device_values(got), host_values(want));
+      MESSAGE(name, " fused convolution (variant ", variant, "): ", e / u, " u");
+      CHECK(e <= 4 * u);
+    }
+    const Tensor mp = host_half({2, 5, 9, 9}, 225, half, -4, 4);
+    Tensor want_mp = empty_on(ref(), {2, 5, 5, 5}, half), got_mp = empty_on(gpu(), {2, 5, 5, 5}, half);
+    OK(ref().max_pool2d_forward(mp, Pool2dParams{3, 2, 1}, want_mp));
+    OK(gpu().max_pool2d_forward(up(mp), Pool2dParams{3, 2, 1}, got_mp));
+    CHECK(device_values(got_mp) == host_values(want_mp));  // a maximum is chosen, not computed
+  }
+  // The graph as slide-embed runs it on cuda (the backend's activation dtype) against the
+  // reference's f32 graph.
+  auto model = make_resnet(cpu_allocator(), DType::kF32, 18, 3, 226);
+  REQUIRE(model.ok());
+  auto cut = find_cut(**model, "layer3");
+  REQUIRE(cut.ok());
+  auto graph = InferenceGraph::build(**model, *cut);
+  REQUIRE(graph.ok());
+  const Pair images = make({4, 3, 64, 64}, 227, -2, 2);
+  OK(graph->prepare(ref()));
+  auto want = graph->run(ref(), images.f);
+  REQUIRE(want.ok());
+  OK(graph->prepare(gpu()));
+  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
+    const std::string name = math_precision_name(prec);
+    CAPTURE(name);
+    OK(gpu().set_math_precision(prec));
+    CHECK(graph->activation_dtype(gpu()) == half);
+    auto got = graph->run(gpu(), up(images.f));
+    REQUIRE_MESSAGE(got.ok(), got.status().to_string());
+    CHECK(got->dtype() == DType::kF32);
+    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double e = worst_of(device_values(*got), host_values(*want));
+    MESSAGE(name, " ResNet-18 layer3 features against the reference's f32 graph: ", e / u, " u");
+    CHECK(e < 16 * u);  // the reference's own half graph: 1.0 to 1.3 u (test_half_storage.cpp)
   }
 }
 

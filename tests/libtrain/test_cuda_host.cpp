@@ -128,7 +128,9 @@ TEST_CASE("ConvKey: every field tells shapes apart") {
   k = base, k.pad = 1, differs(k);
   k = base, k.math = cuda::ConvMath::kTensorOp, differs(k);
   k = base, k.math = cuda::ConvMath::kTensorOpConvert, differs(k);
-  CHECK(keys.size() == 13);
+  k = base, k.storage = cuda::ConvStorage::kF16, differs(k);
+  k = base, k.storage = cuda::ConvStorage::kBF16, differs(k);
+  CHECK(keys.size() == 15);
   CHECK(keys.count(base) == 1);
 }
 

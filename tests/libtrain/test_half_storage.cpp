@@ -14,7 +14,12 @@
 #include "../../libtrain/src/kernels/formulas.h"
 #include "slide/train/backend.h"
 #include "slide/train/checkpoint.h"
+#include "slide/train/embed.h"
+#include "slide/train/inference_graph.h"
+#include "slide/train/layers.h"
 #include "slide/train/vit.h"
+#include "slide/tile/pipeline.h"
+#include "test_fixtures.h"
 #include "test_util.h"
 
 using namespace slide::train;
@@ -72,7 +77,8 @@ double unit_roundoff(DType t) { return t == DType::kF16 ? std::ldexp(1.0, -11) :
 TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f16 / bf16 equal the f32 ops "
           "on the same values, rounded once") {
   for (const DType half : {DType::kF16, DType::kBF16}) {
-    CAPTURE(dtype_name(half));
+    const std::string half_name = dtype_name(half);
+    CAPTURE(half_name);
     const double u = unit_roundoff(half);
     // Inputs already representable in the half type, so the f32 op sees the same values.
     const Tensor x = as(as(random_f32({7, 24}, 1), half), DType::kF32), w = as(as(random_f32({13, 24}, 2, -0.5, 0.5), half), DType::kF32),
@@ -130,7 +136,8 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
 
 TEST_CASE("half storage: add takes a half branch into an f32 stream; layer norm reads and writes either") {
   for (const DType half : {DType::kF16, DType::kBF16}) {
-    CAPTURE(dtype_name(half));
+    const std::string half_name = dtype_name(half);
+    CAPTURE(half_name);
     const Tensor a = random_f32({6, 10}, 11, -3, 3), bh = as(random_f32({6, 10}, 12), half);
     Tensor y = *Tensor::empty({6, 10}, DType::kF32, cpu_allocator());
     OK(ref().add(a, bh, y));
@@ -238,7 +245,8 @@ TEST_CASE("ViT trunk with f16 / bf16 activations (as torch.autocast runs it) aga
     Tensor f32 = *Tensor::empty({N, F}, DType::kF32, cpu_allocator());
     OK(vit->forward(images, f32));
     for (const DType half : {DType::kF16, DType::kBF16}) {
-      CAPTURE(dtype_name(half));
+      const std::string half_name = dtype_name(half);
+      CAPTURE(half_name);
       vit->set_activation_dtype(half);
       REQUIRE(vit->activation_dtype() == half);
       Tensor fh = *Tensor::empty({N, F}, DType::kF32, cpu_allocator());
@@ -262,4 +270,51 @@ TEST_CASE("ViT trunk with f16 / bf16 activations (as torch.autocast runs it) aga
     vit->set_activation_dtype(DType::kF64);
     CHECK(vit->forward(images, back).code() == StatusCode::kInvalidArgument);
   }
+}
+
+TEST_CASE("CNN inference graph with f16 / bf16 activations (ResNet-18 cut at layer3) against its f32 run, on the "
+          "reference") {
+  auto model = make_resnet(cpu_allocator(), DType::kF32, 18, 3, 61);
+  REQUIRE(model.ok());
+  testing::randomise_bn(**model, 62);
+  auto cut = find_cut(**model, "layer3");
+  REQUIRE(cut.ok());
+  auto graph = InferenceGraph::build(**model, *cut);
+  REQUIRE_MESSAGE(graph.ok(), graph.status().to_string());
+  OK(graph->prepare(ref()));
+  CHECK(graph->activation_dtype(ref()) == DType::kF32);
+  const Tensor images = random_f32({2, 3, 32, 32}, 63, -2, 2);
+  auto f32 = graph->run(ref(), images);
+  REQUIRE_MESSAGE(f32.ok(), f32.status().to_string());
+  REQUIRE(f32->dtype() == DType::kF32);
+  for (const DType half : {DType::kF16, DType::kBF16}) {
+    const std::string half_name = dtype_name(half);
+    CAPTURE(half_name);
+    graph->set_activation_dtype(half);
+    auto got = graph->run(ref(), images);
+    REQUIRE_MESSAGE(got.ok(), got.status().to_string());
+    REQUIRE(got->dtype() == DType::kF32);  // the pooled features stay f32
+    REQUIRE(got->shape() == f32->shape());
+    // 7 fused convolutions (and a max pooling) deep, each output rounded to the half type.
+    const double err = worst_error(values(*got), values(*f32));
+    MESSAGE(std::string(dtype_name(half)), " layer3 features: ", err / unit_roundoff(half), " u from the f32 graph");
+    CHECK(err < 4 * unit_roundoff(half));  // measured 1.0 (f16) and 1.3 (bf16)
+    CHECK(err > 0);  // the half path ran
+  }
+  // The fused convolution refuses half weights, and an x of another half type than y.
+  graph->set_activation_dtype(DType::kF64);
+  CHECK(graph->run(ref(), images).status().code() == StatusCode::kInvalidArgument);
+  const Tensor w16 = as(random_f32({4, 3, 3, 3}, 64), DType::kF16);
+  auto prepared = ref().prepare_fused_conv2d(w16, Tensor());
+  REQUIRE(prepared.ok());
+  const Tensor x16 = as(random_f32({1, 3, 5, 5}, 65), DType::kF16);
+  Tensor y16 = *Tensor::empty({1, 4, 5, 5}, DType::kF16, cpu_allocator());
+  CHECK(ref().fused_conv2d_inference(x16, **prepared, Conv2dParams{1, 1}, true, nullptr, y16).code() ==
+        StatusCode::kInvalidArgument);
+  auto prepared32 = ref().prepare_fused_conv2d(random_f32({4, 3, 3, 3}, 64), Tensor());
+  REQUIRE(prepared32.ok());
+  const Tensor xbf = as(random_f32({1, 3, 5, 5}, 65), DType::kBF16);
+  CHECK(ref().fused_conv2d_inference(xbf, **prepared32, Conv2dParams{1, 1}, true, nullptr, y16).code() ==
+        StatusCode::kInvalidArgument);
+  OK(ref().fused_conv2d_inference(x16, **prepared32, Conv2dParams{1, 1}, true, nullptr, y16));
 }

@@ -61,18 +61,23 @@ inline GemmCompute gemm_compute(MathPrecision p) {
 // algorithm is chosen and cached apart from the plain forward's.
 enum class ConvDirection : uint8_t { kForward = 0, kBackwardData = 1, kBackwardFilter = 2, kForwardFused = 3 };
 
+// The tensors' storage type: f32, or the half-precision storage of the inference graph (backend.h).
+enum class ConvStorage : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
 struct ConvKey {
   ConvDirection direction = ConvDirection::kForward;
   int64_t N = 0, C = 0, H = 0, W = 0, K = 0, R = 0, S = 0;
   int stride = 1, pad = 0;
   ConvMath math = ConvMath::kFma;  // an algorithm chosen for FMA math is not the tensor-op one's
+  ConvStorage storage = ConvStorage::kF32;  // nor one chosen for f32 tensors the f16 one's
   bool operator==(const ConvKey&) const = default;
 };
 
 struct ConvKeyHash {
   size_t operator()(const ConvKey& k) const {
     size_t h = static_cast<size_t>(k.direction);
-    for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}, static_cast<int64_t>(k.math)})
+    for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}, static_cast<int64_t>(k.math),
+                      static_cast<int64_t>(k.storage)})
       h = h * 1000003u ^ std::hash<int64_t>{}(v);
     return h;
   }

@@ -267,14 +267,15 @@ struct TensorDesc {
   ~TensorDesc() {
     if (d) (void)cudnnDestroyTensorDescriptor(d);
   }
-  Status set(int64_t n, int64_t c, int64_t h, int64_t w) {
+  // dt: CUDNN_DATA_FLOAT, or CUDNN_DATA_HALF / CUDNN_DATA_BFLOAT16 for half-precision storage.
+  Status set(int64_t n, int64_t c, int64_t h, int64_t w, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
     if (!fits_cudnn_descriptor(n, c, h, w))
       return slide::core::resource_exhausted("cuda: a " + std::to_string(n) + "x" + std::to_string(c) + "x" +
                                              std::to_string(h) + "x" + std::to_string(w) +
                                              " tensor is past cuDNN's 2^31-1 elements; a smaller micro-batch runs");
     SLIDE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
-    SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, static_cast<int>(n),
-                                                 static_cast<int>(c), static_cast<int>(h), static_cast<int>(w)));
+    SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, dt, static_cast<int>(n), static_cast<int>(c),
+                                                 static_cast<int>(h), static_cast<int>(w)));
     return ok_status();
   }
 };
@@ -284,10 +285,10 @@ struct FilterDesc {
   ~FilterDesc() {
     if (d) (void)cudnnDestroyFilterDescriptor(d);
   }
-  Status set(int64_t k, int64_t c, int64_t r, int64_t s) {
+  Status set(int64_t k, int64_t c, int64_t r, int64_t s, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
     SLIDE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d));
-    SLIDE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, static_cast<int>(k),
-                                                 static_cast<int>(c), static_cast<int>(r), static_cast<int>(s)));
+    SLIDE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, dt, CUDNN_TENSOR_NCHW, static_cast<int>(k), static_cast<int>(c),
+                                                 static_cast<int>(r), static_cast<int>(s)));
     return ok_status();
   }
 };
@@ -332,16 +333,18 @@ struct ActivationDesc {
   }
 };
 
-// The descriptors of one convolution, checked against the op list's geometry.
+// The descriptors of one convolution, checked against the op list's geometry. dt: the tensors'
+// and filter's data type; the convolution computes in f32 either way (cuDNN's FLOAT_CONFIG, or
+// PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG for half-precision storage).
 struct ConvDescs {
   TensorDesc x, y;
   FilterDesc w;
   ConvDesc conv;
-  Status set(const detail::ConvDims& d, Conv2dParams p, ConvMath math) {
-    SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W));
-    SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S));
+  Status set(const detail::ConvDims& d, Conv2dParams p, ConvMath math, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
+    SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W, dt));
+    SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S, dt));
     SLIDE_RETURN_IF_ERROR(conv.set(p, math));
-    SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q));
+    SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q, dt));
     int n = 0, c = 0, h = 0, wd = 0;
     SLIDE_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(conv.d, x.d, w.d, &n, &c, &h, &wd));
     if (n != d.N || c != d.K || h != d.P || wd != d.Q)
@@ -371,6 +374,22 @@ CastType storage(DType t) {
 cudaDataType_t cublas_type(DType t) {
   return t == DType::kF16 ? CUDA_R_16F : t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
+cudnnDataType_t cudnn_type(DType t) {
+  return t == DType::kF16 ? CUDNN_DATA_HALF : t == DType::kBF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+}
+ConvStorage conv_storage(DType t) {
+  return t == DType::kF16 ? ConvStorage::kF16 : t == DType::kBF16 ? ConvStorage::kBF16 : ConvStorage::kF32;
+}
+
+// A fused convolution's weights prepared on cuda: the default prepare's f32 device copies, and
+// their half-precision copies for the inference graph's f16 / bf16 activations, made on first use
+// and kept (one half type at a time; not thread-safe, like the backend).
+class CudaFusedConvWeights final : public FusedConvWeights {
+ public:
+  using FusedConvWeights::FusedConvWeights;
+  mutable Tensor w_half, b_half;
+  mutable DType half = DType::kF32;  // kF32: no half copies yet
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -491,11 +510,17 @@ class CudaBackend final : public Backend {
   // cuDNN runs as convolution, then epilogue, would write y before reading z. A shape cuDNN
   // answers NOT_SUPPORTED for is remembered and runs composed (conv2d_forward, add, relu_forward).
   // The weights are the default prepare's: plain copies on the device.
+  Result<std::shared_ptr<const FusedConvWeights>> prepare_fused_conv2d(const Tensor& w, const Tensor& b) override {
+    SLIDE_ASSIGN_OR_RETURN(std::shared_ptr<const FusedConvWeights> plain, Backend::prepare_fused_conv2d(w, b));
+    return std::shared_ptr<const FusedConvWeights>(
+        std::make_shared<CudaFusedConvWeights>(this, plain->weight(), plain->bias()));
+  }
   Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& wts, Conv2dParams p, bool relu,
                                 const Tensor* residual, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_fused_conv2d_inference(this, x, wts, p, residual, y, kDTypes));
+                           detail::validate_fused_conv2d_inference(this, x, wts, p, residual, y, kHalfDTypes));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
+    if (detail::is_half(y.dtype())) return fused_conv_half(x, wts, p, relu, residual, y, d);
     const Tensor& w = wts.weight();
     const Tensor& b = wts.bias();
     Tensor aside;
@@ -540,6 +565,51 @@ class CudaBackend final : public Backend {
       st_->unfused.insert(key);
     }
     return composed();
+  }
+
+  // fused_conv2d_inference on half-precision storage (the inference graph under fp16 / bf16):
+  // cudnnConvolutionForward on f16 / bf16 tensors and filter with f32 compute (cuDNN's
+  // PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, the configuration PyTorch's half convolutions
+  // use), then one kernel for bias, residual and ReLU (launch_conv_epilogue), rather than
+  // cudnnConvolutionBiasActivationForward, whose half-precision bias type and algorithm limits
+  // could not be checked without a GPU. The convolution goes to scratch when y is the residual.
+  Status fused_conv_half(const Tensor& x, const FusedConvWeights& wts, Conv2dParams p, bool relu,
+                         const Tensor* residual, Tensor& y, const detail::ConvDims& d) {
+    const auto* cw = dynamic_cast<const CudaFusedConvWeights*>(&wts);
+    if (cw == nullptr)
+      return slide::core::internal_error("cuda fused_conv2d_inference: weights not prepared by prepare_fused_conv2d");
+    const DType half = y.dtype();
+    if (cw->half != half) {
+      SLIDE_ASSIGN_OR_RETURN(Tensor wh, Tensor::empty(cw->weight().shape(), half, *st_->alloc, "fused convolution weights"));
+      SLIDE_ASSIGN_OR_RETURN(Tensor bh, Tensor::empty(cw->bias().shape(), half, *st_->alloc, "fused convolution bias"));
+      SLIDE_RETURN_IF_ERROR(cast(cw->weight(), wh));
+      SLIDE_RETURN_IF_ERROR(cast(cw->bias(), bh));
+      cw->w_half = std::move(wh);
+      cw->b_half = std::move(bh);
+      cw->half = half;
+    }
+    Tensor c = y;
+    if (residual != nullptr && residual->raw() == y.raw()) {
+      SLIDE_ASSIGN_OR_RETURN(c, Tensor::empty(y.shape(), half, *st_->alloc, "fused convolution output"));
+    }
+    ConvKey key = conv_key(ConvDirection::kForward, d, p);
+    key.storage = conv_storage(half);
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    auto candidates = [&] { return forward_candidates(ds); };
+    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
+      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, x.raw(), ds.w.d, cw->w_half.raw(), ds.conv.d,
+                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
+                                                ds.y.d, c.raw()));
+      return ok_status();
+    };
+    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
+    SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), c.raw(), cw->b_half.raw(),
+                                          residual != nullptr ? residual->raw() : nullptr, y.raw(), d.N, d.K,
+                                          d.P * d.Q, relu, st_->stream));
+    return ok_status();
   }
 
   // Backend::conv_workspace_bytes: the workspace each pass's run_conv would take (planned_workspace).
@@ -860,9 +930,9 @@ class CudaBackend final : public Backend {
   // --- Pooling ---
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kDTypes));
-    SLIDE_CUDA_CHECK(launch_max_pool_forward(f32(x), f32(y), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel, p.stride, p.pad,
-                                             st_->stream));
+                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_max_pool_forward(storage(x.dtype()), x.raw(), y.raw(), d.N * d.C, d.H, d.W, d.P, d.Q,
+                                             p.kernel, p.stride, p.pad, st_->stream));
     return ok_status();
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {

@@ -305,12 +305,34 @@ __global__ void __launch_bounds__(kBnBlock)
 }
 
 // --- Pooling ---
-__global__ void max_pool_forward_kernel(const float* x, float* y, int64_t H, int64_t W, int64_t P, int64_t Q,
-                                        int kernel, int stride, int pad, int64_t n) {
+// Stored elements seen as their f32 values (max_pool_argmax's comparisons).
+template <typename S>
+struct Loaded {
+  const typename S::T* p;
+  __device__ float operator[](int64_t i) const { return S::load(p[i]); }
+};
+
+template <typename S>
+__global__ void max_pool_forward_kernel(const typename S::T* x, typename S::T* y, int64_t H, int64_t W, int64_t P,
+                                        int64_t Q, int kernel, int stride, int pad, int64_t n) {
+  const Loaded<S> xv{x};
   SLIDE_GRID_STRIDE(o, n) {
     const int64_t nc = o / (P * Q), oh = (o / Q) % P, ow = o % Q;
-    const int64_t best = fm::max_pool_argmax(x, nc, oh, ow, H, W, kernel, stride, pad);
-    y[o] = best >= 0 ? x[best] : 0.0f;
+    const int64_t best = fm::max_pool_argmax(xv, nc, oh, ow, H, W, kernel, stride, pad);
+    y[o] = best >= 0 ? x[best] : S::store(0.0f);
+  }
+}
+
+// The fused inference convolution's epilogue on half-precision storage: y = ReLU(c + b[k] + z)
+// (ReLU when `relu`; z null for none), in f32, rounded once. c is the convolution's output [N, K,
+// inner]; y may be c or z (each element read before it is written, by the same thread).
+template <typename S>
+__global__ void conv_epilogue_kernel(const typename S::T* c, const typename S::T* b, const typename S::T* z,
+                                     typename S::T* y, int64_t K, int64_t inner, bool relu, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) {
+    float v = S::load(c[i]) + S::load(b[(i / inner) % K]);
+    if (z != nullptr) v += S::load(z[i]);
+    y[i] = S::store(relu ? fm::relu(v) : v);
   }
 }
 
@@ -744,8 +766,27 @@ cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const floa
 }
 cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
                                     int kernel, int stride, int pad, cudaStream_t stream) {
-  return launch_grid_stride(NC * P * Q, stream, max_pool_forward_kernel, x, y, H, W, P, Q, kernel, stride, pad,
-                            NC * P * Q);
+  return launch_max_pool_forward(CastType::kF32, x, y, NC, H, W, P, Q, kernel, stride, pad, stream);
+}
+cudaError_t launch_max_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t H, int64_t W, int64_t P,
+                                    int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(NC * P * Q, stream, max_pool_forward_kernel<S>, static_cast<const T*>(x),
+                              static_cast<T*>(y), H, W, P, Q, kernel, stride, pad, NC * P * Q);
+  });
+}
+cudaError_t launch_conv_epilogue(CastType t, const void* c, const void* b, const void* z, void* y, int64_t N, int64_t K,
+                                 int64_t inner, bool relu, cudaStream_t stream) {
+  if (K < 1 || inner < 1) return N * K * inner == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(N * K * inner, stream, conv_epilogue_kernel<S>, static_cast<const T*>(c),
+                              static_cast<const T*>(b), static_cast<const T*>(z), static_cast<T*>(y), K, inner, relu,
+                              N * K * inner);
+  });
 }
 cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
                                      int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {

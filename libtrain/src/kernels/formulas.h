@@ -200,8 +200,10 @@ SLIDE_HD T bn_input_grad(T dy, double xhat, double k, double m, double sum_dy, d
 // The flat index into x[N*C, H, W] of the first maximum of output (nc, oh, ow)'s window, scanning
 // rows then columns and skipping padded positions (PyTorch's tie rule: the first maximum wins);
 // -1 when the window holds no input position.
-template <typename T>
-SLIDE_HD int64_t max_pool_argmax(const T* x, int64_t nc, int64_t oh, int64_t ow, int64_t H, int64_t W, int kernel,
+// x: a pointer, or any value with operator[](int64_t) giving comparable values (cuda's view of
+// half-precision storage as f32).
+template <typename X>
+SLIDE_HD int64_t max_pool_argmax(X x, int64_t nc, int64_t oh, int64_t ow, int64_t H, int64_t W, int kernel,
                                  int stride, int pad) {
   int64_t best = -1;
   for (int64_t r = 0; r < kernel; ++r) {

@@ -454,7 +454,25 @@ class ReferenceBackend final : public Backend {
   }
 
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, detail::with_half(dtypes_))
+              .status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return max_pool(f[0], nullptr, p, &out, nullptr); });
+    }
     return max_pool(x, nullptr, p, &y, nullptr);
+  }
+  // The op list's composition (fused_conv.cpp); half-precision x, residual and y through f32.
+  Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& w, Conv2dParams p, bool relu,
+                                const Tensor* residual, Tensor& y) override {
+    if (!detail::is_half(y.dtype())) return Backend::fused_conv2d_inference(x, w, p, relu, residual, y);
+    SLIDE_RETURN_IF_ERROR(
+        detail::validate_fused_conv2d_inference(this, x, w, p, residual, y, detail::with_half(dtypes_)).status());
+    const Tensor none;
+    // The residual is copied to f32 before y (which it may be) is written.
+    return via_f32({&x, residual ? residual : &none}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+      return Backend::fused_conv2d_inference(f[0], w, p, relu, residual ? &f[1] : nullptr, out);
+    });
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
     return max_pool(x, &dy, p, nullptr, &dx);

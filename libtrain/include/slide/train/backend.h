@@ -164,11 +164,15 @@ class Backend {
   //   add: all of one type, or a and y f32 with b half (y = a + b in f32: the residual stream
   //   kept in f32, as torch.autocast keeps it, taking a half-precision branch);
   //   layer_norm_forward: x and y each f32 or half, gamma and beta f32 (statistics in f32 or
-  //   wider from the values as stored).
+  //   wider from the values as stored);
+  //   fused_conv2d_inference: x, residual and y of one half type, the weights as prepared (f32:
+  //   the backend keeps half copies); max_pool2d_forward: x and y of one half type (a CNN's
+  //   inference graph: InferenceGraph::run).
   // Products accumulate in f32 or wider; each output element is rounded once to its dtype (round to
   // nearest even, kernels/formulas.h), except that attention may round its probabilities to the
   // half type before the second product (cuda: the operand of a tensor-core GEMM), as PyTorch's
-  // half-precision attention does. The reference backend computes in f32 from the stored values
+  // half-precision attention does, and the fused convolution may round the convolution's output
+  // before adding bias and residual (cuda: cuDNN's half-precision convolution, then one kernel). The reference backend computes in f32 from the stored values
   // and rounds the output once: the oracle. cuda implements these; cpu keeps f32 storage (its bf16
   // runs through oneDNN's f32-in, bf16-compute primitives) and answers kUnimplemented.
   //

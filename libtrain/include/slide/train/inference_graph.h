@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "slide/core/status.h"
@@ -52,7 +53,17 @@ class InferenceGraph {
   // [N,D] f32 on be's device, from be.allocator(). Errors: kFailedPrecondition (not prepared for
   // `be`), kInvalidArgument (not [N,3,H,W], N < 1, an input too small for the cut: an op's
   // message naming the node), the backend's (kResourceExhausted past its budget).
+  // The activations between the nodes are in activation_dtype(be): with f16 / bf16 (backend.h,
+  // "Half-precision storage"; cuda under --precision fp16 / bf16) the images are cast to it first,
+  // each fused convolution (its weights kept f32 by the graph, converted by the backend) and max
+  // pooling reads and writes it, and the activations are cast back to f32 before the global
+  // average pooling, so the features and a final Linear are f32.
   [[nodiscard]] Result<Tensor> run(Backend& be, const Tensor& images) const;
+
+  // The activations' dtype on `be`: its activation_dtype() unless set_activation_dtype chose one
+  // (kF32, kF16, kBF16: tests run the half-precision graph on the reference backend).
+  DType activation_dtype(const Backend& be) const { return act_override_ ? *act_override_ : be.activation_dtype(); }
+  void set_activation_dtype(DType dtype) { act_override_ = dtype; }
 
   struct Node;
 
@@ -61,6 +72,7 @@ class InferenceGraph {
   std::vector<Node> nodes_;
   int64_t feature_dim_ = 0;
   const Backend* prepared_for_ = nullptr;
+  std::optional<DType> act_override_;
 };
 
 }  // namespace slide::train

@@ -284,11 +284,13 @@ Result<Tensor> InferenceGraph::run(Backend& be, const Tensor& images) const {
     SLIDE_ASSIGN_OR_RETURN(a, Tensor::empty(images.shape(), act, be.allocator(), "images in half precision"));
     SLIDE_RETURN_IF_ERROR(be.cast(images, a));
   }
-  // Half-precision activations back to f32 (before pooling: the features are f32).
+  // Half-precision activations back to f32 (before pooling: the features are f32), plain first (a
+  // backend may keep them channels last: cuda).
   auto to_f32 = [&](Tensor& t) -> Status {
     if (t.dtype() == DType::kF32) return ok_status();
+    SLIDE_ASSIGN_OR_RETURN(const Tensor plain, be.to_plain(t));
     SLIDE_ASSIGN_OR_RETURN(Tensor wide, Tensor::empty(t.shape(), DType::kF32, be.allocator(), "activation in f32"));
-    SLIDE_RETURN_IF_ERROR(be.cast(t, wide));
+    SLIDE_RETURN_IF_ERROR(be.cast(plain, wide));
     t = std::move(wide);
     return ok_status();
   };

@@ -37,6 +37,7 @@ const char* layout_name(Layout l) {
     case Layout::kPlain: return "plain";
     case Layout::kNChw8c: return "nChw8c";
     case Layout::kNChw16c: return "nChw16c";
+    case Layout::kNhwc: return "nhwc";
   }
   return "?";
 }
@@ -157,6 +158,9 @@ Result<Tensor> Tensor::view(int64_t offset, const Shape& shape) const {
 }
 
 Status Tensor::set_layout(Layout layout) {
+  if (layout == Layout::kNhwc && rank() != 4)
+    return slide::core::invalid_argument("layout nhwc for a tensor of shape " + shape_string(shape_) +
+                                         ": needs [N, C, H, W]");
   const int64_t block = layout == Layout::kNChw8c ? 8 : layout == Layout::kNChw16c ? 16 : 1;
   if (block > 1 && (rank() != 4 || dim(1) % block != 0))
     return slide::core::invalid_argument(std::string("layout ") + layout_name(layout) + " for a tensor of shape " +

@@ -573,11 +573,14 @@ Tensor host_as(const Tensor& t, DType dtype) {
 Tensor host_half(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
   return host_as(make(s, seed, lo, hi).f, half);
 }
-// The device tensor's values as host f32 (downloaded, then widened by the reference's cast).
+// The device tensor's values as host f32 (made plain: channels last is cuda's layout for the
+// inference graph's half activations; downloaded, then widened by the reference's cast).
 std::vector<float> device_values(const Tensor& dev) {
   auto host = Tensor::empty(dev.shape(), dev.dtype(), cpu_allocator(), "download");
   REQUIRE(host.ok());
-  down(dev, *host);
+  auto plain = gpu().to_plain(dev);
+  REQUIRE_MESSAGE(plain.ok(), plain.status().to_string());
+  down(*plain, *host);
   const Tensor f = dev.dtype() == DType::kF32 ? *host : host_as(*host, DType::kF32);
   return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
 }
@@ -784,6 +787,8 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
       const bool relu = variant != 2;
       OK(ref().fused_conv2d_inference(x, **ref_w, p, relu, variant == 1 ? &want : nullptr, want));
       OK(gpu().fused_conv2d_inference(up(x), **gpu_w, p, relu, variant == 1 ? &got : nullptr, got));
+      // Channels last without a residual; the residual's layout (here plain) with one.
+      CHECK(got.layout() == (variant == 1 ? Layout::kPlain : Layout::kNhwc));
       const double e = worst_of(device_values(got), host_values(want));
       MESSAGE(name, " fused convolution (variant ", variant, "): ", e / u, " u");
       CHECK(e <= 4 * u);
@@ -793,6 +798,22 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
     OK(ref().max_pool2d_forward(mp, Pool2dParams{3, 2, 1}, want_mp));
     OK(gpu().max_pool2d_forward(up(mp), Pool2dParams{3, 2, 1}, got_mp));
     CHECK(device_values(got_mp) == host_values(want_mp));  // a maximum is chosen, not computed
+    // Channels last in, channels last out: the same maxima (a fused convolution's NHWC output, then
+    // pooling, against the reference's plain pair).
+    Tensor conv_ref = empty_on(ref(), {N, K, P, P}, half), conv_gpu = empty_on(gpu(), {N, K, P, P}, half);
+    OK(ref().fused_conv2d_inference(x, **ref_w, p, true, nullptr, conv_ref));
+    OK(gpu().fused_conv2d_inference(up(x), **gpu_w, p, true, nullptr, conv_gpu));
+    REQUIRE(conv_gpu.layout() == Layout::kNhwc);
+    Tensor pool_ref = empty_on(ref(), {N, K, 3, 3}, half), pool_gpu = empty_on(gpu(), {N, K, 3, 3}, half);
+    OK(ref().max_pool2d_forward(conv_ref, Pool2dParams{3, 2, 1}, pool_ref));
+    OK(gpu().max_pool2d_forward(conv_gpu, Pool2dParams{3, 2, 1}, pool_gpu));
+    CHECK(pool_gpu.layout() == Layout::kNhwc);
+    CHECK(worst_of(device_values(pool_gpu), host_values(pool_ref)) <= 4 * u);  // the convolution's differences
+    // to_plain of channels last is a plain copy (its values: device_values above reads through it).
+    auto plain = gpu().to_plain(conv_gpu);
+    REQUIRE(plain.ok());
+    CHECK(plain->layout() == Layout::kPlain);
+    CHECK(plain->raw() != conv_gpu.raw());
   }
   // The graph as slide-embed runs it on cuda (the backend's activation dtype) against the
   // reference's f32 graph.

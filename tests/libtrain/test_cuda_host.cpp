@@ -3,6 +3,8 @@
 // door (Backend::upload / download) on host backends.
 #include <doctest/doctest.h>
 
+#include <array>
+
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -106,6 +108,23 @@ TEST_CASE("fits_cudnn_descriptor: at most 2^31 - 1 elements, products checked wi
   CHECK_FALSE(cuda::fits_cudnn_descriptor(-1, 3, 224, 224));
 }
 
+TEST_CASE("nhwc_position: element (n, c, h, w) of an NCHW walk lands at [n][h][w][c], a permutation") {
+  for (auto [N, C, H, W] : {std::array<int64_t, 4>{2, 3, 4, 5}, std::array<int64_t, 4>{1, 16, 7, 7},
+                            std::array<int64_t, 4>{3, 1, 2, 9}}) {
+    std::vector<int> hits(static_cast<size_t>(N * C * H * W), 0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t w = 0; w < W; ++w) {
+            const int64_t j = ((n * C + c) * H + h) * W + w;
+            const int64_t at = kernels::nhwc_position(j, C, H * W);
+            REQUIRE(at == ((n * H + h) * W + w) * C + c);
+            ++hits[static_cast<size_t>(at)];
+          }
+    for (int h : hits) REQUIRE(h == 1);
+  }
+}
+
 TEST_CASE("ConvKey: every field tells shapes apart") {
   using cuda::ConvKey;
   const ConvKey base{cuda::ConvDirection::kForward, 8, 3, 224, 224, 64, 7, 7, 2, 3};
@@ -130,7 +149,8 @@ TEST_CASE("ConvKey: every field tells shapes apart") {
   k = base, k.math = cuda::ConvMath::kTensorOpConvert, differs(k);
   k = base, k.storage = cuda::ConvStorage::kF16, differs(k);
   k = base, k.storage = cuda::ConvStorage::kBF16, differs(k);
-  CHECK(keys.size() == 15);
+  k = base, k.nhwc = true, differs(k);
+  CHECK(keys.size() == 16);
   CHECK(keys.count(base) == 1);
 }
 

@@ -836,6 +836,7 @@ class OneDnnBackend final : public Backend {
   memory::desc md_in(const Shape& s, Layout l) const {
     if (l == Layout::kNChw8c) return plain(s, tag::nChw8c);
     if (l == Layout::kNChw16c) return plain(s, tag::nChw16c);
+    if (l == Layout::kNhwc) return plain(s, tag::nhwc);  // (cuda produces it; never reaches cpu)
     static const tag row_major[] = {tag::undef, tag::a, tag::ab, tag::abc, tag::abcd, tag::abcde};
     return plain(s, s.size() < 6 ? row_major[s.size()] : tag::undef);
   }

@@ -70,6 +70,7 @@ struct ConvKey {
   int stride = 1, pad = 0;
   ConvMath math = ConvMath::kFma;  // an algorithm chosen for FMA math is not the tensor-op one's
   ConvStorage storage = ConvStorage::kF32;  // nor one chosen for f32 tensors the f16 one's
+  bool nhwc = false;                        // nor NCHW's the channels-last one's
   bool operator==(const ConvKey&) const = default;
 };
 
@@ -77,7 +78,7 @@ struct ConvKeyHash {
   size_t operator()(const ConvKey& k) const {
     size_t h = static_cast<size_t>(k.direction);
     for (int64_t v : {k.N, k.C, k.H, k.W, k.K, k.R, k.S, int64_t{k.stride}, int64_t{k.pad}, static_cast<int64_t>(k.math),
-                      static_cast<int64_t>(k.storage)})
+                      static_cast<int64_t>(k.storage), int64_t{k.nhwc}})
       h = h * 1000003u ^ std::hash<int64_t>{}(v);
     return h;
   }

@@ -35,6 +35,18 @@ using slide::core::StatusCode;
 constexpr detail::DTypes kDTypes{true, false, false, Device::kCuda};
 // The ops of backend.h's half-precision storage list also take f16 / bf16.
 constexpr detail::DTypes kHalfDTypes{true, false, false, Device::kCuda, true};
+// ... and, for the inference graph's half-precision ops (fused convolution, max pooling), tensors in
+// a non-plain layout: channels last (kNhwc) is read, the blocked ones refused (plain_or_nhwc).
+constexpr detail::DTypes kHalfLayoutDTypes{true, false, true, Device::kCuda, true};
+
+// OK when every defined tensor is plain or channels last (the layouts cuda reads).
+Status plain_or_nhwc(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t != nullptr && t->defined() && t->layout() != Layout::kPlain && t->layout() != Layout::kNhwc)
+      return slide::core::invalid_argument(std::string(op) + ": a tensor in the " + layout_name(t->layout()) +
+                                           " layout, which cuda does not read");
+  return ok_status();
+}
 
 // --- Device state (one per device, for the process's life) ---------------------------------------
 
@@ -267,14 +279,16 @@ struct TensorDesc {
   ~TensorDesc() {
     if (d) (void)cudnnDestroyTensorDescriptor(d);
   }
-  // dt: CUDNN_DATA_FLOAT, or CUDNN_DATA_HALF / CUDNN_DATA_BFLOAT16 for half-precision storage.
-  Status set(int64_t n, int64_t c, int64_t h, int64_t w, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
+  // dt: CUDNN_DATA_FLOAT, or CUDNN_DATA_HALF / CUDNN_DATA_BFLOAT16 for half-precision storage;
+  // format: CUDNN_TENSOR_NCHW, or CUDNN_TENSOR_NHWC (channels last: Layout::kNhwc).
+  Status set(int64_t n, int64_t c, int64_t h, int64_t w, cudnnDataType_t dt = CUDNN_DATA_FLOAT,
+             cudnnTensorFormat_t format = CUDNN_TENSOR_NCHW) {
     if (!fits_cudnn_descriptor(n, c, h, w))
       return slide::core::resource_exhausted("cuda: a " + std::to_string(n) + "x" + std::to_string(c) + "x" +
                                              std::to_string(h) + "x" + std::to_string(w) +
                                              " tensor is past cuDNN's 2^31-1 elements; a smaller micro-batch runs");
     SLIDE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
-    SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, dt, static_cast<int>(n), static_cast<int>(c),
+    SLIDE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(d, format, dt, static_cast<int>(n), static_cast<int>(c),
                                                  static_cast<int>(h), static_cast<int>(w)));
     return ok_status();
   }
@@ -285,9 +299,11 @@ struct FilterDesc {
   ~FilterDesc() {
     if (d) (void)cudnnDestroyFilterDescriptor(d);
   }
-  Status set(int64_t k, int64_t c, int64_t r, int64_t s, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
+  // format CUDNN_TENSOR_NHWC: the filter stored [K][R][S][C] (dimensions still given k, c, r, s).
+  Status set(int64_t k, int64_t c, int64_t r, int64_t s, cudnnDataType_t dt = CUDNN_DATA_FLOAT,
+             cudnnTensorFormat_t format = CUDNN_TENSOR_NCHW) {
     SLIDE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d));
-    SLIDE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, dt, CUDNN_TENSOR_NCHW, static_cast<int>(k), static_cast<int>(c),
+    SLIDE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d, dt, format, static_cast<int>(k), static_cast<int>(c),
                                                  static_cast<int>(r), static_cast<int>(s)));
     return ok_status();
   }
@@ -340,11 +356,13 @@ struct ConvDescs {
   TensorDesc x, y;
   FilterDesc w;
   ConvDesc conv;
-  Status set(const detail::ConvDims& d, Conv2dParams p, ConvMath math, cudnnDataType_t dt = CUDNN_DATA_FLOAT) {
-    SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W, dt));
-    SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S, dt));
+  // format: of x, w and y alike (NCHW, or NHWC with the filter KRSC).
+  Status set(const detail::ConvDims& d, Conv2dParams p, ConvMath math, cudnnDataType_t dt = CUDNN_DATA_FLOAT,
+             cudnnTensorFormat_t format = CUDNN_TENSOR_NCHW) {
+    SLIDE_RETURN_IF_ERROR(x.set(d.N, d.C, d.H, d.W, dt, format));
+    SLIDE_RETURN_IF_ERROR(w.set(d.K, d.C, d.R, d.S, dt, format));
     SLIDE_RETURN_IF_ERROR(conv.set(p, math));
-    SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q, dt));
+    SLIDE_RETURN_IF_ERROR(y.set(d.N, d.K, d.P, d.Q, dt, format));
     int n = 0, c = 0, h = 0, wd = 0;
     SLIDE_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(conv.d, x.d, w.d, &n, &c, &h, &wd));
     if (n != d.N || c != d.K || h != d.P || wd != d.Q)
@@ -387,8 +405,8 @@ ConvStorage conv_storage(DType t) {
 class CudaFusedConvWeights final : public FusedConvWeights {
  public:
   using FusedConvWeights::FusedConvWeights;
-  mutable Tensor w_half, b_half;
-  mutable DType half = DType::kF32;  // kF32: no half copies yet
+  mutable Tensor w_half, w_half_krsc, b_half;  // w_half_krsc: [K][R][S][C] for channels last (undefined until used)
+  mutable DType half = DType::kF32;            // kF32: no half copies yet
 };
 
 class CudaBackend final : public Backend {
@@ -517,10 +535,13 @@ class CudaBackend final : public Backend {
   }
   Status fused_conv2d_inference(const Tensor& x, const FusedConvWeights& wts, Conv2dParams p, bool relu,
                                 const Tensor* residual, Tensor& y) override {
+    const bool half = detail::is_half(y.dtype());
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_fused_conv2d_inference(this, x, wts, p, residual, y, kHalfDTypes));
+                           detail::validate_fused_conv2d_inference(this, x, wts, p, residual, y,
+                                                                   half ? kHalfLayoutDTypes : kHalfDTypes));
+    if (half) SLIDE_RETURN_IF_ERROR(plain_or_nhwc("fused_conv2d_inference", {&x, residual}));
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
-    if (detail::is_half(y.dtype())) return fused_conv_half(x, wts, p, relu, residual, y, d);
+    if (half) return fused_conv_half(x, wts, p, relu, residual, y, d);
     const Tensor& w = wts.weight();
     const Tensor& b = wts.bias();
     Tensor aside;
@@ -579,14 +600,31 @@ class CudaBackend final : public Backend {
     if (cw == nullptr)
       return slide::core::internal_error("cuda fused_conv2d_inference: weights not prepared by prepare_fused_conv2d");
     const DType half = y.dtype();
+    // Channels last, the layout of cuDNN's tensor-core kernels (PyTorch's channels_last), unless a
+    // residual in NCHW says otherwise (y takes the residual's layout: it may be the residual).
+    const bool nhwc = residual == nullptr || residual->layout() == Layout::kNhwc;
+    const Layout out_layout = nhwc ? Layout::kNhwc : Layout::kPlain;
     if (cw->half != half) {
       SLIDE_ASSIGN_OR_RETURN(Tensor wh, Tensor::empty(cw->weight().shape(), half, *st_->alloc, "fused convolution weights"));
       SLIDE_ASSIGN_OR_RETURN(Tensor bh, Tensor::empty(cw->bias().shape(), half, *st_->alloc, "fused convolution bias"));
       SLIDE_RETURN_IF_ERROR(cast(cw->weight(), wh));
       SLIDE_RETURN_IF_ERROR(cast(cw->bias(), bh));
       cw->w_half = std::move(wh);
+      cw->w_half_krsc = Tensor();
       cw->b_half = std::move(bh);
       cw->half = half;
+    }
+    if (nhwc && !cw->w_half_krsc.defined()) {
+      // [K, C, R, S] -> [K, R, S, C]: the NHWC filter.
+      SLIDE_ASSIGN_OR_RETURN(Tensor krsc, Tensor::empty(cw->w_half.shape(), half, *st_->alloc, "fused convolution weights (KRSC)"));
+      SLIDE_RETURN_IF_ERROR(permute_storage(cw->w_half, cw->w_half.shape(), {0, 2, 3, 1}, krsc));
+      cw->w_half_krsc = std::move(krsc);
+    }
+    // x in the output's layout (the stem's images come NCHW; a block's tensors are already NHWC).
+    Tensor xin = x;
+    if ((x.layout() == Layout::kNhwc) != nhwc) {
+      SLIDE_ASSIGN_OR_RETURN(xin, Tensor::empty(x.shape(), half, *st_->alloc, "fused convolution input (relaid out)"));
+      SLIDE_RETURN_IF_ERROR(relayout(x, out_layout, xin));
     }
     Tensor c = y;
     if (residual != nullptr && residual->raw() == y.raw()) {
@@ -594,22 +632,70 @@ class CudaBackend final : public Backend {
     }
     ConvKey key = conv_key(ConvDirection::kForward, d, p);
     key.storage = conv_storage(half);
+    key.nhwc = nhwc;
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
+    const Tensor& w = nhwc ? cw->w_half_krsc : cw->w_half;
     auto candidates = [&] { return forward_candidates(ds); };
     auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
-      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, x.raw(), ds.w.d, cw->w_half.raw(), ds.conv.d,
+      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, xin.raw(), ds.w.d, w.raw(), ds.conv.d,
                                                 static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
                                                 ds.y.d, c.raw()));
       return ok_status();
     };
     SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
-    SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), c.raw(), cw->b_half.raw(),
+    SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), nhwc, c.raw(), cw->b_half.raw(),
                                           residual != nullptr ? residual->raw() : nullptr, y.raw(), d.N, d.K,
                                           d.P * d.Q, relu, st_->stream));
+    return y.set_layout(out_layout);
+  }
+
+  // y (x's shape, dtype and storage size) = x's elements in `to`'s order: plain <-> channels last
+  // for [N, C, H, W] (permute's kernel over the stored order). y is labelled `to`.
+  Status relayout(const Tensor& x, Layout to, Tensor& y) {
+    if (x.rank() != 4 || y.shape() != x.shape() || y.dtype() != x.dtype() ||
+        (to != Layout::kPlain && to != Layout::kNhwc) || (x.layout() != Layout::kPlain && x.layout() != Layout::kNhwc))
+      return slide::core::invalid_argument("cuda relayout: " + shape_string(x.shape()) + " " + layout_name(x.layout()) +
+                                           " to " + layout_name(to));
+    if (x.layout() == to) {
+      SLIDE_CUDA_CHECK(cudaMemcpyAsync(y.raw(), x.raw(), x.bytes(), cudaMemcpyDeviceToDevice, st_->stream));
+    } else if (to == Layout::kNhwc) {
+      SLIDE_RETURN_IF_ERROR(permute_storage(x, x.shape(), {0, 2, 3, 1}, y));  // [N, C, H, W] -> [N, H, W, C]
+    } else {
+      // Stored [N, H, W, C] -> [N, C, H, W].
+      SLIDE_RETURN_IF_ERROR(permute_storage(x, {x.dim(0), x.dim(2), x.dim(3), x.dim(1)}, {0, 3, 1, 2}, y));
+    }
+    return y.set_layout(to);
+  }
+  // permute's kernel from x's storage, read as a plain tensor of shape `stored` (x's element count),
+  // into y's storage, whatever their labels: y's stored elements are `stored` permuted by perm
+  // (permute's rule: y extent i = stored[perm[i]]).
+  Status permute_storage(const Tensor& x, const Shape& stored, const std::vector<int>& perm, Tensor& y) {
+    int64_t count = 1;
+    for (int64_t e : stored) count *= e;
+    if (stored.size() != perm.size() || perm.size() > 6 || count != x.numel() || y.numel() != x.numel() ||
+        y.dtype() != x.dtype())
+      return slide::core::invalid_argument("cuda permute_storage: shapes, sizes or dtypes differ");
+    PermuteGeometry g;
+    g.rank = static_cast<int>(perm.size());
+    int64_t x_stride[6] = {0}, stride = 1;
+    for (int i = g.rank - 1; i >= 0; --i) x_stride[i] = stride, stride *= stored[static_cast<size_t>(i)];
+    for (int i = 0; i < g.rank; ++i) {
+      g.y_extent[i] = stored[static_cast<size_t>(perm[static_cast<size_t>(i)])];
+      g.in_stride[i] = x_stride[perm[static_cast<size_t>(i)]];
+    }
+    SLIDE_CUDA_CHECK(launch_permute(dtype_size(x.dtype()), x.raw(), y.raw(), x.numel(), g, st_->stream));
     return ok_status();
+  }
+
+  // Channels last back to plain (a copy); plain tensors as they are.
+  Result<Tensor> to_plain(const Tensor& x) override {
+    if (x.layout() == Layout::kPlain) return x;
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), *st_->alloc, "plain copy"));
+    SLIDE_RETURN_IF_ERROR(relayout(x, Layout::kPlain, y));
+    return y;
   }
 
   // Backend::conv_workspace_bytes: the workspace each pass's run_conv would take (planned_workspace).
@@ -929,10 +1015,15 @@ class CudaBackend final : public Backend {
 
   // --- Pooling ---
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
+    const bool half = detail::is_half(x.dtype());
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_max_pool_forward(storage(x.dtype()), x.raw(), y.raw(), d.N * d.C, d.H, d.W, d.P, d.Q,
+                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr,
+                                                     half ? kHalfLayoutDTypes : kHalfDTypes));
+    if (half) SLIDE_RETURN_IF_ERROR(plain_or_nhwc("max_pool2d_forward", {&x}));
+    const bool nhwc = x.layout() == Layout::kNhwc;  // y takes x's layout
+    SLIDE_CUDA_CHECK(launch_max_pool_forward(storage(x.dtype()), nhwc, x.raw(), y.raw(), d.N, d.C, d.H, d.W, d.P, d.Q,
                                              p.kernel, p.stride, p.pad, st_->stream));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(x.layout()));
     return ok_status();
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {

@@ -305,32 +305,38 @@ __global__ void __launch_bounds__(kBnBlock)
 }
 
 // --- Pooling ---
-// Stored elements seen as their f32 values (max_pool_argmax's comparisons).
+// Stored elements seen as their f32 values (max_pool_argmax's comparisons), at NCHW-order index
+// i: position i itself, or, channels last (C > 0), kernels::nhwc_position(i, C, HW).
 template <typename S>
 struct Loaded {
   const typename S::T* p;
-  __device__ float operator[](int64_t i) const { return S::load(p[i]); }
+  int64_t C = 0, HW = 0;  // C 0: NCHW
+  __device__ int64_t at(int64_t i) const { return C > 0 ? kernels::nhwc_position(i, C, HW) : i; }
+  __device__ float operator[](int64_t i) const { return S::load(p[at(i)]); }
 };
 
+// x [N, C, H, W] -> y [N, C, P, Q], both NCHW, or both channels last (nhwc: every index of the
+// NCHW-order walk mapped by nhwc_position).
 template <typename S>
-__global__ void max_pool_forward_kernel(const typename S::T* x, typename S::T* y, int64_t H, int64_t W, int64_t P,
-                                        int64_t Q, int kernel, int stride, int pad, int64_t n) {
-  const Loaded<S> xv{x};
+__global__ void max_pool_forward_kernel(const typename S::T* x, typename S::T* y, int64_t C, int64_t H, int64_t W,
+                                        int64_t P, int64_t Q, int kernel, int stride, int pad, bool nhwc, int64_t n) {
+  const Loaded<S> xv{x, nhwc ? C : 0, H * W};
   SLIDE_GRID_STRIDE(o, n) {
     const int64_t nc = o / (P * Q), oh = (o / Q) % P, ow = o % Q;
     const int64_t best = fm::max_pool_argmax(xv, nc, oh, ow, H, W, kernel, stride, pad);
-    y[o] = best >= 0 ? x[best] : S::store(0.0f);
+    y[nhwc ? kernels::nhwc_position(o, C, P * Q) : o] = best >= 0 ? x[xv.at(best)] : S::store(0.0f);
   }
 }
 
 // The fused inference convolution's epilogue on half-precision storage: y = ReLU(c + b[k] + z)
 // (ReLU when `relu`; z null for none), in f32, rounded once. c is the convolution's output [N, K,
-// inner]; y may be c or z (each element read before it is written, by the same thread).
+// inner] (channels last: [N, inner, K]); c, z and y share that layout; y may be c or z (each
+// element read before it is written, by the same thread).
 template <typename S>
 __global__ void conv_epilogue_kernel(const typename S::T* c, const typename S::T* b, const typename S::T* z,
-                                     typename S::T* y, int64_t K, int64_t inner, bool relu, int64_t n) {
+                                     typename S::T* y, int64_t K, int64_t inner, bool relu, bool nhwc, int64_t n) {
   SLIDE_GRID_STRIDE(i, n) {
-    float v = S::load(c[i]) + S::load(b[(i / inner) % K]);
+    float v = S::load(c[i]) + S::load(b[nhwc ? i % K : (i / inner) % K]);
     if (z != nullptr) v += S::load(z[i]);
     y[i] = S::store(relu ? fm::relu(v) : v);
   }
@@ -770,22 +776,28 @@ cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_
 }
 cudaError_t launch_max_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t H, int64_t W, int64_t P,
                                     int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
+  return launch_max_pool_forward(t, false, x, y, NC, 1, H, W, P, Q, kernel, stride, pad, stream);
+}
+cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
+                                    int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
+                                    cudaStream_t stream) {
+  if (nhwc && C < 1) return N * C == 0 ? cudaSuccess : cudaErrorInvalidValue;
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_grid_stride(NC * P * Q, stream, max_pool_forward_kernel<S>, static_cast<const T*>(x),
-                              static_cast<T*>(y), H, W, P, Q, kernel, stride, pad, NC * P * Q);
+    return launch_grid_stride(N * C * P * Q, stream, max_pool_forward_kernel<S>, static_cast<const T*>(x),
+                              static_cast<T*>(y), C, H, W, P, Q, kernel, stride, pad, nhwc, N * C * P * Q);
   });
 }
-cudaError_t launch_conv_epilogue(CastType t, const void* c, const void* b, const void* z, void* y, int64_t N, int64_t K,
-                                 int64_t inner, bool relu, cudaStream_t stream) {
+cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const void* b, const void* z, void* y, int64_t N,
+                                 int64_t K, int64_t inner, bool relu, cudaStream_t stream) {
   if (K < 1 || inner < 1) return N * K * inner == 0 ? cudaSuccess : cudaErrorInvalidValue;
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
     return launch_grid_stride(N * K * inner, stream, conv_epilogue_kernel<S>, static_cast<const T*>(c),
                               static_cast<const T*>(b), static_cast<const T*>(z), static_cast<T*>(y), K, inner, relu,
-                              N * K * inner);
+                              nhwc, N * K * inner);
   });
 }
 cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,

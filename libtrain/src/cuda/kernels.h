@@ -83,13 +83,18 @@ cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const floa
 // windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
 cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
                                     int kernel, int stride, int pad, cudaStream_t stream);
-// The same on storage t (f32, or half: the inference graph's activations).
+// The same on storage t (f32, or half: the inference graph's activations); the second form also
+// channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as stored), the first-maximum rule the same.
 cudaError_t launch_max_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t H, int64_t W, int64_t P,
                                     int64_t Q, int kernel, int stride, int pad, cudaStream_t stream);
+cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
+                                    int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
+                                    cudaStream_t stream);
 // The fused inference convolution's epilogue on storage t: y = ReLU(c + b[k] + z) over [N, K, inner]
-// (no ReLU unless `relu`; z null: none), in f32, rounded once; y may be c or z.
-cudaError_t launch_conv_epilogue(CastType t, const void* c, const void* b, const void* z, void* y, int64_t N, int64_t K,
-                                 int64_t inner, bool relu, cudaStream_t stream);
+// ([N, inner, K] when nhwc; c, z, y alike; no ReLU unless `relu`; z null: none), in f32, rounded
+// once; y may be c or z.
+cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const void* b, const void* z, void* y, int64_t N,
+                                 int64_t K, int64_t inner, bool relu, cudaStream_t stream);
 cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
                                      int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream);
 // y[nc] = mean of x[nc, :HW]; dx[nc, i] = dy[nc] / HW.

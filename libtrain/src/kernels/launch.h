@@ -77,4 +77,14 @@ SLIDE_LAUNCH_HD void for_channel(int64_t N, int64_t C, int64_t HW, int64_t c, in
   }
 }
 
+// Channels last (Layout::kNhwc): the storage position of element j of an [N, C, H, W] tensor in
+// NCHW order (j = ((n C + c) H + h) W + w, HW = H W) when it is stored [N][H][W][C]:
+// (n HW + h W + w) C + c. The cuda kernels that walk an NHWC tensor in NCHW order (max pooling's
+// window scan, formulas.h max_pool_argmax) read and write through it.
+SLIDE_LAUNCH_HD int64_t nhwc_position(int64_t j, int64_t C, int64_t HW) {
+  const int64_t plane = C * HW;
+  const int64_t n = j / plane, rest = j - n * plane, c = rest / HW, hw = rest - c * HW;
+  return (n * HW + hw) * C + c;
+}
+
 }  // namespace slide::train::kernels

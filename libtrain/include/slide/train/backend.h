@@ -6,7 +6,8 @@
 // - Tensors are row-major on the backend's device; images are NCHW. Image tensors may come in a
 //   channel-blocked Layout (tensor.h) on a backend that produces them (cpu): such a backend reads
 //   any mix of layouts and chooses its outputs' (written to Tensor::layout()); the others take
-//   plain tensors only (kInvalidArgument). Parameters and their gradients are always plain.
+//   plain tensors only (kInvalidArgument), but for cuda's channels-last half-precision activations
+//   of the inference graph (fused_conv2d_inference and max_pool2d_forward read and write them). Parameters and their gradients are always plain.
 //   All floating tensors
 //   of one call share a dtype (f32; f64 on the reference backend for gradient checks), except
 //   where "Half-precision storage" below says otherwise. Labels are i32.
@@ -158,7 +159,8 @@ class Backend {
   // --- Half-precision storage ---------------------------------------------------------------------
   // A few ops also take f16 or bf16 tensors (one of the two per call), so that a model can keep
   // its activations and weights in half precision (half the bytes to move, and cuBLAS's f16 / bf16
-  // tensor-core GEMMs on operands that need no conversion): the Vision Transformer's trunk.
+  // tensor-core GEMMs and convolutions on operands that need no conversion): the Vision
+  // Transformer's trunk and a CNN's inference graph.
   //   linear_forward, linear_gelu_forward, gelu_forward, sigmoid_forward, mul, permute,
   //   attention_forward: every floating tensor of the call of one half type;
   //   add: all of one type, or a and y f32 with b half (y = a + b in f32: the residual stream
@@ -167,7 +169,8 @@ class Backend {
   //   wider from the values as stored);
   //   fused_conv2d_inference: x, residual and y of one half type, the weights as prepared (f32:
   //   the backend keeps half copies); max_pool2d_forward: x and y of one half type (a CNN's
-  //   inference graph: InferenceGraph::run).
+  //   inference graph: InferenceGraph::run). These two may write channels last (cuda: Layout::kNhwc,
+  //   y relabelled; with a residual, y keeps the residual's layout) and read it; to_plain undoes it.
   // Products accumulate in f32 or wider; each output element is rounded once to its dtype (round to
   // nearest even, kernels/formulas.h), except that attention may round its probabilities to the
   // half type before the second product (cuda: the operand of a tensor-core GEMM), as PyTorch's

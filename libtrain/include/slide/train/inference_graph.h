@@ -56,8 +56,9 @@ class InferenceGraph {
   // The activations between the nodes are in activation_dtype(be): with f16 / bf16 (backend.h,
   // "Half-precision storage"; cuda under --precision fp16 / bf16) the images are cast to it first,
   // each fused convolution (its weights kept f32 by the graph, converted by the backend) and max
-  // pooling reads and writes it, and the activations are cast back to f32 before the global
-  // average pooling, so the features and a final Linear are f32.
+  // pooling reads and writes it (in the layout the backend chooses: cuda channels last), and the
+  // activations are made plain and cast back to f32 before the global average pooling, so the
+  // features and a final Linear are f32.
   [[nodiscard]] Result<Tensor> run(Backend& be, const Tensor& images) const;
 
   // The activations' dtype on `be`: its activation_dtype() unless set_activation_dtype chose one

@@ -6,7 +6,8 @@
 //
 // Layout: an image tensor may instead be in one of oneDNN's channel-blocked layouts (Layout
 // below), which only the cpu backend produces, so that training's activations stay blocked from
-// layer to layer; Backend::to_plain gives the row-major view back. Anything that reads a tensor's
+// layer to layer, or channels last, which only cuda produces (the inference graph's half-precision
+// activations); Backend::to_plain gives the row-major view back. Anything that reads a tensor's
 // elements on the host reads a plain one.
 #pragma once
 
@@ -34,8 +35,11 @@ const char* dtype_name(DType t);
 // op accepts and the reference backend produces. kNChw8c / kNChw16c: oneDNN's channel-blocked
 // image layouts, [N][C/b][H][W][b] with b = 8 or 16, on which its convolution, batch norm and
 // pooling kernels run without reorders; used only for [N,C,H,W] with C a multiple of b, so the
-// bytes are the plain ones' in another order (no padding).
-enum class Layout : uint8_t { kPlain = 0, kNChw8c = 1, kNChw16c = 2 };
+// bytes are the plain ones' in another order (no padding). kNhwc: channels last, [N][H][W][C] for a
+// [N, C, H, W] tensor, the layout cuDNN's tensor-core convolutions read and write (PyTorch's
+// channels_last); only the cuda backend produces it, for the inference graph's half-precision
+// activations (backend.h).
+enum class Layout : uint8_t { kPlain = 0, kNChw8c = 1, kNChw16c = 2, kNhwc = 3 };
 const char* layout_name(Layout l);
 
 using Shape = std::vector<int64_t>;
@@ -65,7 +69,7 @@ class Tensor {
   Layout layout() const { return layout_; }
   // Relabels this tensor object's element order (not copies made before): for backends, which
   // set it on the outputs they write. Errors: kInvalidArgument for a blocked layout on a tensor
-  // that is not [N,C,H,W] with C a multiple of the block.
+  // that is not [N,C,H,W] with C a multiple of the block, or kNhwc on one that is not [N,C,H,W].
   [[nodiscard]] Status set_layout(Layout layout);
 
   // The elements, for host code: a tensor in host memory (device cpu) only. Host code never reads

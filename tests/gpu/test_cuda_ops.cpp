@@ -562,14 +562,10 @@ TEST_CASE("cuda at tf32, bf16 and fp16 (--precision): convolutions, linear, matm
 
 namespace {
 
-// Host f32 values uniform in [lo, hi), rounded to `half` and back (so every backend sees the same
-// half-precision values), and host tensors converted by the reference's cast.
-Tensor host_as(const Tensor& t, DType dtype) {
-  auto out = Tensor::empty(t.shape(), dtype, cpu_allocator(), "host copy");
-  REQUIRE(out.ok());
-  OK(ref().cast(t, *out));
-  return *out;
-}
+// Host f32 values uniform in [lo, hi) as `half` (so every backend sees the same half-precision
+// values), through the reference's cast (testing::host_cast).
+using testing::host_values;
+Tensor host_as(const Tensor& t, DType dtype) { return testing::host_cast(t, dtype); }
 Tensor host_half(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
   return host_as(make(s, seed, lo, hi).f, half);
 }
@@ -581,24 +577,9 @@ std::vector<float> device_values(const Tensor& dev) {
   auto plain = gpu().to_plain(dev);
   REQUIRE_MESSAGE(plain.ok(), plain.status().to_string());
   down(*plain, *host);
-  const Tensor f = dev.dtype() == DType::kF32 ? *host : host_as(*host, DType::kF32);
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+  return host_values(*host);
 }
-std::vector<float> host_values(const Tensor& t) {
-  const Tensor f = t.dtype() == DType::kF32 ? t : host_as(t, DType::kF32);
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
-}
-// The largest |a - b| over max(1, max |b|) (compare's normalisation).
-double worst_of(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double scale = 1, worst = 0;
-  for (float v : b) scale = std::max(scale, double(std::abs(v)));
-  for (size_t i = 0; i < a.size(); ++i) {
-    REQUIRE_MESSAGE(std::isfinite(a[i]), "element ", i, " is not finite");
-    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])) / scale);
-  }
-  return worst;
-}
+double worst_of(const std::vector<float>& a, const std::vector<float>& b) { return testing::normalised_error(a, b); }
 Tensor empty_on(Backend& be, const Shape& s, DType t) {
   auto r = Tensor::empty(s, t, be.allocator(), "output");
   REQUIRE(r.ok());
@@ -619,7 +600,7 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
   for (const DType half : {DType::kF16, DType::kBF16}) {
     const std::string name = dtype_name(half);
     CAPTURE(name);
-    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double u = testing::unit_roundoff(half);
     // linear, with and without bias; ViT-B's qkv width, and an odd one.
     for (auto [N, I, O] : {std::array<int64_t, 3>{7, 24, 13}, std::array<int64_t, 3>{394, 768, 2304}}) {
       CAPTURE(O);
@@ -750,7 +731,7 @@ TEST_CASE("cuda: the ViT at fp16 and bf16 keeps f16 / bf16 activations and match
     CHECK((*dev_vit)->activation_dtype() == half);  // the backend's choice, as slide-embed runs it
     Tensor got = empty_on(gpu(), {N, F}, DType::kF32);
     OK((*dev_vit)->forward(IMAGES, got));
-    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double u = testing::unit_roundoff(half);
     const double e = worst_of(device_values(got), host_values(want));
     MESSAGE(name, " ViT features against the reference's f32: ", e / u, " u");
     // The reference's own half run is within 4 u of its f32 (test_half_storage.cpp); cuda's sums run
@@ -771,7 +752,7 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
   for (const DType half : {DType::kF16, DType::kBF16}) {
     const std::string name = dtype_name(half);
     CAPTURE(name);
-    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double u = testing::unit_roundoff(half);
     const Conv2dParams p{2, 1};
     const int64_t N = 3, C = 13, H = 9, W = 9, K = 16, R = 3, P = 5;
     const Pair w = make({K, C, R, R}, 221, -0.3, 0.3), b = make({K}, 222);
@@ -836,7 +817,7 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
     auto got = graph->run(gpu(), up(images.f));
     REQUIRE_MESSAGE(got.ok(), got.status().to_string());
     CHECK(got->dtype() == DType::kF32);
-    const double u = half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double u = testing::unit_roundoff(half);
     const double e = worst_of(device_values(*got), host_values(*want));
     MESSAGE(name, " ResNet-18 layer3 features against the reference's f32 graph: ", e / u, " u");
     CHECK(e < 16 * u);  // the reference's own half graph: 1.0 to 1.3 u (test_half_storage.cpp)

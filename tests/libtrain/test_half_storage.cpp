@@ -44,33 +44,15 @@ Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) 
   return t;
 }
 
-// `t` converted to `dtype` by the reference's cast (host memory).
-Tensor as(const Tensor& t, DType dtype) {
-  Tensor out = *Tensor::empty(t.shape(), dtype, cpu_allocator());
-  OK(ref().cast(t, out));
-  return out;
-}
-std::vector<float> values(const Tensor& t) {
-  const Tensor f = t.dtype() == DType::kF32 ? t : as(t, DType::kF32);
-  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
-}
-
-// The largest |got - want| over max(1, max |want|), as testing::compare.
+// One rounding of the half type (testing::unit_roundoff): the ops below round their output once,
+// so their error against the f32 op on the same (already half) inputs is within a few of these; a
+// test that needed more would have found a second rounding or a wrong value.
+Tensor as(const Tensor& t, DType dtype) { return testing::host_cast(t, dtype); }
+std::vector<float> values(const Tensor& t) { return testing::host_values(t); }
 double worst_error(const std::vector<float>& got, const std::vector<float>& want) {
-  REQUIRE(got.size() == want.size());
-  double scale = 1, worst = 0;
-  for (float w : want) scale = std::max(scale, double(std::abs(w)));
-  for (size_t i = 0; i < got.size(); ++i) {
-    REQUIRE_MESSAGE(std::isfinite(got[i]), "element ", i, " is not finite");
-    worst = std::max(worst, std::abs(double(got[i]) - double(want[i])) / scale);
-  }
-  return worst;
+  return testing::normalised_error(got, want);
 }
-
-// One rounding of the half type: 2^-11 (f16) and 2^-8 (bf16) relative. The ops below round their
-// output once, so their error against the f32 op on the same (already half) inputs is within a
-// few of these; a test that needed more would have found a second rounding or a wrong value.
-double unit_roundoff(DType t) { return t == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8); }
+double unit_roundoff(DType t) { return testing::unit_roundoff(t); }
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "slide/train/backend.h"
 
@@ -112,5 +113,32 @@ inline void compare(const std::string& what, const Pair& p, double tol) {
   CAPTURE(what);
   CHECK(worst < tol);
 }
+
+// Half-precision storage (backend.h): `t` (host memory) converted to `dtype` by the reference
+// backend's cast; a host tensor's values as f32 (f16 / bf16 widened exactly); the largest
+// |got - want| over max(1, max |want|) (compare's normalisation; a non-finite value of got fails);
+// and the half type's unit roundoff u (2^-11 for f16, 2^-8 for bf16), the bound of one rounding.
+inline Tensor host_cast(const Tensor& t, DType dtype) {
+  auto out = Tensor::empty(t.shape(), dtype, cpu_allocator(), "host cast");
+  REQUIRE(out.ok());
+  const Status s = reference().cast(t, *out);
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+  return *out;
+}
+inline std::vector<float> host_values(const Tensor& t) {
+  const Tensor f = t.dtype() == DType::kF32 ? t : host_cast(t, DType::kF32);
+  return std::vector<float>(f.data<float>(), f.data<float>() + f.numel());
+}
+inline double normalised_error(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  double scale = 1, worst = 0;
+  for (float w : want) scale = std::max(scale, double(std::abs(w)));
+  for (size_t i = 0; i < got.size(); ++i) {
+    REQUIRE_MESSAGE(std::isfinite(got[i]), "element ", i, " is not finite");
+    worst = std::max(worst, std::abs(double(got[i]) - double(want[i])) / scale);
+  }
+  return worst;
+}
+inline double unit_roundoff(DType half) { return half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8); }
 
 }  // namespace slide::train::testing

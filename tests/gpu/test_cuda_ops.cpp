@@ -564,10 +564,11 @@ namespace {
 
 // Host f32 values uniform in [lo, hi) as `half` (so every backend sees the same half-precision
 // values), through the reference's cast (testing::host_cast).
+using testing::host_cast;
 using testing::host_values;
-Tensor host_as(const Tensor& t, DType dtype) { return testing::host_cast(t, dtype); }
+using testing::normalised_error;
 Tensor host_half(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
-  return host_as(make(s, seed, lo, hi).f, half);
+  return host_cast(make(s, seed, lo, hi).f, half);
 }
 // The device tensor's values as host f32 (made plain: channels last is cuda's layout for the
 // inference graph's half activations; downloaded, then widened by the reference's cast).
@@ -579,7 +580,6 @@ std::vector<float> device_values(const Tensor& dev) {
   down(*plain, *host);
   return host_values(*host);
 }
-double worst_of(const std::vector<float>& a, const std::vector<float>& b) { return testing::normalised_error(a, b); }
 Tensor empty_on(Backend& be, const Shape& s, DType t) {
   auto r = Tensor::empty(s, t, be.allocator(), "output");
   REQUIRE(r.ok());
@@ -610,14 +610,14 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
         Tensor want = empty_on(ref(), {N, O}, half), got = empty_on(gpu(), {N, O}, half);
         OK(ref().linear_forward(x, w, bias ? b : Tensor(), want));
         OK(gpu().linear_forward(up(x), up(w), bias ? up(b) : Tensor(), got));
-        const double e = worst_of(device_values(got), host_values(want));
+        const double e = normalised_error(device_values(got), host_values(want));
         MESSAGE(name, " linear ", N, "x", I, "x", O, bias ? " with bias" : "", ": ", e / u, " u");
         CHECK(e <= 2 * u);
       }
       Tensor want = empty_on(ref(), {N, O}, half), got = empty_on(gpu(), {N, O}, half);
       OK(ref().linear_gelu_forward(x, w, b, want));
       OK(gpu().linear_gelu_forward(up(x), up(w), up(b), got));
-      CHECK(worst_of(device_values(got), host_values(want)) <= 4 * u);
+      CHECK(normalised_error(device_values(got), host_values(want)) <= 4 * u);
     }
     // Element-wise: the same formulas.
     const Tensor v = host_half({5, 999}, 204, half, -4, 4), v2 = host_half({5, 999}, 205, half, -4, 4);
@@ -635,18 +635,18 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
         OK(ref().mul(v, v2, want));
         OK(gpu().mul(V, V2, got));
       }
-      CHECK(worst_of(device_values(got), host_values(want)) <= 2 * u);
+      CHECK(normalised_error(device_values(got), host_values(want)) <= 2 * u);
     }
     // add: an f32 stream taking a half branch, in place (the ViT's x += branch); and all half.
     const Pair a = make({5, 999}, 206, -3, 3);
     Tensor A = up(a.f), want = *a.f.clone();
     OK(ref().add(want, v, want));
     OK(gpu().add(A, V, A));
-    CHECK(worst_of(device_values(A), host_values(want)) == 0);  // one f32 addition of the same values
+    CHECK(normalised_error(device_values(A), host_values(want)) == 0);  // one f32 addition of the same values
     Tensor want_h = empty_on(ref(), v.shape(), half), got_h = empty_on(gpu(), v.shape(), half);
     OK(ref().add(v, v2, want_h));
     OK(gpu().add(V, V2, got_h));
-    CHECK(worst_of(device_values(got_h), host_values(want_h)) <= 2 * u);
+    CHECK(normalised_error(device_values(got_h), host_values(want_h)) <= 2 * u);
     // Layer norm: f32 -> half (the ViT's norms), half -> half, half -> f32.
     const Pair g = make({999}, 207, 0.5, 1.5), bb = make({999}, 208);
     const Tensor G = up(g.f), BB = up(bb.f);
@@ -655,7 +655,7 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
       Tensor want_ln = empty_on(ref(), in.shape(), to), got_ln = empty_on(gpu(), in.shape(), to);
       OK(ref().layer_norm_forward(in, g.f, bb.f, 1e-6, want_ln));
       OK(gpu().layer_norm_forward(up(in), G, BB, 1e-6, got_ln));
-      CHECK(worst_of(device_values(got_ln), host_values(want_ln)) <= (to == DType::kF32 ? 1e-5 : 2 * u));
+      CHECK(normalised_error(device_values(got_ln), host_values(want_ln)) <= (to == DType::kF32 ? 1e-5 : 2 * u));
     }
     // permute moves bits.
     const Tensor q = host_half({2, 5, 3, 4, 3}, 209, half);
@@ -671,7 +671,7 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
       Tensor want_a = empty_on(ref(), {B * T, C}, half), got_a = empty_on(gpu(), {B * T, C}, half);
       OK(ref().attention_forward(qkv, B, H, 1.0 / std::sqrt(double(Dh)), want_a));
       OK(gpu().attention_forward(up(qkv), B, H, 1.0 / std::sqrt(double(Dh)), got_a));
-      const double e = worst_of(device_values(got_a), host_values(want_a));
+      const double e = normalised_error(device_values(got_a), host_values(want_a));
       MESSAGE(name, " attention ", B, "x", T, " tokens, ", H, " heads of ", Dh, ": ", e / u, " u");
       CHECK(e <= 6 * u);
     }
@@ -732,7 +732,7 @@ TEST_CASE("cuda: the ViT at fp16 and bf16 keeps f16 / bf16 activations and match
     Tensor got = empty_on(gpu(), {N, F}, DType::kF32);
     OK((*dev_vit)->forward(IMAGES, got));
     const double u = testing::unit_roundoff(half);
-    const double e = worst_of(device_values(got), host_values(want));
+    const double e = normalised_error(device_values(got), host_values(want));
     MESSAGE(name, " ViT features against the reference's f32: ", e / u, " u");
     // The reference's own half run is within 4 u of its f32 (test_half_storage.cpp); cuda's sums run
     // in another order and its attention rounds the probabilities: 16 u, far below a wrong
@@ -770,7 +770,7 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
       OK(gpu().fused_conv2d_inference(up(x), **gpu_w, p, relu, variant == 1 ? &got : nullptr, got));
       // Channels last without a residual; the residual's layout (here plain) with one.
       CHECK(got.layout() == (variant == 1 ? Layout::kPlain : Layout::kNhwc));
-      const double e = worst_of(device_values(got), host_values(want));
+      const double e = normalised_error(device_values(got), host_values(want));
       MESSAGE(name, " fused convolution (variant ", variant, "): ", e / u, " u");
       CHECK(e <= 4 * u);
     }
@@ -789,7 +789,7 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
     OK(ref().max_pool2d_forward(conv_ref, Pool2dParams{3, 2, 1}, pool_ref));
     OK(gpu().max_pool2d_forward(conv_gpu, Pool2dParams{3, 2, 1}, pool_gpu));
     CHECK(pool_gpu.layout() == Layout::kNhwc);
-    CHECK(worst_of(device_values(pool_gpu), host_values(pool_ref)) <= 4 * u);  // the convolution's differences
+    CHECK(normalised_error(device_values(pool_gpu), host_values(pool_ref)) <= 4 * u);  // the convolution's differences
     // to_plain of channels last is a plain copy (its values: device_values above reads through it).
     auto plain = gpu().to_plain(conv_gpu);
     REQUIRE(plain.ok());
@@ -818,7 +818,7 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
     REQUIRE_MESSAGE(got.ok(), got.status().to_string());
     CHECK(got->dtype() == DType::kF32);
     const double u = testing::unit_roundoff(half);
-    const double e = worst_of(device_values(*got), host_values(*want));
+    const double e = normalised_error(device_values(*got), host_values(*want));
     MESSAGE(name, " ResNet-18 layer3 features against the reference's f32 graph: ", e / u, " u");
     CHECK(e < 16 * u);  // the reference's own half graph: 1.0 to 1.3 u (test_half_storage.cpp)
   }

@@ -47,12 +47,10 @@ Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) 
 // One rounding of the half type (testing::unit_roundoff): the ops below round their output once,
 // so their error against the f32 op on the same (already half) inputs is within a few of these; a
 // test that needed more would have found a second rounding or a wrong value.
-Tensor as(const Tensor& t, DType dtype) { return testing::host_cast(t, dtype); }
-std::vector<float> values(const Tensor& t) { return testing::host_values(t); }
-double worst_error(const std::vector<float>& got, const std::vector<float>& want) {
-  return testing::normalised_error(got, want);
-}
-double unit_roundoff(DType t) { return testing::unit_roundoff(t); }
+using testing::host_cast;
+using testing::host_values;
+using testing::normalised_error;
+using testing::unit_roundoff;
 
 }  // namespace
 
@@ -63,24 +61,24 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
     CAPTURE(half_name);
     const double u = unit_roundoff(half);
     // Inputs already representable in the half type, so the f32 op sees the same values.
-    const Tensor x = as(as(random_f32({7, 24}, 1), half), DType::kF32), w = as(as(random_f32({13, 24}, 2, -0.5, 0.5), half), DType::kF32),
-                 b = as(as(random_f32({13}, 3), half), DType::kF32);
+    const Tensor x = host_cast(host_cast(random_f32({7, 24}, 1), half), DType::kF32), w = host_cast(host_cast(random_f32({13, 24}, 2, -0.5, 0.5), half), DType::kF32),
+                 b = host_cast(host_cast(random_f32({13}, 3), half), DType::kF32);
     Tensor y32 = *Tensor::empty({7, 13}, DType::kF32, cpu_allocator());
     OK(ref().linear_forward(x, w, b, y32));
     Tensor yh = *Tensor::empty({7, 13}, half, cpu_allocator());
-    OK(ref().linear_forward(as(x, half), as(w, half), as(b, half), yh));
-    CHECK(worst_error(values(yh), values(y32)) <= u);  // one rounding of y
+    OK(ref().linear_forward(host_cast(x, half), host_cast(w, half), host_cast(b, half), yh));
+    CHECK(normalised_error(host_values(yh), host_values(y32)) <= u);  // one rounding of y
     Tensor yg32 = *Tensor::empty({7, 13}, DType::kF32, cpu_allocator()), ygh = *Tensor::empty({7, 13}, half, cpu_allocator());
     OK(ref().linear_gelu_forward(x, w, b, yg32));
-    OK(ref().linear_gelu_forward(as(x, half), as(w, half), as(b, half), ygh));
+    OK(ref().linear_gelu_forward(host_cast(x, half), host_cast(w, half), host_cast(b, half), ygh));
     // GELU of the rounded product: a second rounding of the composition (linear, then GELU).
-    CHECK(worst_error(values(ygh), values(yg32)) <= 3 * u);
+    CHECK(normalised_error(host_values(ygh), host_values(yg32)) <= 3 * u);
 
-    const Tensor v = as(as(random_f32({5, 9}, 4, -4, 4), half), DType::kF32), v2 = as(as(random_f32({5, 9}, 5, -4, 4), half), DType::kF32);
+    const Tensor v = host_cast(host_cast(random_f32({5, 9}, 4, -4, 4), half), DType::kF32), v2 = host_cast(host_cast(random_f32({5, 9}, 5, -4, 4), half), DType::kF32);
     for (int op = 0; op < 3; ++op) {
       CAPTURE(op);
       Tensor want = *Tensor::empty({5, 9}, DType::kF32, cpu_allocator()), got = *Tensor::empty({5, 9}, half, cpu_allocator());
-      const Tensor vh = as(v, half), v2h = as(v2, half);
+      const Tensor vh = host_cast(v, half), v2h = host_cast(v2, half);
       if (op == 0) {
         OK(ref().gelu_forward(v, want));
         OK(ref().gelu_forward(vh, got));
@@ -92,13 +90,13 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
         OK(ref().mul(vh, v2h, got));
       }
       // Rounded once: each value is its f32 value rounded to the half type, exactly.
-      const std::vector<float> g = values(got), wv = values(want);
+      const std::vector<float> g = host_values(got), wv = host_values(want);
       for (size_t i = 0; i < g.size(); ++i)
         REQUIRE(g[i] == (half == DType::kF16 ? formulas::round_to_f16(wv[i]) : formulas::round_to_bf16(wv[i])));
     }
 
     // permute moves the 16-bit patterns.
-    const Tensor p = as(random_f32({2, 3, 4}, 6), half);
+    const Tensor p = host_cast(random_f32({2, 3, 4}, 6), half);
     Tensor q = *Tensor::empty({4, 2, 3}, half, cpu_allocator());
     OK(ref().permute(p, {2, 0, 1}, q));
     for (int64_t i = 0; i < 2; ++i)
@@ -108,11 +106,11 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
 
     // Attention on half qkv against the f32 op on the same values.
     const int64_t B = 2, T = 5, H = 2, Dh = 4, C = H * Dh;
-    const Tensor qkv = as(as(random_f32({B * T, 3 * C}, 7, -2, 2), half), DType::kF32);
+    const Tensor qkv = host_cast(host_cast(random_f32({B * T, 3 * C}, 7, -2, 2), half), DType::kF32);
     Tensor o32 = *Tensor::empty({B * T, C}, DType::kF32, cpu_allocator()), oh = *Tensor::empty({B * T, C}, half, cpu_allocator());
     OK(ref().attention_forward(qkv, B, H, 0.5, o32));
-    OK(ref().attention_forward(as(qkv, half), B, H, 0.5, oh));
-    CHECK(worst_error(values(oh), values(o32)) <= u);  // one rounding
+    OK(ref().attention_forward(host_cast(qkv, half), B, H, 0.5, oh));
+    CHECK(normalised_error(host_values(oh), host_values(o32)) <= u);  // one rounding
   }
 }
 
@@ -120,10 +118,10 @@ TEST_CASE("half storage: add takes a half branch into an f32 stream; layer norm 
   for (const DType half : {DType::kF16, DType::kBF16}) {
     const std::string half_name = dtype_name(half);
     CAPTURE(half_name);
-    const Tensor a = random_f32({6, 10}, 11, -3, 3), bh = as(random_f32({6, 10}, 12), half);
+    const Tensor a = random_f32({6, 10}, 11, -3, 3), bh = host_cast(random_f32({6, 10}, 12), half);
     Tensor y = *Tensor::empty({6, 10}, DType::kF32, cpu_allocator());
     OK(ref().add(a, bh, y));
-    const std::vector<float> bv = values(bh);
+    const std::vector<float> bv = host_values(bh);
     for (int64_t i = 0; i < a.numel(); ++i) REQUIRE(y.data<float>()[i] == a.data<float>()[i] + bv[static_cast<size_t>(i)]);
     // In place, as the ViT's residual stream: x += branch.
     Tensor x = *a.clone();
@@ -135,19 +133,19 @@ TEST_CASE("half storage: add takes a half branch into an f32 stream; layer norm 
     Tensor ln32 = *Tensor::empty({6, 10}, DType::kF32, cpu_allocator()), lnh = *Tensor::empty({6, 10}, half, cpu_allocator());
     OK(ref().layer_norm_forward(a, g, be, 1e-6, ln32));
     OK(ref().layer_norm_forward(a, g, be, 1e-6, lnh));
-    const std::vector<float> l32 = values(ln32), lh = values(lnh);
+    const std::vector<float> l32 = host_values(ln32), lh = host_values(lnh);
     for (size_t i = 0; i < l32.size(); ++i)
       REQUIRE(lh[i] == (half == DType::kF16 ? formulas::round_to_f16(l32[i]) : formulas::round_to_bf16(l32[i])));
     Tensor from_half = *Tensor::empty({6, 10}, DType::kF32, cpu_allocator()), want = *Tensor::empty({6, 10}, DType::kF32, cpu_allocator());
-    const Tensor ah = as(a, half);
+    const Tensor ah = host_cast(a, half);
     OK(ref().layer_norm_forward(ah, g, be, 1e-6, from_half));
-    OK(ref().layer_norm_forward(as(ah, DType::kF32), g, be, 1e-6, want));
-    CHECK(values(from_half) == values(want));
+    OK(ref().layer_norm_forward(host_cast(ah, DType::kF32), g, be, 1e-6, want));
+    CHECK(host_values(from_half) == host_values(want));
   }
 }
 
 TEST_CASE("half storage: mixed or unsupported dtypes are refused naming the op") {
-  const Tensor a32 = random_f32({4, 6}, 21), a16 = as(a32, DType::kF16), abf = as(a32, DType::kBF16);
+  const Tensor a32 = random_f32({4, 6}, 21), a16 = host_cast(a32, DType::kF16), abf = host_cast(a32, DType::kBF16);
   Tensor y32 = *Tensor::empty({4, 6}, DType::kF32, cpu_allocator()), y16 = *Tensor::empty({4, 6}, DType::kF16, cpu_allocator());
   // A half first operand with an f32 second: only f32 + half into f32 is a mixed add.
   Status s = ref().add(a16, a32, y16);
@@ -156,7 +154,7 @@ TEST_CASE("half storage: mixed or unsupported dtypes are refused naming the op")
   CHECK(ref().add(a32, a16, y16).code() == StatusCode::kInvalidArgument);  // output must be f32
   CHECK(ref().add(abf, a16, y16).code() == StatusCode::kInvalidArgument);  // two half types
   CHECK(ref().mul(a32, a16, y32).code() == StatusCode::kInvalidArgument);  // mul is not mixed
-  const Tensor g32 = random_f32({6}, 22), g16 = as(g32, DType::kF16);
+  const Tensor g32 = random_f32({6}, 22), g16 = host_cast(g32, DType::kF16);
   CHECK(ref().layer_norm_forward(a16, g16, g16, 1e-6, y16).code() == StatusCode::kInvalidArgument);  // gamma f32
   Tensor ybf = *Tensor::empty({4, 6}, DType::kBF16, cpu_allocator());
   CHECK(ref().layer_norm_forward(a16, g32, g32, 1e-6, ybf).code() == StatusCode::kInvalidArgument);  // f16 -> bf16
@@ -168,7 +166,7 @@ TEST_CASE("half storage: mixed or unsupported dtypes are refused naming the op")
   CHECK(cpu->activation_dtype() == DType::kF32);
   OK(cpu->set_math_precision(MathPrecision::kBf16));
   CHECK(cpu->activation_dtype() == DType::kF32);
-  const Tensor w16 = as(random_f32({5, 6}, 23), DType::kF16);
+  const Tensor w16 = host_cast(random_f32({5, 6}, 23), DType::kF16);
   Tensor o16 = *Tensor::empty({4, 5}, DType::kF16, cpu_allocator());
   CHECK(cpu->linear_forward(a16, w16, Tensor(), o16).code() == StatusCode::kUnimplemented);
   CHECK(ref().activation_dtype() == DType::kF32);
@@ -235,20 +233,20 @@ TEST_CASE("ViT trunk with f16 / bf16 activations (as torch.autocast runs it) aga
       OK(vit->forward(images, fh));
       // The features stay f32 and near the f32 run: within a few roundings of the half type (3
       // blocks, each branch added into the f32 stream; measured 1.2 (f16) and 1.5 (bf16) of them).
-      const double err = worst_error(values(fh), values(f32));
+      const double err = normalised_error(host_values(fh), host_values(f32));
       CHECK(err < 4 * unit_roundoff(half));
       // ... and the half path ran: the features are not the f32 ones.
       CHECK(err > 0);
       // A second forward reuses the half weights and gives the same bits.
       Tensor again = *Tensor::empty({N, F}, DType::kF32, cpu_allocator());
       OK(vit->forward(images, again));
-      CHECK(values(again) == values(fh));
+      CHECK(host_values(again) == host_values(fh));
     }
     // Back to f32: the f32 run's bits.
     vit->set_activation_dtype(DType::kF32);
     Tensor back = *Tensor::empty({N, F}, DType::kF32, cpu_allocator());
     OK(vit->forward(images, back));
-    CHECK(values(back) == values(f32));
+    CHECK(host_values(back) == host_values(f32));
     vit->set_activation_dtype(DType::kF64);
     CHECK(vit->forward(images, back).code() == StatusCode::kInvalidArgument);
   }
@@ -278,7 +276,7 @@ TEST_CASE("CNN inference graph with f16 / bf16 activations (ResNet-18 cut at lay
     REQUIRE(got->dtype() == DType::kF32);  // the pooled features stay f32
     REQUIRE(got->shape() == f32->shape());
     // 7 fused convolutions (and a max pooling) deep, each output rounded to the half type.
-    const double err = worst_error(values(*got), values(*f32));
+    const double err = normalised_error(host_values(*got), host_values(*f32));
     MESSAGE(std::string(dtype_name(half)), " layer3 features: ", err / unit_roundoff(half), " u from the f32 graph");
     CHECK(err < 4 * unit_roundoff(half));  // measured 1.0 (f16) and 1.3 (bf16)
     CHECK(err > 0);  // the half path ran
@@ -286,16 +284,16 @@ TEST_CASE("CNN inference graph with f16 / bf16 activations (ResNet-18 cut at lay
   // The fused convolution refuses half weights, and an x of another half type than y.
   graph->set_activation_dtype(DType::kF64);
   CHECK(graph->run(ref(), images).status().code() == StatusCode::kInvalidArgument);
-  const Tensor w16 = as(random_f32({4, 3, 3, 3}, 64), DType::kF16);
+  const Tensor w16 = host_cast(random_f32({4, 3, 3, 3}, 64), DType::kF16);
   auto prepared = ref().prepare_fused_conv2d(w16, Tensor());
   REQUIRE(prepared.ok());
-  const Tensor x16 = as(random_f32({1, 3, 5, 5}, 65), DType::kF16);
+  const Tensor x16 = host_cast(random_f32({1, 3, 5, 5}, 65), DType::kF16);
   Tensor y16 = *Tensor::empty({1, 4, 5, 5}, DType::kF16, cpu_allocator());
   CHECK(ref().fused_conv2d_inference(x16, **prepared, Conv2dParams{1, 1}, true, nullptr, y16).code() ==
         StatusCode::kInvalidArgument);
   auto prepared32 = ref().prepare_fused_conv2d(random_f32({4, 3, 3, 3}, 64), Tensor());
   REQUIRE(prepared32.ok());
-  const Tensor xbf = as(random_f32({1, 3, 5, 5}, 65), DType::kBF16);
+  const Tensor xbf = host_cast(random_f32({1, 3, 5, 5}, 65), DType::kBF16);
   CHECK(ref().fused_conv2d_inference(xbf, **prepared32, Conv2dParams{1, 1}, true, nullptr, y16).code() ==
         StatusCode::kInvalidArgument);
   OK(ref().fused_conv2d_inference(x16, **prepared32, Conv2dParams{1, 1}, true, nullptr, y16));

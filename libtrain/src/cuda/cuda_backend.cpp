@@ -929,88 +929,58 @@ class CudaBackend final : public Backend {
     constexpr int64_t kMax = 2147483647;
     if (3 * C > kMax || T * T > kMax || H > kMax || d.B > kMax)
       return slide::core::unimplemented("cuda attention_forward: an extent over 2^31 - 1");
-    if (detail::is_half(qkv.dtype())) return attention_half(qkv, d, scale, out);
     // Every sequence's scores at once, head-major: scores[h][b] = [T, T] (H * B * T * T floats, about
     // qkv's own size for a ViT), so that each product is one strided-batched GEMM per head over the B
     // sequences (a sequence's rows are T * 3C apart in qkv, T * C in out) and the softmax one launch:
     // 2H + 1 calls a layer instead of 3B (one per sequence and product), which left the GPU waiting
     // on launches at B = 64.
+    // Half-precision storage (backend.h): f16 / bf16 qkv and out, the same GEMMs with half operands
+    // and f32 accumulation (CUBLAS_COMPUTE_32F); the scores still come out in f32 (a documented
+    // cublasGemmEx combination: half A and B, f32 C), and the softmax writes the probabilities in
+    // the half type into a buffer of their own, the second GEMM's operand (backend.h allows this
+    // one rounding of the probabilities). In f32 the softmax runs in place on the scores.
+    const bool half = detail::is_half(qkv.dtype());
+    const cudaDataType_t type = cublas_type(qkv.dtype());
+    const cublasComputeType_t compute = half ? CUBLAS_COMPUTE_32F : compute_type();
     SLIDE_ASSIGN_OR_RETURN(Tensor scores,
                            Tensor::empty({H * d.B * T, T}, DType::kF32, *st_->alloc, "attention scores"));
+    Tensor probs = scores;
+    if (half) {
+      SLIDE_ASSIGN_OR_RETURN(probs, Tensor::empty({H * d.B * T, T}, qkv.dtype(), *st_->alloc, "attention probabilities"));
+    }
     const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
     const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
               ld_out = static_cast<int>(C), batch_count = static_cast<int>(d.B);
     const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * T;
+    // Element offsets into qkv, out and probs, in bytes of their dtypes.
+    const size_t e = dtype_size(qkv.dtype()), pe = dtype_size(probs.dtype());
+    const char* base = static_cast<const char*>(qkv.raw());
     for (int64_t h = 0; h < H; ++h) {
-      const float* q = f32(qkv) + h * Dh;  // sequence 0's head h: q, then k at +C, v at +2C
+      const char* q = base + h * Dh * e;  // sequence 0's head h: q, then k at +C, v at +2C
       float* sc = f32(scores) + h * d.B * T * T;
       // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C,
-                                                    CUDA_R_32F, ld_qkv, seq_qkv, q, CUDA_R_32F, ld_qkv, seq_qkv, &zero,
-                                                    sc, CUDA_R_32F, t, seq_scores, batch_count, compute_type(),
+      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C * e,
+                                                    type, ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv, &zero, sc,
+                                                    CUDA_R_32F, t, seq_scores, batch_count, compute,
                                                     CUBLAS_GEMM_DEFAULT));
     }
-    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), f32(scores), H * d.B * T, T, st_->stream));
+    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * d.B * T, T,
+                                            st_->stream));
     for (int64_t h = 0; h < H; ++h) {
-      const float* v = f32(qkv) + 2 * C + h * Dh;
-      const float* sc = f32(scores) + h * d.B * T * T;
-      // Row-major out_h = sc v, written into head h's Dh columns of each token's row.
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v,
-                                                    CUDA_R_32F, ld_qkv, seq_qkv, sc, CUDA_R_32F, t, seq_scores, &zero,
-                                                    f32(out) + h * Dh, CUDA_R_32F, ld_out, seq_out, batch_count,
-                                                    compute_type(), CUBLAS_GEMM_DEFAULT));
-    }
-    return ok_status();
-  }
-  // attention_forward on half-precision storage: the same two strided-batched GEMMs per head, with
-  // f16 / bf16 operands and f32 accumulation (CUBLAS_COMPUTE_32F). The scores come out in f32 (a
-  // documented cublasGemmEx combination: half A and B, f32 C), the softmax reads them in f32 and
-  // writes the probabilities in the half type, the operand of the second GEMM, whose output is
-  // the half-precision out (backend.h allows this one rounding of the probabilities).
-  Status attention_half(const Tensor& qkv, const detail::AttentionDims& d, double scale, Tensor& out) {
-    const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
-    const DType half = qkv.dtype();
-    const cudaDataType_t type = cublas_type(half);
-    SLIDE_ASSIGN_OR_RETURN(Tensor scores,
-                           Tensor::empty({H * d.B * T, T}, DType::kF32, *st_->alloc, "attention scores"));
-    SLIDE_ASSIGN_OR_RETURN(Tensor probs, Tensor::empty({H * d.B * T, T}, half, *st_->alloc, "attention probabilities"));
-    const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
-    const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
-              ld_out = static_cast<int>(C), batch_count = static_cast<int>(d.B);
-    const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * T;
-    // Element offsets as in attention_forward; the pointers are 16-bit elements.
-    const uint16_t* base = qkv.ptr<uint16_t>();
-    for (int64_t h = 0; h < H; ++h) {
-      const uint16_t* q = base + h * Dh;
-      float* sc = f32(scores) + h * d.B * T * T;
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C, type,
-                                                    ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv, &zero, sc, CUDA_R_32F, t,
-                                                    seq_scores, batch_count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
-    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(half), probs.raw(), H * d.B * T, T, st_->stream));
-    for (int64_t h = 0; h < H; ++h) {
-      const uint16_t* v = base + 2 * C + h * Dh;
-      const uint16_t* p = probs.ptr<uint16_t>() + h * d.B * T * T;
+      const char* v = base + (2 * C + h * Dh) * e;
+      const char* pr = static_cast<const char*>(probs.raw()) + h * d.B * T * T * pe;
+      // Row-major out_h = probs v, written into head h's Dh columns of each token's row.
       SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
-                                                    ld_qkv, seq_qkv, p, type, t, seq_scores, &zero,
-                                                    out.ptr<uint16_t>() + h * Dh, type, ld_out, seq_out, batch_count,
-                                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                                    ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), t, seq_scores,
+                                                    &zero, static_cast<char*>(out.raw()) + h * Dh * e, type, ld_out,
+                                                    seq_out, batch_count, compute, CUBLAS_GEMM_DEFAULT));
     }
     return ok_status();
   }
 
   Status permute(const Tensor& x, const std::vector<int>& perm, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_permute(x, perm, y, kHalfDTypes));
-    PermuteGeometry g;
-    g.rank = static_cast<int>(perm.size());
-    int64_t x_stride[6] = {0}, s = 1;
-    for (int i = g.rank - 1; i >= 0; --i) x_stride[i] = s, s *= x.dim(static_cast<size_t>(i));
-    for (int i = 0; i < g.rank; ++i) {
-      g.y_extent[i] = y.dim(static_cast<size_t>(i));
-      g.in_stride[i] = x_stride[perm[static_cast<size_t>(i)]];
-    }
-    SLIDE_CUDA_CHECK(launch_permute(dtype_size(x.dtype()), x.raw(), y.raw(), y.numel(), g, st_->stream));
-    return ok_status();
+    return permute_storage(x, x.shape(), perm, y);
   }
 
   // --- Pooling ---
@@ -1170,27 +1140,17 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
 
-  // C [m, n] (column-major, ldc) = alpha op(A) op(B) + beta C, alpha = 1.
+  // C [m, n] (column-major, ldc) = alpha op(A) op(B) + beta C, alpha = 1, on f32 operands at this
+  // backend's compute type (gemm_ex).
   Status gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-    if (m == 0 || n == 0) return ok_status();
-    constexpr int64_t kMax = 2147483647;
-    if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax)
-      return slide::core::unimplemented("cuda gemm: an extent over 2^31 - 1");
-    if (k == 0) {
-      // cuBLAS leaves C untouched for k == 0 only when beta == 1; the op list overwrites with 0.
-      if (beta == 0.0f) SLIDE_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<size_t>(m * n) * sizeof(float), st_->stream));
-      return ok_status();
-    }
-    const float alpha = 1.0f;
-    SLIDE_CUBLAS_CHECK(cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                    &alpha, A, CUDA_R_32F, static_cast<int>(lda), B, CUDA_R_32F, static_cast<int>(ldb),
-                                    &beta, C, CUDA_R_32F, static_cast<int>(ldc), compute_type(), CUBLAS_GEMM_DEFAULT));
-    return ok_status();
+    return gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, CUDA_R_32F, 1.0f, beta, C, CUDA_R_32F, ldc, compute_type());
   }
-  // The same for half-precision storage: A and B of ab_type (CUDA_R_16F or CUDA_R_16BF), C of c_type
-  // (the same, or CUDA_R_32F), f32 scalars and accumulation (`compute` CUBLAS_COMPUTE_32F): among
-  // cublasGemmEx's documented type combinations, run on tensor cores.
+  // C = alpha op(A) op(B) + beta C with A and B of ab_type, C of c_type and f32 scalars: f32
+  // operands at compute_type(), or half-precision storage (A and B CUDA_R_16F / CUDA_R_16BF, C the
+  // same or CUDA_R_32F, `compute` CUBLAS_COMPUTE_32F: among cublasGemmEx's documented type
+  // combinations, run on tensor cores). k == 0 leaves C = beta C (zeros for beta 0: cuBLAS leaves C
+  // untouched for k == 0 only when beta == 1; the op list overwrites with 0).
   Status gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                  int64_t lda, const void* B, int64_t ldb, cudaDataType_t ab_type, float alpha, float beta, void* C,
                  cudaDataType_t c_type, int64_t ldc, cublasComputeType_t compute) {
@@ -1199,7 +1159,7 @@ class CudaBackend final : public Backend {
     if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax)
       return slide::core::unimplemented("cuda gemm: an extent over 2^31 - 1");
     if (k == 0) {
-      // C = beta C: untouched for beta 1 (the bias rows), zeros for 0 (all-zero bits in every type).
+      // All-zero bits are 0 in every type.
       const size_t elem = c_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t);
       if (beta == 0.0f) SLIDE_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<size_t>(m * n) * elem, st_->stream));
       return ok_status();

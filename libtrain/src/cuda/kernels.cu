@@ -677,9 +677,6 @@ cudaError_t with_storage(CastType t, F&& f) {
 
 }  // namespace
 
-cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream) {
-  return launch_unary(f, CastType::kF32, x, y, n, stream);
-}
 cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream) {
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
@@ -690,9 +687,6 @@ cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n,
 cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n,
                               cudaStream_t stream) {
   return launch_grid_stride(n, stream, unary_grad_kernel, f, y, dy, dx, n);
-}
-cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
-  return launch_binary(op, CastType::kF32, a, CastType::kF32, b, y, n, stream);
 }
 cudaError_t launch_binary(Binary op, CastType ta, const void* a, CastType tb, const void* b, void* y, int64_t n,
                           cudaStream_t stream) {
@@ -770,14 +764,6 @@ cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const floa
   return launch_per_block<kBnBlock>(C, stream, bn_backward_elemt_kernel, x, dy, gamma, save_mean, save_invstd, stats,
                                     sums, dx, N, C, HW);
 }
-cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
-                                    int kernel, int stride, int pad, cudaStream_t stream) {
-  return launch_max_pool_forward(CastType::kF32, x, y, NC, H, W, P, Q, kernel, stride, pad, stream);
-}
-cudaError_t launch_max_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t H, int64_t W, int64_t P,
-                                    int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
-  return launch_max_pool_forward(t, false, x, y, NC, 1, H, W, P, Q, kernel, stride, pad, stream);
-}
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
                                     cudaStream_t stream) {
@@ -814,9 +800,7 @@ cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t 
 // Rows of a warp each (g.blocks blocks of kBlock threads), or a block each when long
 // (kernels::launch_rows).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream) {
-  const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
-  if (g.rows_per_block > 1) return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<F32>, x, y, R, C);
-  return launch_per_block(R, stream, softmax_forward_kernel<F32>, x, y, C);
+  return launch_softmax_forward(x, CastType::kF32, y, R, C, stream);
 }
 cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream) {
   const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
@@ -866,10 +850,6 @@ cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* partial, in
 cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream) {
   return launch_grid_stride(n, stream, scale_kernel, x, alpha, y, n);
 }
-cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
-                                      int64_t R, int64_t C, cudaStream_t stream) {
-  return launch_layer_norm_forward(CastType::kF32, x, gamma, beta, eps, CastType::kF32, y, R, C, stream);
-}
 cudaError_t launch_layer_norm_forward(CastType tx, const void* x, const float* gamma, const float* beta, double eps,
                                       CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream) {
   return with_storage(tx, [&](auto sx) {
@@ -880,9 +860,6 @@ cudaError_t launch_layer_norm_forward(CastType tx, const void* x, const float* g
                               beta, eps, static_cast<typename SY::T*>(y), C);
     });
   });
-}
-cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream) {
-  return launch_permute(sizeof(float), x, y, n, g, stream);
 }
 cudaError_t launch_permute(size_t element_bytes, const void* x, void* y, int64_t n, PermuteGeometry g,
                            cudaStream_t stream) {

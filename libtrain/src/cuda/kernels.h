@@ -27,15 +27,13 @@ enum class Binary { kAdd, kMul };
 // CastType is declared here for the half-precision launchers (it also names cast's types below).
 enum class CastType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
-// y = f(x) over n elements (y may be x); the second form with x and y of storage t.
-cudaError_t launch_unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream);
+// y = f(x) over n elements (y may be x), x and y of storage t.
 cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream);
 // dx = f'(y) dy over n elements, from the forward's output y.
 cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
-// y = a op b over n elements (y may be a or b); the second form with a and y of storage ta and b of
-// tb: ta == tb, or ta f32 and tb half (an f32 residual taking a half-precision branch). Other
-// pairs: cudaErrorInvalidValue.
-cudaError_t launch_binary(Binary op, const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+// y = a op b over n elements (y may be a or b), a and y of storage ta and b of tb: ta == tb, or ta
+// f32 and tb half (an f32 residual taking a half-precision branch). Other pairs:
+// cudaErrorInvalidValue.
 cudaError_t launch_binary(Binary op, CastType ta, const void* a, CastType tb, const void* b, void* y, int64_t n,
                           cudaStream_t stream);
 // y[r, c] = row[c] for y [rows, cols] of storage t (a linear layer's bias, which the GEMM then adds
@@ -79,14 +77,10 @@ cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const floa
                                      const float* save_invstd, const double* stats, const double* sums, float* dx,
                                      int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
 
-// Max pooling of x [NC, H, W] to y [NC, P, Q]; backward gathers, for each input position, dy of the
-// windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
-cudaError_t launch_max_pool_forward(const float* x, float* y, int64_t NC, int64_t H, int64_t W, int64_t P, int64_t Q,
-                                    int kernel, int stride, int pad, cudaStream_t stream);
-// The same on storage t (f32, or half: the inference graph's activations); the second form also
-// channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as stored), the first-maximum rule the same.
-cudaError_t launch_max_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t H, int64_t W, int64_t P,
-                                    int64_t Q, int kernel, int stride, int pad, cudaStream_t stream);
+// Max pooling of x [N, C, H, W] to y [N, C, P, Q] of storage t (f32, or half: the inference graph's
+// activations), both NCHW or both channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as
+// stored), the first maximum of each window; backward (f32, NCHW) gathers, for each input position,
+// dy of the windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
                                     cudaStream_t stream);
@@ -132,10 +126,8 @@ cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* partial, in
                                   cudaStream_t stream);
 // y = alpha x over n elements (y may be x).
 cudaError_t launch_scale(const float* x, double alpha, float* y, int64_t n, cudaStream_t stream);
-// Layer norm of each row of x [R, C] (backend.h): one block per row, double accumulation.
-cudaError_t launch_layer_norm_forward(const float* x, const float* gamma, const float* beta, double eps, float* y,
-                                      int64_t R, int64_t C, cudaStream_t stream);
-// The same with x of storage tx and y of ty (gamma, beta f32); y may be x when tx == ty.
+// Layer norm of each row of x [R, C] (backend.h): one block per row, double accumulation; x of
+// storage tx and y of ty (gamma, beta f32); y may be x when tx == ty.
 cudaError_t launch_layer_norm_forward(CastType tx, const void* x, const float* gamma, const float* beta, double eps,
                                       CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream);
 // y = x permuted: rank <= 6, y_extent[i] = x's extent of perm[i], in_stride[i] = x's row-major
@@ -145,8 +137,7 @@ struct PermuteGeometry {
   int64_t y_extent[6] = {0};
   int64_t in_stride[6] = {0};
 };
-cudaError_t launch_permute(const float* x, float* y, int64_t n, PermuteGeometry g, cudaStream_t stream);
-// The same for elements of element_bytes (4: f32; 2: f16 / bf16 patterns), moved as they are.
+// Elements of element_bytes (4: f32; 2: f16 / bf16 patterns), moved as they are.
 cudaError_t launch_permute(size_t element_bytes, const void* x, void* y, int64_t n, PermuteGeometry g,
                            cudaStream_t stream);
 

@@ -46,7 +46,7 @@ Status want_dtype_of(const char* op, const Range& ts, DTypes dtypes) {
     if (t->dtype() != dt)
       return invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(t->dtype()) + ", expected " +
                               dtype_name(dt));
-    if (t->device() != dtypes.device)
+    if (t->device() != dtypes.device && !dtypes.any_device)
       return invalid_argument(std::string(op) + ": " + name + " is on " + device_name(t->device()) + ", this backend's " +
                               "tensors are on " + device_name(dtypes.device));
     if (t->layout() != Layout::kPlain && !dtypes.blocked)

@@ -26,6 +26,9 @@ struct DTypes {
   bool blocked = false;
   Device device = Device::kCpu;
   bool half = false;
+  // Shapes and dtypes only, on whatever device each tensor is: the memory planner asks a backend
+  // about its placeholders (on no device) beside the model's weights (on the backend's device).
+  bool any_device = false;
 };
 // `d` with f16 / bf16 storage accepted: for the ops of backend.h's half-precision list.
 inline DTypes with_half(DTypes d) {

@@ -168,7 +168,8 @@ class ReferenceBackend final : public Backend {
                                       const Tensor& y) override {
     if (!simulated_workspace_) return size_t{0};
     // Shapes and dtypes only: the planner's placeholders live on no device.
-    const detail::DTypes any_device{dtypes_.f32, dtypes_.f64, dtypes_.blocked, x.device()};
+    detail::DTypes any_device = dtypes_;
+    any_device.any_device = true;
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, Tensor(), p, y, any_device));
     return workspace_bytes(pass, d, p, x.dtype());
   }

@@ -372,9 +372,10 @@ TEST_CASE("cuda vs reference: linear forward, backward data, backward weights (+
 }
 
 TEST_CASE("cuda vs reference: row softmax; softmax cross-entropy with weights and smoothing; bad labels") {
-  // A warp per row (rows of at most 1024: 3 rows of 13; 37 rows of 197 over 5 blocks of 8), a block
-  // per row beyond (2 rows of 1500).
-  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 13}, {37, 197}, {2, 1500}}) {
+  // A warp per row (rows of at most 1024: 3 rows of 13; 37 rows of 197 over 5 blocks of 8), held in
+  // the lanes' registers up to 512 values (4, 8 or 16 a lane: 13, 197, 300), read as it goes beyond
+  // (700); a block per row beyond 1024 (2 rows of 1500).
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{3, 13}, {37, 197}, {9, 300}, {5, 700}, {2, 1500}}) {
     CAPTURE(C);
     Pair x = make({R, C}, 61, -4, 4), y = make({R, C}), dy = make({R, C}, 62), dx = make({R, C});
     Tensor X = up(x.f), Y = up(y.f), DY = up(dy.f), DX = up(dx.f);

@@ -3,6 +3,7 @@
 // door (Backend::upload / download) on host backends.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <unordered_map>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 #include "../../libtrain/src/cuda/conv_plan.h"
 #include "../../libtrain/src/kernels/launch.h"
@@ -51,6 +53,64 @@ TEST_CASE("launch_rows: a warp per row up to 1024 values, 8 rows a block of 256;
   CHECK(g.blocks == 2);
   CHECK(kernels::launch_rows(0, 5).blocks == 0);
   CHECK(kernels::launch_rows(5, 0).blocks == 0);
+}
+
+TEST_CASE("softmax_cached_values: a warp's row in registers up to 512 values, the fewest per lane that hold it") {
+  CHECK(kernels::softmax_cached_values(0) == 0);
+  CHECK(kernels::softmax_cached_values(1) == 4);
+  CHECK(kernels::softmax_cached_values(128) == 4);
+  CHECK(kernels::softmax_cached_values(129) == 8);
+  CHECK(kernels::softmax_cached_values(197) == 8);  // ViT at 224 px, patch 16: 196 + class token
+  CHECK(kernels::softmax_cached_values(261) == 16);  // Virchow2: 256 + class + 4 registers
+  CHECK(kernels::softmax_cached_values(512) == 16);
+  CHECK(kernels::softmax_cached_values(513) == 0);  // read as it goes
+  for (int64_t c = 1; c <= 512; ++c) CHECK(kernels::softmax_cached_values(c) * 32 >= c);
+}
+
+TEST_CASE("launch_rows_cols: every element of [rows, cols] is visited once, by a thread that owns its column") {
+  struct Case {
+    int64_t rows, cols, max_blocks_y;
+  };
+  // A ViT-L/16 linear at batch 64 (qkv), a ResNet layer3 epilogue channels last (K = 1024) and in
+  // planes (inner = 14 x 14), a 1-column and a 33-column matrix, short rows, and a grid y cap that
+  // makes threads loop.
+  for (const Case k : {Case{64 * 197, 3072, 65535}, Case{256 * 196, 1024, 65535}, Case{256 * 1024, 196, 65535},
+                       Case{5, 1, 65535}, Case{7, 33, 65535}, Case{1, 8, 65535}, Case{1000, 40, 3}}) {
+    CAPTURE(k.rows);
+    CAPTURE(k.cols);
+    const auto g = kernels::launch_rows_cols(k.rows, k.cols, 256, k.max_blocks_y);
+    REQUIRE(g.threads_x % 32 == 0);
+    REQUIRE(g.threads_x * g.threads_y <= 256);
+    CHECK(g.threads_x <= ((k.cols + 31) / 32) * 32);  // no warp wholly past the last column
+    CHECK(g.blocks_y <= k.max_blocks_y);
+    if (k.rows * k.cols > 2'000'000) {  // the geometry only, on the large shapes
+      CHECK(g.blocks_x * g.threads_x >= k.cols);
+      CHECK(g.blocks_y * g.threads_y >= std::min(k.rows, k.max_blocks_y * g.threads_y));
+      continue;
+    }
+    std::vector<int> seen(static_cast<size_t>(k.rows * k.cols), 0);
+    bool column_mismatch = false, order = true;
+    for (int64_t bx = 0; bx < g.blocks_x; ++bx)
+      for (int64_t by = 0; by < g.blocks_y; ++by)
+        for (int64_t ty = 0; ty < g.threads_y; ++ty)
+          for (int64_t tx = 0; tx < g.threads_x; ++tx) {
+            int64_t last = -1;
+            kernels::walk_rows_cols(k.rows, k.cols, g, bx, by, tx, ty, [&](int64_t r, int64_t c) {
+              column_mismatch |= c != bx * g.threads_x + tx;
+              order &= r > last;
+              last = r;
+              ++seen[static_cast<size_t>(r * k.cols + c)];
+            });
+          }
+    CHECK_FALSE(column_mismatch);
+    CHECK(order);
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+  }
+  CHECK(kernels::launch_rows_cols(0, 5).blocks_x == 0);
+  CHECK(kernels::launch_rows_cols(5, 0).blocks_y == 0);
+  const auto narrow = kernels::launch_rows_cols(100, 64);  // K = 64 channels last: 4 rows a block
+  CHECK(narrow.threads_x == 64);
+  CHECK(narrow.threads_y == 4);
 }
 
 TEST_CASE("for_channel: a thread's walk over a channel is the division's, value for value, in order") {

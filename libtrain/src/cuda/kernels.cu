@@ -59,6 +59,19 @@ cudaError_t launch_grid_stride(int64_t n, cudaStream_t stream, Kernel kernel, Ar
   return cudaGetLastError();
 }
 
+// A kernel over a [rows, cols] matrix (kernels::launch_rows_cols), given the geometry as its last
+// argument.
+template <typename Kernel, typename... Args>
+cudaError_t launch_rows_cols(int64_t rows, int64_t cols, cudaStream_t stream, Kernel kernel, Args... args) {
+  const kernels::LaunchRowsCols g = kernels::launch_rows_cols(rows, cols, kBlock);
+  if (g.blocks_x == 0) return cudaSuccess;
+  if (g.blocks_x > 2147483647) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(g.blocks_x), static_cast<unsigned>(g.blocks_y));
+  const dim3 block(static_cast<unsigned>(g.threads_x), static_cast<unsigned>(g.threads_y));
+  kernel<<<grid, block, 0, stream>>>(args..., g);
+  return cudaGetLastError();
+}
+
 // One block of B threads per channel / row: at most 2^31 - 1 blocks (CUDA's grid x limit).
 template <int B = kBlock, typename Kernel, typename... Args>
 cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel, Args... args) {
@@ -119,10 +132,21 @@ __global__ void binary_kernel(Binary op, const typename SA::T* a, const typename
   }
 }
 
-// y[r, c] = row[c] for y [rows, cols] (a linear layer's bias, before the GEMM adds to it).
+// A thread of a kernels::LaunchRowsCols grid: f(r, c) for its column and rows (walk_rows_cols).
+template <typename F>
+__device__ void walk_rows_cols(int64_t rows, int64_t cols, const kernels::LaunchRowsCols& g, F&& f) {
+  kernels::walk_rows_cols(rows, cols, g, blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, f);
+}
+
+// y[r, c] = row[c] for y [rows, cols] (a linear layer's bias, before the GEMM adds to it): the
+// thread's column's value loaded once.
 template <typename S>
-__global__ void fill_rows_kernel(typename S::T* y, const typename S::T* row, int64_t cols, int64_t n) {
-  SLIDE_GRID_STRIDE(i, n) { y[i] = row[i % cols]; }
+__global__ void fill_rows_kernel(typename S::T* y, const typename S::T* row, int64_t rows, int64_t cols,
+                                 kernels::LaunchRowsCols g) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * g.threads_x + threadIdx.x;
+  if (col >= cols) return;
+  const typename S::T v = row[col];
+  walk_rows_cols(rows, cols, g, [&](int64_t r, int64_t c) { y[r * cols + c] = v; });
 }
 
 __global__ void bias_add_kernel(float* y, const float* b, int64_t K, int64_t inner, int64_t n) {
@@ -332,34 +356,50 @@ __global__ void max_pool_forward_kernel(const typename S::T* x, typename S::T* y
 // (ReLU when `relu`; z null for none), in f32, rounded once. c is the convolution's output [N, K,
 // inner] (channels last: [N, inner, K]); c, z and y share that layout; y may be c or z (each
 // element read before it is written, by the same thread).
+// Walked as a [rows, cols] matrix (kernels::LaunchRowsCols): channels last, rows N * inner pixels
+// of K channels (the bias is the column's); in planes, rows N * K planes of `inner` values (the
+// bias is the row's, row % K).
 template <typename S>
 __global__ void conv_epilogue_kernel(const typename S::T* c, const typename S::T* b, const typename S::T* z,
-                                     typename S::T* y, int64_t K, int64_t inner, bool relu, bool nhwc, int64_t n) {
-  SLIDE_GRID_STRIDE(i, n) {
-    float v = S::load(c[i]) + S::load(b[nhwc ? i % K : (i / inner) % K]);
+                                     typename S::T* y, int64_t K, bool relu, bool nhwc, int64_t rows, int64_t cols,
+                                     kernels::LaunchRowsCols g) {
+  walk_rows_cols(rows, cols, g, [&](int64_t r, int64_t col) {
+    const int64_t i = r * cols + col;
+    float v = S::load(c[i]) + S::load(b[nhwc ? col : r % K]);
     if (z != nullptr) v += S::load(z[i]);
     y[i] = S::store(relu ? fm::relu(v) : v);
-  }
+  });
 }
 
-__global__ void max_pool_backward_kernel(const float* x, const float* dy, float* dx, int64_t H, int64_t W, int64_t P,
-                                         int64_t Q, int kernel, int stride, int pad, int64_t n) {
-  SLIDE_GRID_STRIDE(j, n) {
-    const int64_t nc = j / (H * W), ih = (j / W) % H, iw = j % W;
-    // Windows containing (ih, iw): oh * stride - pad <= ih < oh * stride - pad + kernel.
-    const int64_t oh_hi = min(P - 1, (ih + pad) / stride), ow_hi = min(Q - 1, (iw + pad) / stride);
-    const int64_t oh_lo = max(int64_t{0}, oh_hi - (kernel - 1) / stride - 1);
-    const int64_t ow_lo = max(int64_t{0}, ow_hi - (kernel - 1) / stride - 1);
+// dx of max pooling, gathered: each input position sums dy over the windows whose first maximum it
+// is (formulas.h max_pool_argmax), in window order, so that the result is the same on every run
+// (no atomics). Walked as [N * C planes, H * W positions] (kernels::LaunchRowsCols): a thread's
+// position, its row and column and the range of windows holding it are worked out once, in 32-bit
+// arithmetic (H * W < 2^31, checked by the launcher), and hold for every plane it visits. (An H200
+// profile of a ResNet-50 training step had this kernel at 9% of the GPU time when it divided
+// 64-bit flat indices for every element.)
+__global__ void max_pool_backward_kernel(const float* x, const float* dy, float* dx, int H, int W, int P, int Q,
+                                         int kernel, int stride, int pad, int64_t planes, kernels::LaunchRowsCols g) {
+  const int64_t HW = int64_t{H} * W;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * g.threads_x + threadIdx.x;
+  if (col >= HW) return;
+  const int o = static_cast<int>(col), ih = o / W, iw = o - ih * W;
+  // Windows containing (ih, iw): oh * stride - pad <= ih < oh * stride - pad + kernel.
+  const int oh_hi = min(P - 1, (ih + pad) / stride), ow_hi = min(Q - 1, (iw + pad) / stride);
+  const int oh_lo = max(0, oh_hi - (kernel - 1) / stride - 1), ow_lo = max(0, ow_hi - (kernel - 1) / stride - 1);
+  walk_rows_cols(planes, HW, g, [&](int64_t nc, int64_t) {
+    const float* xp = x + nc * HW;
+    const float* dyp = dy + nc * int64_t{P} * Q;
     float acc = 0.0f;
-    for (int64_t oh = oh_lo; oh <= oh_hi; ++oh) {
+    for (int oh = oh_lo; oh <= oh_hi; ++oh) {
       if (ih < oh * stride - pad || ih >= oh * stride - pad + kernel) continue;
-      for (int64_t ow = ow_lo; ow <= ow_hi; ++ow) {
+      for (int ow = ow_lo; ow <= ow_hi; ++ow) {
         if (iw < ow * stride - pad || iw >= ow * stride - pad + kernel) continue;
-        if (fm::max_pool_argmax(x, nc, oh, ow, H, W, kernel, stride, pad) == j) acc += dy[(nc * P + oh) * Q + ow];
+        if (fm::max_pool_argmax(xp, 0, oh, ow, H, W, kernel, stride, pad) == o) acc += dyp[oh * Q + ow];
       }
     }
-    dx[j] = acc;
-  }
+    dx[nc * HW + o] = acc;
+  });
 }
 
 __global__ void gap_forward_kernel(const float* x, float* y, int64_t HW, int64_t n) {
@@ -435,6 +475,43 @@ __global__ void softmax_forward_warp_kernel(const float* x, typename SY::T* y, i
   const int64_t row = warp_row(R);
   if (row < 0) return;
   softmax_row<SY>(x + row * C, y + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
+}
+
+// The same row, held in the lanes' registers: a row of at most kCached * 32 values (attention's
+// rows: 197 for a ViT at 224 px, 261 for Virchow2's 257 tokens and 4 registers) is read once and
+// each exp taken once, where softmax_row reads it three times and takes each exp twice (an H200
+// profile of ViT-L/16 at bf16 had this kernel at 12% of the GPU time, several times the memory's
+// time). Values, order of the sums and results are softmax_row's, bit for bit: lane l holds
+// columns l, l + 32, ..., as softmax_row walks them.
+template <typename SY, int kCached>
+__global__ void softmax_forward_warp_cached_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C) {
+  const int64_t row = warp_row(R);
+  if (row < 0) return;
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const float* xr = x + row * C;
+  typename SY::T* yr = y + row * C;
+  float v[kCached];
+  double m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kCached; ++k) {
+    const int64_t c = lane + int64_t{k} * kWarp;
+    v[k] = c < C ? xr[c] : 0.0f;
+    if (c < C) m = fmax(m, double(v[k]));
+  }
+  m = warp_max(m);
+  double term[kCached];
+  double local = 0;
+#pragma unroll
+  for (int k = 0; k < kCached; ++k) {
+    term[k] = lane + int64_t{k} * kWarp < C ? fm::softmax_term(v[k], m) : 0.0;
+    local += term[k];  // + 0.0 past the row's end: the same sum
+  }
+  const double se = warp_sum(local);
+#pragma unroll
+  for (int k = 0; k < kCached; ++k) {
+    const int64_t c = lane + int64_t{k} * kWarp;
+    if (c < C) yr[c] = SY::store(static_cast<float>(term[k] / se));
+  }
 }
 
 __global__ void softmax_backward_warp_kernel(const float* y, const float* dy, float* dx, int64_t R, int64_t C) {
@@ -709,8 +786,8 @@ cudaError_t launch_fill_rows(CastType t, void* y, const void* row, int64_t rows,
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_grid_stride(rows * cols, stream, fill_rows_kernel<S>, static_cast<T*>(y), static_cast<const T*>(row),
-                              cols, rows * cols);
+    return launch_rows_cols(rows, cols, stream, fill_rows_kernel<S>, static_cast<T*>(y), static_cast<const T*>(row),
+                            rows, cols);
   });
 }
 cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
@@ -781,15 +858,18 @@ cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const voi
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_grid_stride(N * K * inner, stream, conv_epilogue_kernel<S>, static_cast<const T*>(c),
-                              static_cast<const T*>(b), static_cast<const T*>(z), static_cast<T*>(y), K, inner, relu,
-                              nhwc, N * K * inner);
+    const int64_t rows = nhwc ? N * inner : N * K, cols = nhwc ? K : inner;
+    return launch_rows_cols(rows, cols, stream, conv_epilogue_kernel<S>, static_cast<const T*>(c),
+                            static_cast<const T*>(b), static_cast<const T*>(z), static_cast<T*>(y), K, relu, nhwc,
+                            rows, cols);
   });
 }
 cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
                                      int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
-  return launch_grid_stride(NC * H * W, stream, max_pool_backward_kernel, x, dy, dx, H, W, P, Q, kernel, stride, pad,
-                            NC * H * W);
+  constexpr int64_t kInt = 2147483647;
+  if (H > kInt || W > kInt || P > kInt || Q > kInt || H * W > kInt || P * Q > kInt) return cudaErrorInvalidValue;
+  return launch_rows_cols(NC, H * W, stream, max_pool_backward_kernel, x, dy, dx, static_cast<int>(H),
+                          static_cast<int>(W), static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad, NC);
 }
 cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream) {
   return launch_grid_stride(NC, stream, gap_forward_kernel, x, y, HW, NC);
@@ -807,8 +887,22 @@ cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t
   return with_storage(ty, [&](auto s) {
     using SY = decltype(s);
     using T = typename SY::T;
-    if (g.rows_per_block > 1)
-      return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<SY>, x, static_cast<T*>(y), R, C);
+    if (g.rows_per_block > 1) {
+      // Rows that fit the lanes' registers (kernels::softmax_cached_values): read once.
+      switch (kernels::softmax_cached_values(C)) {
+        case 4:
+          return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 4>, x, static_cast<T*>(y),
+                                  R, C);
+        case 8:
+          return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 8>, x, static_cast<T*>(y),
+                                  R, C);
+        case 16:
+          return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 16>, x, static_cast<T*>(y),
+                                  R, C);
+        default:
+          return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<SY>, x, static_cast<T*>(y), R, C);
+      }
+    }
     return launch_per_block(R, stream, softmax_forward_kernel<SY>, x, static_cast<T*>(y), C);
   });
 }

@@ -47,6 +47,50 @@ inline RowsLaunch launch_rows(int64_t rows, int64_t row_length, int threads = 25
   return {(rows + per_block - 1) / per_block, threads, per_block};
 }
 
+// The values a lane holds in registers when a warp's row of `row_length` is cached (the cuda
+// softmax's softmax_forward_warp_cached_kernel): 4, 8 or 16 per lane (rows of up to 128, 256 or
+// 512 values), or 0 for a longer row, read from memory as it goes. A sum over a lane's values adds
+// 0.0 past the row's end, which changes no sum.
+inline int softmax_cached_values(int64_t row_length) {
+  if (row_length <= 0) return 0;
+  for (int k : {4, 8, 16})
+    if (row_length <= int64_t{k} * 32) return k;
+  return 0;
+}
+
+// Kernels over a [rows, cols] matrix whose per-element work depends on the row or the column alone
+// (a bias row broadcast over a linear layer's output; a convolution epilogue's per-channel bias,
+// the channel being the column when channels are last and the row's (row % K) when they are
+// planes): a 2-D grid, so that each thread knows its column without a 64-bit division per element
+// (which on a GPU costs more than the store it indexes: an H200 profile of ViT-L/16 at bf16 had
+// the bias broadcast, y[i] = row[i % cols], at 21% of the GPU time, ten times the memory's time).
+// Blocks of threads_x x threads_y threads: threads_x a multiple of 32 covering cols (so short rows
+// leave no warp mostly idle), threads_y = threads / threads_x rows at a time; blocks_x blocks across
+// the columns, blocks_y (at most max_blocks_y, CUDA's grid y limit) down the rows, each thread
+// stepping by blocks_y * threads_y rows (walk_rows_cols).
+struct LaunchRowsCols {
+  int64_t blocks_x = 0, blocks_y = 0;  // 0: launch nothing
+  int threads_x = 0, threads_y = 0;
+};
+inline LaunchRowsCols launch_rows_cols(int64_t rows, int64_t cols, int threads = 256, int64_t max_blocks_y = 65535) {
+  if (rows <= 0 || cols <= 0 || threads < 32) return {};
+  const int64_t warps = (cols + 31) / 32;
+  const int tx = static_cast<int>(std::min<int64_t>(warps * 32, threads / 32 * 32));
+  const int ty = threads / tx;
+  return {(cols + tx - 1) / tx, std::min<int64_t>((rows + ty - 1) / ty, max_blocks_y), tx, ty};
+}
+// Thread (bx, by, tx, ty) of a LaunchRowsCols grid of (gx, gy) blocks: calls f(r, c) for its column
+// c = bx * threads_x + tx (if c < cols) and rows r = by * threads_y + ty, then every
+// gy * threads_y rows further, in increasing order; f computes r * cols + c itself (a multiply).
+template <typename F>
+SLIDE_LAUNCH_HD void walk_rows_cols(int64_t rows, int64_t cols, const LaunchRowsCols& g, int64_t bx, int64_t by,
+                                    int64_t tx, int64_t ty, F&& f) {
+  const int64_t c = bx * g.threads_x + tx;
+  if (c >= cols) return;
+  const int64_t step = g.blocks_y * g.threads_y;
+  for (int64_t r = by * g.threads_y + ty; r < rows; r += step) f(r, c);
+}
+
 // Channel c of an [N, C, HW] tensor (NCHW with HW = H * W), walked with stride T from t: calls
 // f(index) for the channel's values j = t, t + T, t + 2T, ... < N * HW, in that order, at
 // index = (j / HW * C + c) * HW + j % HW. This is how a block's thread t (T = blockDim.x) walks a

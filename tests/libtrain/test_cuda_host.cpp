@@ -55,6 +55,21 @@ TEST_CASE("launch_rows: a warp per row up to 1024 values, 8 rows a block of 256;
   CHECK(kernels::launch_rows(5, 0).blocks == 0);
 }
 
+TEST_CASE("attention_scores_ld: rows of scores and probabilities start 16-byte aligned in f32 and in 16-bit types") {
+  CHECK(kernels::attention_scores_ld(0) == 0);
+  CHECK(kernels::attention_scores_ld(1) == 8);
+  CHECK(kernels::attention_scores_ld(197) == 200);  // ViT-B/L at 224 px
+  CHECK(kernels::attention_scores_ld(261) == 264);  // Virchow2
+  CHECK(kernels::attention_scores_ld(256) == 256);  // already aligned: no padding
+  for (int64_t T = 1; T <= 600; ++T) {
+    const int64_t ld = kernels::attention_scores_ld(T);
+    CHECK(ld >= T);
+    CHECK(ld - T < 8);
+    CHECK((ld * 2) % 16 == 0);  // a row of f16 / bf16; f32's 4 bytes follow
+    CHECK((T * ld * 2) % 16 == 0);  // a sequence's matrix, as the strided-batched GEMMs step
+  }
+}
+
 TEST_CASE("softmax_cached_values: a warp's row in registers up to 512 values, the fewest per lane that hold it") {
   CHECK(kernels::softmax_cached_values(0) == 0);
   CHECK(kernels::softmax_cached_values(1) == 4);

@@ -919,18 +919,20 @@ class CudaBackend final : public Backend {
   // one row softmax over every head's and sequence's scores.
   // Row-major X [r, c] with row stride L is, to column-major cuBLAS, X^T [c, r] with ld L:
   //   scores_h^T [T, T] = K_h Q_h^T: A = K_h^T (as stored, ld 3C) transposed, B = Q_h^T (as
-  //   stored, ld 3C), m = n = T, k = Dh, alpha = scale; sequences T*3C apart in A and B, T*T in C;
+  //   stored, ld 3C), m = n = T, k = Dh, alpha = scale, ld L (T rounded up to 8,
+  //   kernels::attention_scores_ld); sequences T*3C apart in A and B, T*L in C;
   //   out_h^T [Dh, T] = V_h^T P_h^T: A = V_h^T (ld 3C), B = P_h^T (the row-major probabilities,
-  //   ld T), m = Dh, n = T, k = T; C = out_h^T with ld C at column h*Dh (heads concatenated per
+  //   ld L), m = Dh, n = T, k = T; C = out_h^T with ld C at column h*Dh (heads concatenated per
   //   token), sequences T*C apart.
   Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale, Tensor& out) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::AttentionDims d,
                            detail::validate_attention(qkv, batch, heads, scale, out, kHalfDTypes));
     const int64_t T = d.T, H = d.H, Dh = d.Dh, C = H * Dh;
+    const int64_t ld = kernels::attention_scores_ld(T);  // score rows padded to 16-byte alignment
     constexpr int64_t kMax = 2147483647;
-    if (3 * C > kMax || T * T > kMax || H > kMax || d.B > kMax)
+    if (3 * C > kMax || T * ld > kMax || H > kMax || d.B > kMax)
       return slide::core::unimplemented("cuda attention_forward: an extent over 2^31 - 1");
-    // Every sequence's scores at once, head-major: scores[h][b] = [T, T] (H * B * T * T floats, about
+    // Every sequence's scores at once, head-major: scores[h][b] = [T, L] (H * B * T * L floats, about
     // qkv's own size for a ViT), so that each product is one strided-batched GEMM per head over the B
     // sequences (a sequence's rows are T * 3C apart in qkv, T * C in out) and the softmax one launch:
     // 2H + 1 calls a layer instead of 3B (one per sequence and product), which left the GPU waiting
@@ -943,36 +945,39 @@ class CudaBackend final : public Backend {
     const bool half = detail::is_half(qkv.dtype());
     const cudaDataType_t type = cublas_type(qkv.dtype());
     const cublasComputeType_t compute = half ? CUBLAS_COMPUTE_32F : compute_type();
+    // Rows of scores and probabilities are ld apart (kernels::attention_scores_ld: aligned operands
+    // for cuBLAS's vectorised kernels); the padding columns are never written nor read.
     SLIDE_ASSIGN_OR_RETURN(Tensor scores,
-                           Tensor::empty({H * d.B * T, T}, DType::kF32, *st_->alloc, "attention scores"));
+                           Tensor::empty({H * d.B * T, ld}, DType::kF32, *st_->alloc, "attention scores"));
     Tensor probs = scores;
     if (half) {
-      SLIDE_ASSIGN_OR_RETURN(probs, Tensor::empty({H * d.B * T, T}, qkv.dtype(), *st_->alloc, "attention probabilities"));
+      SLIDE_ASSIGN_OR_RETURN(probs,
+                             Tensor::empty({H * d.B * T, ld}, qkv.dtype(), *st_->alloc, "attention probabilities"));
     }
     const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
     const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
-              ld_out = static_cast<int>(C), batch_count = static_cast<int>(d.B);
-    const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * T;
+              ld_out = static_cast<int>(C), ld_scores = static_cast<int>(ld), batch_count = static_cast<int>(d.B);
+    const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * ld;
     // Element offsets into qkv, out and probs, in bytes of their dtypes.
     const size_t e = dtype_size(qkv.dtype()), pe = dtype_size(probs.dtype());
     const char* base = static_cast<const char*>(qkv.raw());
     for (int64_t h = 0; h < H; ++h) {
       const char* q = base + h * Dh * e;  // sequence 0's head h: q, then k at +C, v at +2C
-      float* sc = f32(scores) + h * d.B * T * T;
+      float* sc = f32(scores) + h * d.B * T * ld;
       // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
       SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C * e,
                                                     type, ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv, &zero, sc,
-                                                    CUDA_R_32F, t, seq_scores, batch_count, compute,
+                                                    CUDA_R_32F, ld_scores, seq_scores, batch_count, compute,
                                                     CUBLAS_GEMM_DEFAULT));
     }
-    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * d.B * T, T,
+    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * d.B * T, T, ld,
                                             st_->stream));
     for (int64_t h = 0; h < H; ++h) {
       const char* v = base + (2 * C + h * Dh) * e;
-      const char* pr = static_cast<const char*>(probs.raw()) + h * d.B * T * T * pe;
+      const char* pr = static_cast<const char*>(probs.raw()) + h * d.B * T * ld * pe;
       // Row-major out_h = probs v, written into head h's Dh columns of each token's row.
       SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
-                                                    ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), t, seq_scores,
+                                                    ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), ld_scores, seq_scores,
                                                     &zero, static_cast<char*>(out.raw()) + h * Dh * e, type, ld_out,
                                                     seq_out, batch_count, compute, CUBLAS_GEMM_DEFAULT));
     }

@@ -438,9 +438,9 @@ __device__ void softmax_row_backward(const float* yr, const float* dyr, float* d
 }
 
 template <typename SY>
-__global__ void softmax_forward_kernel(const float* x, typename SY::T* y, int64_t C) {
+__global__ void softmax_forward_kernel(const float* x, typename SY::T* y, int64_t C, int64_t ld) {
   __shared__ double shared[kBlock];
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * ld;
   softmax_row<SY>(x + base, y + base, C, threadIdx.x, blockDim.x, [&](double v) { return block_max(v, shared); },
                   [&](double v) { return block_sum(v, shared); });
 }
@@ -471,10 +471,10 @@ __device__ int64_t warp_row(int64_t R) {
 }
 
 template <typename SY>
-__global__ void softmax_forward_warp_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C) {
+__global__ void softmax_forward_warp_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C, int64_t ld) {
   const int64_t row = warp_row(R);
   if (row < 0) return;
-  softmax_row<SY>(x + row * C, y + row * C, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
+  softmax_row<SY>(x + row * ld, y + row * ld, C, static_cast<int>(threadIdx.x % kWarp), kWarp, warp_max, warp_sum);
 }
 
 // The same row, held in the lanes' registers: a row of at most kCached * 32 values (attention's
@@ -484,12 +484,13 @@ __global__ void softmax_forward_warp_kernel(const float* x, typename SY::T* y, i
 // time). Values, order of the sums and results are softmax_row's, bit for bit: lane l holds
 // columns l, l + 32, ..., as softmax_row walks them.
 template <typename SY, int kCached>
-__global__ void softmax_forward_warp_cached_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C) {
+__global__ void softmax_forward_warp_cached_kernel(const float* x, typename SY::T* y, int64_t R, int64_t C,
+                                                   int64_t ld) {
   const int64_t row = warp_row(R);
   if (row < 0) return;
   const int lane = static_cast<int>(threadIdx.x % kWarp);
-  const float* xr = x + row * C;
-  typename SY::T* yr = y + row * C;
+  const float* xr = x + row * ld;
+  typename SY::T* yr = y + row * ld;
   float v[kCached];
   double m = -INFINITY;
 #pragma unroll
@@ -880,9 +881,11 @@ cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t 
 // Rows of a warp each (g.blocks blocks of kBlock threads), or a block each when long
 // (kernels::launch_rows).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream) {
-  return launch_softmax_forward(x, CastType::kF32, y, R, C, stream);
+  return launch_softmax_forward(x, CastType::kF32, y, R, C, C, stream);
 }
-cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream) {
+cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, int64_t ld,
+                                   cudaStream_t stream) {
+  if (ld < C) return cudaErrorInvalidValue;
   const kernels::RowsLaunch g = kernels::launch_rows(R, C, kBlock);
   return with_storage(ty, [&](auto s) {
     using SY = decltype(s);
@@ -892,18 +895,18 @@ cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t
       switch (kernels::softmax_cached_values(C)) {
         case 4:
           return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 4>, x, static_cast<T*>(y),
-                                  R, C);
+                                  R, C, ld);
         case 8:
           return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 8>, x, static_cast<T*>(y),
-                                  R, C);
+                                  R, C, ld);
         case 16:
           return launch_per_block(g.blocks, stream, softmax_forward_warp_cached_kernel<SY, 16>, x, static_cast<T*>(y),
-                                  R, C);
+                                  R, C, ld);
         default:
-          return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<SY>, x, static_cast<T*>(y), R, C);
+          return launch_per_block(g.blocks, stream, softmax_forward_warp_kernel<SY>, x, static_cast<T*>(y), R, C, ld);
       }
     }
-    return launch_per_block(R, stream, softmax_forward_kernel<SY>, x, static_cast<T*>(y), C);
+    return launch_per_block(R, stream, softmax_forward_kernel<SY>, x, static_cast<T*>(y), C, ld);
   });
 }
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,

@@ -95,10 +95,13 @@ cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx,
 cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream);
 cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream);
 
-// Row softmax of x [R, C] and its backward; the second forward writes y of storage ty (attention's
-// probabilities in half precision, the operand of its second GEMM).
+// Row softmax of x [R, C] and its backward. The second forward takes rows ld apart (ld >= C, in x
+// and y alike; attention pads its score rows to kernels::attention_scores_ld, and the values past C
+// are not touched) and writes y of storage ty (attention's probabilities in half precision, the
+// operand of its second GEMM).
 cudaError_t launch_softmax_forward(const float* x, float* y, int64_t R, int64_t C, cudaStream_t stream);
-cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, cudaStream_t stream);
+cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t R, int64_t C, int64_t ld,
+                                   cudaStream_t stream);
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
                                     cudaStream_t stream);
 

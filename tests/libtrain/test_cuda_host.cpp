@@ -128,6 +128,50 @@ TEST_CASE("launch_rows_cols: every element of [rows, cols] is visited once, by a
   CHECK(narrow.threads_y == 4);
 }
 
+TEST_CASE("for_channel_range: a segment's walk is the division's over [begin, end), in order") {
+  struct Case {
+    int64_t N, C, HW, T, begin, end;
+  };
+  for (Case k : {Case{3, 5, 7, 4, 0, 21}, Case{3, 5, 7, 4, 5, 13}, Case{4, 64, 3136, 256, 8192, 12544},
+                 Case{2, 3, 49, 256, 50, 98}, Case{2, 2, 1000, 3, 999, 1001}, Case{3, 2, 10, 8, 25, 40}}) {
+    CAPTURE(k.begin);
+    CAPTURE(k.end);
+    for (int64_t c : {int64_t{0}, k.C - 1})
+      for (int64_t t : {int64_t{0}, int64_t{1}, k.T - 1}) {
+        std::vector<int64_t> want, got;
+        for (int64_t j = k.begin + t; j < std::min(k.end, k.N * k.HW); j += k.T)
+          want.push_back((j / k.HW * k.C + c) * k.HW + j % k.HW);
+        kernels::for_channel_range(k.N, k.C, k.HW, c, k.begin, k.end, t, k.T, [&](int64_t i) { got.push_back(i); });
+        CHECK(got == want);
+      }
+  }
+}
+
+TEST_CASE("bn_segment: a channel's segments cut its N * HW values into consecutive runs, in order, covering each once") {
+  CHECK(kernels::bn_segments(64, 112 * 112) == 98);  // ResNet's stem at batch 64: 6,272 blocks of its 64 channels
+  CHECK(kernels::bn_segments(64, 7 * 7) == 1);
+  CHECK(kernels::bn_segments(256, 112 * 112) == kernels::kBnMaxSegments);
+  CHECK(kernels::bn_segments(0, 5) == 1);
+  for (const auto& vs : {std::pair<int64_t, int64_t>{10, 4}, {9, 4}, {1, 1}, {3, 7}, {802816, 98}, {8193, 2},
+                         {100, 256}}) {
+    const int64_t values = vs.first, segments = vs.second;
+    CAPTURE(values);
+    CAPTURE(segments);
+    for (int64_t c : {int64_t{0}, int64_t{5}}) {
+      int64_t next = 0;
+      for (int64_t s = 0; s < segments; ++s) {
+        const auto seg = kernels::bn_segment(c * segments + s, segments, values);
+        CHECK(seg.c == c);
+        CHECK(seg.begin == next);
+        CHECK(seg.end >= seg.begin);
+        CHECK(seg.end - seg.begin <= (values + segments - 1) / segments);
+        next = seg.end;
+      }
+      CHECK(next == values);
+    }
+  }
+}
+
 TEST_CASE("for_channel: a thread's walk over a channel is the division's, value for value, in order") {
   // The batch norm and bias-gradient kernels sum in this order: it must be (j / HW, j % HW) for
   // j = t, t + T, ... exactly (the results are then the same bits as with the divisions).

@@ -772,9 +772,10 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW)));
     SLIDE_CUDA_CHECK(launch_bn_forward_training(f32(x), f32(gamma), f32(beta), eps, momentum, f32(running_mean),
                                                 f32(running_var), f32(y), f32(save_mean), f32(save_invstd), d.N, d.C,
-                                                d.HW, st_->stream));
+                                                d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -791,22 +792,30 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW)));
     SLIDE_CUDA_CHECK(launch_bn_backward(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd), f32(dx),
-                                        f32(dgamma), f32(dbeta), d.N, d.C, d.HW, st_->stream));
+                                        f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
 
-  // Synchronised batch norm's pieces: one block per channel as batch_norm_forward_training and
-  // batch_norm_backward; the f64 sums stay on the device between the pieces (NCCL all-reduces them
+  // Batch norm's f64 scratch on the device (kernels.h: the segments' partial sums, then the
+  // per-channel sums), from the budgeted allocator, freed (stream-ordered) when the op returns.
+  Result<Tensor> bn_scratch(int64_t doubles) {
+    return Tensor::empty({std::max<int64_t>(doubles, 1)}, DType::kF64, *st_->alloc, "batch norm partial sums");
+  }
+  // Synchronised batch norm's pieces: what batch_norm_forward_training and batch_norm_backward run
+  // in turn (kernels.h); the f64 sums stay on the device between the pieces (NCCL all-reduces them
   // in place; a host communicator stages them, dist/sync_batch_norm.cpp).
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_stats(f32(x), f64(stats), d.N, d.C, d.HW, st_->stream));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
+    SLIDE_CUDA_CHECK(launch_bn_stats(f32(x), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_deviations(f32(x), f64(stats), f64(devs), d.N, d.C, d.HW, st_->stream));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
+    SLIDE_CUDA_CHECK(launch_bn_deviations(f32(x), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
@@ -826,8 +835,9 @@ class CudaBackend final : public Backend {
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
                                                        x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW)));
     SLIDE_CUDA_CHECK(launch_bn_backward_reduce(f32(x), f32(dy), f32(save_mean), f32(save_invstd), f64(sums),
-                                               f32(dgamma), f32(dbeta), d.N, d.C, d.HW, st_->stream));
+                                               f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,

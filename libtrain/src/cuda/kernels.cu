@@ -12,11 +12,8 @@ namespace {
 
 namespace fm = slide::train::formulas;
 
-constexpr int kBlock = 256;  // threads per block everywhere here (a power of two: block_sum) but
-// batch norm's per-channel kernels: one block per channel, so a layer of 64 channels (ResNet's stem
-// and layer1, where the activations are largest) has only 64 blocks; 1024 threads each keep four
-// times the loads in flight (within __launch_bounds__: 64 registers a thread at most).
-constexpr int kBnBlock = 1024;
+constexpr int kBlock = 256;  // threads per block everywhere here (a power of two: block_sum)
+static_assert(kernels::kBnMaxSegments <= kBlock, "bn_reduce_kernel sums a channel's segments with one block");
 
 #define SLIDE_GRID_STRIDE(i, n)                                                                 \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n);        \
@@ -163,47 +160,109 @@ __global__ void bias_grad_kernel(const float* dy, float* db, int64_t N, int64_t 
   if (threadIdx.x == 0) db[k] += static_cast<float>(total);
 }
 
-// --- Batch norm: one block of kBnBlock threads per channel ---
-// Channel c of x [N, C, HW] as the block's threads walk it: thread t takes the channel's values
-// t, t + blockDim.x, ... (in (n, hw) order; kernels::for_channel, without a division per value).
-// The one-rank kernels and the synchronised pieces are made of the helpers below, so that they sum
-// in the same order and agree bit for bit.
-struct BnChannel {
-  int64_t N, C, HW, c;
+// --- Batch norm: C * S blocks of kBlock threads, S segments a channel (kernels::bn_segment) ---
+// Segment s of channel c as the block's threads walk it: thread t takes the segment's values
+// begin + t, begin + t + blockDim.x, ... (in (n, hw) order; kernels::for_channel_range, without a
+// division per value). Each reducing pass writes one partial sum per segment (block b = c S + s
+// writes partials[b]); bn_reduce_kernel then adds a channel's S partials with one fixed block_sum
+// tree. The one-rank passes are the synchronised pieces run over one rank, so the two agree bit for
+// bit, and every run repeats.
+struct BnSegment {
+  int64_t N, C, HW;
+  kernels::ChannelSegment seg;
+  __device__ BnSegment(int64_t n, int64_t c, int64_t hw, int64_t segments)
+      : N(n), C(c), HW(hw), seg(kernels::bn_segment(blockIdx.x, segments, n * hw)) {}
+  // The segment's index within its channel (0 for the channel's first).
+  __device__ int64_t index(int64_t segments) const { return static_cast<int64_t>(blockIdx.x) - seg.c * segments; }
   template <typename F>
   __device__ void each(F f) const {
-    kernels::for_channel(N, C, HW, c, threadIdx.x, blockDim.x, f);
+    kernels::for_channel_range(N, C, HW, seg.c, seg.begin, seg.end, threadIdx.x, blockDim.x, f);
   }
 };
 
-// The sum of x over the channel (every thread gets it).
-__device__ double bn_channel_sum(const float* x, BnChannel ch, double* shared) {
+// partials[b] = the sum of x over block b's segment.
+__global__ void bn_partial_sum_kernel(const float* x, double* partials, int64_t N, int64_t C, int64_t HW,
+                                      int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnSegment g(N, C, HW, segments);
   double local = 0;
-  ch.each([&](int64_t i) { local += x[i]; });
-  return block_sum<kBnBlock>(local, shared);
+  g.each([&](int64_t i) { local += x[i]; });
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// The sum of (x - mean)^2 over the channel (every thread gets it).
-__device__ double bn_channel_deviations(const float* x, BnChannel ch, double mean, double* shared) {
+// partials[b] = the sum of (x - mean)^2 over block b's segment, mean = stats[c] / stats[C].
+__global__ void bn_partial_deviations_kernel(const float* x, const double* stats, double* partials, int64_t N,
+                                             int64_t C, int64_t HW, int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnSegment g(N, C, HW, segments);
+  const double mean = stats[g.seg.c] / stats[C];
   double local = 0;
-  ch.each([&](int64_t i) {
+  g.each([&](int64_t i) {
     const double d = x[i] - mean;
     local += d * d;
   });
-  return block_sum<kBnBlock>(local, shared);
+  const double total = block_sum(local, shared);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// y over the channel, then (thread 0) the saved and running statistics; sq: the sum of squared
-// deviations over `count` values.
-__device__ void bn_channel_normalise(const float* x, const float* gamma, const float* beta, double mean, double sq,
-                                     double count, double eps, double momentum, float* running_mean,
-                                     float* running_var, float* y, float* save_mean, float* save_invstd,
-                                     BnChannel ch) {
-  const int64_t c = ch.c;
-  const double invstd = fm::bn_invstd(sq / count, eps);
-  const double g = gamma[c], b = beta[c];
-  ch.each([&](int64_t i) { y[i] = fm::bn_apply(x[i], g, b, mean, invstd); });
+// partials[b] = sum dy and partials[C S + b] = sum dy * xhat over block b's segment.
+__global__ void bn_partial_grad_kernel(const float* x, const float* dy, const float* save_mean,
+                                       const float* save_invstd, double* partials, int64_t N, int64_t C, int64_t HW,
+                                       int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnSegment g(N, C, HW, segments);
+  const double mean = save_mean[g.seg.c], invstd = save_invstd[g.seg.c];
+  double local_dy = 0, local_dy_xhat = 0;
+  g.each([&](int64_t i) {
+    local_dy += dy[i];
+    local_dy_xhat += double(dy[i]) * fm::bn_xhat(x[i], mean, invstd);
+  });
+  const double sum_dy = block_sum(local_dy, shared);
+  const double sum_dy_xhat = block_sum(local_dy_xhat, shared);
   if (threadIdx.x == 0) {
+    partials[blockIdx.x] = sum_dy;
+    partials[C * segments + blockIdx.x] = sum_dy_xhat;
+  }
+}
+
+// One block per channel c (segments <= kBlock): out[c] = the sum of partials[c S .. c S + S), by
+// block_sum's fixed tree; count, if not null, is written to out[C] (batch_norm_stats's count).
+// With grad (backward): out[C + c] likewise from partials[C S + ...], and dbeta[c] += out[c],
+// dgamma[c] += out[C + c].
+__global__ void bn_reduce_kernel(const double* partials, double* out, int64_t C, int64_t segments, double count,
+                                 bool with_count, float* dgamma, float* dbeta) {
+  __shared__ double shared[kBlock];
+  const int64_t c = blockIdx.x, t = threadIdx.x;
+  const double total = block_sum(t < segments ? partials[c * segments + t] : 0.0, shared);
+  if (dgamma == nullptr) {
+    if (t == 0) out[c] = total;
+    if (t == 0 && c == 0 && with_count) out[C] = count;
+    return;
+  }
+  const double total_xhat = block_sum(t < segments ? partials[(C + c) * segments + t] : 0.0, shared);
+  if (t == 0) {
+    out[c] = total;
+    out[C + c] = total_xhat;
+    dbeta[c] += static_cast<float>(total);
+    dgamma[c] += static_cast<float>(total_xhat);
+  }
+}
+
+// y over block b's segment from the channel's sum (stats [C+1], count at C) and sum of squared
+// deviations (devs [C]); the channel's first segment's thread 0 writes the saved and running
+// statistics.
+__global__ void bn_normalise_kernel(const float* x, const float* gamma, const float* beta, const double* stats,
+                                    const double* devs, double eps, double momentum, float* running_mean,
+                                    float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
+                                    int64_t C, int64_t HW, int64_t segments) {
+  const BnSegment g(N, C, HW, segments);
+  const int64_t c = g.seg.c;
+  const double count = stats[C], mean = stats[c] / count, sq = devs[c];
+  const double invstd = fm::bn_invstd(sq / count, eps);
+  const double gm = gamma[c], bt = beta[c];
+  g.each([&](int64_t i) { y[i] = fm::bn_apply(x[i], gm, bt, mean, invstd); });
+  if (threadIdx.x == 0 && g.index(segments) == 0) {
     save_mean[c] = static_cast<float>(mean);
     save_invstd[c] = static_cast<float>(invstd);
     running_mean[c] = fm::bn_running(running_mean[c], momentum, mean);
@@ -211,121 +270,32 @@ __device__ void bn_channel_normalise(const float* x, const float* gamma, const f
   }
 }
 
-// sum dy and sum dy * xhat over the channel (every thread gets them); thread 0 adds them to
-// dbeta and dgamma.
-__device__ void bn_channel_grad_sums(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
-                                     float* dgamma, float* dbeta, BnChannel ch, double* shared, double* sum_dy,
-                                     double* sum_dy_xhat) {
-  const int64_t c = ch.c;
-  const double mean = save_mean[c], invstd = save_invstd[c];
-  double local_dy = 0, local_dy_xhat = 0;
-  ch.each([&](int64_t i) {
-    local_dy += dy[i];
-    local_dy_xhat += double(dy[i]) * fm::bn_xhat(x[i], mean, invstd);
-  });
-  *sum_dy = block_sum<kBnBlock>(local_dy, shared);
-  *sum_dy_xhat = block_sum<kBnBlock>(local_dy_xhat, shared);
-  if (threadIdx.x == 0) {
-    dgamma[c] += static_cast<float>(*sum_dy_xhat);
-    dbeta[c] += static_cast<float>(*sum_dy);
-  }
-}
-
-// dx over the channel from the two sums over `count` values.
-__device__ void bn_channel_input_grad(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                      const float* save_invstd, double count, double sum_dy, double sum_dy_xhat,
-                                      float* dx, BnChannel ch) {
-  const int64_t c = ch.c;
+// dx over block b's segment from the channel's sums (sums [2C]: sum dy, then sum dy * xhat) over
+// `count` values (stats[C], the all-reduced count, or N * HW when stats is null).
+__global__ void bn_input_grad_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
+                                     int64_t N, int64_t C, int64_t HW, int64_t segments) {
+  const BnSegment g(N, C, HW, segments);
+  const int64_t c = g.seg.c;
+  const double count = stats != nullptr ? stats[C] : double(N * HW);
   const double mean = save_mean[c], invstd = save_invstd[c];
   const double k = double(gamma[c]) * invstd / count;
-  ch.each([&](int64_t i) {
+  const double sum_dy = sums[c], sum_dy_xhat = sums[C + c];
+  g.each([&](int64_t i) {
     dx[i] = fm::bn_input_grad(dy[i], fm::bn_xhat(x[i], mean, invstd), k, count, sum_dy, sum_dy_xhat);
   });
 }
 
-__global__ void __launch_bounds__(kBnBlock)
-    bn_forward_training_kernel(const float* x, const float* gamma, const float* beta, double eps, double momentum,
-                               float* running_mean, float* running_var, float* y, float* save_mean, float* save_invstd,
-                               int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBnBlock];
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  const double count = double(N * HW);
-  const double mean = bn_channel_sum(x, ch, shared) / count;
-  const double sq = bn_channel_deviations(x, ch, mean, shared);
-  bn_channel_normalise(x, gamma, beta, mean, sq, count, eps, momentum, running_mean, running_var, y, save_mean,
-                       save_invstd, ch);
-}
-
+// Inference: y = bn_apply with the running statistics, over [N * C planes, HW] (a plane's channel
+// once per row, kernels::LaunchRowsCols).
 __global__ void bn_forward_inference_kernel(const float* x, const float* gamma, const float* beta,
                                             const float* running_mean, const float* running_var, double eps, float* y,
-                                            int64_t C, int64_t HW, int64_t n) {
-  SLIDE_GRID_STRIDE(i, n) {
-    const int64_t c = (i / HW) % C;
+                                            int64_t C, int64_t rows, int64_t HW, kernels::LaunchRowsCols g) {
+  walk_rows_cols(rows, HW, g, [&](int64_t r, int64_t col) {
+    const int64_t c = r % C, i = r * HW + col;
     y[i] = fm::bn_apply(x[i], double(gamma[c]), double(beta[c]), double(running_mean[c]),
                         fm::bn_invstd(double(running_var[c]), eps));
-  }
-}
-
-__global__ void __launch_bounds__(kBnBlock)
-    bn_backward_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                       const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
-                       int64_t HW) {
-  __shared__ double shared[kBnBlock];
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  double sum_dy = 0, sum_dy_xhat = 0;
-  bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
-  bn_channel_input_grad(x, dy, gamma, save_mean, save_invstd, double(N * HW), sum_dy, sum_dy_xhat, dx, ch);
-}
-
-// --- Synchronised batch norm's pieces: the helpers above, cut where the sums are all-reduced ---
-__global__ void __launch_bounds__(kBnBlock)
-    bn_stats_kernel(const float* x, double* stats, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBnBlock];
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  const double sum = bn_channel_sum(x, ch, shared);
-  if (threadIdx.x == 0) {
-    stats[ch.c] = sum;
-    if (ch.c == 0) stats[C] = double(N * HW);
-  }
-}
-
-__global__ void __launch_bounds__(kBnBlock)
-    bn_deviations_kernel(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBnBlock];
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  const double sq = bn_channel_deviations(x, ch, stats[ch.c] / stats[C], shared);
-  if (threadIdx.x == 0) devs[ch.c] = sq;
-}
-
-__global__ void __launch_bounds__(kBnBlock)
-    bn_forward_from_stats_kernel(const float* x, const float* gamma, const float* beta, const double* stats,
-                                 const double* devs, double eps, double momentum, float* running_mean,
-                                 float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
-                                 int64_t C, int64_t HW) {
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  bn_channel_normalise(x, gamma, beta, stats[ch.c] / stats[C], devs[ch.c], stats[C], eps, momentum, running_mean,
-                       running_var, y, save_mean, save_invstd, ch);
-}
-
-__global__ void __launch_bounds__(kBnBlock)
-    bn_backward_reduce_kernel(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
-                              double* sums, float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW) {
-  __shared__ double shared[kBnBlock];
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  double sum_dy = 0, sum_dy_xhat = 0;
-  bn_channel_grad_sums(x, dy, save_mean, save_invstd, dgamma, dbeta, ch, shared, &sum_dy, &sum_dy_xhat);
-  if (threadIdx.x == 0) {
-    sums[ch.c] = sum_dy;
-    sums[C + ch.c] = sum_dy_xhat;
-  }
-}
-
-__global__ void __launch_bounds__(kBnBlock)
-    bn_backward_elemt_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                             const float* save_invstd, const double* stats, const double* sums, float* dx, int64_t N,
-                             int64_t C, int64_t HW) {
-  const BnChannel ch{N, C, HW, blockIdx.x};
-  bn_channel_input_grad(x, dy, gamma, save_mean, save_invstd, stats[C], sums[ch.c], sums[C + ch.c], dx, ch);
+  });
 }
 
 // --- Pooling ---
@@ -797,50 +767,78 @@ cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int6
 cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
   return launch_per_block(K, stream, bias_grad_kernel, dy, db, N, K, inner);
 }
-cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
-                                       double momentum, float* running_mean, float* running_var, float* y,
-                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
-                                       cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_forward_training_kernel, x, gamma, beta, eps, momentum, running_mean,
-                                    running_var, y, save_mean, save_invstd, N, C, HW);
-}
-cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
-                                        const float* running_mean, const float* running_var, double eps, float* y,
-                                        int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_grid_stride(N * C * HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean, running_var,
-                            eps, y, C, HW, N * C * HW);
-}
-cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
-                               int64_t HW, cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_backward_kernel, x, dy, gamma, save_mean, save_invstd, dx, dgamma,
-                                    dbeta, N, C, HW);
-}
-cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_stats_kernel, x, stats, N, C, HW);
+cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, double* partials,
+                            cudaStream_t stream) {
+  const int64_t S = kernels::bn_segments(N, HW);
+  cudaError_t e = launch_per_block(C * S, stream, bn_partial_sum_kernel, x, partials, N, C, HW, S);
+  if (e != cudaSuccess) return e;
+  return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), stats, C, S,
+                          double(N * HW), true, static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
 cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
-                                 cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_deviations_kernel, x, stats, devs, N, C, HW);
+                                 double* partials, cudaStream_t stream) {
+  const int64_t S = kernels::bn_segments(N, HW);
+  cudaError_t e = launch_per_block(C * S, stream, bn_partial_deviations_kernel, x, stats, partials, N, C, HW, S);
+  if (e != cudaSuccess) return e;
+  return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), devs, C, S, 0.0, false,
+                          static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
 cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
                                          const double* devs, double eps, double momentum, float* running_mean,
                                          float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
                                          int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_forward_from_stats_kernel, x, gamma, beta, stats, devs, eps, momentum,
-                                    running_mean, running_var, y, save_mean, save_invstd, N, C, HW);
+  const int64_t S = kernels::bn_segments(N, HW);
+  return launch_per_block(C * S, stream, bn_normalise_kernel, x, gamma, beta, stats, devs, eps, momentum, running_mean,
+                          running_var, y, save_mean, save_invstd, N, C, HW, S);
 }
 cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
                                       double* sums, float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW,
-                                      cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_backward_reduce_kernel, x, dy, save_mean, save_invstd, sums, dgamma,
-                                    dbeta, N, C, HW);
+                                      double* partials, cudaStream_t stream) {
+  const int64_t S = kernels::bn_segments(N, HW);
+  cudaError_t e =
+      launch_per_block(C * S, stream, bn_partial_grad_kernel, x, dy, save_mean, save_invstd, partials, N, C, HW, S);
+  if (e != cudaSuccess) return e;
+  return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), sums, C, S, 0.0, false,
+                          dgamma, dbeta);
 }
 cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
                                      const float* save_invstd, const double* stats, const double* sums, float* dx,
                                      int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_per_block<kBnBlock>(C, stream, bn_backward_elemt_kernel, x, dy, gamma, save_mean, save_invstd, stats,
-                                    sums, dx, N, C, HW);
+  const int64_t S = kernels::bn_segments(N, HW);
+  return launch_per_block(C * S, stream, bn_input_grad_kernel, x, dy, gamma, save_mean, save_invstd, stats, sums, dx,
+                          N, C, HW, S);
+}
+// One rank: the synchronised pieces, over `scratch` (kernels::bn_forward_scratch_doubles and
+// bn_backward_scratch_doubles: the partials, then the per-channel sums).
+cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
+                                       double momentum, float* running_mean, float* running_var, float* y,
+                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
+                                       double* scratch, cudaStream_t stream) {
+  double* partials = scratch;
+  double* stats = scratch + kernels::bn_partials(N, C, HW);
+  double* devs = stats + C + 1;
+  cudaError_t e = launch_bn_stats(x, stats, N, C, HW, partials, stream);
+  if (e == cudaSuccess) e = launch_bn_deviations(x, stats, devs, N, C, HW, partials, stream);
+  if (e == cudaSuccess)
+    e = launch_bn_forward_from_stats(x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
+                                     save_mean, save_invstd, N, C, HW, stream);
+  return e;
+}
+cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
+                                        const float* running_mean, const float* running_var, double eps, float* y,
+                                        int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+  return launch_rows_cols(N * C, HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean, running_var,
+                          eps, y, C, N * C, HW);
+}
+cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
+                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+                               int64_t HW, double* scratch, cudaStream_t stream) {
+  double* partials = scratch;
+  double* sums = scratch + 2 * kernels::bn_partials(N, C, HW);
+  cudaError_t e = launch_bn_backward_reduce(x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW, partials,
+                                            stream);
+  if (e != cudaSuccess) return e;
+  return launch_bn_backward_elemt(x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
 }
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,

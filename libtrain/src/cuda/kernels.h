@@ -47,32 +47,37 @@ cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int6
 cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream);
 
 // Batch norm over x [N, C, HW] (backend.h). Training writes y, save_mean, save_invstd and updates
-// the running statistics; backward overwrites dx and accumulates dgamma, dbeta.
+// the running statistics; backward overwrites dx and accumulates dgamma, dbeta. Each channel is cut
+// into kernels::bn_segments(N, HW) segments, a block each, whose partial sums are reduced per
+// channel in a fixed order; `scratch` is the caller's device f64 array of
+// kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW) values.
 cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
                                        double momentum, float* running_mean, float* running_var, float* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
-                                       cudaStream_t stream);
+                                       double* scratch, cudaStream_t stream);
 cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
                                         const float* running_mean, const float* running_var, double eps, float* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
 cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
                                const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
-                               int64_t HW, cudaStream_t stream);
+                               int64_t HW, double* scratch, cudaStream_t stream);
 
-// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt),
-// one block per channel with the per-thread strides and block_sum tree of the kernels above, so
-// that over one rank they give launch_bn_forward_training's and launch_bn_backward's bits. The
-// sums are f64 device arrays: stats [C+1] (count at C), devs [C], sums [2C]. N may be 0.
-cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt).
+// The one-rank launches above are these pieces run in turn, so over one rank the two agree bit for
+// bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C], sums [2C]; `partials`
+// is the caller's f64 scratch of kernels::bn_partials (N, C, HW) values (twice that for
+// backward_reduce). N may be 0.
+cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, double* partials,
+                            cudaStream_t stream);
 cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
-                                 cudaStream_t stream);
+                                 double* partials, cudaStream_t stream);
 cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
                                          const double* devs, double eps, double momentum, float* running_mean,
                                          float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
                                          int64_t C, int64_t HW, cudaStream_t stream);
 cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean,
                                       const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
-                                      int64_t C, int64_t HW, cudaStream_t stream);
+                                      int64_t C, int64_t HW, double* partials, cudaStream_t stream);
 cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
                                      const float* save_invstd, const double* stats, const double* sums, float* dx,
                                      int64_t N, int64_t C, int64_t HW, cudaStream_t stream);

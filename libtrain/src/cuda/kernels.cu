@@ -84,16 +84,19 @@ cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel,
 // the reference backend's cast runs.
 struct F32 {
   using T = float;
+  static constexpr bool kHalf = false;
   __device__ static float load(float v) { return v; }
   __device__ static float store(float v) { return v; }
 };
 struct F16 {
   using T = uint16_t;
+  static constexpr bool kHalf = true;
   __device__ static float load(uint16_t v) { return fm::f16_to_f32(v); }
   __device__ static uint16_t store(float v) { return fm::f32_to_f16(v); }
 };
 struct BF16 {
   using T = uint16_t;
+  static constexpr bool kHalf = true;
   __device__ static float load(uint16_t v) { return fm::bf16_to_f32(v); }
   __device__ static uint16_t store(float v) { return fm::f32_to_bf16(v); }
 };
@@ -105,7 +108,7 @@ __global__ void unary_kernel(Unary f, const typename S::T* x, typename S::T* y, 
     const float v = S::load(x[i]);
     y[i] = S::store(f == Unary::kRelu   ? fm::relu(v)
                     : f == Unary::kTanh ? tanhf(v)
-                    : f == Unary::kGelu ? fm::gelu(v)
+                    : f == Unary::kGelu ? (S::kHalf ? fm::gelu_f32(v) : fm::gelu(v))
                                         : fm::sigmoid(v));
   }
 }

@@ -756,7 +756,13 @@ class ReferenceBackend final : public Backend {
   Status gelu_forward(const Tensor& x, Tensor& y) override {
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, detail::with_half(dtypes_)));
-      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return gelu_forward(f[0], out); });
+      // In f32 arithmetic (formulas::gelu_f32), as cuda's half-precision kernel.
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+        const float* xp = f[0].ptr<float>();
+        float* yp = out.ptr<float>();
+        for (int64_t i = 0; i < out.numel(); ++i) yp[i] = formulas::gelu_f32(xp[i]);
+        return ok_status();
+      });
     }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("gelu_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {

@@ -19,8 +19,8 @@
 #      then issue 11's training target end to end: slide-train ResNet-50 from a store with --cache
 #      device at tf32 and fp16, and slide-embed of that store (bench/gpu_bench.sh);
 #   9. where the time goes: Nsight Compute's per-kernel GPU time (one metric, gpu__time_duration) of
-#      a ResNet-50 training step at tf32 and of a ViT-L/16 embedding batch at bf16, summarised per
-#      kernel by bench/ncu_summary.py (ncu.*.csv in $OUT);
+#      a ResNet-50 training step at tf32, a ViT-L/16 embedding batch at bf16 and a ResNet-50 layer3
+#      embedding batch at fp16, summarised per kernel by bench/ncu_summary.py (ncu.*.csv in $OUT);
 #  10. where step 2 failed: step 2 again under compute-sanitizer's memcheck.
 # STEPS="probe slide_train_gpu_e2e peer_*" runs only the steps whose names match one of the
 # patterns (the bundle's unpacking and the library search always run).
@@ -196,6 +196,13 @@ if [[ -n "$ncu" ]]; then
     --log-file "$out/ncu.vit_l16.csv" "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
     --steps 1 --precision bf16
   [[ -f "$out/ncu.vit_l16.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.vit_l16.csv" --top 20 | tee -a "$log" "$summary"
+  # Issue 11's embedding target: the CNN inference graph at fp16 (channels last, cuDNN's half
+  # convolutions and the epilogue kernel); an H200 ran it slower than tf32 (3234 against 3396 img/s).
+  step profile_resnet50_layer3_embed_fp16 120 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+    --log-file "$out/ncu.resnet50_layer3.csv" "$build/bench/embed_step" --backend cuda --model resnet50 --batch 256 \
+    --steps 1 --precision fp16
+  [[ -f "$out/ncu.resnet50_layer3.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.resnet50_layer3.csv" --top 20 |
+    tee -a "$log" "$summary"
 elif selected profile_resnet50_train_tf32; then
   note "SKIP profiles: no ncu on the device"
 fi

@@ -109,7 +109,7 @@ class PlanBackend final : public Backend {
   }
   Status batch_norm_forward_training(const Tensor& x, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&,
                                      Tensor&, Tensor&, Tensor&) override {
-    return hold({static_cast<size_t>(x.dim(1)) * dtype_size(x.dtype())});
+    return hold({static_cast<size_t>(x.dim(1)) * dtype_size(x.dtype())}, device_bn_scratch(false, x));
   }
   Status batch_norm_forward_inference(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                                       Tensor&) override {
@@ -118,7 +118,7 @@ class PlanBackend final : public Backend {
   Status batch_norm_backward(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
                              Tensor&, Tensor&) override {
     const size_t c = static_cast<size_t>(x.dim(1)) * dtype_size(x.dtype());
-    return hold({c, c, c});
+    return hold({c, c, c}, device_bn_scratch(true, x));
   }
   Status relu_forward(const Tensor&, Tensor&) override { return ok_status(); }
   Status relu_backward(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
@@ -175,6 +175,10 @@ class PlanBackend final : public Backend {
     }
     return bytes;
   }
+  // Batch norm's device scratch (Backend::batch_norm_scratch_bytes: cuda's partial sums).
+  size_t device_bn_scratch(bool backward, const Tensor& x) {
+    return workspace_ == nullptr ? 0 : workspace_->batch_norm_scratch_bytes(backward, x);
+  }
   // Takes the scratch blocks (the cpu backend's, when planning for it) and a device workspace
   // together, then gives them back: only the peak sees them.
   Status hold(std::initializer_list<size_t> cpu_sizes, size_t device_workspace = 0) {
@@ -187,7 +191,7 @@ class PlanBackend final : public Backend {
     };
     if (cpu_)
       for (size_t b : cpu_sizes) SLIDE_RETURN_IF_ERROR(take(b, "scratch"));
-    return take(device_workspace, "convolution workspace");
+    return take(device_workspace, "device workspace");
   }
 
   Allocator& alloc_;

@@ -22,6 +22,7 @@ Result<size_t> Backend::available_memory_bytes() {
 Result<size_t> Backend::conv_workspace_bytes(ConvPass, const Tensor&, const Tensor&, Conv2dParams, const Tensor&) {
   return size_t{0};
 }
+size_t Backend::batch_norm_scratch_bytes(bool, const Tensor&) { return 0; }
 
 namespace detail {
 

@@ -322,7 +322,8 @@ TEST_CASE("Tensor storage capture, eviction and restore") {
   CHECK(whole.restore_storage("no-op").ok());
 }
 
-TEST_CASE("planner: a device's convolution workspaces are in the plan (the simulated device's, as cuDNN's on cuda)") {
+TEST_CASE("planner: a device's convolution workspaces and batch norm scratch are in the plan (the simulated "
+          "device's, as cuDNN's and cuda's on cuda)") {
   // On an H200, ResNet-50 at batch 64 peaked 196 MiB above its plan with block checkpointing: the
   // planner counted no cuDNN workspace. The simulated device with simulated workspaces takes one
   // from its allocator in every convolution pass; the plan that asks it (workspace_backend) must
@@ -343,6 +344,11 @@ TEST_CASE("planner: a device's convolution workspaces are in the plan (the simul
     CHECK(*ws_be->conv_workspace_bytes(ConvPass::kBackwardData, x, w, p, y) == 4u * (4 * 9 * 16 + 4 * 64));
     CHECK(*ws_be->conv_workspace_bytes(ConvPass::kBackwardWeights, x, w, p, y) == 4u * (4 * 9 * 16 + 6 * 4 * 9));
     CHECK(*plain_be->conv_workspace_bytes(ConvPass::kForward, x, w, p, y) == 0u);
+    // Batch norm's f64 partial sums: one segment a channel here (kernels::bn_segments), then the
+    // per-channel sums (forward C + 1 + C, backward 2C), as cuda allocates them.
+    CHECK(ws_be->batch_norm_scratch_bytes(false, x) == 8u * (4 + 4 + 1 + 4));
+    CHECK(ws_be->batch_norm_scratch_bytes(true, x) == 8u * (2 * 4 + 2 * 4));
+    CHECK(plain_be->batch_norm_scratch_bytes(false, x) == 0u);
     CHECK(ws_be->conv_workspace_bytes(ConvPass::kForward, x, w, Conv2dParams{1, 1}, y).status().code() ==
           slide::core::StatusCode::kInvalidArgument);  // y is not that convolution's output
   }

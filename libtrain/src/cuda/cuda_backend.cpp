@@ -803,6 +803,10 @@ class CudaBackend final : public Backend {
   Result<Tensor> bn_scratch(int64_t doubles) {
     return Tensor::empty({std::max<int64_t>(doubles, 1)}, DType::kF64, *st_->alloc, "batch norm partial sums");
   }
+  size_t batch_norm_scratch_bytes(bool backward, const Tensor& x) override {
+    if (x.rank() != 4) return 0;
+    return static_cast<size_t>(kernels::bn_scratch_bytes(backward, x.dim(0), x.dim(1), x.dim(2) * x.dim(3)));
+  }
   // Synchronised batch norm's pieces: what batch_norm_forward_training and batch_norm_backward run
   // in turn (kernels.h); the f64 sums stay on the device between the pieces (NCCL all-reduces them
   // in place; a host communicator stages them, dist/sync_batch_norm.cpp).

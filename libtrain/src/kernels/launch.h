@@ -162,6 +162,12 @@ inline int64_t bn_forward_scratch_doubles(int64_t N, int64_t C, int64_t HW) {
 inline int64_t bn_backward_scratch_doubles(int64_t N, int64_t C, int64_t HW) {
   return 2 * bn_partials(N, C, HW) + 2 * C;
 }
+// In bytes, as the cuda backend allocates it (at least one value) and reports it to the memory
+// planner (Backend::batch_norm_scratch_bytes); the simulated device takes the same.
+inline int64_t bn_scratch_bytes(bool backward, int64_t N, int64_t C, int64_t HW) {
+  const int64_t doubles = backward ? bn_backward_scratch_doubles(N, C, HW) : bn_forward_scratch_doubles(N, C, HW);
+  return 8 * (doubles > 1 ? doubles : 1);
+}
 // Block b of a batch norm grid of C * segments blocks: channel c = b / segments, and that
 // channel's values j in [begin, end), the segment's share of `values` = N * HW (ceil(values /
 // segments) each; the last ones may be shorter, or empty).

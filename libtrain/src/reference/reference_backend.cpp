@@ -13,6 +13,7 @@
 #include "cross_entropy.h"
 #include "cuda/conv_plan.h"
 #include "kernels/formulas.h"
+#include "kernels/launch.h"
 #include "op_checks.h"
 #include "slide/train/copy_engine.h"
 
@@ -277,6 +278,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, dtypes_));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor scratch, bn_scratch(false, x));
     const int64_t N = d.N, C = d.C, HW = d.HW;
     const double count = double(N * HW);
     return dispatch(x.dtype(), [&]<typename T>() {
@@ -319,6 +321,7 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 dtypes_));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor scratch, bn_scratch(true, x));
     const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>(), *sm = save_mean.ptr<T>(), *si = save_invstd.ptr<T>();
@@ -954,6 +957,17 @@ class ReferenceBackend final : public Backend {
                                              std::to_string(d.C) + "x" + std::to_string(d.H) + "x" +
                                              std::to_string(d.W) + " is past cuDNN's 2^31-1 elements per tensor");
     return simulated_conv_workspace_bytes(pass, d.N, d.C, d.H, d.W, d.K, d.R, d.S, d.P, d.Q, p, dtype);
+  }
+  // Batch norm's scratch on the simulated device with simulated workspaces: cuda's f64 partial sums
+  // (Backend::batch_norm_scratch_bytes), held by the caller for the op's length.
+  size_t batch_norm_scratch_bytes(bool backward, const Tensor& x) override {
+    if (!simulated_workspace_ || x.rank() != 4) return 0;
+    return static_cast<size_t>(kernels::bn_scratch_bytes(backward, x.dim(0), x.dim(1), x.dim(2) * x.dim(3)));
+  }
+  Result<Tensor> bn_scratch(bool backward, const Tensor& x) {
+    const size_t bytes = batch_norm_scratch_bytes(backward, x);
+    if (bytes == 0) return Tensor();
+    return Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, alloc_, "simulated batch norm scratch");
   }
   // The simulated workspace of one pass, held by the caller for the pass's length (an undefined
   // tensor when there is none).

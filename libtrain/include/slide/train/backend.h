@@ -254,6 +254,12 @@ class Backend {
   [[nodiscard]] virtual Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
                                                    const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx,
                                                    Tensor& dgamma, Tensor& dbeta) = 0;
+  // Bytes batch_norm_forward_training (backward: batch_norm_backward) takes from this backend's
+  // allocator, beyond its operands, for its length, for x [N,C,H,W] (only the shape is read, as in
+  // conv_workspace_bytes): cuda's f64 partial sums (kernels/launch.h bn_forward_scratch_doubles,
+  // bn_backward_scratch_doubles); the simulated device's with a simulated workspace, the same
+  // figure; 0 elsewhere (the cpu backend's scratch is the planner's own model, planner.cpp).
+  [[nodiscard]] virtual size_t batch_norm_scratch_bytes(bool backward, const Tensor& x);
 
   // --- Synchronised batch normalisation's pieces (--sync-bn) -----------------------------------------
   // The training forward and backward above, cut where the ranks' per-channel sums must be

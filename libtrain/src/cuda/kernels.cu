@@ -230,8 +230,8 @@ __global__ void bn_partial_grad_kernel(const float* x, const float* dy, const fl
 }
 
 // One block per channel c (segments <= kBlock): out[c] = the sum of partials[c S .. c S + S), by
-// block_sum's fixed tree; count, if not null, is written to out[C] (batch_norm_stats's count).
-// With grad (backward): out[C + c] likewise from partials[C S + ...], and dbeta[c] += out[c],
+// block_sum's fixed tree; with_count: count is written to out[C] (batch_norm_stats's count). With
+// dgamma and dbeta (backward): out[C + c] likewise from partials[C S + ...], and dbeta[c] += out[c],
 // dgamma[c] += out[C + c].
 __global__ void bn_reduce_kernel(const double* partials, double* out, int64_t C, int64_t segments, double count,
                                  bool with_count, float* dgamma, float* dbeta) {

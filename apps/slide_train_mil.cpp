@@ -138,15 +138,9 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   return st;
 }
 
-// --backend for attention MIL: opened as the other tools do (backend_options.h), and refused on a
-// device, which MIL does not run on yet (its bags, tallies and attention are read on the host).
-Result<std::unique_ptr<Backend>> open_host_backend(const std::string& name) {
-  SLIDE_ASSIGN_OR_RETURN(auto be, open_backend(name, -1));
-  if (be->device() != Device::kCpu)
-    return slide::core::invalid_argument("--backend " + be->name() +
-                                         ": attention MIL runs on the host backends (cpu, reference) for now");
-  return be;
-}
+// --backend for attention MIL, opened as the other tools do (backend_options.h), and the model
+// moved onto its device (a no-op on host backends): the bags are uploaded one at a time (mil.h).
+Result<std::unique_ptr<Backend>> open_mil_backend(const std::string& name) { return open_backend(name, -1); }
 
 }  // namespace
 
@@ -206,13 +200,14 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   // One writer per --out for the whole run; an earlier run there needs --resume or --overwrite.
   auto out_lock = claim_out_dir(o.out, o.resume, o.overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
+  auto be = open_mil_backend(o.backend);
+  if (!be.ok()) return fail(be.status());
+  Allocator& alloc = (*be)->allocator();  // the host's on cpu and reference, the device's on cuda
   if (!o.budget.empty()) {
     auto b = parse_bytes(o.budget);
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    cpu_allocator().set_budget_bytes(*b);
+    alloc.set_budget_bytes(*b);
   }
-  auto be = open_host_backend(o.backend);
-  if (!be.ok()) return fail(be.status());
   auto ds = BagDataset::open(o.features, o.labels_csv);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   std::vector<size_t> train, val;
@@ -228,6 +223,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   mc.dropout = o.dropout;
   auto model = Abmil::make(cpu_allocator(), DType::kF32, mc, o.seed);
   if (!model.ok()) return fail(model.status());
+  if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s);
   std::vector<Parameter*> params;
   std::vector<Buffer*> buffers;
   (*model)->collect("", &params, &buffers);
@@ -236,7 +232,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   oc.momentum = o.momentum;
   oc.nesterov = o.nesterov;
   oc.weight_decay = o.weight_decay;
-  auto opt = Optimizer::make(oc, params, cpu_allocator());
+  auto opt = Optimizer::make(oc, params, alloc);
   if (!opt.ok()) return fail(opt.status());
   const int64_t steps_per_epoch = (static_cast<int64_t>(train.size()) + o.batch - 1) / o.batch;
   Schedule sched;
@@ -304,11 +300,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (saved["model"] != "abmil" || saved["classes"] != state["classes"] || saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
-    if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers)); !s.ok()) return fail(s);
+    if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers), be->get()); !s.ok())
+      return fail(s);
     std::vector<NamedTensor> opt_state;
     for (auto* b : (*opt)->state()) opt_state.push_back({b->name, &b->value});
     if (!opt_state.empty())
-      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state); !s.ok()) return fail(s);
+      if (auto s = load_safetensors(latest + "/optimizer.safetensors", opt_state, be->get()); !s.ok()) return fail(s);
     state = saved;
     state["epochs"] = o.epochs;
     state["config"] = config;
@@ -335,7 +332,8 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (!st->completed) {
       state["epoch"] = epoch;
       state["step_in_epoch"] = to.start_step + st->steps;
-      if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep); !s.ok()) return fail(s);
+      if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep, be->get()); !s.ok())
+        return fail(s);
       slide::core::log_warn("interrupted; checkpoint written, continue with --resume",
                             {{"epoch", epoch}, {"step", state["step_in_epoch"].get<int64_t>()}});
       return kExitInterrupted;
@@ -358,11 +356,13 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["step_in_epoch"] = 0;
     if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
     if (record_best_epoch(&state, v, o.best_metric, epoch + 1)) {
-      if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}); !s.ok())
+      if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}, be->get());
+          !s.ok())
         return fail(s);
     }
-    if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep); !s.ok()) return fail(s);
-    if (auto s = write_train_report(o.out, state, cpu_allocator().peak_bytes(), "cpu"); !s.ok()) return fail(s);
+    if (auto s = save_checkpoint(ckpt_dir, params, buffers, **opt, state, o.keep, be->get()); !s.ok()) return fail(s);
+    if (auto s = write_train_report(o.out, state, alloc.peak_bytes(), device_name((*be)->device())); !s.ok())
+      return fail(s);
     slide::core::log_info("epoch", {{"epoch", epoch + 1}, {"train_loss", st->loss}, {"train_accuracy", st->accuracy},
                                     {"val_loss", v.loss}, {"val_accuracy", v.accuracy},
                                     {"val_balanced_accuracy", v.balanced_accuracy}, {"val_roc_auc", v.roc_auc}});
@@ -376,9 +376,10 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     slide::core::log_info("attention written", {{"dir", dir}, {"bags", static_cast<int64_t>(split.size())}});
   }
   if (slide::core::log_json())
-    slide::core::log_info("peak tensor memory", {{"bytes", cpu_allocator().peak_bytes()}, {"device", "cpu"}});
+    slide::core::log_info("peak tensor memory",
+                          {{"bytes", alloc.peak_bytes()}, {"device", device_name((*be)->device())}});
   else
-    std::fprintf(stderr, "peak tensor memory: %zu bytes\n", cpu_allocator().peak_bytes());
+    std::fprintf(stderr, "peak tensor memory: %zu bytes\n", alloc.peak_bytes());
   return kExitOk;
 }
 
@@ -403,7 +404,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   auto out_lock = claim_eval_dir(out, overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
-  auto be = open_host_backend(backend);
+  auto be = open_mil_backend(backend);
   if (!be.ok()) return fail(be.status());
   auto ds = BagDataset::open(o.features, labels_csv, classes, /*allow_unlabelled=*/predict);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
@@ -422,6 +423,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   std::vector<Buffer*> buffers;
   (*model)->collect("", &params, &buffers);
   if (auto s = load_safetensors(ck->weights, named(params, buffers)); !s.ok()) return fail(s);
+  if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s);
   const std::vector<std::string> split((*ds)->bags().size(), predict ? "predict" : "eval");
   auto st = write_attention_outputs(**be, **model, **ds, split, out, o.prefetch, o.slide_stores);
   if (!st.ok()) return fail(st.status());

@@ -37,6 +37,20 @@ Result<Tensor> new_tensor(Backend& be, const Shape& s, DType dt, const char* wha
   return Tensor::empty(s, dt, be.allocator(), what);
 }
 
+// Where host code writes what `be` then reads: be's own memory on a host backend, else the host's
+// (uploaded by on_backend).
+Allocator& host_allocator(Backend& be) { return be.device() == Device::kCpu ? be.allocator() : cpu_allocator(); }
+// A host tensor as `be` takes it: itself on a host backend, else a copy on the device.
+Result<Tensor> on_backend(Backend& be, Tensor host, const std::string& what) {
+  if (be.device() == Device::kCpu) return host;
+  return to_device(be, host, what);
+}
+// A tensor of `be` as host code reads it: itself on a host backend, else a host copy.
+Result<Tensor> on_host(Backend& be, const Tensor& t, const std::string& what) {
+  if (t.device() == Device::kCpu) return t;
+  return to_host(be, t, what);
+}
+
 }  // namespace
 
 // --- Abmil -----------------------------------------------------------------------------------------
@@ -288,13 +302,21 @@ namespace {
 
 // Bags read ahead of the one in compute, at most `depth` in flight: memory holds depth + 1 bags
 // whatever the dataset's size. Reading depends only on the position, so prefetching changes no
-// result.
+// result. Bags are read into host memory; on a device backend get() uploads the one asked for.
 class BagPrefetcher {
  public:
-  BagPrefetcher(const BagDataset& data, const std::vector<size_t>& order, int depth, Allocator& alloc)
-      : data_(data), order_(order), depth_(static_cast<size_t>(std::max(depth, 0))), alloc_(alloc) {}
-  // The bag at order[i]; calls must come with i = 0, 1, 2, ... (skipping ahead is allowed).
+  BagPrefetcher(const BagDataset& data, const std::vector<size_t>& order, int depth, Backend& be)
+      : data_(data), order_(order), depth_(static_cast<size_t>(std::max(depth, 0))), be_(be),
+        alloc_(host_allocator(be)) {}
+  // The bag at order[i], on the backend; calls must come with i = 0, 1, 2, ... (skipping ahead is
+  // allowed).
   Result<Tensor> get(size_t i) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor host, get_host(i));
+    return on_backend(be_, std::move(host), "bag");
+  }
+
+ private:
+  Result<Tensor> get_host(size_t i) {
     while (!queue_.empty() && queue_.front().first < i) queue_.pop_front();
     if (queue_.empty() || queue_.front().first != i) {
       queue_.clear();
@@ -313,10 +335,10 @@ class BagPrefetcher {
     return r;
   }
 
- private:
   const BagDataset& data_;
   const std::vector<size_t>& order_;
   size_t depth_;
+  Backend& be_;
   Allocator& alloc_;
   size_t next_ = 0;
   std::deque<std::pair<size_t, std::future<Result<Tensor>>>> queue_;
@@ -364,8 +386,9 @@ Result<BagScore> score_bag(Backend& be, Abmil& model, const Tensor& x, int32_t l
                            double label_smoothing) {
   BagScore out;
   SLIDE_ASSIGN_OR_RETURN(Tensor logits, model.forward(be, x, training));
-  SLIDE_ASSIGN_OR_RETURN(out.label, Tensor::empty({1}, DType::kI32, be.allocator(), "bag label"));
-  out.label.data<int32_t>()[0] = label;
+  SLIDE_ASSIGN_OR_RETURN(Tensor host_label, Tensor::empty({1}, DType::kI32, host_allocator(be), "bag label"));
+  host_label.data<int32_t>()[0] = label;
+  SLIDE_ASSIGN_OR_RETURN(out.label, on_backend(be, std::move(host_label), "bag label"));
   SLIDE_ASSIGN_OR_RETURN(out.probs, Tensor::empty(logits.shape(), logits.dtype(), be.allocator(), "bag probabilities"));
   SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_forward(logits, out.label, Tensor(), label_smoothing, out.probs, &out.loss));
   return out;
@@ -388,7 +411,7 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
   Tally tally;
   const auto B = static_cast<size_t>(options.batch_size);
   const size_t first = std::min(order.size(), static_cast<size_t>(options.start_step) * B);
-  BagPrefetcher prefetch(data, order, options.prefetch, be.allocator());
+  BagPrefetcher prefetch(data, order, options.prefetch, be);
   for (size_t start = first; start < order.size(); start += B) {
     if (options.cancel != nullptr && options.cancel->load()) {
       st.completed = false;
@@ -416,7 +439,8 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
       SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(static_cast<float>(share)), dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
       model.release();
-      tally.add(sc.probs, bag.label, sc.loss);
+      SLIDE_ASSIGN_OR_RETURN(const Tensor probs, on_host(be, sc.probs, "bag probabilities"));
+      tally.add(probs, bag.label, sc.loss);
     }
     SLIDE_RETURN_IF_ERROR(opt.step(be, schedule.at(opt.steps())));
     ++st.steps;
@@ -433,7 +457,7 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
   std::vector<float> probs, scored;  // every bag's; the labelled bags'
   std::vector<int32_t> labels;
   Tally tally;
-  BagPrefetcher prefetch(data, positions, prefetch_depth, be.allocator());
+  BagPrefetcher prefetch(data, positions, prefetch_depth, be);
   if (attention_out) attention_out->clear();
   for (size_t i = 0; i < positions.size(); ++i) {
     const BagRef& bag = data.bags()[positions[i]];
@@ -442,14 +466,15 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
     // depend on the label; it is left out of the metrics.
     const int32_t y = bag.label == kNoLabel ? 0 : bag.label;
     SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, y, false, 0.0));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor p, on_host(be, sc.probs, "bag probabilities"));
     if (bag.label != kNoLabel) {
-      tally.add(sc.probs, y, sc.loss);
-      scored.insert(scored.end(), sc.probs.data<float>(), sc.probs.data<float>() + C);
+      tally.add(p, y, sc.loss);
+      scored.insert(scored.end(), p.data<float>(), p.data<float>() + C);
       labels.push_back(y);
     }
-    probs.insert(probs.end(), sc.probs.data<float>(), sc.probs.data<float>() + C);
+    probs.insert(probs.end(), p.data<float>(), p.data<float>() + C);
     if (attention_out) {
-      const Tensor& a = model.attention();
+      SLIDE_ASSIGN_OR_RETURN(const Tensor a, on_host(be, model.attention(), "bag attention"));
       attention_out->emplace_back(a.data<float>(), a.data<float>() + a.numel());
     }
   }

@@ -296,6 +296,60 @@ class TestStreamedEqualsRam(Base):
         self.assertIn("budget", r.stderr)
 
 
+class TestDevice(Base):
+    def test_simulated_device_gives_the_host_reference_bit_for_bit(self):
+        # The device path (model and optimizer state on the device, each bag uploaded, probabilities
+        # and attention read back) on reference-sim, whose memory host code may not read, against the
+        # reference backend on the host: the same weights, optimizer state, metrics and attention.
+        # Dropout (its mask uploaded), batches of 4 bags, AdamW and a resume included.
+        args = ["--features", self.bags_dir, "--epochs", 2, "--batch-size", 4, "--mil-dropout", "0.25",
+                "--cache", "none", *MIL_ARGS]
+        outs = {}
+        for backend in ("reference", "reference-sim"):
+            out = os.path.join(self.tmp, "device_" + backend)
+            r = run_train("--out", out, "--backend", backend, *args)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            outs[backend] = out
+        host, sim = outs["reference"], outs["reference-sim"]
+        for name in ("model", "optimizer"):
+            a = read_safetensors(os.path.join(host, "checkpoints", "epoch-2-step-0", name + ".safetensors"))
+            b = read_safetensors(os.path.join(sim, "checkpoints", "epoch-2-step-0", name + ".safetensors"))
+            self.assertEqual(sorted(a), sorted(b))
+            for k in a:
+                self.assertTrue(np.array_equal(a[k], b[k]), name + " " + k)
+        ha, hb = self.history(host), self.history(sim)
+        for ea, eb in zip(ha, hb):
+            for key in ("train_loss", "val_loss", "val_accuracy", "val_balanced_accuracy", "val_roc_auc"):
+                self.assertEqual(ea[key], eb[key], key)
+        with open(os.path.join(host, "attention", "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f][1:]
+        self.assertEqual(len(rows), 30)
+        for row in rows:
+            with h5py.File(os.path.join(host, "attention", row[8]), "r") as fa, \
+                    h5py.File(os.path.join(sim, "attention", row[8]), "r") as fb:
+                self.assertTrue(np.array_equal(fa["attention"][:], fb["attention"][:]), row[0])
+                self.assertTrue(np.array_equal(fa.attrs["probabilities"], fb.attrs["probabilities"]), row[0])
+        # evaluate --features on the simulated device: the same attention as the host's.
+        ev = os.path.join(self.tmp, "device_eval")
+        ckpt = os.path.join(sim, "checkpoints", "epoch-2-step-0")
+        r = run_train("evaluate", "--checkpoint", ckpt, "--features", self.bags_dir, "--out", ev,
+                      "--backend", "reference-sim")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for row in rows:
+            with h5py.File(os.path.join(host, "attention", row[8]), "r") as fa, \
+                    h5py.File(os.path.join(ev, row[8]), "r") as fb:
+                self.assertTrue(np.array_equal(fa["attention"][:], fb["attention"][:]), row[0])
+        # A resumed run on the device continues from the checkpoint's state: a third epoch equals
+        # the host's third epoch.
+        for backend, out in outs.items():
+            r = run_train("--out", out, "--backend", backend, "--resume", *[a if a != 2 else 3 for a in args])
+            self.assertEqual(r.returncode, 0, r.stderr)
+        a = read_safetensors(os.path.join(host, "checkpoints", "epoch-3-step-0", "model.safetensors"))
+        b = read_safetensors(os.path.join(sim, "checkpoints", "epoch-3-step-0", "model.safetensors"))
+        for k in a:
+            self.assertTrue(np.array_equal(a[k], b[k]), "resumed " + k)
+
+
 class TestResume(Base):
     def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(self):
         bags = os.path.join(self.tmp, "bags_x8")

@@ -614,7 +614,7 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
         OK(ref().linear_forward(x, w, bias ? b : Tensor(), want));
         OK(gpu().linear_forward(up(x), up(w), bias ? up(b) : Tensor(), got));
         const double e = normalised_error(device_values(got), host_values(want));
-        MESSAGE(name, " linear ", N, "x", I, "x", O, bias ? " with bias" : "", ": ", e / u, " u");
+        MESSAGE(name, " linear ", N, "x", I, "x", O, std::string(bias ? " with bias" : ""), ": ", e / u, " u");
         CHECK(e <= 2 * u);
       }
       Tensor want = empty_on(ref(), {N, O}, half), got = empty_on(gpu(), {N, O}, half);

@@ -141,11 +141,15 @@ struct MilTrainOptions {
   int64_t batch_size = 1;   // bags per optimizer step (their gradients accumulate)
   int prefetch = 2;         // bags read ahead of the one in compute (bounded: memory stays flat)
   double label_smoothing = 0;
-  Tensor class_weights;     // [classes] f32, or undefined (all 1)
+  Tensor class_weights;     // [classes] f32 in host memory, or undefined (all 1)
   int64_t start_step = 0;   // resume inside an epoch: skip its first start_step steps (same order)
   const std::atomic<bool>* cancel = nullptr;  // checked after every step
 };
 
+// On any backend: the model's parameters and the optimizer's state on be's device (move_to_device);
+// bags are read into host memory and uploaded one at a time, and each bag's probabilities (and,
+// evaluating, its attention) come back to the host for the metrics. On a device each bag costs
+// two small copies besides its features' upload.
 // Trains over `positions` (into data.bags()) in an order shuffled with `epoch_seed`. Each step's
 // gradient is that of PyTorch's CrossEntropyLoss(weight, label_smoothing) over the step's bags
 // as one batch: bag b's gradient is scaled by w[y_b] / sum over the step's bags of w[y]. The last

@@ -150,3 +150,26 @@ def screenshot(html, png, width, height):
         raise RuntimeError("%s failed (exit %d): %s" % (browser, r.returncode, r.stderr[-2000:]))
     with Image.open(png) as im:
         return np.asarray(im.convert("RGB")).astype(int)
+
+
+def write_bag(path, slide_id, label, feats, coords):
+    """A feature bag in slide/cache/bag.h's layout (features [N, D] f32, coords [N, 2] i32 at 224 px,
+    the attributes slide-embed writes), written to path.partial and renamed, as the writer does."""
+    import h5py
+    import numpy as np
+    with h5py.File(path + ".partial", "w") as f:
+        f.create_dataset("features", data=feats.astype(np.float32), maxshape=(None, feats.shape[1]),
+                         chunks=(min(256, len(feats)), feats.shape[1]))
+        c = f.create_dataset("coords", data=coords.astype(np.int32), maxshape=(None, 2), chunks=(min(256, len(feats)), 2))
+        c.attrs["patch_size"] = np.int32(224)
+        c.attrs["patch_size_level0"] = np.int32(224)
+        c.attrs["patch_level"] = np.int32(0)
+        f.attrs["slide_id"] = slide_id
+        f.attrs["label"] = label
+        f.attrs["tile_size_px"] = np.int32(224)
+        f.attrs["mpp_um"] = 0.0
+        f.attrs["model"] = "rgb_block_means"
+        f.attrs["layer"] = "16x16"
+        f.attrs["feature_dim"] = np.int32(feats.shape[1])
+        f.attrs["format_version"] = np.int32(1)
+    os.rename(path + ".partial", path)

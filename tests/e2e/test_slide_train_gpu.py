@@ -205,6 +205,41 @@ class TestGpuTrain(unittest.TestCase):
             self.assertAlmostEqual(loss, ref_loss, delta=0.02 * abs(ref_loss), msg=precision)
             self.assert_close(ref, weights(out, 1), precision, rel=5e-2)
 
+    def test_attention_mil_on_the_gpu_equals_the_cpu(self):
+        # slide-train --features (ABMIL) on cuda against the cpu backend: 24 bags of 12 tiles of 64
+        # features (3 classes, class-shifted Gaussians), 3 epochs of AdamW in steps of 2 bags; the
+        # model, validation losses and attention within 1e-3 / 1e-4 (cuBLAS and oneDNN sum in other
+        # orders; AdamW's normalised steps carry the difference).
+        import h5py
+        from e2e_util import write_bag
+        bags = os.path.join(TMP, "mil_bags")
+        os.makedirs(bags, exist_ok=True)
+        rng = np.random.default_rng(5)
+        coords = np.array([[(i % 4) * 224, (i // 4) * 224] for i in range(12)])
+        for ci, c in enumerate(("aca", "n", "scc")):
+            for b in range(8):
+                feats = rng.normal(size=(12, 64))
+                feats[:, ci * 8:(ci + 1) * 8] += 1.0
+                write_bag(os.path.join(bags, "%s-%d.h5" % (c, b)), "%s-%d" % (c, b), c, feats, coords)
+        outs = {}
+        for backend in ("cpu", "cuda"):
+            out = os.path.join(TMP, "mil_" + backend)
+            r = subprocess.run([TRAIN, "--features", bags, "--out", out, "--epochs", "3", "--batch-size", "2",
+                                "--mil-hidden", "32", "--mil-attention", "16", "--val-fraction", "0.25", "--seed", "1",
+                                "--backend", backend], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            outs[backend] = out
+        self.assert_close(weights(outs["cpu"], 3), weights(outs["cuda"], 3), "ABMIL")
+        for a, b in zip(history(outs["cpu"]), history(outs["cuda"])):
+            self.assertAlmostEqual(a["val_loss"], b["val_loss"], delta=1e-4 * max(abs(a["val_loss"]), 1.0))
+        with open(os.path.join(outs["cpu"], "attention", "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f][1:]
+        self.assertEqual(len(rows), 24)
+        for row in rows:
+            with h5py.File(os.path.join(outs["cpu"], "attention", row[8]), "r") as fa, \
+                    h5py.File(os.path.join(outs["cuda"], "attention", row[8]), "r") as fb:
+                self.assertLess(float(np.abs(fa["attention"][:] - fb["attention"][:]).max()), 1e-4, row[0])
+
     def test_vit_slide_embed_on_the_gpu_equals_the_cpu(self):
         # ViT-B/16 at the vit-b16 preset's shapes, random weights (bench/random_vit_weights.py), on
         # 40 tiles of CMU-1-Small-Region at 224 px in batches of 16 (the last one short): cuBLAS's

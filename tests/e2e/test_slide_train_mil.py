@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 from safetensors_io import read_safetensors
 from PIL import Image
-from e2e_util import slide_file_stem, snapshot
+from e2e_util import slide_file_stem, snapshot, write_bag
 
 TRAIN = os.environ["SLIDE_TRAIN"]
 SAMPLE = os.environ["SLIDE_SAMPLE_DIR"]
@@ -40,26 +40,6 @@ def tile_features(path):
     a = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255.0
     assert a.shape == (224, 224, 3), path
     return a.reshape(16, 14, 16, 14, 3).mean(axis=(1, 3)).reshape(-1)
-
-
-def write_bag(path, slide_id, label, feats, coords):
-    """A bag in slide/cache/bag.h's layout, written to path.partial and renamed (as the writer does)."""
-    with h5py.File(path + ".partial", "w") as f:
-        f.create_dataset("features", data=feats.astype(np.float32), maxshape=(None, feats.shape[1]),
-                         chunks=(min(256, len(feats)), feats.shape[1]))
-        c = f.create_dataset("coords", data=coords.astype(np.int32), maxshape=(None, 2), chunks=(min(256, len(feats)), 2))
-        c.attrs["patch_size"] = np.int32(224)
-        c.attrs["patch_size_level0"] = np.int32(224)
-        c.attrs["patch_level"] = np.int32(0)
-        f.attrs["slide_id"] = slide_id
-        f.attrs["label"] = label
-        f.attrs["tile_size_px"] = np.int32(224)
-        f.attrs["mpp_um"] = 0.0
-        f.attrs["model"] = "rgb_block_means"
-        f.attrs["layer"] = "16x16"
-        f.attrs["feature_dim"] = np.int32(feats.shape[1])
-        f.attrs["format_version"] = np.int32(1)
-    os.rename(path + ".partial", path)
 
 
 _FEATURES = {}

@@ -138,9 +138,6 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   return st;
 }
 
-// --backend for attention MIL, opened as the other tools do (backend_options.h), and the model
-// moved onto its device (a no-op on host backends): the bags are uploaded one at a time (mil.h).
-Result<std::unique_ptr<Backend>> open_mil_backend(const std::string& name) { return open_backend(name, -1); }
 
 }  // namespace
 
@@ -200,7 +197,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   // One writer per --out for the whole run; an earlier run there needs --resume or --overwrite.
   auto out_lock = claim_out_dir(o.out, o.resume, o.overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
-  auto be = open_mil_backend(o.backend);
+  // Any backend, as the other tools open it (backend_options.h); on a device the model is moved
+  // there and the bags are uploaded one at a time (mil.h).
+  auto be = open_backend(o.backend, -1);
   if (!be.ok()) return fail(be.status());
   Allocator& alloc = (*be)->allocator();  // the host's on cpu and reference, the device's on cuda
   if (!o.budget.empty()) {
@@ -404,7 +403,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   auto out_lock = claim_eval_dir(out, overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();
-  auto be = open_mil_backend(backend);
+  auto be = open_backend(backend, -1);
   if (!be.ok()) return fail(be.status());
   auto ds = BagDataset::open(o.features, labels_csv, classes, /*allow_unlabelled=*/predict);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));

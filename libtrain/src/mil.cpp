@@ -306,8 +306,7 @@ namespace {
 class BagPrefetcher {
  public:
   BagPrefetcher(const BagDataset& data, const std::vector<size_t>& order, int depth, Backend& be)
-      : data_(data), order_(order), depth_(static_cast<size_t>(std::max(depth, 0))), be_(be),
-        alloc_(host_allocator(be)) {}
+      : data_(data), order_(order), depth_(static_cast<size_t>(std::max(depth, 0))), be_(be) {}
   // The bag at order[i], on the backend; calls must come with i = 0, 1, 2, ... (skipping ahead is
   // allowed).
   Result<Tensor> get(size_t i) {
@@ -323,12 +322,13 @@ class BagPrefetcher {
       next_ = i;
       if (depth_ == 0) {
         next_ = i + 1;
-        return data_.load(order_[i], alloc_);
+        return data_.load(order_[i], host_allocator(be_));
       }
     }
     while (queue_.size() <= depth_ && next_ < order_.size()) {
       const size_t pos = order_[next_];
-      queue_.emplace_back(next_++, std::async(std::launch::async, [this, pos] { return data_.load(pos, alloc_); }));
+      queue_.emplace_back(next_++, std::async(std::launch::async,
+                                              [this, pos] { return data_.load(pos, host_allocator(be_)); }));
     }
     Result<Tensor> r = queue_.front().second.get();
     queue_.pop_front();
@@ -339,7 +339,6 @@ class BagPrefetcher {
   const std::vector<size_t>& order_;
   size_t depth_;
   Backend& be_;
-  Allocator& alloc_;
   size_t next_ = 0;
   std::deque<std::pair<size_t, std::future<Result<Tensor>>>> queue_;
 };

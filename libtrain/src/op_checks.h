@@ -35,6 +35,11 @@ inline DTypes with_half(DTypes d) {
   d.half = true;
   return d;
 }
+// `d` for a question about shapes and dtypes only, whatever device each tensor is on (any_device).
+inline DTypes shapes_only(DTypes d) {
+  d.any_device = true;
+  return d;
+}
 inline bool is_half(DType t) { return t == DType::kF16 || t == DType::kBF16; }
 
 struct ConvDims {

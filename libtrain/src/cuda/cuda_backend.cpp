@@ -702,9 +702,8 @@ class CudaBackend final : public Backend {
   Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
                                       const Tensor& y) override {
     // Shapes and dtypes only: the planner's placeholders live on no device.
-    detail::DTypes any_device = kDTypes;
-    any_device.any_device = true;
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, Tensor(), p, y, any_device));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(kDTypes)));
     if (d.N * d.K * d.P * d.Q == 0 || d.N * d.C * d.H * d.W == 0) return size_t{0};  // the ops return early
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData

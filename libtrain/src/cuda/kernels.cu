@@ -132,10 +132,14 @@ __global__ void binary_kernel(Binary op, const typename SA::T* a, const typename
   }
 }
 
-// A thread of a kernels::LaunchRowsCols grid: f(r, c) for its column and rows (walk_rows_cols).
+// A thread of a kernels::LaunchRowsCols grid: f(r, c) for its column and rows (walk_rows_cols),
+// and that column alone.
 template <typename F>
 __device__ void walk_rows_cols(int64_t rows, int64_t cols, const kernels::LaunchRowsCols& g, F&& f) {
   kernels::walk_rows_cols(rows, cols, g, blockIdx.x, blockIdx.y, threadIdx.x, threadIdx.y, f);
+}
+__device__ int64_t rows_cols_column(const kernels::LaunchRowsCols& g) {
+  return kernels::rows_cols_column(g, blockIdx.x, threadIdx.x);
 }
 
 // y[r, c] = row[c] for y [rows, cols] (a linear layer's bias, before the GEMM adds to it): the
@@ -143,7 +147,7 @@ __device__ void walk_rows_cols(int64_t rows, int64_t cols, const kernels::Launch
 template <typename S>
 __global__ void fill_rows_kernel(typename S::T* y, const typename S::T* row, int64_t rows, int64_t cols,
                                  kernels::LaunchRowsCols g) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * g.threads_x + threadIdx.x;
+  const int64_t col = rows_cols_column(g);
   if (col >= cols) return;
   const typename S::T v = row[col];
   walk_rows_cols(rows, cols, g, [&](int64_t r, int64_t c) { y[r * cols + c] = v; });
@@ -354,7 +358,7 @@ __global__ void conv_epilogue_kernel(const typename S::T* c, const typename S::T
 __global__ void max_pool_backward_kernel(const float* x, const float* dy, float* dx, int H, int W, int P, int Q,
                                          int kernel, int stride, int pad, int64_t planes, kernels::LaunchRowsCols g) {
   const int64_t HW = int64_t{H} * W;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * g.threads_x + threadIdx.x;
+  const int64_t col = rows_cols_column(g);
   if (col >= HW) return;
   const int o = static_cast<int>(col), ih = o / W, iw = o - ih * W;
   // Windows containing (ih, iw): oh * stride - pad <= ih < oh * stride - pad + kernel.

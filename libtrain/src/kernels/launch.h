@@ -90,10 +90,14 @@ inline LaunchRowsCols launch_rows_cols(int64_t rows, int64_t cols, int threads =
 // Thread (bx, by, tx, ty) of a LaunchRowsCols grid of (gx, gy) blocks: calls f(r, c) for its column
 // c = bx * threads_x + tx (if c < cols) and rows r = by * threads_y + ty, then every
 // gy * threads_y rows further, in increasing order; f computes r * cols + c itself (a multiply).
+// The column of thread x tx in block x bx (kernels that load a per-column value once ask it first).
+SLIDE_LAUNCH_HD int64_t rows_cols_column(const LaunchRowsCols& g, int64_t bx, int64_t tx) {
+  return bx * g.threads_x + tx;
+}
 template <typename F>
 SLIDE_LAUNCH_HD void walk_rows_cols(int64_t rows, int64_t cols, const LaunchRowsCols& g, int64_t bx, int64_t by,
                                     int64_t tx, int64_t ty, F&& f) {
-  const int64_t c = bx * g.threads_x + tx;
+  const int64_t c = rows_cols_column(g, bx, tx);
   if (c >= cols) return;
   const int64_t step = g.blocks_y * g.threads_y;
   for (int64_t r = by * g.threads_y + ty; r < rows; r += step) f(r, c);

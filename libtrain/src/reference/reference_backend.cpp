@@ -169,9 +169,8 @@ class ReferenceBackend final : public Backend {
                                       const Tensor& y) override {
     if (!simulated_workspace_) return size_t{0};
     // Shapes and dtypes only: the planner's placeholders live on no device.
-    detail::DTypes any_device = dtypes_;
-    any_device.any_device = true;
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, Tensor(), p, y, any_device));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(dtypes_)));
     return workspace_bytes(pass, d, p, x.dtype());
   }
 

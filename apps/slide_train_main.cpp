@@ -255,6 +255,15 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0, 4096));
   slide::apps::add_backend_options(app, &backend, &device);
   slide::apps::add_precision_option(app, &precision);
+  std::string activations = "auto";
+  app.add_option("--activations", activations,
+                 "Storage of the activations and their gradients: auto (half precision where the backend keeps "
+                 "them so: cuda under --precision fp16 / bf16, as torch.autocast; else f32) | f32 | f16 | bf16 "
+                 "(on a backend with the half-precision training ops: cuda, or the reference backend, which "
+                 "emulates them). Parameters, their gradients and the optimizer state stay f32; f16 needs "
+                 "--precision fp16 (its dynamic loss scaling)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "f32", "f16", "bf16"}));
   double loss_scale = 65536.0;
   auto* loss_scale_opt = app.add_option("--loss-scale", loss_scale,
                  "--precision fp16: the initial dynamic loss scale (PyTorch GradScaler's init_scale; halved on an "
@@ -530,6 +539,25 @@ int run_main(int argc, char** argv) {
   }
   // Built and initialised on the host, then moved to the backend's device once.
   if (auto s = move_to_device(**be, *run.model); !s.ok()) return fail(s.with_context("model to " + backend));
+  // Training on half-precision storage where the backend keeps its activations in half precision
+  // (cuda under --precision fp16 / bf16; backend.h activation_dtype): torch.autocast's casts at the
+  // model's two ends, f32 master weights, gradients and optimizer state (layers.h).
+  const DType act = activations == "auto"   ? (*be)->activation_dtype()
+                    : activations == "f16"  ? DType::kF16
+                    : activations == "bf16" ? DType::kBF16
+                                            : DType::kF32;
+  if (act != DType::kF32 && (*be)->name() == "cpu")
+    return fail(slide::core::invalid_argument("--activations " + activations + ": the cpu backend keeps f32 activations "
+                                              "(its bf16 runs oneDNN's f32-in, bf16-compute kernels); half-precision "
+                                              "activations are for --backend cuda"));
+  if (act == DType::kF16 && (*be)->math_precision() != slide::train::MathPrecision::kFp16)
+    return fail(slide::core::invalid_argument("--activations f16 needs --precision fp16, whose dynamic loss scaling keeps "
+                                              "small gradients within f16's range (bf16 needs none)"));
+  if (act != DType::kF32) {
+    if (auto s = enable_half_activations(*run.model, act); !s.ok()) return fail(s);
+    slide::core::log_info("half-precision activations for training",
+                          {{"activations", slide::train::dtype_name(act)}, {"master weights", "f32"}});
+  }
   run.model->collect("", &run.params, &run.buffers);
   OptimizerConfig oc;
   oc.name = optimizer;

@@ -3,7 +3,9 @@
 // median images/s over the timed steps (the first step is warm-up).
 //
 // usage: train_step [--model resnet18] [--batch 32] [--size 224] [--steps 6] [--classes 3] [--backend cpu]
-//                   [--precision fp32|tf32|bf16]
+//                   [--precision fp32|tf32|bf16|fp16]
+// Activations as slide-train's --activations auto: f16 / bf16 on cuda under fp16 / bf16
+// (enable_half_activations), else f32; the line printed says which.
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
 #include <algorithm>
 #include <chrono>
@@ -43,6 +45,10 @@ int main(int argc, char** argv) {
   // On a device backend (cuda, reference-sim) the model, optimizer state and batch live there, as
   // in slide-train.
   if (Status s = move_to_device(**be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
+  const DType act = (*be)->activation_dtype();
+  if (act != DType::kF32)
+    if (Status s = enable_half_activations(**net, act); !s.ok())
+      return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   Allocator& alloc = (*be)->allocator();
   std::vector<Parameter*> params;
   (*net)->collect("", &params, nullptr);
@@ -77,8 +83,8 @@ int main(int argc, char** argv) {
   std::vector<double> timed(times.begin() + 1, times.end());
   std::sort(timed.begin(), timed.end());
   const double med = timed[timed.size() / 2];
-  std::printf("mode=train model=%s batch=%lld size=%lld images_per_s=%.2f peak_tensor_mb=%zu\n", model.c_str(),
-              static_cast<long long>(batch), static_cast<long long>(size), static_cast<double>(batch) / med,
-              alloc.peak_bytes() >> 20);
+  std::printf("mode=train model=%s batch=%lld size=%lld activations=%s images_per_s=%.2f peak_tensor_mb=%zu\n",
+              model.c_str(), static_cast<long long>(batch), static_cast<long long>(size), dtype_name(act),
+              static_cast<double>(batch) / med, alloc.peak_bytes() >> 20);
   return 0;
 }

@@ -8,7 +8,8 @@
 #   3. NCCL (nccl_tests; the two-GPU cases skip on one GPU);
 #   4. slide-train / evaluate / slide-embed on the GPU against the cpu backend
 #      (tests/e2e/test_slide_train_gpu.py, with the bundle's tools);
-#   5. compute-only ResNet-50 training steps at 224 px, fp32 and tf32 (bench/train_step);
+#   5. compute-only ResNet-50 training steps at 224 px, fp32, tf32, bf16 and fp16 (bench/train_step;
+#      bf16 and fp16 on half-precision activations, as slide-train's --activations auto);
 #   6. bench/memory_bench on cuda: device peak measured against the planner's, with checkpointing,
 #      activation offload and both, their time, and the largest batch each fits in 16 GiB;
 #   7. slide-embed --model uni from a store at fp32, tf32, bf16 and fp16 (bench/uni_gpu_embed.sh);
@@ -19,7 +20,8 @@
 #      then issue 11's training target end to end: slide-train ResNet-50 from a store with --cache
 #      device at tf32 and fp16, and slide-embed of that store (bench/gpu_bench.sh);
 #   9. where the time goes: Nsight Compute's per-kernel GPU time (one metric, gpu__time_duration) of
-#      a ResNet-50 training step at tf32, a ViT-L/16 embedding batch at bf16 and a ResNet-50 layer3
+#      a ResNet-50 training step at tf32 and at fp16 (half-precision activations), a ViT-L/16
+#      embedding batch at bf16 and a ResNet-50 layer3
 #      embedding batch at fp16, summarised per kernel by bench/ncu_summary.py (ncu.*.csv in $OUT);
 #  10. where step 2 failed: step 2 again under compute-sanitizer's memcheck.
 # STEPS="probe slide_train_gpu_e2e peer_*" runs only the steps whose names match one of the
@@ -192,6 +194,12 @@ if [[ -n "$ncu" ]]; then
     --log-file "$out/ncu.resnet50.csv" "$build/bench/train_step" --backend cuda --model resnet50 --batch 64 \
     --size 224 --steps 1 --precision tf32
   [[ -f "$out/ncu.resnet50.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.resnet50.csv" --top 20 | tee -a "$log" "$summary"
+  # Training on half-precision activations (fp16: cuDNN's half convolutions, NCHW), beside tf32's.
+  step profile_resnet50_train_fp16 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+    --log-file "$out/ncu.resnet50_fp16.csv" "$build/bench/train_step" --backend cuda --model resnet50 --batch 64 \
+    --size 224 --steps 1 --precision fp16
+  [[ -f "$out/ncu.resnet50_fp16.csv" ]] && "$py" bench/ncu_summary.py "$out/ncu.resnet50_fp16.csv" --top 20 |
+    tee -a "$log" "$summary"
   step profile_vit_l16_embed_bf16 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$out/ncu.vit_l16.csv" "$build/bench/embed_step" --backend cuda --model vit_l_16 --batch 64 \
     --steps 1 --precision bf16

@@ -1,9 +1,11 @@
 #include "slide/train/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
 #include "dist/sync_batch_norm.h"
+#include "op_checks.h"
 
 namespace slide::train {
 
@@ -36,6 +38,15 @@ Result<Parameter> make_parameter(Allocator& alloc, const Shape& s, DType dt, con
   SLIDE_ASSIGN_OR_RETURN(p.value, Tensor::zeros(s, dt, alloc, std::string("parameter ") + name));
   SLIDE_ASSIGN_OR_RETURN(p.grad, Tensor::zeros(s, dt, alloc, std::string("gradient of ") + name));
   return p;
+}
+
+// `t` in `dtype` for a half-precision forward: a copy made by the backend's cast when t (an f32
+// parameter) differs, else t itself; undefined stays undefined.
+Result<Tensor> half_copy(Backend& be, const Tensor& t, DType dtype, const char* what) {
+  if (!t.defined() || t.dtype() == dtype) return t;
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::empty(t.shape(), dtype, be.allocator(), what));
+  SLIDE_RETURN_IF_ERROR(be.cast(t, h));
+  return h;
 }
 
 void push(const std::string& prefix, Parameter& p, std::vector<Parameter*>* params) {
@@ -75,8 +86,14 @@ Result<Tensor> Conv2d::forward(Backend& be, const Tensor& x, bool training) {
                                                {x.dim(0), ws[0], conv_out_extent(x.dim(2), ws[2], p_.stride, p_.pad),
                                                 conv_out_extent(x.dim(3), ws[3], p_.stride, p_.pad)},
                                                x.dtype(), "conv output"));
-  SLIDE_RETURN_IF_ERROR(be.conv2d_forward(x, weight.value, bias.value, p_, y));
+  Tensor w = weight.value, b = bias.value;
+  if (detail::is_half(x.dtype())) {
+    SLIDE_ASSIGN_OR_RETURN(w, half_copy(be, weight.value, x.dtype(), "half-precision conv weight"));
+    SLIDE_ASSIGN_OR_RETURN(b, half_copy(be, bias.value, x.dtype(), "half-precision conv bias"));
+  }
+  SLIDE_RETURN_IF_ERROR(be.conv2d_forward(x, w, b, p_, y));
   x_ = training ? x : Tensor();
+  w_half_ = training && detail::is_half(x.dtype()) ? w : Tensor();
   return y;
 }
 
@@ -85,7 +102,7 @@ Result<Tensor> Conv2d::backward(Backend& be, const Tensor& dy) {
   SLIDE_RETURN_IF_ERROR(be.conv2d_backward_weights(x_, dy, p_, weight.grad, bias.grad));
   if (!input_gradient_) return Tensor();
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "conv input gradient"));
-  SLIDE_RETURN_IF_ERROR(be.conv2d_backward_data(dy, weight.value, p_, dx));
+  SLIDE_RETURN_IF_ERROR(be.conv2d_backward_data(dy, w_half_.defined() ? w_half_ : weight.value, p_, dx));
   return dx;
 }
 
@@ -123,8 +140,9 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
     return y;
   }
   const Shape c{weight.value.dim(0)};
-  SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, x.dtype(), "batch mean"));
-  SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, x.dtype(), "batch 1/std"));
+  // The statistics in the parameters' dtype: f32 beside half-precision activations.
+  SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, weight.value.dtype(), "batch mean"));
+  SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, weight.value.dtype(), "batch 1/std"));
   if (sync_ != nullptr) {  // the pieces read plain NCHW: a blocked x is read through a plain copy
     SLIDE_ASSIGN_OR_RETURN(const Tensor xp, be.to_plain(x));
     SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, be, xp, weight.value, bias.value, eps_, momentum_,
@@ -234,8 +252,14 @@ Result<std::unique_ptr<Linear>> Linear::make(Allocator& alloc, DType dtype, int6
 Result<Tensor> Linear::forward(Backend& be, const Tensor& x, bool training) {
   if (x.rank() != 2) return invalid_argument("Linear: input must be [N, features], is " + shape_string(x.shape()));
   SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, {x.dim(0), weight.value.dim(0)}, x.dtype(), "linear output"));
-  SLIDE_RETURN_IF_ERROR(be.linear_forward(x, weight.value, bias.value, y));
+  Tensor w = weight.value, b = bias.value;
+  if (detail::is_half(x.dtype())) {
+    SLIDE_ASSIGN_OR_RETURN(w, half_copy(be, weight.value, x.dtype(), "half-precision linear weight"));
+    SLIDE_ASSIGN_OR_RETURN(b, half_copy(be, bias.value, x.dtype(), "half-precision linear bias"));
+  }
+  SLIDE_RETURN_IF_ERROR(be.linear_forward(x, w, b, y));
   x_ = training ? x : Tensor();
+  w_half_ = training && detail::is_half(x.dtype()) ? w : Tensor();
   return y;
 }
 
@@ -243,7 +267,7 @@ Result<Tensor> Linear::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("Linear: backward without a training forward");
   SLIDE_RETURN_IF_ERROR(be.linear_backward_weights(x_, dy, weight.grad, bias.grad));
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "linear input gradient"));
-  SLIDE_RETURN_IF_ERROR(be.linear_backward_data(dy, weight.value, dx));
+  SLIDE_RETURN_IF_ERROR(be.linear_backward_data(dy, w_half_.defined() ? w_half_ : weight.value, dx));
   return dx;
 }
 
@@ -255,6 +279,46 @@ void Linear::collect(const std::string& prefix, std::vector<Parameter*>* params,
 }
 
 // ---------------------------------------------------------------------------------------------
+Result<Tensor> Cast::forward(Backend& be, const Tensor& x, bool training) {
+  (void)training;
+  from_ = x.dtype();
+  if (x.dtype() == dtype_) return x;
+  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), dtype_, "cast output"));
+  SLIDE_RETURN_IF_ERROR(be.cast(x, y));
+  return y;
+}
+
+Result<Tensor> Cast::backward(Backend& be, const Tensor& dy) {
+  if (dy.dtype() == from_) return dy;
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, dy.shape(), from_, "cast input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.cast(dy, dx));
+  return dx;
+}
+
+Status enable_half_activations(Sequential& model, DType dtype) {
+  if (!detail::is_half(dtype))
+    return invalid_argument(std::string("half-precision activations: ") + dtype_name(dtype) + " is not f16 or bf16");
+  if (half_activation_dtype(model) != DType::kF32)
+    return invalid_argument("half-precision activations: the model has them already");
+  model.insert(0, std::make_unique<Cast>(dtype), "cast_in");
+  model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
+  return slide::core::ok_status();
+}
+
+DType half_activation_dtype(Sequential& model) {
+  if (model.size() == 0) return DType::kF32;
+  const auto* c = dynamic_cast<const Cast*>(&model.at(0));
+  return c != nullptr && detail::is_half(c->dtype()) ? c->dtype() : DType::kF32;
+}
+
+// ---------------------------------------------------------------------------------------------
+void Sequential::insert(size_t i, std::unique_ptr<Layer> layer, std::string name) {
+  i = std::min(i, layers_.size());
+  names_.insert(names_.begin() + static_cast<long>(i), std::move(name));
+  layers_.insert(layers_.begin() + static_cast<long>(i), std::move(layer));
+  if (backward_hook_ != nullptr) layers_[i]->set_backward_hook(backward_hook_);
+}
+
 void Sequential::add(std::unique_ptr<Layer> layer, std::string name) {
   names_.push_back(name.empty() ? std::to_string(layers_.size()) : std::move(name));
   layers_.push_back(std::move(layer));
@@ -336,7 +400,9 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   // On a device backend it is uploaded (one copy of x's size per Dropout and step; the classifier
   // head's dropout is [N, features], small beside the activations).
   Allocator& host_alloc = be.device() == Device::kCpu ? be.allocator() : cpu_allocator();
-  SLIDE_ASSIGN_OR_RETURN(Tensor host_mask, Tensor::empty(x.shape(), x.dtype(), host_alloc, "dropout mask"));
+  // Half-precision x takes the f32 mask rounded to its type on the backend (0 and 1 / (1 - p)).
+  const DType mask_dtype = detail::is_half(x.dtype()) ? DType::kF32 : x.dtype();
+  SLIDE_ASSIGN_OR_RETURN(Tensor host_mask, Tensor::empty(x.shape(), mask_dtype, host_alloc, "dropout mask"));
   std::bernoulli_distribution keep(1.0 - p_);
   const double scale = 1.0 / (1.0 - p_);
   const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;
@@ -349,6 +415,9 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
     }
   }
   SLIDE_ASSIGN_OR_RETURN(mask_, to_device(be, host_mask, "dropout mask"));
+  if (mask_dtype != x.dtype()) {
+    SLIDE_ASSIGN_OR_RETURN(mask_, half_copy(be, mask_, x.dtype(), "half-precision dropout mask"));
+  }
   SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), be.allocator(), "dropout output"));
   SLIDE_RETURN_IF_ERROR(be.mul(x, mask_, y));
   return y;

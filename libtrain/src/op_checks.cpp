@@ -60,6 +60,33 @@ Status want_dtype_of(const char* op, const Range& ts, DTypes dtypes) {
 
 Status want_dtype(const char* op, Named ts, DTypes dtypes) { return want_dtype_of(op, ts, dtypes); }
 
+// Half-precision training storage (backend.h): with dtypes.half and the first of `acts` f16 or
+// bf16, `acts` (the activations and their gradients) of that one type and `f32s` (parameters,
+// per-channel statistics, parameter gradients; the first defined) f32; otherwise every tensor of
+// one dtype, as everywhere.
+template <typename Acts, typename F32s>
+Status want_dtype_split_of(const char* op, const Acts& acts, const F32s& f32s, DTypes dtypes) {
+  const Tensor* first = acts.begin()->second;
+  if (!dtypes.half || !first->defined() || !is_half(first->dtype())) {
+    std::vector<std::pair<const char*, const Tensor*>> all(acts.begin(), acts.end());
+    all.insert(all.end(), f32s.begin(), f32s.end());
+    return want_dtype_of(op, all, dtypes);
+  }
+  SLIDE_RETURN_IF_ERROR(want_dtype_of(op, acts, dtypes));
+  for (auto [name, t] : f32s) {
+    if (!t->defined()) continue;
+    if (t->dtype() != DType::kF32)
+      return invalid_argument(std::string(op) + ": " + name + " is " + dtype_name(t->dtype()) + ", expected f32 (with " +
+                              dtype_name(first->dtype()) + " activations, parameters, statistics and parameter " +
+                              "gradients stay f32)");
+    SLIDE_RETURN_IF_ERROR(want_dtype(op, {{name, t}}, dtypes));
+  }
+  return ok_status();
+}
+Status want_dtype_split(const char* op, Named acts, Named f32s, DTypes dtypes) {
+  return want_dtype_split_of(op, acts, f32s, dtypes);
+}
+
 Status want_channels(const char* op, Named ts, int64_t c) {
   for (auto [name, t] : ts) SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, {c}));
   return ok_status();
@@ -79,10 +106,9 @@ Result<BnDims> batch_norm_sync_dims(const char* op, const Tensor& x, Named like_
   const BnDims d{x.dim(0), x.dim(1), x.dim(2) * x.dim(3)};
   for (auto [name, t] : like_x) SLIDE_RETURN_IF_ERROR(want_shape(op, name, *t, x.shape()));
   SLIDE_RETURN_IF_ERROR(want_channels(op, per_channel, d.C));
-  std::vector<std::pair<const char*, const Tensor*>> all{{"x", &x}};
-  all.insert(all.end(), like_x.begin(), like_x.end());
-  all.insert(all.end(), per_channel.begin(), per_channel.end());
-  SLIDE_RETURN_IF_ERROR(want_dtype_of(op, all, dtypes));
+  std::vector<std::pair<const char*, const Tensor*>> acts{{"x", &x}};
+  acts.insert(acts.end(), like_x.begin(), like_x.end());
+  SLIDE_RETURN_IF_ERROR(want_dtype_split_of(op, acts, per_channel, dtypes));
   DTypes f64 = dtypes;
   f64.f64 = true;
   f64.blocked = false;
@@ -168,7 +194,7 @@ Result<ConvDims> validate_conv2d_backward_weights(const Tensor& x, const Tensor&
   SLIDE_ASSIGN_OR_RETURN(ConvDims d, conv_dims(op, "x", x, dw, p));
   SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {d.N, d.K, d.P, d.Q}));
   if (db.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "db", db, {d.K}));
-  SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"dy", &dy}, {"dw", &dw}, {"db", &db}}, dtypes));
+  SLIDE_RETURN_IF_ERROR(want_dtype_split(op, {{"x", &x}, {"dy", &dy}}, {{"dw", &dw}, {"db", &db}}, dtypes));
   return d;
 }
 
@@ -186,11 +212,11 @@ Result<BnDims> validate_batch_norm_training(const Tensor& x, const Tensor& gamma
   SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
   if (d.N * d.HW < 2)
     return invalid_argument(std::string(op) + ": needs more than one value per channel, got x " + shape_string(x.shape()));
-  SLIDE_RETURN_IF_ERROR(want_dtype(op,
-                                   {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
-                                    {"running_var", &running_var}, {"y", &y}, {"save_mean", &save_mean},
-                                    {"save_invstd", &save_invstd}},
-                                   dtypes));
+  SLIDE_RETURN_IF_ERROR(want_dtype_split(op, {{"x", &x}, {"y", &y}},
+                                         {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
+                                          {"running_var", &running_var}, {"save_mean", &save_mean},
+                                          {"save_invstd", &save_invstd}},
+                                         dtypes));
   return d;
 }
 
@@ -203,10 +229,9 @@ Result<BnDims> validate_batch_norm_inference(const Tensor& x, const Tensor& gamm
   SLIDE_RETURN_IF_ERROR(want_channels(
       op, {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean}, {"running_var", &running_var}}, d.C));
   SLIDE_RETURN_IF_ERROR(want_shape(op, "y", y, x.shape()));
-  SLIDE_RETURN_IF_ERROR(want_dtype(op,
-                                   {{"x", &x}, {"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean},
-                                    {"running_var", &running_var}, {"y", &y}},
-                                   dtypes));
+  SLIDE_RETURN_IF_ERROR(want_dtype_split(
+      op, {{"x", &x}, {"y", &y}},
+      {{"gamma", &gamma}, {"beta", &beta}, {"running_mean", &running_mean}, {"running_var", &running_var}}, dtypes));
   return d;
 }
 
@@ -222,10 +247,10 @@ Result<BnDims> validate_batch_norm_backward(const Tensor& x, const Tensor& dy, c
                                       d.C));
   SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, x.shape()));
   SLIDE_RETURN_IF_ERROR(want_shape(op, "dx", dx, x.shape()));
-  SLIDE_RETURN_IF_ERROR(want_dtype(op,
-                                   {{"x", &x}, {"dy", &dy}, {"gamma", &gamma}, {"save_mean", &save_mean},
-                                    {"save_invstd", &save_invstd}, {"dx", &dx}, {"dgamma", &dgamma}, {"dbeta", &dbeta}},
-                                   dtypes));
+  SLIDE_RETURN_IF_ERROR(want_dtype_split(op, {{"x", &x}, {"dy", &dy}, {"dx", &dx}},
+                                         {{"gamma", &gamma}, {"save_mean", &save_mean}, {"save_invstd", &save_invstd},
+                                          {"dgamma", &dgamma}, {"dbeta", &dbeta}},
+                                         dtypes));
   return d;
 }
 
@@ -326,6 +351,19 @@ Result<LinearDims> validate_linear(const char* op, const Tensor& x, const Tensor
   const bool has_b = b != nullptr && b->defined();
   if (has_b) SLIDE_RETURN_IF_ERROR(want_shape(op, "b", *b, {d.O}));
   SLIDE_RETURN_IF_ERROR(want_dtype(op, {{"x", &x}, {"w", &w}, {"b", has_b ? b : &x}, {"y", &y}}, dtypes));
+  return d;
+}
+
+Result<LinearDims> validate_linear_backward_weights(const Tensor& x, const Tensor& dy, const Tensor& dw,
+                                                    const Tensor& db, DTypes dtypes) {
+  const char* op = "linear_backward_weights";
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "x", x, 2));
+  SLIDE_RETURN_IF_ERROR(want_rank(op, "dw", dw, 2));
+  const LinearDims d{x.dim(0), x.dim(1), dw.dim(0)};
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dw", dw, {d.O, d.I}));
+  SLIDE_RETURN_IF_ERROR(want_shape(op, "dy", dy, {d.N, d.O}));
+  if (db.defined()) SLIDE_RETURN_IF_ERROR(want_shape(op, "db", db, {d.O}));
+  SLIDE_RETURN_IF_ERROR(want_dtype_split(op, {{"x", &x}, {"dy", &dy}}, {{"dw", &dw}, {"db", &db}}, dtypes));
   return d;
 }
 

@@ -63,6 +63,9 @@ struct LinearDims {
                                                                const Tensor* residual, const Tensor& y, DTypes dtypes);
 [[nodiscard]] Result<ConvDims> validate_conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p,
                                                              const Tensor& dx, DTypes dtypes);
+// With dtypes.half (backend.h, "Half-precision storage"): x and dy of one half type, dw and db
+// f32; the batch norm checks below likewise take x, y, dy and dx of one half type with the
+// per-channel tensors f32. Without it, every floating tensor of one dtype.
 [[nodiscard]] Result<ConvDims> validate_conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p,
                                                                 const Tensor& dw, const Tensor& db, DTypes dtypes);
 [[nodiscard]] Result<BnDims> validate_batch_norm_training(const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -74,7 +77,7 @@ struct LinearDims {
                                                            const Tensor& y, DTypes dtypes);
 // Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt):
 // x [N,C,H,W] (N may be 0), dy / y / dx of x's shape and the per-channel tensors [C], all in x's
-// dtype; the sums f64, plain, on the backend's device: stats [C+1], devs [C], sums [2C].
+// dtype (with dtypes.half: x, y, dy, dx of one half type and the per-channel tensors f32); the sums f64, plain, on the backend's device: stats [C+1], devs [C], sums [2C].
 [[nodiscard]] Result<BnDims> validate_batch_norm_stats(const Tensor& x, const Tensor& stats, DTypes dtypes);
 [[nodiscard]] Result<BnDims> validate_batch_norm_deviations(const Tensor& x, const Tensor& stats, const Tensor& devs,
                                                             DTypes dtypes);
@@ -107,6 +110,10 @@ struct LinearDims {
                                                       DTypes dtypes);
 [[nodiscard]] Result<LinearDims> validate_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor* b,
                                                  const Tensor& y, DTypes dtypes);
+// x[N,I], dy[N,O], dw[O,I], db[O] or undefined; x and dy of one half type with dw and db f32 where
+// dtypes.half (backend.h, "Half-precision storage"), else all of one dtype.
+[[nodiscard]] Result<LinearDims> validate_linear_backward_weights(const Tensor& x, const Tensor& dy, const Tensor& dw,
+                                                                  const Tensor& db, DTypes dtypes);
 // logits/probs[N,C], labels[N] i32 in range, class_weights[C] or undefined, smoothing in [0, 1),
 // out[N,C].
 [[nodiscard]] Result<LinearDims> validate_cross_entropy(const char* op, const Tensor& logits, const Tensor& labels,

@@ -161,6 +161,8 @@ class PlanBackend final : public Backend {
   Status softmax_forward(const Tensor&, Tensor&) override { return ok_status(); }
   Status softmax_backward(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   Status matmul(const Tensor&, bool, const Tensor&, bool, Tensor&) override { return ok_status(); }
+  // Half-precision activations' casts (enable_half_activations): the copies are the callers'.
+  Status cast(const Tensor&, Tensor&) override { return ok_status(); }
 
  private:
   // A convolution the backend refuses as kResourceExhausted (a tensor past cuDNN's descriptor

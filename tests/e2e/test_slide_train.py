@@ -455,6 +455,59 @@ class TestPrecision(Base):
         sys.stderr.write("cpu bf16 (bf16 instructions: %s) against fp32: weights after 2 epochs %.2e relative L2, "
                          "embedded features %.2e of the largest\n" % (has_bf16, (diff / norm) ** 0.5, rel))
 
+    def test_half_precision_activations_train_near_fp32_resume_exactly_and_evaluate_on_the_cpu(self):
+        """--activations bf16 / f16 (what --backend cuda picks under --precision bf16 / fp16): the
+        model's activations and their gradients in half precision between casts at its two ends,
+        parameters, gradients and optimizer state f32 (layers.h enable_half_activations). On the
+        reference backend, which emulates the half-precision ops exactly (the oracle of the cuda
+        path), training lands near fp32's weights; a resume continues bit for bit; the checkpoint has
+        fp32's tensor names, so the cpu backend evaluates it; cpu and f16 without fp16's loss scaling
+        are refused."""
+        bf16 = os.path.join(self.tmp, "act_bf16")
+        r = self.run_ref(bf16, 2, "--precision", "bf16", "--activations", "bf16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("half-precision activations for training", r.stderr)
+        self.assertIn("activations=bf16", r.stderr)
+        distance = self.assert_near_fp32(bf16, 2)
+        # The same precision without half storage is another run (the storage rounds too).
+        plain = os.path.join(self.tmp, "act_bf16_plain")
+        self.assertEqual(self.run_ref(plain, 1, "--precision", "bf16").returncode, 0)
+        a, b = self.weights(plain, 1), self.weights(bf16, 1)
+        self.assertEqual(sorted(a), sorted(b))  # the same tensors, by name
+        self.assertFalse(all(np.array_equal(a[k], b[k]) for k in a))
+        # fp16 with f16 activations: GradScaler's rules keep the loss finite and the weights near.
+        f16 = os.path.join(self.tmp, "act_f16")
+        r = self.run_ref(f16, 1, "--precision", "fp16", "--activations", "f16")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(f16, "metrics.jsonl")) as f:
+            h = [json.loads(l) for l in f]
+        self.assertTrue(np.isfinite(h[-1]["train_loss"]))
+        self.assert_near_fp32(f16, 1)
+        # A resume continues exactly.
+        part = os.path.join(self.tmp, "act_bf16_resumed")
+        self.assertEqual(self.run_ref(part, 1, "--precision", "bf16", "--activations", "bf16").returncode, 0)
+        r = self.run_ref(part, 2, "--precision", "bf16", "--activations", "bf16", "--resume")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        c, w2 = self.weights(part, 2), self.weights(bf16, 2)
+        self.assertTrue(all(np.array_equal(w2[k], c[k]) for k in w2))
+        # The cpu backend evaluates the checkpoint.
+        ev = os.path.join(self.tmp, "act_eval")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(bf16, "checkpoints", "epoch-2-step-0"),
+                            "--data", self.store, "--out", ev], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(ev, "predictions.csv")))
+        # Refused, exit 2, naming the option.
+        for extra, why in ((["--backend", "cpu", "--activations", "bf16"], "the cpu backend keeps f32 activations"),
+                           (["--backend", "reference", "--activations", "f16"],
+                            "--activations f16 needs --precision fp16")):
+            out = os.path.join(self.tmp, "act_refused")
+            r = subprocess.run([TRAIN, "--data", self.store, "--out", out, "--epochs", "1", "--batch-size", "32",
+                                "--width", "8", "--threads", "2"] + extra,
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(why, r.stderr)
+        sys.stderr.write("reference, bf16 activations: weights after 2 epochs %.2e relative L2 from fp32's\n" % distance)
+
     def test_bf16_training_resume_evaluate_and_embed(self):
         fp32, bf16 = self.fp32_run(), os.path.join(self.tmp, "p_bf16")
         r = self.run_ref(bf16, 2, "--precision", "bf16")

@@ -127,19 +127,28 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
     int64_t C, H, K, R;
     Conv2dParams p;
   };
+  // Also on half-precision training storage (f16 under fp16): backward weights then also holds the
+  // half filter gradient before it is added to the f32 dw.
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
   Allocator& alloc = gpu().allocator();
+  for (const DType dt : {DType::kF32, DType::kF16})
   for (Case c : {Case{3, 224, 64, 7, {2, 3}}, Case{64, 56, 64, 3, {1, 1}}, Case{128, 56, 128, 3, {2, 1}}}) {
+    const std::string dtype = dtype_name(dt);
+    CAPTURE(dtype);
     CAPTURE(c.C);
     CAPTURE(c.R);
+    OK(gpu().set_math_precision(dt == DType::kF16 ? MathPrecision::kFp16 : MathPrecision::kFp32));
     const int64_t N = 16, P = conv_out_extent(c.H, c.R, c.p.stride, c.p.pad);
-    auto dev = [&](const Shape& s) {
-      auto t = Tensor::empty(s, DType::kF32, alloc, "operand");
+    auto dev = [&](const Shape& s, DType t_dtype) {
+      auto t = Tensor::empty(s, t_dtype, alloc, "operand");
       REQUIRE(t.ok());
       OK(t->set_zero());
       return *t;
     };
-    Tensor x = dev({N, c.C, c.H, c.H}), w = dev({c.K, c.C, c.R, c.R}), y = dev({N, c.K, P, P}),
-           dw = dev({c.K, c.C, c.R, c.R});
+    Tensor x = dev({N, c.C, c.H, c.H}, dt), w = dev({c.K, c.C, c.R, c.R}, dt), y = dev({N, c.K, P, P}, dt),
+           dw = dev({c.K, c.C, c.R, c.R}, DType::kF32);
     Tensor no_db;
     auto taken = [&](auto&& run) {
       OK(gpu().synchronize());
@@ -151,7 +160,9 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
     };
     for (ConvPass pass : {ConvPass::kForward, ConvPass::kBackwardData, ConvPass::kBackwardWeights}) {
       CAPTURE(static_cast<int>(pass));
-      auto planned = gpu().conv_workspace_bytes(pass, x, w, c.p, y);
+      // Backward weights is asked with dw in w's place (f32 beside half x and dy).
+      const Tensor& wq = pass == ConvPass::kBackwardWeights ? dw : w;
+      auto planned = gpu().conv_workspace_bytes(pass, x, wq, c.p, y);
       REQUIRE_MESSAGE(planned.ok(), planned.status().to_string());
       const size_t bytes = taken([&] {
         return pass == ConvPass::kForward        ? gpu().conv2d_forward(x, w, Tensor(), c.p, y)
@@ -160,7 +171,7 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
       });
       MESSAGE("pass ", static_cast<int>(pass), ": planned ", *planned, " B, taken ", bytes, " B");
       CHECK(bytes == *planned);
-      auto again = gpu().conv_workspace_bytes(pass, x, w, c.p, y);
+      auto again = gpu().conv_workspace_bytes(pass, x, wq, c.p, y);
       REQUIRE(again.ok());
       CHECK(*again == *planned);
     }
@@ -824,6 +835,182 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
     const double e = normalised_error(device_values(*got), host_values(*want));
     MESSAGE(name, " ResNet-18 layer3 features against the reference's f32 graph: ", e / u, " u");
     CHECK(e < 16 * u);  // the reference's own half graph: 1.0 to 1.3 u (test_half_storage.cpp)
+  }
+}
+
+TEST_CASE("cuda vs reference: training on half-precision storage (convolution's three passes, batch norm, ReLU, "
+          "pooling, linear backward; f32 parameter gradients)") {
+  // The reference computes each op in f32 from the stored half values and rounds once (its weight
+  // gradients: the product rounded once to the half type, then added in f32). cuda: cuDNN's half
+  // convolutions (f32 compute) in their own summation order, our kernels with the same formulas
+  // (one flip of a rounding at most), cuBLAS's GemmEx. Bounds in u of the normalised error.
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
+  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
+    const std::string name = dtype_name(half);
+    CAPTURE(name);
+    OK(gpu().set_math_precision(prec));
+    const double u = testing::unit_roundoff(half);
+    auto check = [&](const char* what, const Tensor& dev, const Tensor& want, double bound_u) {
+      const double e = normalised_error(device_values(dev), host_values(want));
+      MESSAGE(name, " ", what, ": ", e / u, " u");
+      CAPTURE(what);
+      CHECK(e <= bound_u * u);
+    };
+    const int64_t N = 3, C = 13, H = 9, W = 9, K = 16, R = 3, P = 5;
+    const Conv2dParams p{2, 1};
+    const Tensor x = host_half({N, C, H, W}, 301, half), w = host_half({K, C, R, R}, 302, half, -0.3, 0.3),
+                 b = host_half({K}, 303, half), dy = host_half({N, K, P, P}, 304, half);
+    Tensor want_y = empty_on(ref(), {N, K, P, P}, half), got_y = empty_on(gpu(), {N, K, P, P}, half);
+    OK(ref().conv2d_forward(x, w, b, p, want_y));
+    OK(gpu().conv2d_forward(up(x), up(w), up(b), p, got_y));
+    check("conv2d_forward (+ bias)", got_y, want_y, 4);  // cuDNN's rounding, then the bias's
+    Tensor want_dx = empty_on(ref(), x.shape(), half), got_dx = empty_on(gpu(), x.shape(), half);
+    OK(ref().conv2d_backward_data(dy, w, p, want_dx));
+    OK(gpu().conv2d_backward_data(up(dy), up(w), p, got_dx));
+    check("conv2d_backward_data", got_dx, want_dx, 4);
+    const Pair dw0 = make({K, C, R, R}, 0, 0, 0, 1), db0 = make({K}, 0, 0, 0, 1);  // gradients start at 1: +=
+    Tensor want_dw = *dw0.f.clone(), want_db = *db0.f.clone(), got_dw = up(dw0.f), got_db = up(db0.f);
+    OK(ref().conv2d_backward_weights(x, dy, p, want_dw, want_db));
+    OK(gpu().conv2d_backward_weights(up(x), up(dy), p, got_dw, got_db));
+    CHECK(got_dw.dtype() == DType::kF32);
+    check("conv2d_backward_weights dw (f32)", got_dw, want_dw, 4);
+    check("conv2d_backward_weights db (f32)", got_db, want_db, 0.01);  // f32 sums in double
+
+    // Batch norm: x, y, dy, dx half; the per-channel tensors f32.
+    const Pair gamma = make({C}, 305, 0.5, 1.5), beta = make({C}, 306), rm = make({C}, 307), rv = make({C}, 308, 0.5, 2);
+    Tensor want_rm = *rm.f.clone(), want_rv = *rv.f.clone(), got_rm = up(rm.f), got_rv = up(rv.f);
+    Tensor want_sm = empty_on(ref(), {C}, DType::kF32), want_si = empty_on(ref(), {C}, DType::kF32);
+    Tensor got_sm = empty_on(gpu(), {C}, DType::kF32), got_si = empty_on(gpu(), {C}, DType::kF32);
+    Tensor want_by = empty_on(ref(), x.shape(), half), got_by = empty_on(gpu(), x.shape(), half);
+    OK(ref().batch_norm_forward_training(x, gamma.f, beta.f, 1e-5, 0.1, want_rm, want_rv, want_by, want_sm, want_si));
+    const Tensor xd = up(x);
+    OK(gpu().batch_norm_forward_training(xd, up(gamma.f), up(beta.f), 1e-5, 0.1, got_rm, got_rv, got_by, got_sm, got_si));
+    check("batch_norm_forward_training y", got_by, want_by, 2);
+    check("batch_norm_forward_training save_mean", got_sm, want_sm, 0.01);
+    check("batch_norm_forward_training save_invstd", got_si, want_si, 0.01);
+    check("batch_norm_forward_training running_var", got_rv, want_rv, 0.01);
+    Tensor want_iy = empty_on(ref(), x.shape(), half), got_iy = empty_on(gpu(), x.shape(), half);
+    OK(ref().batch_norm_forward_inference(x, gamma.f, beta.f, rm.f, rv.f, 1e-5, want_iy));
+    OK(gpu().batch_norm_forward_inference(xd, up(gamma.f), up(beta.f), up(rm.f), up(rv.f), 1e-5, got_iy));
+    check("batch_norm_forward_inference", got_iy, want_iy, 2);
+    const Tensor bdy = host_half(x.shape(), 309, half);
+    const Pair g1 = make({C}, 0, 0, 0, 1);
+    Tensor want_bdx = empty_on(ref(), x.shape(), half), got_bdx = empty_on(gpu(), x.shape(), half);
+    Tensor want_dg = *g1.f.clone(), want_dbt = *g1.f.clone(), got_dg = up(g1.f), got_dbt = up(g1.f);
+    OK(ref().batch_norm_backward(x, bdy, gamma.f, want_sm, want_si, want_bdx, want_dg, want_dbt));
+    OK(gpu().batch_norm_backward(xd, up(bdy), up(gamma.f), got_sm, got_si, got_bdx, got_dg, got_dbt));
+    check("batch_norm_backward dx", got_bdx, want_bdx, 4);
+    check("batch_norm_backward dgamma", got_dg, want_dg, 0.01);
+    check("batch_norm_backward dbeta", got_dbt, want_dbt, 0.01);
+
+    // ReLU and pooling: choices and f32 sums in the reference's order.
+    Tensor want_r = empty_on(ref(), x.shape(), half), got_r = empty_on(gpu(), x.shape(), half);
+    OK(ref().relu_forward(x, want_r));
+    OK(gpu().relu_forward(xd, got_r));
+    CHECK(device_values(got_r) == host_values(want_r));
+    Tensor want_rg = empty_on(ref(), x.shape(), half), got_rg = empty_on(gpu(), x.shape(), half);
+    OK(ref().relu_backward(want_r, bdy, want_rg));
+    OK(gpu().relu_backward(got_r, up(bdy), got_rg));
+    CHECK(device_values(got_rg) == host_values(want_rg));
+    const Tensor pdy = host_half({N, C, 5, 5}, 310, half);
+    Tensor want_pdx = empty_on(ref(), x.shape(), half), got_pdx = empty_on(gpu(), x.shape(), half);
+    OK(ref().max_pool2d_backward(x, pdy, Pool2dParams{3, 2, 1}, want_pdx));
+    OK(gpu().max_pool2d_backward(xd, up(pdy), Pool2dParams{3, 2, 1}, got_pdx));
+    CHECK(device_values(got_pdx) == host_values(want_pdx));
+    Tensor want_g = empty_on(ref(), {N, C}, half), got_g = empty_on(gpu(), {N, C}, half);
+    OK(ref().global_avg_pool_forward(x, want_g));
+    OK(gpu().global_avg_pool_forward(xd, got_g));
+    check("global_avg_pool_forward", got_g, want_g, 2);
+    const Tensor gdy = host_half({N, C}, 311, half);
+    Tensor want_gdx = empty_on(ref(), x.shape(), half), got_gdx = empty_on(gpu(), x.shape(), half);
+    OK(ref().global_avg_pool_backward(gdy, want_gdx));
+    OK(gpu().global_avg_pool_backward(up(gdy), got_gdx));
+    check("global_avg_pool_backward", got_gdx, want_gdx, 2);
+
+    // Linear backward: data all half; weights into f32 (cuBLAS accumulates the product into dw
+    // unrounded; the reference rounds it to the half type first: one rounding apart).
+    const int64_t LN = 7, I = 24, O = 13;
+    const Tensor lx = host_half({LN, I}, 312, half), lw = host_half({O, I}, 313, half, -0.3, 0.3),
+                 ldy = host_half({LN, O}, 314, half);
+    Tensor want_ldx = empty_on(ref(), {LN, I}, half), got_ldx = empty_on(gpu(), {LN, I}, half);
+    OK(ref().linear_backward_data(ldy, lw, want_ldx));
+    OK(gpu().linear_backward_data(up(ldy), up(lw), got_ldx));
+    check("linear_backward_data", got_ldx, want_ldx, 2);
+    const Pair lw0 = make({O, I}, 0, 0, 0, 1), lb0 = make({O}, 0, 0, 0, 1);
+    Tensor want_ldw = *lw0.f.clone(), want_ldb = *lb0.f.clone(), got_ldw = up(lw0.f), got_ldb = up(lb0.f);
+    OK(ref().linear_backward_weights(lx, ldy, want_ldw, want_ldb));
+    OK(gpu().linear_backward_weights(up(lx), up(ldy), got_ldw, got_ldb));
+    check("linear_backward_weights dw (f32)", got_ldw, want_ldw, 2);
+    check("linear_backward_weights db (f32)", got_ldb, want_ldb, 0.01);
+  }
+}
+
+TEST_CASE("cuda: a small CNN trained with half-precision activations (enable_half_activations) has the reference's "
+          "gradients, as close as the reference's own half run is to its f32 run") {
+  struct Guard {
+    ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
+  } guard;
+  auto grads = [&](Backend& be, DType half) {
+    auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3, 0.2);
+    REQUIRE(model.ok());
+    if (half != DType::kF32) OK(enable_half_activations(**model, half));
+    OK(move_to_device(be, **model));
+    (*model)->set_rng_seed(11);
+    (*model)->set_input_gradient(false);
+    const Pair images = make({8, 3, 32, 32}, 321, -2, 2);
+    const Tensor labels = labels_host({0, 1, 2, 3, 0, 1, 2, 3});
+    auto x = to_device(be, images.f);
+    auto lab = to_device(be, labels);
+    REQUIRE(x.ok());
+    REQUIRE(lab.ok());
+    auto logits = (*model)->forward(be, *x, true);
+    REQUIRE_MESSAGE(logits.ok(), logits.status().to_string());
+    REQUIRE(logits->dtype() == DType::kF32);
+    Tensor probs = empty_on(be, logits->shape(), DType::kF32), dl = empty_on(be, logits->shape(), DType::kF32);
+    double loss = 0;
+    OK(be.softmax_cross_entropy_forward(*logits, *lab, Tensor(), 0.0, probs, &loss));
+    OK(be.softmax_cross_entropy_backward(probs, *lab, Tensor(), 0.0, dl));
+    const double scale = half == DType::kF16 ? 65536.0 : 1.0;  // GradScaler's initial scale under f16
+    OK(be.scale(dl, scale, dl));
+    REQUIRE((*model)->backward(be, dl).ok());
+    std::vector<Parameter*> params;
+    (*model)->collect("", &params, nullptr);
+    std::vector<std::vector<float>> out;
+    for (Parameter* q : params) {
+      auto h = to_host(be, q->grad);
+      REQUIRE(h.ok());
+      std::vector<float> v = host_values(*h);
+      for (float& e : v) e = static_cast<float>(e / scale);
+      out.push_back(std::move(v));
+    }
+    return out;
+  };
+  auto rel = [](const std::vector<float>& got, const std::vector<float>& want) {
+    double num = 0, den = 0;
+    for (size_t j = 0; j < got.size(); ++j) {
+      num += (double(got[j]) - want[j]) * (double(got[j]) - want[j]);
+      den += double(want[j]) * want[j];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  };
+  const auto f32 = grads(ref(), DType::kF32);
+  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
+    const std::string name = dtype_name(half);
+    CAPTURE(name);
+    OK(gpu().set_math_precision(prec));
+    const double u = testing::unit_roundoff(half);
+    const auto ref_half = grads(ref(), half), gpu_half = grads(gpu(), half);
+    double sum = 0, sum_ref = 0;
+    for (size_t i = 0; i < f32.size(); ++i) {
+      const double e = rel(gpu_half[i], f32[i]), base = rel(ref_half[i], f32[i]);
+      MESSAGE(name, " gradient ", i, ": cuda ", e / u, " u, reference ", base / u, " u from the f32 run");
+      CHECK(e <= 3 * base + 8 * u);
+      sum += e;
+      sum_ref += base;
+    }
+    CHECK(sum <= 2 * sum_ref + 8 * u);
   }
 }
 

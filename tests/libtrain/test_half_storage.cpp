@@ -188,7 +188,7 @@ TEST_CASE("half storage: mixed or unsupported dtypes are refused naming the op")
   Tensor ybf = *Tensor::empty({4, 6}, DType::kBF16, cpu_allocator());
   CHECK(ref().layer_norm_forward(a16, g32, g32, 1e-6, ybf).code() == StatusCode::kInvalidArgument);  // f16 -> bf16
   // Ops outside the list keep refusing half precision.
-  CHECK(ref().relu_forward(a16, y16).code() == StatusCode::kUnimplemented);
+  CHECK(ref().tanh_forward(a16, y16).code() == StatusCode::kUnimplemented);
   CHECK(ref().softmax_forward(a16, y16).code() == StatusCode::kUnimplemented);
   // The cpu backend keeps f32 storage (its bf16 is oneDNN's f32-in, bf16-compute path).
   auto cpu = testing::must_make("cpu");

@@ -432,7 +432,7 @@ class OneDnnBackend final : public Backend {
 
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kCpuTypes));
+                           detail::validate_linear_backward_weights(x, dy, dw, db, kCpuTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor dw_new, Tensor::empty(dw.shape(), DType::kF32, alloc_, "linear dw scratch"));
     Tensor db_new;
     if (db.defined()) {

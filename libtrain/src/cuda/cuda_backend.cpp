@@ -417,7 +417,9 @@ class CudaBackend final : public Backend {
   Device device() const override { return Device::kCuda; }
   Allocator& allocator() override { return *st_->alloc; }
   // Half-precision storage under fp16 / bf16 (backend.h): the ViT trunk's GEMMs then read f16 / bf16
-  // operands (cuBLAS's tensor-core kernels, f32 accumulation) instead of converting f32 ones.
+  // operands (cuBLAS's tensor-core kernels, f32 accumulation) instead of converting f32 ones, the
+  // CNNs' inference graph runs cuDNN's half convolutions, and slide-train's CNNs train on half
+  // activations (enable_half_activations: half the bytes for batch norm, ReLU, pooling and adds).
   DType activation_dtype() const override {
     return math_precision_ == MathPrecision::kFp16   ? DType::kF16
            : math_precision_ == MathPrecision::kBf16 ? DType::kBF16
@@ -501,7 +503,8 @@ class CudaBackend final : public Backend {
 
   // --- Convolution ---
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kHalfDTypes));
+    if (detail::is_half(x.dtype())) return conv_forward_half(x, w, b, p, y, d);
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kForward, d, p);
@@ -517,6 +520,87 @@ class CudaBackend final : public Backend {
     };
     SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
     if (b.defined()) SLIDE_CUDA_CHECK(launch_bias_add(f32(y), f32(b), d.N, d.K, d.P * d.Q, st_->stream));
+    return ok_status();
+  }
+
+  // --- Training on half-precision storage (backend.h; layers.h enable_half_activations) ---
+  // The convolution's three passes on f16 / bf16 tensors and filter, NCHW, with f32 compute
+  // (cuDNN's PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, as PyTorch's autocast convolutions), the
+  // algorithms chosen and cached per shape as for f32 (the key carries the storage type).
+  ConvKey half_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p, DType half) const {
+    ConvKey key = conv_key(direction, d, p);
+    key.storage = conv_storage(half);
+    key.nhwc = false;
+    return key;
+  }
+  // y = conv(x, w) (+ b, in f32, rounded once by the epilogue kernel: cuDNN's output is rounded
+  // first, as the op list allows).
+  Status conv_forward_half(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y,
+                           const detail::ConvDims& d) {
+    if (d.N * d.K * d.P * d.Q == 0) return ok_status();
+    const DType half = x.dtype();
+    const ConvKey key = half_key(ConvDirection::kForward, d, p, half);
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    auto candidates = [&] { return forward_candidates(ds); };
+    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
+      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, x.raw(), ds.w.d, w.raw(), ds.conv.d,
+                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
+                                                ds.y.d, y.raw()));
+      return ok_status();
+    };
+    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
+    if (b.defined())
+      SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), false, y.raw(), b.raw(), nullptr, y.raw(), d.N, d.K,
+                                            d.P * d.Q, false, st_->stream));
+    return ok_status();
+  }
+  Status conv_backward_data_half(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx,
+                                 const detail::ConvDims& d) {
+    if (d.N * d.C * d.H * d.W == 0) return ok_status();
+    const DType half = dy.dtype();
+    const ConvKey key = half_key(ConvDirection::kBackwardData, d, p, half);
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    auto candidates = [&] { return backward_data_candidates(ds); };
+    auto workspace = [&](int algo) { return backward_data_workspace(ds, algo); };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // dx is overwritten
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardData(st_->cudnn, &one, ds.w.d, w.raw(), ds.y.d, dy.raw(), ds.conv.d,
+                                                     static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, ws_bytes,
+                                                     &zero, ds.x.d, dx.raw()));
+      return ok_status();
+    };
+    return run_conv(key, ds, candidates, workspace, run);
+  }
+  // dw (f32) += the filter gradient, which cuDNN writes in x's half type (its half configurations
+  // take one data type for x, dy and dw) into scratch that is then added to dw in f32; db (f32) +=
+  // the sum of dy in double. The scratch is part of the pass's planned workspace
+  // (conv_workspace_bytes).
+  Status conv_backward_weights_half(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db,
+                                    const detail::ConvDims& d) {
+    if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
+    const DType half = x.dtype();
+    const ConvKey key = half_key(ConvDirection::kBackwardFilter, d, p, half);
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::empty(dw.shape(), half, *st_->alloc, "half-precision weight gradient"));
+    auto candidates = [&] { return backward_filter_candidates(ds); };
+    auto workspace = [&](int algo) { return backward_filter_workspace(ds, algo); };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // the product alone, then added to dw below
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st_->cudnn, &one, ds.x.d, x.raw(), ds.y.d, dy.raw(), ds.conv.d,
+                                                       static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), ws,
+                                                       ws_bytes, &zero, ds.w.d, product.raw()));
+      return ok_status();
+    };
+    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
+    SLIDE_CUDA_CHECK(launch_binary(Binary::kAdd, CastType::kF32, dw.raw(), storage(half), product.raw(), dw.raw(),
+                                   dw.numel(), st_->stream));
+    if (db.defined())
+      SLIDE_CUDA_CHECK(launch_bias_grad(storage(half), dy.raw(), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
     return ok_status();
   }
 
@@ -701,16 +785,21 @@ class CudaBackend final : public Backend {
   // Backend::conv_workspace_bytes: the workspace each pass's run_conv would take (planned_workspace).
   Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
                                       const Tensor& y) override {
-    // Shapes and dtypes only: the planner's placeholders live on no device.
+    // Shapes and dtypes only: the planner's placeholders live on no device. Half-precision x with
+    // backward weights' f32 dw (in w's place) is the half training pass.
+    const bool half = detail::is_half(x.dtype());
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(kDTypes)));
+                           pass == ConvPass::kBackwardWeights
+                               ? detail::validate_conv2d_backward_weights(x, y, p, w, Tensor(),
+                                                                          detail::shapes_only(kHalfDTypes))
+                               : detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(kHalfDTypes)));
     if (d.N * d.K * d.P * d.Q == 0 || d.N * d.C * d.H * d.W == 0) return size_t{0};  // the ops return early
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
                                                                       : ConvDirection::kBackwardFilter;
-    const ConvKey key = conv_key(direction, d, p);
+    const ConvKey key = half ? half_key(direction, d, p, x.dtype()) : conv_key(direction, d, p);
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(x.dtype())));
     switch (pass) {
       case ConvPass::kForward:
         return planned_workspace(key, ds, [&] { return forward_candidates(ds); },
@@ -718,15 +807,20 @@ class CudaBackend final : public Backend {
       case ConvPass::kBackwardData:
         return planned_workspace(key, ds, [&] { return backward_data_candidates(ds); },
                                  [&](int algo) { return backward_data_workspace(ds, algo); });
-      case ConvPass::kBackwardWeights:
-        return planned_workspace(key, ds, [&] { return backward_filter_candidates(ds); },
-                                 [&](int algo) { return backward_filter_workspace(ds, algo); });
+      case ConvPass::kBackwardWeights: {
+        SLIDE_ASSIGN_OR_RETURN(const size_t ws,
+                               planned_workspace(key, ds, [&] { return backward_filter_candidates(ds); },
+                                                 [&](int algo) { return backward_filter_workspace(ds, algo); }));
+        // ... and the half filter gradient's scratch (conv_backward_weights_half).
+        return ws + (half ? static_cast<size_t>(w.numel()) * dtype_size(x.dtype()) : 0);
+      }
     }
     return size_t{0};
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kHalfDTypes));
+    if (detail::is_half(dy.dtype())) return conv_backward_data_half(dy, w, p, dx, d);
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p);
@@ -745,7 +839,8 @@ class CudaBackend final : public Backend {
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kDTypes));
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kHalfDTypes));
+    if (detail::is_half(x.dtype())) return conv_backward_weights_half(x, dy, p, dw, db, d);
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p);
@@ -760,7 +855,8 @@ class CudaBackend final : public Backend {
       return ok_status();
     };
     SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
-    if (db.defined()) SLIDE_CUDA_CHECK(launch_bias_grad(f32(dy), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
+    if (db.defined())
+      SLIDE_CUDA_CHECK(launch_bias_grad(CastType::kF32, dy.raw(), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
     return ok_status();
   }
 
@@ -770,10 +866,11 @@ class CudaBackend final : public Backend {
                                      Tensor& save_mean, Tensor& save_invstd) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
-                                                                save_invstd, kDTypes));
+                                                                save_invstd, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_forward_training(f32(x), f32(gamma), f32(beta), eps, momentum, f32(running_mean),
-                                                f32(running_var), f32(y), f32(save_mean), f32(save_invstd), d.N, d.C,
+    SLIDE_CUDA_CHECK(launch_bn_forward_training(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), eps, momentum,
+                                                f32(running_mean), f32(running_var), y.raw(), f32(save_mean),
+                                                f32(save_invstd), d.N, d.C,
                                                 d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
@@ -781,19 +878,19 @@ class CudaBackend final : public Backend {
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
-                                                                                         running_var, y, kDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_forward_inference(f32(x), f32(gamma), f32(beta), f32(running_mean), f32(running_var),
-                                                 eps, f32(y), d.N, d.C, d.HW, st_->stream));
+                                                                                         running_var, y, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_forward_inference(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), f32(running_mean),
+                                                 f32(running_var), eps, y.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
   Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
-                                                                kDTypes));
+                                                                kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_backward(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd), f32(dx),
-                                        f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), x.raw(), dy.raw(), f32(gamma), f32(save_mean),
+                                        f32(save_invstd), dx.raw(), f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
 
@@ -810,15 +907,15 @@ class CudaBackend final : public Backend {
   // in turn (kernels.h); the f64 sums stay on the device between the pieces (NCCL all-reduces them
   // in place; a host communicator stages them, dist/sync_batch_norm.cpp).
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_stats(f32(x), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_stats(storage(x.dtype()), x.raw(), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_deviations(f32(x), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_deviations(storage(x.dtype()), x.raw(), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
@@ -828,18 +925,19 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                           running_var, y, save_mean, save_invstd,
-                                                                          kDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(f32(x), f32(gamma), f32(beta), f64(stats), f64(devs), eps, momentum,
-                                                  f32(running_mean), f32(running_var), f32(y), f32(save_mean),
+                                                                          kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), f64(stats),
+                                                  f64(devs), eps, momentum, f32(running_mean), f32(running_var),
+                                                  y.raw(), f32(save_mean),
                                                   f32(save_invstd), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
   Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
-                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kDTypes));
+                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(f32(x), f32(dy), f32(save_mean), f32(save_invstd), f64(sums),
+    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
                                                f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
@@ -848,16 +946,18 @@ class CudaBackend final : public Backend {
                                    Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
-                                                                      dx, kDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(f32(x), f32(dy), f32(gamma), f32(save_mean), f32(save_invstd),
-                                              f64(stats), f64(sums), f32(dx), d.N, d.C, d.HW, st_->stream));
+                                                                      dx, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), x.raw(), dy.raw(), f32(gamma), f32(save_mean),
+                                              f32(save_invstd), f64(stats), f64(sums), dx.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
 
   // --- Element-wise ---
-  Status relu_forward(const Tensor& x, Tensor& y) override { return unary("relu_forward", Unary::kRelu, x, y); }
+  Status relu_forward(const Tensor& x, Tensor& y) override {
+    return unary("relu_forward", Unary::kRelu, x, y, kHalfDTypes);
+  }
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    return unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx);
+    return unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx, kHalfDTypes);
   }
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, kHalfDTypes));
@@ -1017,21 +1117,23 @@ class CudaBackend final : public Backend {
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kDTypes));
-    SLIDE_CUDA_CHECK(launch_max_pool_backward(f32(x), f32(dy), f32(dx), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel,
+                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kHalfDTypes));
+    SLIDE_CUDA_CHECK(launch_max_pool_backward(storage(x.dtype()), x.raw(), dy.raw(), dx.raw(), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel,
                                               p.stride, p.pad, st_->stream));
     return ok_status();
   }
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kDTypes));
-    SLIDE_CUDA_CHECK(launch_global_avg_pool_forward(f32(x), f32(y), d.N * d.C, d.HW, st_->stream));
+                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kHalfDTypes));
+    SLIDE_CUDA_CHECK(
+        launch_global_avg_pool_forward(storage(x.dtype()), x.raw(), y.raw(), d.N * d.C, d.HW, st_->stream));
     return ok_status();
   }
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kDTypes));
-    SLIDE_CUDA_CHECK(launch_global_avg_pool_backward(f32(dy), f32(dx), d.N * d.C, d.HW, st_->stream));
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kHalfDTypes));
+    SLIDE_CUDA_CHECK(
+        launch_global_avg_pool_backward(storage(dy.dtype()), dy.raw(), dx.raw(), d.N * d.C, d.HW, st_->stream));
     return ok_status();
   }
 
@@ -1053,16 +1155,28 @@ class CudaBackend final : public Backend {
   }
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kDTypes));
+                           detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kHalfDTypes));
     // dx^T [I, N] = w^T [I, O] dy^T [O, N].
+    if (detail::is_half(dy.dtype()))
+      return gemm_ex(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, w.raw(), d.I, dy.raw(), d.O, cublas_type(dy.dtype()),
+                     1.0f, 0.0f, dx.raw(), cublas_type(dx.dtype()), d.I, CUBLAS_COMPUTE_32F);
     return gemm(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, f32(w), d.I, f32(dy), d.O, 0.0f, f32(dx), d.I);
   }
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, kDTypes));
-    // dw^T [I, O] += x^T [I, N] dy [N, O]: B = dy seen as [O, N], transposed.
-    SLIDE_RETURN_IF_ERROR(gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, f32(x), d.I, f32(dy), d.O, 1.0f, f32(dw), d.I));
-    if (db.defined()) SLIDE_CUDA_CHECK(launch_bias_grad(f32(dy), f32(db), d.N, d.O, 1, st_->stream));
+                           detail::validate_linear_backward_weights(x, dy, dw, db, kHalfDTypes));
+    // dw^T [I, O] += x^T [I, N] dy [N, O]: B = dy seen as [O, N], transposed. Half-precision x and
+    // dy: f16 / bf16 operands, f32 accumulation into f32 dw (a documented cublasGemmEx combination),
+    // so this product is not rounded to the half type (the op list allows either).
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(gemm_ex(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, x.raw(), d.I, dy.raw(), d.O,
+                                    cublas_type(x.dtype()), 1.0f, 1.0f, dw.raw(), CUDA_R_32F, d.I, CUBLAS_COMPUTE_32F));
+    } else {
+      SLIDE_RETURN_IF_ERROR(
+          gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, f32(x), d.I, f32(dy), d.O, 1.0f, f32(dw), d.I));
+    }
+    if (db.defined())
+      SLIDE_CUDA_CHECK(launch_bias_grad(storage(dy.dtype()), dy.raw(), f32(db), d.N, d.O, 1, st_->stream));
     return ok_status();
   }
   Status matmul(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& y) override {
@@ -1146,9 +1260,10 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(launch_unary(f, storage(x.dtype()), x.raw(), y.raw(), x.numel(), st_->stream));
     return ok_status();
   }
-  Status unary_grad(const char* op, UnaryGrad f, const Tensor& y, const Tensor& dy, Tensor& dx) {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, kDTypes));
-    SLIDE_CUDA_CHECK(launch_unary_grad(f, f32(y), f32(dy), f32(dx), y.numel(), st_->stream));
+  Status unary_grad(const char* op, UnaryGrad f, const Tensor& y, const Tensor& dy, Tensor& dx,
+                    detail::DTypes dtypes = kDTypes) {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape(op, y, dy, &dx, dtypes));
+    SLIDE_CUDA_CHECK(launch_unary_grad(f, storage(y.dtype()), y.raw(), dy.raw(), dx.raw(), y.numel(), st_->stream));
     return ok_status();
   }
   // mul (kHalfDTypes: one dtype for the three).

@@ -113,12 +113,15 @@ __global__ void unary_kernel(Unary f, const typename S::T* x, typename S::T* y, 
   }
 }
 
-__global__ void unary_grad_kernel(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n) {
+template <typename S>
+__global__ void unary_grad_kernel(UnaryGrad f, const typename S::T* y, const typename S::T* dy, typename S::T* dx,
+                                  int64_t n) {
   SLIDE_GRID_STRIDE(i, n) {
-    dx[i] = f == UnaryGrad::kRelu   ? fm::relu_grad(y[i], dy[i])
-            : f == UnaryGrad::kTanh ? fm::tanh_grad(y[i], dy[i])
-            : f == UnaryGrad::kGelu ? fm::gelu_grad(y[i], dy[i])
-                                    : fm::sigmoid_grad(y[i], dy[i]);
+    const float yv = S::load(y[i]), g = S::load(dy[i]);
+    dx[i] = S::store(f == UnaryGrad::kRelu   ? fm::relu_grad(yv, g)
+                     : f == UnaryGrad::kTanh ? fm::tanh_grad(yv, g)
+                     : f == UnaryGrad::kGelu ? fm::gelu_grad(yv, g)
+                                             : fm::sigmoid_grad(yv, g));
   }
 }
 
@@ -157,12 +160,13 @@ __global__ void bias_add_kernel(float* y, const float* b, int64_t K, int64_t inn
   SLIDE_GRID_STRIDE(i, n) { y[i] += b[(i / inner) % K]; }
 }
 
-// One block per k.
-__global__ void bias_grad_kernel(const float* dy, float* db, int64_t N, int64_t K, int64_t inner) {
+// One block per k; dy of storage S, db f32.
+template <typename S>
+__global__ void bias_grad_kernel(const typename S::T* dy, float* db, int64_t N, int64_t K, int64_t inner) {
   __shared__ double shared[kBlock];
   const int64_t k = blockIdx.x;
   double local = 0;
-  kernels::for_channel(N, K, inner, k, threadIdx.x, blockDim.x, [&](int64_t i) { local += dy[i]; });
+  kernels::for_channel(N, K, inner, k, threadIdx.x, blockDim.x, [&](int64_t i) { local += S::load(dy[i]); });
   const double total = block_sum(local, shared);
   if (threadIdx.x == 0) db[k] += static_cast<float>(total);
 }
@@ -187,26 +191,29 @@ struct BnSegment {
   }
 };
 
-// partials[b] = the sum of x over block b's segment.
-__global__ void bn_partial_sum_kernel(const float* x, double* partials, int64_t N, int64_t C, int64_t HW,
+// partials[b] = the sum of x over block b's segment. x, y, dy and dx below are of storage S (f32,
+// or half-precision activations), read as f32 values; the per-channel tensors are f32.
+template <typename S>
+__global__ void bn_partial_sum_kernel(const typename S::T* x, double* partials, int64_t N, int64_t C, int64_t HW,
                                       int64_t segments) {
   __shared__ double shared[kBlock];
   const BnSegment g(N, C, HW, segments);
   double local = 0;
-  g.each([&](int64_t i) { local += x[i]; });
+  g.each([&](int64_t i) { local += S::load(x[i]); });
   const double total = block_sum(local, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 // partials[b] = the sum of (x - mean)^2 over block b's segment, mean = stats[c] / stats[C].
-__global__ void bn_partial_deviations_kernel(const float* x, const double* stats, double* partials, int64_t N,
+template <typename S>
+__global__ void bn_partial_deviations_kernel(const typename S::T* x, const double* stats, double* partials, int64_t N,
                                              int64_t C, int64_t HW, int64_t segments) {
   __shared__ double shared[kBlock];
   const BnSegment g(N, C, HW, segments);
   const double mean = stats[g.seg.c] / stats[C];
   double local = 0;
   g.each([&](int64_t i) {
-    const double d = x[i] - mean;
+    const double d = S::load(x[i]) - mean;
     local += d * d;
   });
   const double total = block_sum(local, shared);
@@ -214,7 +221,8 @@ __global__ void bn_partial_deviations_kernel(const float* x, const double* stats
 }
 
 // partials[b] = sum dy and partials[C S + b] = sum dy * xhat over block b's segment.
-__global__ void bn_partial_grad_kernel(const float* x, const float* dy, const float* save_mean,
+template <typename S>
+__global__ void bn_partial_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* save_mean,
                                        const float* save_invstd, double* partials, int64_t N, int64_t C, int64_t HW,
                                        int64_t segments) {
   __shared__ double shared[kBlock];
@@ -222,8 +230,9 @@ __global__ void bn_partial_grad_kernel(const float* x, const float* dy, const fl
   const double mean = save_mean[g.seg.c], invstd = save_invstd[g.seg.c];
   double local_dy = 0, local_dy_xhat = 0;
   g.each([&](int64_t i) {
-    local_dy += dy[i];
-    local_dy_xhat += double(dy[i]) * fm::bn_xhat(x[i], mean, invstd);
+    const float dyv = S::load(dy[i]);
+    local_dy += dyv;
+    local_dy_xhat += double(dyv) * fm::bn_xhat(S::load(x[i]), mean, invstd);
   });
   const double sum_dy = block_sum(local_dy, shared);
   const double sum_dy_xhat = block_sum(local_dy_xhat, shared);
@@ -259,16 +268,17 @@ __global__ void bn_reduce_kernel(const double* partials, double* out, int64_t C,
 // y over block b's segment from the channel's sum (stats [C+1], count at C) and sum of squared
 // deviations (devs [C]); the channel's first segment's thread 0 writes the saved and running
 // statistics.
-__global__ void bn_normalise_kernel(const float* x, const float* gamma, const float* beta, const double* stats,
+template <typename S>
+__global__ void bn_normalise_kernel(const typename S::T* x, const float* gamma, const float* beta, const double* stats,
                                     const double* devs, double eps, double momentum, float* running_mean,
-                                    float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
-                                    int64_t C, int64_t HW, int64_t segments) {
+                                    float* running_var, typename S::T* y, float* save_mean, float* save_invstd,
+                                    int64_t N, int64_t C, int64_t HW, int64_t segments) {
   const BnSegment g(N, C, HW, segments);
   const int64_t c = g.seg.c;
   const double count = stats[C], mean = stats[c] / count, sq = devs[c];
   const double invstd = fm::bn_invstd(sq / count, eps);
   const double gm = gamma[c], bt = beta[c];
-  g.each([&](int64_t i) { y[i] = fm::bn_apply(x[i], gm, bt, mean, invstd); });
+  g.each([&](int64_t i) { y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd)); });
   if (threadIdx.x == 0 && g.index(segments) == 0) {
     save_mean[c] = static_cast<float>(mean);
     save_invstd[c] = static_cast<float>(invstd);
@@ -279,9 +289,11 @@ __global__ void bn_normalise_kernel(const float* x, const float* gamma, const fl
 
 // dx over block b's segment from the channel's sums (sums [2C]: sum dy, then sum dy * xhat) over
 // `count` values (stats[C], the all-reduced count, or N * HW when stats is null).
-__global__ void bn_input_grad_kernel(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
-                                     int64_t N, int64_t C, int64_t HW, int64_t segments) {
+template <typename S>
+__global__ void bn_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* gamma,
+                                     const float* save_mean, const float* save_invstd, const double* stats,
+                                     const double* sums, typename S::T* dx, int64_t N, int64_t C, int64_t HW,
+                                     int64_t segments) {
   const BnSegment g(N, C, HW, segments);
   const int64_t c = g.seg.c;
   const double count = stats != nullptr ? stats[C] : double(N * HW);
@@ -289,19 +301,22 @@ __global__ void bn_input_grad_kernel(const float* x, const float* dy, const floa
   const double k = double(gamma[c]) * invstd / count;
   const double sum_dy = sums[c], sum_dy_xhat = sums[C + c];
   g.each([&](int64_t i) {
-    dx[i] = fm::bn_input_grad(dy[i], fm::bn_xhat(x[i], mean, invstd), k, count, sum_dy, sum_dy_xhat);
+    dx[i] = S::store(
+        fm::bn_input_grad(S::load(dy[i]), fm::bn_xhat(S::load(x[i]), mean, invstd), k, count, sum_dy, sum_dy_xhat));
   });
 }
 
 // Inference: y = bn_apply with the running statistics, over [N * C planes, HW] (a plane's channel
 // once per row, kernels::LaunchRowsCols).
-__global__ void bn_forward_inference_kernel(const float* x, const float* gamma, const float* beta,
-                                            const float* running_mean, const float* running_var, double eps, float* y,
-                                            int64_t C, int64_t rows, int64_t HW, kernels::LaunchRowsCols g) {
+template <typename S>
+__global__ void bn_forward_inference_kernel(const typename S::T* x, const float* gamma, const float* beta,
+                                            const float* running_mean, const float* running_var, double eps,
+                                            typename S::T* y, int64_t C, int64_t rows, int64_t HW,
+                                            kernels::LaunchRowsCols g) {
   walk_rows_cols(rows, HW, g, [&](int64_t r, int64_t col) {
     const int64_t c = r % C, i = r * HW + col;
-    y[i] = fm::bn_apply(x[i], double(gamma[c]), double(beta[c]), double(running_mean[c]),
-                        fm::bn_invstd(double(running_var[c]), eps));
+    y[i] = S::store(fm::bn_apply(S::load(x[i]), double(gamma[c]), double(beta[c]), double(running_mean[c]),
+                                 fm::bn_invstd(double(running_var[c]), eps)));
   });
 }
 
@@ -355,8 +370,11 @@ __global__ void conv_epilogue_kernel(const typename S::T* c, const typename S::T
 // arithmetic (H * W < 2^31, checked by the launcher), and hold for every plane it visits. (An H200
 // profile of a ResNet-50 training step had this kernel at 9% of the GPU time when it divided
 // 64-bit flat indices for every element.)
-__global__ void max_pool_backward_kernel(const float* x, const float* dy, float* dx, int H, int W, int P, int Q,
-                                         int kernel, int stride, int pad, int64_t planes, kernels::LaunchRowsCols g) {
+// x, dy and dx of storage S, compared and summed as f32 values (the sum rounded once to S).
+template <typename S>
+__global__ void max_pool_backward_kernel(const typename S::T* x, const typename S::T* dy, typename S::T* dx, int H,
+                                         int W, int P, int Q, int kernel, int stride, int pad, int64_t planes,
+                                         kernels::LaunchRowsCols g) {
   const int64_t HW = int64_t{H} * W;
   const int64_t col = rows_cols_column(g);
   if (col >= HW) return;
@@ -365,30 +383,33 @@ __global__ void max_pool_backward_kernel(const float* x, const float* dy, float*
   const int oh_hi = min(P - 1, (ih + pad) / stride), ow_hi = min(Q - 1, (iw + pad) / stride);
   const int oh_lo = max(0, oh_hi - (kernel - 1) / stride - 1), ow_lo = max(0, ow_hi - (kernel - 1) / stride - 1);
   walk_rows_cols(planes, HW, g, [&](int64_t nc, int64_t) {
-    const float* xp = x + nc * HW;
-    const float* dyp = dy + nc * int64_t{P} * Q;
+    const Loaded<S> xp{x + nc * HW};
+    const typename S::T* dyp = dy + nc * int64_t{P} * Q;
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh) {
       if (ih < oh * stride - pad || ih >= oh * stride - pad + kernel) continue;
       for (int ow = ow_lo; ow <= ow_hi; ++ow) {
         if (iw < ow * stride - pad || iw >= ow * stride - pad + kernel) continue;
-        if (fm::max_pool_argmax(xp, 0, oh, ow, H, W, kernel, stride, pad) == o) acc += dyp[oh * Q + ow];
+        if (fm::max_pool_argmax(xp, 0, oh, ow, H, W, kernel, stride, pad) == o) acc += S::load(dyp[oh * Q + ow]);
       }
     }
-    dx[nc * HW + o] = acc;
+    dx[nc * HW + o] = S::store(acc);
   });
 }
 
-__global__ void gap_forward_kernel(const float* x, float* y, int64_t HW, int64_t n) {
+// x and y (dy and dx) of storage S; the mean in double, rounded to f32, then to S.
+template <typename S>
+__global__ void gap_forward_kernel(const typename S::T* x, typename S::T* y, int64_t HW, int64_t n) {
   SLIDE_GRID_STRIDE(j, n) {
     double s = 0;
-    for (int64_t i = 0; i < HW; ++i) s += x[j * HW + i];
-    y[j] = static_cast<float>(s / double(HW));
+    for (int64_t i = 0; i < HW; ++i) s += S::load(x[j * HW + i]);
+    y[j] = S::store(static_cast<float>(s / double(HW)));
   }
 }
 
-__global__ void gap_backward_kernel(const float* dy, float* dx, int64_t HW, int64_t n) {
-  SLIDE_GRID_STRIDE(i, n) { dx[i] = static_cast<float>(double(dy[i / HW]) / double(HW)); }
+template <typename S>
+__global__ void gap_backward_kernel(const typename S::T* dy, typename S::T* dx, int64_t HW, int64_t n) {
+  SLIDE_GRID_STRIDE(i, n) { dx[i] = S::store(static_cast<float>(double(S::load(dy[i / HW])) / double(HW))); }
 }
 
 // --- Row softmax: one block per row, or one warp per row (kernels::launch_rows) ---
@@ -739,9 +760,14 @@ cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n,
     return launch_grid_stride(n, stream, unary_kernel<S>, f, static_cast<const T*>(x), static_cast<T*>(y), n);
   });
 }
-cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n,
+cudaError_t launch_unary_grad(UnaryGrad f, CastType t, const void* y, const void* dy, void* dx, int64_t n,
                               cudaStream_t stream) {
-  return launch_grid_stride(n, stream, unary_grad_kernel, f, y, dy, dx, n);
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(n, stream, unary_grad_kernel<S>, f, static_cast<const T*>(y), static_cast<const T*>(dy),
+                              static_cast<T*>(dx), n);
+  });
 }
 cudaError_t launch_binary(Binary op, CastType ta, const void* a, CastType tb, const void* b, void* y, int64_t n,
                           cudaStream_t stream) {
@@ -771,81 +797,112 @@ cudaError_t launch_fill_rows(CastType t, void* y, const void* row, int64_t rows,
 cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
   return launch_grid_stride(N * K * inner, stream, bias_add_kernel, y, b, K, inner, N * K * inner);
 }
-cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream) {
-  return launch_per_block(K, stream, bias_grad_kernel, dy, db, N, K, inner);
+cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, int64_t K, int64_t inner,
+                             cudaStream_t stream) {
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    return launch_per_block(K, stream, bias_grad_kernel<S>, static_cast<const typename S::T*>(dy), db, N, K, inner);
+  });
 }
-cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, double* partials,
-                            cudaStream_t stream) {
+cudaError_t launch_bn_stats(CastType t, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
+                            double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
-  cudaError_t e = launch_per_block(C * S, stream, bn_partial_sum_kernel, x, partials, N, C, HW, S);
+  cudaError_t e = with_storage(t, [&](auto s) {
+    using St = decltype(s);
+    return launch_per_block(C * S, stream, bn_partial_sum_kernel<St>, static_cast<const typename St::T*>(x), partials,
+                            N, C, HW, S);
+  });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), stats, C, S,
                           double(N * HW), true, static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
-cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
-                                 double* partials, cudaStream_t stream) {
+cudaError_t launch_bn_deviations(CastType t, const void* x, const double* stats, double* devs, int64_t N, int64_t C,
+                                 int64_t HW, double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
-  cudaError_t e = launch_per_block(C * S, stream, bn_partial_deviations_kernel, x, stats, partials, N, C, HW, S);
+  cudaError_t e = with_storage(t, [&](auto s) {
+    using St = decltype(s);
+    return launch_per_block(C * S, stream, bn_partial_deviations_kernel<St>, static_cast<const typename St::T*>(x),
+                            stats, partials, N, C, HW, S);
+  });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), devs, C, S, 0.0, false,
                           static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
-cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
-                                         const double* devs, double eps, double momentum, float* running_mean,
-                                         float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
-                                         int64_t C, int64_t HW, cudaStream_t stream) {
+cudaError_t launch_bn_forward_from_stats(CastType t, const void* x, const float* gamma, const float* beta,
+                                         const double* stats, const double* devs, double eps, double momentum,
+                                         float* running_mean, float* running_var, void* y, float* save_mean,
+                                         float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
-  return launch_per_block(C * S, stream, bn_normalise_kernel, x, gamma, beta, stats, devs, eps, momentum, running_mean,
-                          running_var, y, save_mean, save_invstd, N, C, HW, S);
+  return with_storage(t, [&](auto s) {
+    using St = decltype(s);
+    using T = typename St::T;
+    return launch_per_block(C * S, stream, bn_normalise_kernel<St>, static_cast<const T*>(x), gamma, beta, stats, devs,
+                            eps, momentum, running_mean, running_var, static_cast<T*>(y), save_mean, save_invstd, N,
+                            C, HW, S);
+  });
 }
-cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean, const float* save_invstd,
-                                      double* sums, float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW,
-                                      double* partials, cudaStream_t stream) {
+cudaError_t launch_bn_backward_reduce(CastType t, const void* x, const void* dy, const float* save_mean,
+                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
+                                      int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
-  cudaError_t e =
-      launch_per_block(C * S, stream, bn_partial_grad_kernel, x, dy, save_mean, save_invstd, partials, N, C, HW, S);
+  cudaError_t e = with_storage(t, [&](auto s) {
+    using St = decltype(s);
+    using T = typename St::T;
+    return launch_per_block(C * S, stream, bn_partial_grad_kernel<St>, static_cast<const T*>(x),
+                            static_cast<const T*>(dy), save_mean, save_invstd, partials, N, C, HW, S);
+  });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), sums, C, S, 0.0, false,
                           dgamma, dbeta);
 }
-cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
-                                     int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, const float* gamma,
+                                     const float* save_mean, const float* save_invstd, const double* stats,
+                                     const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
+                                     cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
-  return launch_per_block(C * S, stream, bn_input_grad_kernel, x, dy, gamma, save_mean, save_invstd, stats, sums, dx,
-                          N, C, HW, S);
+  return with_storage(t, [&](auto s) {
+    using St = decltype(s);
+    using T = typename St::T;
+    return launch_per_block(C * S, stream, bn_input_grad_kernel<St>, static_cast<const T*>(x),
+                            static_cast<const T*>(dy), gamma, save_mean, save_invstd, stats, sums, static_cast<T*>(dx),
+                            N, C, HW, S);
+  });
 }
 // One rank: the synchronised pieces, over `scratch` (kernels::bn_forward_scratch_doubles and
 // bn_backward_scratch_doubles: the partials, then the per-channel sums).
-cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
-                                       double momentum, float* running_mean, float* running_var, float* y,
+cudaError_t launch_bn_forward_training(CastType t, const void* x, const float* gamma, const float* beta, double eps,
+                                       double momentum, float* running_mean, float* running_var, void* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        double* scratch, cudaStream_t stream) {
   double* partials = scratch;
   double* stats = scratch + kernels::bn_partials(N, C, HW);
   double* devs = stats + C + 1;
-  cudaError_t e = launch_bn_stats(x, stats, N, C, HW, partials, stream);
-  if (e == cudaSuccess) e = launch_bn_deviations(x, stats, devs, N, C, HW, partials, stream);
+  cudaError_t e = launch_bn_stats(t, x, stats, N, C, HW, partials, stream);
+  if (e == cudaSuccess) e = launch_bn_deviations(t, x, stats, devs, N, C, HW, partials, stream);
   if (e == cudaSuccess)
-    e = launch_bn_forward_from_stats(x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
+    e = launch_bn_forward_from_stats(t, x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
                                      save_mean, save_invstd, N, C, HW, stream);
   return e;
 }
-cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
-                                        const float* running_mean, const float* running_var, double eps, float* y,
+cudaError_t launch_bn_forward_inference(CastType t, const void* x, const float* gamma, const float* beta,
+                                        const float* running_mean, const float* running_var, double eps, void* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  return launch_rows_cols(N * C, HW, stream, bn_forward_inference_kernel, x, gamma, beta, running_mean, running_var,
-                          eps, y, C, N * C, HW);
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_rows_cols(N * C, HW, stream, bn_forward_inference_kernel<S>, static_cast<const T*>(x), gamma, beta,
+                            running_mean, running_var, eps, static_cast<T*>(y), C, N * C, HW);
+  });
 }
-cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+cudaError_t launch_bn_backward(CastType t, const void* x, const void* dy, const float* gamma, const float* save_mean,
+                               const float* save_invstd, void* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
                                int64_t HW, double* scratch, cudaStream_t stream) {
   double* partials = scratch;
   double* sums = scratch + 2 * kernels::bn_partials(N, C, HW);
-  cudaError_t e = launch_bn_backward_reduce(x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW, partials,
+  cudaError_t e = launch_bn_backward_reduce(t, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW, partials,
                                             stream);
   if (e != cudaSuccess) return e;
-  return launch_bn_backward_elemt(x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
+  return launch_bn_backward_elemt(t, x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
 }
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
@@ -870,18 +927,35 @@ cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const voi
                             rows, cols);
   });
 }
-cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
-                                     int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream) {
+cudaError_t launch_max_pool_backward(CastType t, const void* x, const void* dy, void* dx, int64_t NC, int64_t H,
+                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
+                                     cudaStream_t stream) {
   constexpr int64_t kInt = 2147483647;
   if (H > kInt || W > kInt || P > kInt || Q > kInt || H * W > kInt || P * Q > kInt) return cudaErrorInvalidValue;
-  return launch_rows_cols(NC, H * W, stream, max_pool_backward_kernel, x, dy, dx, static_cast<int>(H),
-                          static_cast<int>(W), static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad, NC);
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_rows_cols(NC, H * W, stream, max_pool_backward_kernel<S>, static_cast<const T*>(x),
+                            static_cast<const T*>(dy), static_cast<T*>(dx), static_cast<int>(H), static_cast<int>(W),
+                            static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad, NC);
+  });
 }
-cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream) {
-  return launch_grid_stride(NC, stream, gap_forward_kernel, x, y, HW, NC);
+cudaError_t launch_global_avg_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t HW,
+                                           cudaStream_t stream) {
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(NC, stream, gap_forward_kernel<S>, static_cast<const T*>(x), static_cast<T*>(y), HW, NC);
+  });
 }
-cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream) {
-  return launch_grid_stride(NC * HW, stream, gap_backward_kernel, dy, dx, HW, NC * HW);
+cudaError_t launch_global_avg_pool_backward(CastType t, const void* dy, void* dx, int64_t NC, int64_t HW,
+                                            cudaStream_t stream) {
+  return with_storage(t, [&](auto s) {
+    using S = decltype(s);
+    using T = typename S::T;
+    return launch_grid_stride(NC * HW, stream, gap_backward_kernel<S>, static_cast<const T*>(dy), static_cast<T*>(dx),
+                              HW, NC * HW);
+  });
 }
 // Rows of a warp each (g.blocks blocks of kBlock threads), or a block each when long
 // (kernels::launch_rows).

@@ -29,8 +29,10 @@ enum class CastType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // y = f(x) over n elements (y may be x), x and y of storage t.
 cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream);
-// dx = f'(y) dy over n elements, from the forward's output y.
-cudaError_t launch_unary_grad(UnaryGrad f, const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
+// dx = f'(y) dy over n elements, from the forward's output y; y, dy and dx of storage t (in f32,
+// rounded once).
+cudaError_t launch_unary_grad(UnaryGrad f, CastType t, const void* y, const void* dy, void* dx, int64_t n,
+                              cudaStream_t stream);
 // y = a op b over n elements (y may be a or b), a and y of storage ta and b of tb: ta == tb, or ta
 // f32 and tb half (an f32 residual taking a half-precision branch). Other pairs:
 // cudaErrorInvalidValue.
@@ -43,49 +45,55 @@ cudaError_t launch_fill_rows(CastType t, void* y, const void* row, int64_t rows,
 // y[n, k, i] += b[k] for y [N, K, inner] (the bias of a convolution, inner = P Q, or of a linear
 // layer, inner = 1).
 cudaError_t launch_bias_add(float* y, const float* b, int64_t N, int64_t K, int64_t inner, cudaStream_t stream);
-// db[k] += sum over n, i of dy[n, k, i] (the bias gradient, same layouts).
-cudaError_t launch_bias_grad(const float* dy, float* db, int64_t N, int64_t K, int64_t inner, cudaStream_t stream);
+// db[k] += sum over n, i of dy[n, k, i] (the bias gradient, same layouts), summed in double from dy
+// of storage t; db f32.
+cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, int64_t K, int64_t inner,
+                             cudaStream_t stream);
 
 // Batch norm over x [N, C, HW] (backend.h). Training writes y, save_mean, save_invstd and updates
-// the running statistics; backward overwrites dx and accumulates dgamma, dbeta. Each channel is cut
-// into kernels::bn_segments(N, HW) segments, a block each, whose partial sums are reduced per
-// channel in a fixed order; `scratch` is the caller's device f64 array of
+// the running statistics; backward overwrites dx and accumulates dgamma, dbeta. x, y, dy and dx are
+// of storage t (f32, or f16 / bf16 for half-precision activations: read as f32 values, each output
+// rounded once); gamma, beta, the running and saved statistics and dgamma, dbeta are f32. Each
+// channel is cut into kernels::bn_segments(N, HW) segments, a block each, whose partial sums are
+// reduced per channel in a fixed order; `scratch` is the caller's device f64 array of
 // kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW) values.
-cudaError_t launch_bn_forward_training(const float* x, const float* gamma, const float* beta, double eps,
-                                       double momentum, float* running_mean, float* running_var, float* y,
+cudaError_t launch_bn_forward_training(CastType t, const void* x, const float* gamma, const float* beta, double eps,
+                                       double momentum, float* running_mean, float* running_var, void* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        double* scratch, cudaStream_t stream);
-cudaError_t launch_bn_forward_inference(const float* x, const float* gamma, const float* beta,
-                                        const float* running_mean, const float* running_var, double eps, float* y,
+cudaError_t launch_bn_forward_inference(CastType t, const void* x, const float* gamma, const float* beta,
+                                        const float* running_mean, const float* running_var, double eps, void* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                               const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
+cudaError_t launch_bn_backward(CastType t, const void* x, const void* dy, const float* gamma, const float* save_mean,
+                               const float* save_invstd, void* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
                                int64_t HW, double* scratch, cudaStream_t stream);
 
-// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt).
-// The one-rank launches above are these pieces run in turn, so over one rank the two agree bit for
-// bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C], sums [2C]; `partials`
-// is the caller's f64 scratch of kernels::bn_partials (N, C, HW) values (twice that for
-// backward_reduce). N may be 0.
-cudaError_t launch_bn_stats(const float* x, double* stats, int64_t N, int64_t C, int64_t HW, double* partials,
-                            cudaStream_t stream);
-cudaError_t launch_bn_deviations(const float* x, const double* stats, double* devs, int64_t N, int64_t C, int64_t HW,
-                                 double* partials, cudaStream_t stream);
-cudaError_t launch_bn_forward_from_stats(const float* x, const float* gamma, const float* beta, const double* stats,
-                                         const double* devs, double eps, double momentum, float* running_mean,
-                                         float* running_var, float* y, float* save_mean, float* save_invstd, int64_t N,
-                                         int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward_reduce(const float* x, const float* dy, const float* save_mean,
+// Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt), with
+// the storage rule above. The one-rank launches above are these pieces run in turn, so over one rank
+// the two agree bit for bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C],
+// sums [2C]; `partials` is the caller's f64 scratch of kernels::bn_partials (N, C, HW) values (twice
+// that for backward_reduce). N may be 0.
+cudaError_t launch_bn_stats(CastType t, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
+                            double* partials, cudaStream_t stream);
+cudaError_t launch_bn_deviations(CastType t, const void* x, const double* stats, double* devs, int64_t N, int64_t C,
+                                 int64_t HW, double* partials, cudaStream_t stream);
+cudaError_t launch_bn_forward_from_stats(CastType t, const void* x, const float* gamma, const float* beta,
+                                         const double* stats, const double* devs, double eps, double momentum,
+                                         float* running_mean, float* running_var, void* y, float* save_mean,
+                                         float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_backward_reduce(CastType t, const void* x, const void* dy, const float* save_mean,
                                       const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
                                       int64_t C, int64_t HW, double* partials, cudaStream_t stream);
-cudaError_t launch_bn_backward_elemt(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                                     const float* save_invstd, const double* stats, const double* sums, float* dx,
-                                     int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
+cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, const float* gamma,
+                                     const float* save_mean, const float* save_invstd, const double* stats,
+                                     const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
+                                     cudaStream_t stream);
 
 // Max pooling of x [N, C, H, W] to y [N, C, P, Q] of storage t (f32, or half: the inference graph's
 // activations), both NCHW or both channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as
-// stored), the first maximum of each window; backward (f32, NCHW) gathers, for each input position,
-// dy of the windows whose first maximum it is, in output order (the CPU's order: bit-identical sums).
+// stored), the first maximum of each window; backward (NCHW, storage t) gathers, for each input
+// position, dy of the windows whose first maximum it is, in output order (the CPU's order:
+// bit-identical sums), in f32, rounded once.
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
                                     cudaStream_t stream);
@@ -94,11 +102,14 @@ cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* 
 // once; y may be c or z.
 cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const void* b, const void* z, void* y, int64_t N,
                                  int64_t K, int64_t inner, bool relu, cudaStream_t stream);
-cudaError_t launch_max_pool_backward(const float* x, const float* dy, float* dx, int64_t NC, int64_t H, int64_t W,
-                                     int64_t P, int64_t Q, int kernel, int stride, int pad, cudaStream_t stream);
-// y[nc] = mean of x[nc, :HW]; dx[nc, i] = dy[nc] / HW.
-cudaError_t launch_global_avg_pool_forward(const float* x, float* y, int64_t NC, int64_t HW, cudaStream_t stream);
-cudaError_t launch_global_avg_pool_backward(const float* dy, float* dx, int64_t NC, int64_t HW, cudaStream_t stream);
+cudaError_t launch_max_pool_backward(CastType t, const void* x, const void* dy, void* dx, int64_t NC, int64_t H,
+                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
+                                     cudaStream_t stream);
+// y[nc] = mean of x[nc, :HW]; dx[nc, i] = dy[nc] / HW; storage t, in double, rounded to f32 then t.
+cudaError_t launch_global_avg_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t HW,
+                                           cudaStream_t stream);
+cudaError_t launch_global_avg_pool_backward(CastType t, const void* dy, void* dx, int64_t NC, int64_t HW,
+                                            cudaStream_t stream);
 
 // Row softmax of x [R, C] and its backward. The second forward takes rows ld apart (ld >= C, in x
 // and y alike; attention pads its score rows to kernels::attention_scores_ld, and the values past C

@@ -169,12 +169,21 @@ class ReferenceBackend final : public Backend {
                                       const Tensor& y) override {
     if (!simulated_workspace_) return size_t{0};
     // Shapes and dtypes only: the planner's placeholders live on no device.
+    // Half-precision x with backward weights' f32 dw (in w's place): the half training pass.
+    const detail::DTypes any = detail::shapes_only(detail::with_half(dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(dtypes_)));
+                           pass == ConvPass::kBackwardWeights
+                               ? detail::validate_conv2d_backward_weights(x, y, p, w, Tensor(), any)
+                               : detail::validate_conv2d_forward(x, w, Tensor(), p, y, any));
     return workspace_bytes(pass, d, p, x.dtype());
   }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_forward(x, w, b, p, y, detail::with_half(dtypes_)).status());
+      return via_f32({&x, &w, &b}, y,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return conv2d_forward(f[0], f[1], f[2], p, out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kForward, d, p, x.dtype()));
     // Plain locals, not a structured binding: the lambda below uses them, and clang before 16
@@ -205,6 +214,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
+    if (detail::is_half(dy.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_backward_data(dy, w, p, dx, detail::with_half(dtypes_)).status());
+      return via_f32({&dy, &w}, dx,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return conv2d_backward_data(f[0], f[1], p, out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardData, d, p, dy.dtype()));
     const int64_t N = d.N, C = d.C, H = d.H, W = d.W, K = d.K, R = d.R, S = d.S, P = d.P, Q = d.Q;
@@ -234,6 +248,12 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_backward_weights(x, dy, p, dw, db, detail::with_half(dtypes_)).status());
+      return half_weight_gradient(x, dy, dw, db, [&](const Tensor& xf, const Tensor& dyf, Tensor& dwf, Tensor& dbf) {
+        return conv2d_backward_weights(xf, dyf, p, dwf, dbf);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            detail::validate_conv2d_backward_weights(x, dy, p, dw, db, dtypes_));
     SLIDE_ASSIGN_OR_RETURN(const Tensor ws, workspace(ConvPass::kBackwardWeights, d, p, x.dtype()));
@@ -274,6 +294,15 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                      double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
                                      Tensor& save_mean, Tensor& save_invstd) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
+                                                                 save_invstd, detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_training(f[0], gamma, beta, eps, momentum, running_mean, running_var, out, save_mean,
+                                           save_invstd);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, dtypes_));
@@ -296,6 +325,14 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_inference(x, gamma, beta, running_mean, running_var, y,
+                                                                  detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_inference(f[0], gamma, beta, running_mean, running_var, eps, out);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
                                                                                          running_var, y, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
@@ -317,6 +354,14 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
+                                                                 detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x, &dy}, dx, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_backward(f[0], f[1], gamma, save_mean, save_invstd, out, dgamma, dbeta);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 dtypes_));
@@ -336,7 +381,12 @@ class ReferenceBackend final : public Backend {
 
   // Synchronised batch norm's pieces: the helpers of the two ops above, cut where the sums are
   // all-reduced.
+  // Half-precision x (and y, dy, dx) through f32 copies, as the one-rank ops.
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_stats(x, stats, detail::with_half(dtypes_)).status());
+      return via_f32({&x}, stats, [&](std::vector<Tensor>& f, Tensor& out) { return batch_norm_stats(f[0], out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
@@ -348,6 +398,12 @@ class ReferenceBackend final : public Backend {
   }
 
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_batch_norm_deviations(x, stats, devs, detail::with_half(dtypes_)).status());
+      return via_f32({&x}, devs,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return batch_norm_deviations(f[0], stats, out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
@@ -362,6 +418,16 @@ class ReferenceBackend final : public Backend {
                                        const Tensor& devs, double eps, double momentum, Tensor& running_mean,
                                        Tensor& running_var, Tensor& y, Tensor& save_mean,
                                        Tensor& save_invstd) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
+                                                                           running_var, y, save_mean, save_invstd,
+                                                                           detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_from_stats(f[0], gamma, beta, stats, devs, eps, momentum, running_mean, running_var,
+                                             out, save_mean, save_invstd);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                           running_var, y, save_mean, save_invstd,
@@ -379,6 +445,14 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward_reduce(x, dy, save_mean, save_invstd, sums, dgamma,
+                                                                        dbeta, detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x, &dy}, sums, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_backward_reduce(f[0], f[1], save_mean, save_invstd, out, dgamma, dbeta);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
                                                        x, dy, save_mean, save_invstd, sums, dgamma, dbeta, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
@@ -395,6 +469,14 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                                    const Tensor& save_invstd, const Tensor& stats, const Tensor& sums,
                                    Tensor& dx) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats,
+                                                                       sums, dx, detail::with_half(dtypes_))
+                                .status());
+      return via_f32({&x, &dy}, dx, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_backward_elemt(f[0], f[1], gamma, save_mean, save_invstd, stats, sums, out);
+      });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
                                                                       dx, dtypes_));
@@ -409,6 +491,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_forward(const Tensor& x, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, detail::with_half(dtypes_)));
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return relu_forward(f[0], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, dtypes_));
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
@@ -419,6 +505,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    if (detail::is_half(y.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, detail::with_half(dtypes_)));
+      return via_f32({&y, &dy}, dx, [&](std::vector<Tensor>& f, Tensor& out) { return relu_backward(f[0], f[1], out); });
+    }
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, dtypes_));
     return dispatch(y.dtype(), [&]<typename T>() {
       const T *yp = y.ptr<T>(), *dyp = dy.ptr<T>();
@@ -478,10 +568,22 @@ class ReferenceBackend final : public Backend {
     });
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, detail::with_half(dtypes_))
+              .status());
+      return via_f32({&x, &dy}, dx,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return max_pool(f[0], &f[1], p, nullptr, &out); });
+    }
     return max_pool(x, &dy, p, nullptr, &dx);
   }
 
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_global_avg_pool("global_avg_pool_forward", x, y, detail::with_half(dtypes_)).status());
+      return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return global_avg_pool_forward(f[0], out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_global_avg_pool("global_avg_pool_forward", x, y, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
     return dispatch(x.dtype(), [&]<typename T>() {
@@ -497,6 +599,11 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
+    if (detail::is_half(dy.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, detail::with_half(dtypes_)).status());
+      return via_f32({&dy}, dx, [&](std::vector<Tensor>& f, Tensor& out) { return global_avg_pool_backward(f[0], out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, dtypes_));
     const int64_t N = d.N, C = d.C, HW = d.HW;
@@ -531,6 +638,12 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx) override {
+    if (detail::is_half(dy.dtype())) {
+      SLIDE_RETURN_IF_ERROR(
+          detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, detail::with_half(dtypes_)).status());
+      return via_f32({&dy, &w}, dx,
+                     [&](std::vector<Tensor>& f, Tensor& out) { return linear_backward_data(f[0], f[1], out); });
+    }
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, dtypes_));
     const int64_t N = d.N, I = d.I, O = d.O;
@@ -548,8 +661,13 @@ class ReferenceBackend final : public Backend {
   }
 
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
-                           detail::validate_linear("linear_backward_weights", x, dw, &db, dy, dtypes_));
+    if (detail::is_half(x.dtype())) {
+      SLIDE_RETURN_IF_ERROR(detail::validate_linear_backward_weights(x, dy, dw, db, detail::with_half(dtypes_)).status());
+      return half_weight_gradient(x, dy, dw, db, [&](const Tensor& xf, const Tensor& dyf, Tensor& dwf, Tensor& dbf) {
+        return linear_backward_weights(xf, dyf, dwf, dbf);
+      });
+    }
+    SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_linear_backward_weights(x, dy, dw, db, dtypes_));
     const int64_t N = d.N, I = d.I, O = d.O;
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
@@ -926,6 +1044,23 @@ class ReferenceBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(out.shape(), DType::kF32, alloc_, "f32 result before rounding"));
     SLIDE_RETURN_IF_ERROR(op(f, y));
     return cast(y, out);
+  }
+
+  // A weight gradient from half-precision x and dy (backend.h, "Half-precision storage"): `op`
+  // (the f32 op) on f32 copies of x and dy into a zeroed f32 product, which is rounded once to the
+  // half type (as cuDNN writes a half-precision filter gradient: the coarsest result allowed) and
+  // then added to dw in f32; db takes its f32 sum unrounded.
+  template <typename Op>
+  Status half_weight_gradient(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db, Op op) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor xf, Tensor::empty(x.shape(), DType::kF32, alloc_, "f32 copy of a half operand"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor dyf, Tensor::empty(dy.shape(), DType::kF32, alloc_, "f32 copy of a half operand"));
+    SLIDE_RETURN_IF_ERROR(cast(x, xf));
+    SLIDE_RETURN_IF_ERROR(cast(dy, dyf));
+    SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::zeros(dw.shape(), DType::kF32, alloc_, "f32 weight gradient"));
+    SLIDE_RETURN_IF_ERROR(op(xf, dyf, product, db));
+    SLIDE_ASSIGN_OR_RETURN(Tensor rounded, Tensor::empty(dw.shape(), x.dtype(), alloc_, "half weight gradient"));
+    SLIDE_RETURN_IF_ERROR(cast(product, rounded));
+    return add(dw, rounded, dw);
   }
 
   Status max_pool(const Tensor& x, const Tensor* dy, Pool2dParams p, Tensor* y, Tensor* dx) {

@@ -50,9 +50,10 @@ class CopyEngine;
 class Backend;
 
 // The math precision of the matrix products: the convolutions (forward, backward data, backward
-// weights, the fused inference one), linear layers, matmul and attention's products. Storage stays
-// f32: parameters, activations, gradients and optimizer state are f32 whatever the precision (the
-// master weights of mixed-precision training), and accumulation is in f32 or wider. The precision
+// weights, the fused inference one), linear layers, matmul and attention's products. Parameters,
+// their gradients and optimizer state are f32 whatever the precision (the master weights of
+// mixed-precision training), activations too unless a model keeps them in half precision
+// (activation_dtype, "Half-precision storage" below), and accumulation is in f32 or wider. The precision
 // says how coarsely a product's operands may be rounded before they are multiplied, with
 // oneDNN's fpmath_mode and cuBLAS's CUBLAS_COMPUTE_32F_FAST_* meaning: a backend may use any
 // type at least as accurate as the one named (at least as many exponent and mantissa bits).
@@ -171,13 +172,28 @@ class Backend {
   //   the backend keeps half copies); max_pool2d_forward: x and y of one half type (a CNN's
   //   inference graph: InferenceGraph::run). These two may write channels last (cuda: Layout::kNhwc,
   //   y relabelled; with a residual, y keeps the residual's layout) and read it; to_plain undoes it.
+  // Training a CNN on half-precision activations (layers.h enable_half_activations, as
+  // torch.autocast with f32 master weights), plain NCHW:
+  //   conv2d_forward, conv2d_backward_data, relu_forward / _backward, max_pool2d_backward,
+  //   global_avg_pool_forward / _backward, linear_backward_data: every floating tensor of one half
+  //   type (the layer casts its f32 weights to the half type each forward);
+  //   conv2d_backward_weights, linear_backward_weights: x and dy of one half type, dw and db f32
+  //   (the master gradients; += as always). The weight product may be rounded once to the half
+  //   type before it is added (cuda's convolutions: cuDNN writes a half-precision filter gradient,
+  //   as PyTorch's autocast convolutions do; cuBLAS accumulates linear's into f32 directly), so
+  //   under fp16 a large loss scale can overflow it to inf: the loss scaler skips that step;
+  //   db is summed unrounded;
+  //   batch_norm_forward_training / _inference / _backward and the synchronised pieces: x, y, dy,
+  //   dx of one half type; gamma, beta, the running and saved statistics, dgamma, dbeta f32.
   // Products accumulate in f32 or wider; each output element is rounded once to its dtype (round to
   // nearest even, kernels/formulas.h), except that attention may round its probabilities to the
   // half type before the second product (cuda: the operand of a tensor-core GEMM), as PyTorch's
   // half-precision attention does, and the fused convolution may round the convolution's output
-  // before adding bias and residual (cuda: cuDNN's half-precision convolution, then one kernel). The reference backend computes in f32 from the stored values
-  // and rounds the output once: the oracle. cuda implements these; cpu keeps f32 storage (its bf16
-  // runs through oneDNN's f32-in, bf16-compute primitives) and answers kUnimplemented.
+  // before adding bias and residual (cuda: cuDNN's half-precision convolution, then one kernel;
+  // conv2d_forward's bias likewise). The reference backend computes in f32 from the stored values
+  // and rounds the output once (the weight products too): the oracle. cuda implements these; cpu
+  // keeps f32 storage (its bf16 runs through oneDNN's f32-in, bf16-compute primitives) and answers
+  // kUnimplemented.
   //
   // The dtype in which a model should keep its activations on this backend at its math precision:
   // f16 / bf16 where the backend has the half-precision ops above and the precision is kFp16 /

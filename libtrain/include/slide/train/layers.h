@@ -84,7 +84,9 @@ using InitRng = std::mt19937_64;
 
 // Conv2d(in, out, kernel, stride, pad, bias) with PyTorch's weight layout [out, in, k, k].
 // Init: Kaiming normal, fan_out, gain sqrt(2) (torchvision ResNet); bias zero.
-// Saves: x.
+// Saves: x. With f16 / bf16 x and f32 weights (half-precision activations: Cast below), the
+// convolution runs on a copy of the weights in x's type, made each forward (torch.autocast's cast
+// of the weight) and saved for backward; the weight gradient is added to the f32 gradient.
 class Conv2d final : public Layer {
  public:
   // Errors: those of Tensor::zeros (the budget), kInvalidArgument for a non-positive size.
@@ -93,19 +95,20 @@ class Conv2d final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = Tensor(); }
+  void release() override { x_ = w_half_ = b_half_ = Tensor(); }
   Conv2dParams params() const { return p_; }  // stride and padding (read by the inference path)
   void set_input_gradient(bool needed) override { input_gradient_ = needed; }
   Parameter weight, bias;  // bias.value undefined when built without bias
 
  private:
   Conv2dParams p_;
-  Tensor x_;
+  Tensor x_, w_half_, b_half_;  // w_half_, b_half_: the half copies of a half-precision forward
   bool input_gradient_ = true;
 };
 
 // BatchNorm2d(C, eps = 1e-5, momentum = 0.1): gamma 1, beta 0, running mean 0, var 1.
-// Saves: x, the batch mean and 1/std (training).
+// Saves: x, the batch mean and 1/std (training). f16 / bf16 x keeps gamma, beta and the statistics
+// in f32 (PyTorch's cuDNN batch norm on half inputs).
 class BatchNorm2d final : public Layer {
  public:
   [[nodiscard]] static Result<std::unique_ptr<BatchNorm2d>> make(Allocator& alloc, DType dtype, int64_t channels,
@@ -184,7 +187,7 @@ class GlobalAvgPool final : public Layer {
 };
 
 // Linear(in, out): weight [out, in], bias [out]; PyTorch's default init, U(-1/sqrt(in), 1/sqrt(in)).
-// Saves: x.
+// Saves: x. Half-precision x as Conv2d: half copies of the weights, gradients added in f32.
 class Linear final : public Layer {
  public:
   [[nodiscard]] static Result<std::unique_ptr<Linear>> make(Allocator& alloc, DType dtype, int64_t in, int64_t out,
@@ -192,11 +195,26 @@ class Linear final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = Tensor(); }
+  void release() override { x_ = w_half_ = b_half_ = Tensor(); }
   Parameter weight, bias;
 
  private:
-  Tensor x_;
+  Tensor x_, w_half_, b_half_;
+};
+
+// Converts its input to `dtype` (Backend::cast), and its gradient back to the input's dtype: the
+// boundaries of a region of half-precision activations (torch.autocast's casts at a model's input
+// and output). A tensor already of `dtype` passes as it is. Saves: the input's dtype.
+class Cast final : public Layer {
+ public:
+  explicit Cast(DType dtype) : dtype_(dtype) {}
+  Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  DType dtype() const { return dtype_; }
+
+ private:
+  DType dtype_;
+  DType from_ = DType::kF32;
 };
 
 // Layers applied in order; names are "<index>." unless given (torchvision's Sequential naming).
@@ -220,6 +238,8 @@ class Sequential final : public Layer {
   // Puts `layer` in place of the i-th (same name) and returns the old one. An empty name is
   // transparent in parameter names (a wrapper's children keep theirs).
   std::unique_ptr<Layer> replace(size_t i, std::unique_ptr<Layer> layer);
+  // Puts `layer` before the i-th (i <= size()), named `name` (which must be given and new).
+  void insert(size_t i, std::unique_ptr<Layer> layer, std::string name);
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
@@ -271,6 +291,20 @@ class Bottleneck final : public ResidualBlock {
 // kInvalidArgument for another depth or a dropout outside [0, 1), the allocator's.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth,
                                                               int64_t classes, uint64_t seed, double dropout = 0);
+
+// Half-precision activations for training and inference (issue 11's mixed precision, as
+// torch.autocast with GradScaler runs a CNN): puts Cast(dtype) first in `model` (named "cast_in")
+// and Cast(f32) last ("cast_out"), so that the activations and their gradients between them are
+// f16 / bf16 while the parameters, their gradients, the optimizer state and batch norm's
+// statistics stay f32 (the master weights), and the logits reach the loss in f32. The backend must
+// have the half-precision training ops (backend.h, "Half-precision storage": cuda, and the
+// reference as the oracle); fp16 training needs dynamic loss scaling (loss_scaler.h). Parameter
+// names are unchanged (the casts have none), so checkpoints move between f32 and half runs.
+// Errors: kInvalidArgument for a dtype other than f16 / bf16, or a model that has them already.
+[[nodiscard]] Status enable_half_activations(Sequential& model, DType dtype);
+// Whether `model` runs half-precision activations (its first layer is a Cast to f16 / bf16), and
+// in which dtype; f32 when not.
+DType half_activation_dtype(Sequential& model);
 
 // Moves every parameter (value and gradient) and buffer of `model` to be's device: models are
 // built and initialised on the host (make_resnet, make_small_cnn with cpu_allocator()), then

@@ -35,14 +35,7 @@ namespace {
 
 Backend& ref() { return testing::reference(); }
 
-// f32 values uniform in [lo, hi) from a seed, in host memory.
-Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
-  Tensor t = *Tensor::empty(s, DType::kF32, cpu_allocator());
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(u(g));
-  return t;
-}
+using testing::random_f32;
 
 // One rounding of the half type (testing::unit_roundoff): the ops below round their output once,
 // so their error against the f32 op on the same (already half) inputs is within a few of these; a

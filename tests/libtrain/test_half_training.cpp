@@ -34,13 +34,7 @@ using testing::host_values;
 using testing::normalised_error;
 using testing::unit_roundoff;
 
-Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
-  Tensor t = *Tensor::empty(s, DType::kF32, cpu_allocator());
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(u(g));
-  return t;
-}
+using testing::random_f32;
 // Random values that the half type holds exactly, as f32: the f32 op then sees what the half op sees.
 Tensor representable(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
   return host_cast(host_cast(random_f32(s, seed, lo, hi), half), DType::kF32);

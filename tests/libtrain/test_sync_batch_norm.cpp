@@ -180,6 +180,44 @@ TEST_CASE("sync batch norm over one rank is the backend's batch norm, bit for bi
   }
 }
 
+TEST_CASE("sync batch norm on half-precision activations (f16 / bf16 x, y, dy, dx; f32 statistics) over one rank "
+          "is the backend's half batch norm, bit for bit") {
+  auto comm = make_communicator("local", 10).value();
+  for (const char* name : {"reference", "reference-sim"})
+    for (const DType half : {DType::kF16, DType::kBF16}) {
+      const std::string half_name = dtype_name(half);
+      CAPTURE(name);
+      CAPTURE(half_name);
+      auto be = must_make(name);
+      const Tensor x = testing::host_cast(random({3, 4, 5, 6}, DType::kF32, 1, -2, 3), half),
+                   dy = testing::host_cast(random({3, 4, 5, 6}, DType::kF32, 2), half);
+      auto half_bn = [&] {
+        Bn b = make_bn(*be, x, dy, DType::kF32);  // x and dy as given (half); the [C] tensors f32
+        b.y = Tensor::empty(x.shape(), half, be->allocator()).value();
+        b.dx = Tensor::empty(x.shape(), half, be->allocator()).value();
+        return b;
+      };
+      Bn a = half_bn(), ref = half_bn();
+      run_sync(*comm, *be, a);
+      run_plain(*be, ref);
+      auto host = [&](const Tensor& t) { return testing::host_values(to_host(*be, t).value()); };
+      CHECK(a.y.dtype() == half);
+      const Tensor* got[] = {&a.y, &a.save_mean, &a.save_invstd, &a.running_mean, &a.running_var, &a.dx, &a.dgamma, &a.dbeta};
+      const Tensor* want[] = {&ref.y, &ref.save_mean, &ref.save_invstd, &ref.running_mean, &ref.running_var, &ref.dx,
+                              &ref.dgamma, &ref.dbeta};
+      for (size_t i = 0; i < 8; ++i) {
+        CAPTURE(kOutputNames[i]);
+        CHECK(host(*got[i]) == host(*want[i]));
+      }
+      // The f32 run of the same values differs only by y's and dx's rounding to the half type.
+      Bn f = make_bn(*be, testing::host_cast(x, DType::kF32), testing::host_cast(dy, DType::kF32), DType::kF32);
+      run_plain(*be, f);
+      CHECK(host(a.save_invstd) == host(f.save_invstd));
+      CHECK(host(a.dgamma) == host(f.dgamma));
+      CHECK(host(a.y) == testing::host_values(testing::host_cast(to_host(*be, f.y).value(), half)));
+    }
+}
+
 TEST_CASE("sync batch norm: two ranks with half a batch each get one rank's whole-batch results") {
   // f64 on the simulated device (its sums staged through host copies) and the host.
   for (const char* name : {"reference-sim", "reference"}) {

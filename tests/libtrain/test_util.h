@@ -139,6 +139,14 @@ inline double normalised_error(const std::vector<float>& got, const std::vector<
   }
   return worst;
 }
+// f32 values uniform in [lo, hi) from a seed, in host memory.
+inline Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
+  Tensor t = *Tensor::empty(s, DType::kF32, cpu_allocator());
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(u(g));
+  return t;
+}
 inline double unit_roundoff(DType half) { return half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8); }
 
 }  // namespace slide::train::testing

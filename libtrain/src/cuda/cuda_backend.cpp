@@ -527,11 +527,31 @@ class CudaBackend final : public Backend {
   // The convolution's three passes on f16 / bf16 tensors and filter, NCHW, with f32 compute
   // (cuDNN's PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, as PyTorch's autocast convolutions), the
   // algorithms chosen and cached per shape as for f32 (the key carries the storage type).
-  ConvKey half_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p, DType half) const {
+  // (nhwc: channels last, the filter KRSC; the inference graph's layout.)
+  ConvKey half_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p, DType half,
+                   bool nhwc = false) const {
     ConvKey key = conv_key(direction, d, p);
     key.storage = conv_storage(half);
-    key.nhwc = false;
+    key.nhwc = nhwc;
     return key;
+  }
+  // y = conv(x, w) by cudnnConvolutionForward on `half` storage (f32 compute), y overwritten: the
+  // training forward (NCHW) and the inference graph's fused convolution (fused_conv_half) alike.
+  Status half_convolution(const detail::ConvDims& d, Conv2dParams p, DType half, bool nhwc, const void* x,
+                          const void* w, void* y) {
+    const ConvKey key = half_key(ConvDirection::kForward, d, p, half, nhwc);
+    ConvDescs ds;
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
+    auto candidates = [&] { return forward_candidates(ds); };
+    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
+    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
+      const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
+      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, x, ds.w.d, w, ds.conv.d,
+                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
+                                                ds.y.d, y));
+      return ok_status();
+    };
+    return run_conv(key, ds, candidates, workspace, run);
   }
   // y = conv(x, w) (+ b, in f32, rounded once by the epilogue kernel: cuDNN's output is rounded
   // first, as the op list allows).
@@ -539,19 +559,7 @@ class CudaBackend final : public Backend {
                            const detail::ConvDims& d) {
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     const DType half = x.dtype();
-    const ConvKey key = half_key(ConvDirection::kForward, d, p, half);
-    ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
-    auto candidates = [&] { return forward_candidates(ds); };
-    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
-    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
-      const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
-      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, x.raw(), ds.w.d, w.raw(), ds.conv.d,
-                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
-                                                ds.y.d, y.raw()));
-      return ok_status();
-    };
-    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
+    SLIDE_RETURN_IF_ERROR(half_convolution(d, p, half, false, x.raw(), w.raw(), y.raw()));
     if (b.defined())
       SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), false, y.raw(), b.raw(), nullptr, y.raw(), d.N, d.K,
                                             d.P * d.Q, false, st_->stream));
@@ -714,22 +722,8 @@ class CudaBackend final : public Backend {
     if (residual != nullptr && residual->raw() == y.raw()) {
       SLIDE_ASSIGN_OR_RETURN(c, Tensor::empty(y.shape(), half, *st_->alloc, "fused convolution output"));
     }
-    ConvKey key = conv_key(ConvDirection::kForward, d, p);
-    key.storage = conv_storage(half);
-    key.nhwc = nhwc;
-    ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
     const Tensor& w = nhwc ? cw->w_half_krsc : cw->w_half;
-    auto candidates = [&] { return forward_candidates(ds); };
-    auto workspace = [&](int algo) { return forward_workspace(ds, algo); };
-    auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
-      const float one = 1, zero = 0;  // cuDNN's scaling factors are float for half data
-      SLIDE_CUDNN_CHECK(cudnnConvolutionForward(st_->cudnn, &one, ds.x.d, xin.raw(), ds.w.d, w.raw(), ds.conv.d,
-                                                static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, ws_bytes, &zero,
-                                                ds.y.d, c.raw()));
-      return ok_status();
-    };
-    SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
+    SLIDE_RETURN_IF_ERROR(half_convolution(d, p, half, nhwc, xin.raw(), w.raw(), c.raw()));
     SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), nhwc, c.raw(), cw->b_half.raw(),
                                           residual != nullptr ? residual->raw() : nullptr, y.raw(), d.N, d.K,
                                           d.P * d.Q, relu, st_->stream));

@@ -49,6 +49,22 @@ Result<Tensor> half_copy(Backend& be, const Tensor& t, DType dtype, const char* 
   return h;
 }
 
+// The weight and bias a Conv2d or Linear multiplies x by: the f32 parameters themselves, or, for
+// half-precision x, their copies in x's type (torch.autocast's weight cast), made each forward.
+// *saved (for backward data) is the half weight copy in training, else undefined.
+// (An allocation error names the copy; Sequential adds the layer's name.)
+Status operand_weights(Backend& be, const Tensor& x, const Parameter& weight, const Parameter& bias, bool training,
+                       Tensor* w, Tensor* b, Tensor* saved) {
+  *w = weight.value;
+  *b = bias.value;
+  *saved = Tensor();
+  if (!detail::is_half(x.dtype())) return slide::core::ok_status();
+  SLIDE_ASSIGN_OR_RETURN(*w, half_copy(be, weight.value, x.dtype(), "half-precision weight copy"));
+  SLIDE_ASSIGN_OR_RETURN(*b, half_copy(be, bias.value, x.dtype(), "half-precision bias copy"));
+  if (training) *saved = *w;
+  return slide::core::ok_status();
+}
+
 void push(const std::string& prefix, Parameter& p, std::vector<Parameter*>* params) {
   if (params == nullptr || !p.value.defined()) return;
   params->push_back(&p);
@@ -86,14 +102,10 @@ Result<Tensor> Conv2d::forward(Backend& be, const Tensor& x, bool training) {
                                                {x.dim(0), ws[0], conv_out_extent(x.dim(2), ws[2], p_.stride, p_.pad),
                                                 conv_out_extent(x.dim(3), ws[3], p_.stride, p_.pad)},
                                                x.dtype(), "conv output"));
-  Tensor w = weight.value, b = bias.value;
-  if (detail::is_half(x.dtype())) {
-    SLIDE_ASSIGN_OR_RETURN(w, half_copy(be, weight.value, x.dtype(), "half-precision conv weight"));
-    SLIDE_ASSIGN_OR_RETURN(b, half_copy(be, bias.value, x.dtype(), "half-precision conv bias"));
-  }
+  Tensor w, b;
+  SLIDE_RETURN_IF_ERROR(operand_weights(be, x, weight, bias, training, &w, &b, &w_half_));
   SLIDE_RETURN_IF_ERROR(be.conv2d_forward(x, w, b, p_, y));
   x_ = training ? x : Tensor();
-  w_half_ = training && detail::is_half(x.dtype()) ? w : Tensor();
   return y;
 }
 
@@ -252,14 +264,10 @@ Result<std::unique_ptr<Linear>> Linear::make(Allocator& alloc, DType dtype, int6
 Result<Tensor> Linear::forward(Backend& be, const Tensor& x, bool training) {
   if (x.rank() != 2) return invalid_argument("Linear: input must be [N, features], is " + shape_string(x.shape()));
   SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, {x.dim(0), weight.value.dim(0)}, x.dtype(), "linear output"));
-  Tensor w = weight.value, b = bias.value;
-  if (detail::is_half(x.dtype())) {
-    SLIDE_ASSIGN_OR_RETURN(w, half_copy(be, weight.value, x.dtype(), "half-precision linear weight"));
-    SLIDE_ASSIGN_OR_RETURN(b, half_copy(be, bias.value, x.dtype(), "half-precision linear bias"));
-  }
+  Tensor w, b;
+  SLIDE_RETURN_IF_ERROR(operand_weights(be, x, weight, bias, training, &w, &b, &w_half_));
   SLIDE_RETURN_IF_ERROR(be.linear_forward(x, w, b, y));
   x_ = training ? x : Tensor();
-  w_half_ = training && detail::is_half(x.dtype()) ? w : Tensor();
   return y;
 }
 

@@ -36,6 +36,7 @@ namespace {
 Backend& ref() { return testing::reference(); }
 
 using testing::random_f32;
+using testing::representable;
 
 // One rounding of the half type (testing::unit_roundoff): the ops below round their output once,
 // so their error against the f32 op on the same (already half) inputs is within a few of these; a
@@ -78,8 +79,8 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
     CAPTURE(half_name);
     const double u = unit_roundoff(half);
     // Inputs already representable in the half type, so the f32 op sees the same values.
-    const Tensor x = host_cast(host_cast(random_f32({7, 24}, 1), half), DType::kF32), w = host_cast(host_cast(random_f32({13, 24}, 2, -0.5, 0.5), half), DType::kF32),
-                 b = host_cast(host_cast(random_f32({13}, 3), half), DType::kF32);
+    const Tensor x = representable({7, 24}, 1, half), w = representable({13, 24}, 2, half, -0.5, 0.5),
+                 b = representable({13}, 3, half);
     Tensor y32 = *Tensor::empty({7, 13}, DType::kF32, cpu_allocator());
     OK(ref().linear_forward(x, w, b, y32));
     Tensor yh = *Tensor::empty({7, 13}, half, cpu_allocator());
@@ -91,7 +92,7 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
     // GELU of the rounded product: a second rounding of the composition (linear, then GELU).
     CHECK(normalised_error(host_values(ygh), host_values(yg32)) <= 3 * u);
 
-    const Tensor v = host_cast(host_cast(random_f32({5, 9}, 4, -4, 4), half), DType::kF32), v2 = host_cast(host_cast(random_f32({5, 9}, 5, -4, 4), half), DType::kF32);
+    const Tensor v = representable({5, 9}, 4, half, -4, 4), v2 = representable({5, 9}, 5, half, -4, 4);
     for (int op = 0; op < 3; ++op) {
       CAPTURE(op);
       Tensor want = *Tensor::empty({5, 9}, DType::kF32, cpu_allocator()), got = *Tensor::empty({5, 9}, half, cpu_allocator());
@@ -128,7 +129,7 @@ TEST_CASE("half storage: linear, GELU, sigmoid, mul, permute and attention on f1
 
     // Attention on half qkv against the f32 op on the same values.
     const int64_t B = 2, T = 5, H = 2, Dh = 4, C = H * Dh;
-    const Tensor qkv = host_cast(host_cast(random_f32({B * T, 3 * C}, 7, -2, 2), half), DType::kF32);
+    const Tensor qkv = representable({B * T, 3 * C}, 7, half, -2, 2);
     Tensor o32 = *Tensor::empty({B * T, C}, DType::kF32, cpu_allocator()), oh = *Tensor::empty({B * T, C}, half, cpu_allocator());
     OK(ref().attention_forward(qkv, B, H, 0.5, o32));
     OK(ref().attention_forward(host_cast(qkv, half), B, H, 0.5, oh));

@@ -35,10 +35,7 @@ using testing::normalised_error;
 using testing::unit_roundoff;
 
 using testing::random_f32;
-// Random values that the half type holds exactly, as f32: the f32 op then sees what the half op sees.
-Tensor representable(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
-  return host_cast(host_cast(random_f32(s, seed, lo, hi), half), DType::kF32);
-}
+using testing::representable;
 Tensor empty(const Shape& s, DType t) { return *Tensor::empty(s, t, cpu_allocator()); }
 Tensor zeros(const Shape& s) { return *Tensor::zeros(s, DType::kF32, cpu_allocator()); }
 // The f32 values of `t` rounded once to `half` (round to nearest even), as f32.

@@ -147,6 +147,11 @@ inline Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double h
   for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(u(g));
   return t;
 }
+// random_f32's values rounded to `half` and widened back: f32 values that the half type holds
+// exactly, so an f32 op sees what the half op sees.
+inline Tensor representable(const Shape& s, uint64_t seed, DType half, double lo = -1, double hi = 1) {
+  return host_cast(host_cast(random_f32(s, seed, lo, hi), half), DType::kF32);
+}
 inline double unit_roundoff(DType half) { return half == DType::kF16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8); }
 
 }  // namespace slide::train::testing

@@ -527,19 +527,11 @@ class CudaBackend final : public Backend {
   // The convolution's three passes on f16 / bf16 tensors and filter, NCHW, with f32 compute
   // (cuDNN's PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, as PyTorch's autocast convolutions), the
   // algorithms chosen and cached per shape as for f32 (the key carries the storage type).
-  // (nhwc: channels last, the filter KRSC; the inference graph's layout.)
-  ConvKey half_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p, DType half,
-                   bool nhwc = false) const {
-    ConvKey key = conv_key(direction, d, p);
-    key.storage = conv_storage(half);
-    key.nhwc = nhwc;
-    return key;
-  }
   // y = conv(x, w) by cudnnConvolutionForward on `half` storage (f32 compute), y overwritten: the
   // training forward (NCHW) and the inference graph's fused convolution (fused_conv_half) alike.
   Status half_convolution(const detail::ConvDims& d, Conv2dParams p, DType half, bool nhwc, const void* x,
                           const void* w, void* y) {
-    const ConvKey key = half_key(ConvDirection::kForward, d, p, half, nhwc);
+    const ConvKey key = conv_key(ConvDirection::kForward, d, p, half, nhwc);
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
     auto candidates = [&] { return forward_candidates(ds); };
@@ -569,7 +561,7 @@ class CudaBackend final : public Backend {
                                  const detail::ConvDims& d) {
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     const DType half = dy.dtype();
-    const ConvKey key = half_key(ConvDirection::kBackwardData, d, p, half);
+    const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p, half);
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
     auto candidates = [&] { return backward_data_candidates(ds); };
@@ -591,7 +583,7 @@ class CudaBackend final : public Backend {
                                     const detail::ConvDims& d) {
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     const DType half = x.dtype();
-    const ConvKey key = half_key(ConvDirection::kBackwardFilter, d, p, half);
+    const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p, half);
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
     SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::empty(dw.shape(), half, *st_->alloc, "half-precision weight gradient"));
@@ -791,7 +783,7 @@ class CudaBackend final : public Backend {
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
                                                                       : ConvDirection::kBackwardFilter;
-    const ConvKey key = half ? half_key(direction, d, p, x.dtype()) : conv_key(direction, d, p);
+    const ConvKey key = conv_key(direction, d, p, x.dtype());
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(x.dtype())));
     switch (pass) {
@@ -1151,10 +1143,8 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
                            detail::validate_linear("linear_backward_data", dx, w, nullptr, dy, kHalfDTypes));
     // dx^T [I, N] = w^T [I, O] dy^T [O, N].
-    if (detail::is_half(dy.dtype()))
-      return gemm_ex(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, w.raw(), d.I, dy.raw(), d.O, cublas_type(dy.dtype()),
-                     1.0f, 0.0f, dx.raw(), cublas_type(dx.dtype()), d.I, CUBLAS_COMPUTE_32F);
-    return gemm(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, f32(w), d.I, f32(dy), d.O, 0.0f, f32(dx), d.I);
+    return gemm_ex(CUBLAS_OP_N, CUBLAS_OP_N, d.I, d.N, d.O, w.raw(), d.I, dy.raw(), d.O, cublas_type(dy.dtype()), 1.0f,
+                   0.0f, dx.raw(), cublas_type(dx.dtype()), d.I, compute_type(dy.dtype()));
   }
   Status linear_backward_weights(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d,
@@ -1162,13 +1152,9 @@ class CudaBackend final : public Backend {
     // dw^T [I, O] += x^T [I, N] dy [N, O]: B = dy seen as [O, N], transposed. Half-precision x and
     // dy: f16 / bf16 operands, f32 accumulation into f32 dw (a documented cublasGemmEx combination),
     // so this product is not rounded to the half type (the op list allows either).
-    if (detail::is_half(x.dtype())) {
-      SLIDE_RETURN_IF_ERROR(gemm_ex(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, x.raw(), d.I, dy.raw(), d.O,
-                                    cublas_type(x.dtype()), 1.0f, 1.0f, dw.raw(), CUDA_R_32F, d.I, CUBLAS_COMPUTE_32F));
-    } else {
-      SLIDE_RETURN_IF_ERROR(
-          gemm(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, f32(x), d.I, f32(dy), d.O, 1.0f, f32(dw), d.I));
-    }
+    SLIDE_RETURN_IF_ERROR(gemm_ex(CUBLAS_OP_N, CUBLAS_OP_T, d.I, d.O, d.N, x.raw(), d.I, dy.raw(), d.O,
+                                  cublas_type(x.dtype()), 1.0f, 1.0f, dw.raw(), CUDA_R_32F, d.I,
+                                  compute_type(x.dtype())));
     if (db.defined())
       SLIDE_CUDA_CHECK(launch_bias_grad(storage(dy.dtype()), dy.raw(), f32(db), d.N, d.O, 1, st_->stream));
     return ok_status();
@@ -1315,6 +1301,13 @@ class CudaBackend final : public Backend {
     return CUBLAS_COMPUTE_32F;
   }
 
+  // ... for operands of `operands`' dtype: f16 / bf16 storage already holds the rounded operands,
+  // so CUBLAS_COMPUTE_32F (tensor cores, f32 accumulation; gemm_ex's half combinations); f32 ones
+  // at the math precision's type above.
+  cublasComputeType_t compute_type(DType operands) const {
+    return detail::is_half(operands) ? CUBLAS_COMPUTE_32F : compute_type();
+  }
+
   // Waits for the stream and turns the kernel's label flag into the op list's error.
   Status check_labels(const char* op, const Tensor& labels, const Tensor& bad, int64_t classes) {
     int first_bad = kNoBadLabel;
@@ -1372,8 +1365,12 @@ class CudaBackend final : public Backend {
 
   // The algorithm cache's key of a convolution pass at this backend's math precision (the ops and
   // conv_workspace_bytes alike, so that the planner asks about the algorithm the op will run).
-  ConvKey conv_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p) const {
-    return ConvKey{direction, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, conv_math(math_precision_)};
+  // `storage`: the tensors' dtype (f32, or f16 / bf16 for half-precision storage); nhwc: channels
+  // last with a KRSC filter (the inference graph's layout).
+  ConvKey conv_key(ConvDirection direction, const detail::ConvDims& d, Conv2dParams p, DType storage = DType::kF32,
+                   bool nhwc = false) const {
+    return ConvKey{direction, d.N, d.C, d.H, d.W, d.K, d.R, d.S, p.stride, p.pad, conv_math(math_precision_),
+                   conv_storage(storage), nhwc};
   }
 
   // The workspace run_conv would take for `key`: the cached algorithm's, else the first

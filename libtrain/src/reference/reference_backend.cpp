@@ -1047,19 +1047,16 @@ class ReferenceBackend final : public Backend {
   }
 
   // A weight gradient from half-precision x and dy (backend.h, "Half-precision storage"): `op`
-  // (the f32 op) on f32 copies of x and dy into a zeroed f32 product, which is rounded once to the
-  // half type (as cuDNN writes a half-precision filter gradient: the coarsest result allowed) and
-  // then added to dw in f32; db takes its f32 sum unrounded.
+  // (the f32 op) on f32 copies of x and dy into a zeroed f32 product, which via_f32 rounds once to
+  // the half type (as cuDNN writes a half-precision filter gradient: the coarsest result allowed);
+  // that is then added to dw in f32. db takes its f32 sum unrounded.
   template <typename Op>
   Status half_weight_gradient(const Tensor& x, const Tensor& dy, Tensor& dw, Tensor& db, Op op) {
-    SLIDE_ASSIGN_OR_RETURN(Tensor xf, Tensor::empty(x.shape(), DType::kF32, alloc_, "f32 copy of a half operand"));
-    SLIDE_ASSIGN_OR_RETURN(Tensor dyf, Tensor::empty(dy.shape(), DType::kF32, alloc_, "f32 copy of a half operand"));
-    SLIDE_RETURN_IF_ERROR(cast(x, xf));
-    SLIDE_RETURN_IF_ERROR(cast(dy, dyf));
-    SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::zeros(dw.shape(), DType::kF32, alloc_, "f32 weight gradient"));
-    SLIDE_RETURN_IF_ERROR(op(xf, dyf, product, db));
     SLIDE_ASSIGN_OR_RETURN(Tensor rounded, Tensor::empty(dw.shape(), x.dtype(), alloc_, "half weight gradient"));
-    SLIDE_RETURN_IF_ERROR(cast(product, rounded));
+    SLIDE_RETURN_IF_ERROR(via_f32({&x, &dy}, rounded, [&](std::vector<Tensor>& f, Tensor& product) {
+      SLIDE_RETURN_IF_ERROR(alloc_.zero_bytes(product.raw(), product.bytes()));
+      return op(f[0], f[1], product, db);
+    }));
     return add(dw, rounded, dw);
   }
 

@@ -95,14 +95,14 @@ class Conv2d final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = w_half_ = b_half_ = Tensor(); }
+  void release() override { x_ = w_half_ = Tensor(); }
   Conv2dParams params() const { return p_; }  // stride and padding (read by the inference path)
   void set_input_gradient(bool needed) override { input_gradient_ = needed; }
   Parameter weight, bias;  // bias.value undefined when built without bias
 
  private:
   Conv2dParams p_;
-  Tensor x_, w_half_, b_half_;  // w_half_, b_half_: the half copies of a half-precision forward
+  Tensor x_, w_half_;  // w_half_: the weights' half copy of a half-precision forward
   bool input_gradient_ = true;
 };
 
@@ -195,11 +195,11 @@ class Linear final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = w_half_ = b_half_ = Tensor(); }
+  void release() override { x_ = w_half_ = Tensor(); }
   Parameter weight, bias;
 
  private:
-  Tensor x_, w_half_, b_half_;
+  Tensor x_, w_half_;  // w_half_: as Conv2d's
 };
 
 // Converts its input to `dtype` (Backend::cast), and its gradient back to the input's dtype: the

@@ -264,6 +264,13 @@ int run_main(int argc, char** argv) {
                  "--precision fp16 (its dynamic loss scaling)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "f16", "bf16"}));
+  std::string channels_last = "auto";
+  app.add_option("--channels-last", channels_last,
+                 "Half-precision activations also channels last (PyTorch's channels_last memory format: cuDNN's "
+                 "tensor-core convolutions then need no transposes): auto (on cuda with half-precision "
+                 "activations, unless --sync-bn) | on (also on the reference backend, which emulates it) | off")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   double loss_scale = 65536.0;
   auto* loss_scale_opt = app.add_option("--loss-scale", loss_scale,
                  "--precision fp16: the initial dynamic loss scale (PyTorch GradScaler's init_scale; halved on an "
@@ -553,10 +560,21 @@ int run_main(int argc, char** argv) {
   if (act == DType::kF16 && (*be)->math_precision() != slide::train::MathPrecision::kFp16)
     return fail(slide::core::invalid_argument("--activations f16 needs --precision fp16, whose dynamic loss scaling keeps "
                                               "small gradients within f16's range (bf16 needs none)"));
+  // Channels last between the casts (backend.h, "Channels last in training"): the synchronised
+  // batch norm pieces read plain tensors, so not with --sync-bn.
+  if (channels_last == "on" && act == DType::kF32)
+    return fail(slide::core::invalid_argument("--channels-last on: it is for half-precision activations (--activations "
+                                              "f16 / bf16, or auto on cuda under --precision fp16 / bf16)"));
+  if (channels_last == "on" && sync_bn)
+    return fail(slide::core::invalid_argument("--channels-last on: --sync-bn's pieces read plain NCHW tensors"));
+  const bool nhwc = act != DType::kF32 && !sync_bn &&
+                    (channels_last == "on" || (channels_last == "auto" && (*be)->name() == "cuda"));
   if (act != DType::kF32) {
-    if (auto s = enable_half_activations(*run.model, act); !s.ok()) return fail(s);
+    if (auto s = enable_half_activations(*run.model, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
+      return fail(s);
     slide::core::log_info("half-precision activations for training",
-                          {{"activations", slide::train::dtype_name(act)}, {"master weights", "f32"}});
+                          {{"activations", slide::train::dtype_name(act)}, {"master weights", "f32"},
+                           {"layout", nhwc ? "channels last" : "nchw"}});
   }
   run.model->collect("", &run.params, &run.buffers);
   OptimizerConfig oc;

@@ -62,9 +62,10 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   // On a device backend the model, optimizer state and batch live there, as in slide-train; the
   // offloaded activations go to the copy engine's (pinned) host memory.
   if (Status s = move_to_device(be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
-  // Activations as slide-train's --activations auto (half precision on cuda under fp16 / bf16).
+  // Activations as slide-train's --activations auto and --channels-last auto (half precision,
+  // channels last, on cuda under fp16 / bf16).
   if (const DType act = be.activation_dtype(); act != DType::kF32)
-    if (Status s = enable_half_activations(**net, act); !s.ok())
+    if (Status s = enable_half_activations(**net, act, be.name() == "cuda" ? Layout::kNhwc : Layout::kPlain); !s.ok())
       return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   Allocator& alloc = be.allocator();
   std::vector<Parameter*> params;

@@ -3,9 +3,10 @@
 // median images/s over the timed steps (the first step is warm-up).
 //
 // usage: train_step [--model resnet18] [--batch 32] [--size 224] [--steps 6] [--classes 3] [--backend cpu]
-//                   [--precision fp32|tf32|bf16|fp16]
+//                   [--precision fp32|tf32|bf16|fp16] [--channels-last auto|on|off]
 // Activations as slide-train's --activations auto: f16 / bf16 on cuda under fp16 / bf16
-// (enable_half_activations), else f32; the line printed says which.
+// (enable_half_activations), else f32, and with --channels-last auto channels last where they are
+// half on cuda (on: also on the reference); the line printed says which.
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
 #include <algorithm>
 #include <chrono>
@@ -22,7 +23,7 @@
 using namespace slide::train;
 
 int main(int argc, char** argv) {
-  std::string model = "resnet18", backend = "cpu", precision = "fp32";
+  std::string model = "resnet18", backend = "cpu", precision = "fp32", channels_last = "auto";
   int64_t batch = 32, size = 224, classes = 3;
   int steps = 6;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--classes")) classes = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--backend")) backend = argv[i + 1];
     else if (!std::strcmp(argv[i], "--precision")) precision = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--channels-last")) channels_last = argv[i + 1];
   }
   auto be = slide::apps::open_backend(backend, -1, precision);  // slide-train's rule and messages
   const int depth = model == "resnet50" ? 50 : model == "resnet34" ? 34 : 18;
@@ -46,8 +48,10 @@ int main(int argc, char** argv) {
   // in slide-train.
   if (Status s = move_to_device(**be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   const DType act = (*be)->activation_dtype();
+  const bool nhwc =
+      act != DType::kF32 && (channels_last == "on" || (channels_last == "auto" && (*be)->name() == "cuda"));
   if (act != DType::kF32)
-    if (Status s = enable_half_activations(**net, act); !s.ok())
+    if (Status s = enable_half_activations(**net, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
       return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   Allocator& alloc = (*be)->allocator();
   std::vector<Parameter*> params;
@@ -83,8 +87,10 @@ int main(int argc, char** argv) {
   std::vector<double> timed(times.begin() + 1, times.end());
   std::sort(timed.begin(), timed.end());
   const double med = timed[timed.size() / 2];
-  std::printf("mode=train model=%s batch=%lld size=%lld activations=%s images_per_s=%.2f peak_tensor_mb=%zu\n",
+  std::printf("mode=train model=%s batch=%lld size=%lld activations=%s layout=%s images_per_s=%.2f "
+              "peak_tensor_mb=%zu\n",
               model.c_str(), static_cast<long long>(batch), static_cast<long long>(size), dtype_name(act),
+              nhwc ? "nhwc" : "nchw",
               static_cast<double>(batch) / med, alloc.peak_bytes() >> 20);
   return 0;
 }

@@ -236,12 +236,14 @@ Result<Tensor> GlobalAvgPool::forward(Backend& be, const Tensor& x, bool trainin
   SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, {x.dim(0), x.dim(1)}, x.dtype(), "pooled features"));
   SLIDE_RETURN_IF_ERROR(be.global_avg_pool_forward(x, y));
   in_shape_ = x.shape();
+  in_layout_ = x.layout() == Layout::kNhwc ? Layout::kNhwc : Layout::kPlain;
   return y;
 }
 
 Result<Tensor> GlobalAvgPool::backward(Backend& be, const Tensor& dy) {
   if (in_shape_.empty()) return failed_precondition("GlobalAvgPool: backward without a forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, in_shape_, dy.dtype(), "pool input gradient"));
+  SLIDE_RETURN_IF_ERROR(dx.set_layout(in_layout_));  // channels last: global_avg_pool_backward writes it so
   SLIDE_RETURN_IF_ERROR(be.global_avg_pool_backward(dy, dx));
   return dx;
 }
@@ -290,27 +292,42 @@ void Linear::collect(const std::string& prefix, std::vector<Parameter*>* params,
 Result<Tensor> Cast::forward(Backend& be, const Tensor& x, bool training) {
   (void)training;
   from_ = x.dtype();
-  if (x.dtype() == dtype_) return x;
-  SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), dtype_, "cast output"));
-  SLIDE_RETURN_IF_ERROR(be.cast(x, y));
+  Tensor y = x;
+  if (x.dtype() != dtype_) {
+    SLIDE_ASSIGN_OR_RETURN(y, new_tensor(be, x.shape(), dtype_, "cast output"));
+    SLIDE_RETURN_IF_ERROR(be.cast(x, y));
+  }
+  if (layout_ == Layout::kNhwc && y.rank() == 4) return be.to_channels_last(y);
   return y;
 }
 
 Result<Tensor> Cast::backward(Backend& be, const Tensor& dy) {
-  if (dy.dtype() == from_) return dy;
-  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, dy.shape(), from_, "cast input gradient"));
-  SLIDE_RETURN_IF_ERROR(be.cast(dy, dx));
+  Tensor g = dy;
+  if (g.layout() != Layout::kPlain) {  // channels last: the input's gradient is plain, as the input was
+    SLIDE_ASSIGN_OR_RETURN(g, be.to_plain(dy));
+  }
+  if (g.dtype() == from_) return g;
+  SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, g.shape(), from_, "cast input gradient"));
+  SLIDE_RETURN_IF_ERROR(be.cast(g, dx));
   return dx;
 }
 
-Status enable_half_activations(Sequential& model, DType dtype) {
+Status enable_half_activations(Sequential& model, DType dtype, Layout layout) {
   if (!detail::is_half(dtype))
     return invalid_argument(std::string("half-precision activations: ") + dtype_name(dtype) + " is not f16 or bf16");
+  if (layout != Layout::kPlain && layout != Layout::kNhwc)
+    return invalid_argument(std::string("half-precision activations: the ") + layout_name(layout) +
+                            " layout; plain or nhwc (channels last)");
   if (half_activation_dtype(model) != DType::kF32)
     return invalid_argument("half-precision activations: the model has them already");
-  model.insert(0, std::make_unique<Cast>(dtype), "cast_in");
+  model.insert(0, std::make_unique<Cast>(dtype, layout), "cast_in");
   model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
   return slide::core::ok_status();
+}
+
+Layout activation_layout(Sequential& model) {
+  if (half_activation_dtype(model) == DType::kF32) return Layout::kPlain;
+  return dynamic_cast<const Cast&>(model.at(0)).layout();
 }
 
 DType half_activation_dtype(Sequential& model) {

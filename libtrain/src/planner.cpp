@@ -94,10 +94,12 @@ class PlanBackend final : public Backend {
   Status download(const Tensor&, Tensor&) override { return ok_status(); }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor&, Conv2dParams p, Tensor& y) override {
+    SLIDE_RETURN_IF_ERROR(follow(x, y));
     SLIDE_ASSIGN_OR_RETURN(const size_t ws, device_workspace(ConvPass::kForward, x, w, p, y));
     return hold({conv_activation_scratch(x), blocked_weight_bytes(w), conv_activation_scratch(y)}, ws);
   }
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(follow(dy, dx));
     SLIDE_ASSIGN_OR_RETURN(const size_t ws, device_workspace(ConvPass::kBackwardData, dx, w, p, dy));
     return hold({conv_activation_scratch(dy), blocked_weight_bytes(w), conv_activation_scratch(dx)}, ws);
   }
@@ -108,27 +110,30 @@ class PlanBackend final : public Backend {
                 ws);
   }
   Status batch_norm_forward_training(const Tensor& x, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&,
-                                     Tensor&, Tensor&, Tensor&) override {
+                                     Tensor& y, Tensor&, Tensor&) override {
+    SLIDE_RETURN_IF_ERROR(follow(x, y));
     return hold({static_cast<size_t>(x.dim(1)) * dtype_size(x.dtype())}, device_bn_scratch(false, x));
   }
-  Status batch_norm_forward_inference(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                                      Tensor&) override {
-    return ok_status();
+  Status batch_norm_forward_inference(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      double, Tensor& y) override {
+    return follow(x, y);
   }
-  Status batch_norm_backward(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+  Status batch_norm_backward(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor& dx,
                              Tensor&, Tensor&) override {
+    SLIDE_RETURN_IF_ERROR(follow(x, dx));
     const size_t c = static_cast<size_t>(x.dim(1)) * dtype_size(x.dtype());
     return hold({c, c, c}, device_bn_scratch(true, x));
   }
-  Status relu_forward(const Tensor&, Tensor&) override { return ok_status(); }
-  Status relu_backward(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
-  Status add(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
+  Status relu_forward(const Tensor& x, Tensor& y) override { return follow(x, y); }
+  Status relu_backward(const Tensor& y, const Tensor&, Tensor& dx) override { return follow(y, dx); }
+  Status add(const Tensor& a, const Tensor&, Tensor& y) override { return follow(a, y); }
   Status mul(const Tensor&, const Tensor&, Tensor&) override { return ok_status(); }
   // Max pooling runs in the layout its input already has (blocked when C is a multiple of 8,
   // else plain): no reorders. Backward recomputes the forward into scratch (y) with its
   // workspace (u8 per output, the kernel being under 256 taps).
-  Status max_pool2d_forward(const Tensor&, Pool2dParams, Tensor&) override { return ok_status(); }
-  Status max_pool2d_backward(const Tensor&, const Tensor& dy, Pool2dParams, Tensor&) override {
+  Status max_pool2d_forward(const Tensor& x, Pool2dParams, Tensor& y) override { return follow(x, y); }
+  Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams, Tensor& dx) override {
+    SLIDE_RETURN_IF_ERROR(follow(x, dx));
     return hold({static_cast<size_t>(dy.numel()), dy.bytes()});
   }
   Status global_avg_pool_forward(const Tensor&, Tensor&) override { return ok_status(); }
@@ -163,8 +168,25 @@ class PlanBackend final : public Backend {
   Status matmul(const Tensor&, bool, const Tensor&, bool, Tensor&) override { return ok_status(); }
   // Half-precision activations' casts (enable_half_activations): the copies are the callers'.
   Status cast(const Tensor&, Tensor&) override { return ok_status(); }
+  // Channels last (enable_half_activations with kNhwc): the relaid-out copies, labelled as the
+  // backend labels them, so that the workspace backend is asked about the layout it will run.
+  Result<Tensor> to_channels_last(const Tensor& x) override {
+    if (x.layout() == Layout::kNhwc) return x;
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), alloc_, "channels-last copy"));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(Layout::kNhwc));
+    return y;
+  }
+  Result<Tensor> to_plain(const Tensor& x) override {
+    if (x.layout() == Layout::kPlain) return x;
+    return Tensor::empty(x.shape(), x.dtype(), alloc_, "plain copy");
+  }
 
  private:
+  // An image output takes its image input's channels-last label, as the backends write it
+  // (backend.h, "Channels last in training"); the blocked layouts are the planner's own model.
+  static Status follow(const Tensor& in, Tensor& out) {
+    return in.layout() == Layout::kNhwc ? out.set_layout(Layout::kNhwc) : ok_status();
+  }
   // A convolution the backend refuses as kResourceExhausted (a tensor past cuDNN's descriptor
   // limit) makes the micro-batch unrunnable, not the plan an error: plan_memory then reports an
   // infinite peak, which no budget fits.

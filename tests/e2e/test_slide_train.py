@@ -462,7 +462,7 @@ class TestPrecision(Base):
         reference backend, which emulates the half-precision ops exactly (the oracle of the cuda
         path), training lands near fp32's weights; a resume continues bit for bit; the checkpoint has
         fp32's tensor names, so the cpu backend evaluates it; cpu and f16 without fp16's loss scaling
-        are refused."""
+        are refused. --channels-last on gives the same run bit for bit."""
         bf16 = os.path.join(self.tmp, "act_bf16")
         r = self.run_ref(bf16, 2, "--precision", "bf16", "--activations", "bf16")
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -490,6 +490,16 @@ class TestPrecision(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         c, w2 = self.weights(part, 2), self.weights(bf16, 2)
         self.assertTrue(all(np.array_equal(w2[k], c[k]) for k in w2))
+        # Channels last (--channels-last on; auto picks it on cuda): the reference stores the
+        # activations [N][H][W][C] and computes each op on plain copies, so the run is the plain
+        # one's bit for bit: what this checks is the model code that cuda runs channels last.
+        last = os.path.join(self.tmp, "act_bf16_nhwc")
+        r = self.run_ref(last, 1, "--precision", "bf16", "--activations", "bf16", "--channels-last", "on")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("channels last", r.stderr)
+        w1, l1 = self.weights(bf16, 1), self.weights(last, 1)
+        self.assertEqual(sorted(w1), sorted(l1))
+        self.assertTrue(all(np.array_equal(w1[k], l1[k]) for k in w1))
         # The cpu backend evaluates the checkpoint.
         ev = os.path.join(self.tmp, "act_eval")
         r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(bf16, "checkpoints", "epoch-2-step-0"),
@@ -499,7 +509,11 @@ class TestPrecision(Base):
         # Refused, exit 2, naming the option.
         for extra, why in ((["--backend", "cpu", "--activations", "bf16"], "the cpu backend keeps f32 activations"),
                            (["--backend", "reference", "--activations", "f16"],
-                            "--activations f16 needs --precision fp16")):
+                            "--activations f16 needs --precision fp16"),
+                           (["--backend", "reference", "--channels-last", "on"],
+                            "--channels-last on: it is for half-precision activations"),
+                           (["--backend", "reference", "--precision", "bf16", "--activations", "bf16",
+                             "--channels-last", "on", "--sync-bn"], "--channels-last on: --sync-bn")):
             out = os.path.join(self.tmp, "act_refused")
             r = subprocess.run([TRAIN, "--data", self.store, "--out", out, "--epochs", "1", "--batch-size", "32",
                                 "--width", "8", "--threads", "2"] + extra,

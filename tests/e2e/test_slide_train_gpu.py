@@ -191,8 +191,9 @@ class TestGpuTrain(unittest.TestCase):
         # --precision tf32 / bf16 / fp16 on the GPU (fp16 with the dynamic loss scaler): one epoch of
         # the small CNN lands near the fp32 run (the products' operands rounded to 10, 8 and 11 bits:
         # 1e-3 to 1e-2 of a tensor's magnitude after 9 steps; 5e-2 allowed) with a finite loss. Under
-        # bf16 / fp16 the activations and their gradients are stored in bf16 / f16 (--activations
-        # auto, as torch.autocast; on the reference backend the same run lands 1e-2 from fp32's,
+        # bf16 / fp16 the activations and their gradients are stored in bf16 / f16 and channels last
+        # (--activations auto, --channels-last auto, as torch.autocast with PyTorch's channels_last;
+        # on the reference backend the same run lands 1e-2 from fp32's,
         # tests/e2e/test_slide_train.py TestPrecision).
         base = os.path.join(TMP, "mp_fp32")
         r = train(base, "--model", "small")
@@ -205,6 +206,7 @@ class TestGpuTrain(unittest.TestCase):
             self.assertIn("precision=%s" % precision, r.stderr)
             if precision != "tf32":
                 self.assertIn("half-precision activations for training", r.stderr)
+                self.assertIn("channels last", r.stderr)  # --channels-last auto on cuda
                 self.assertIn("activations=%s" % ("f16" if precision == "fp16" else "bf16"), r.stderr)
             sys.stderr.write("%s: %s\n" % (precision, history(out)[0]))
             loss = history(out)[0]["train_loss"]

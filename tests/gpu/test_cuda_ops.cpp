@@ -68,12 +68,6 @@ void down(const Tensor& dev, Tensor& host) {
   Status s = gpu().download(dev, host);
   REQUIRE_MESSAGE(s.ok(), s.to_string());
 }
-#define OK(expr)                                  \
-  do {                                            \
-    Status s_ = (expr);                           \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string());     \
-  } while (0)
-
 Tensor labels_host(std::initializer_list<int32_t> v) {
   auto t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kI32, cpu_allocator(), "labels");
   REQUIRE(t.ok());
@@ -132,11 +126,16 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
   struct Guard {
     ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
   } guard;
+  // Channels last (f16, nhwc): the passes also hold the KRSC filter copy, and backward weights the
+  // filter gradient's KCRS copy.
   Allocator& alloc = gpu().allocator();
-  for (const DType dt : {DType::kF32, DType::kF16})
+  for (const auto& config : {std::pair{DType::kF32, false}, std::pair{DType::kF16, false}, std::pair{DType::kF16, true}})
   for (Case c : {Case{3, 224, 64, 7, {2, 3}}, Case{64, 56, 64, 3, {1, 1}}, Case{128, 56, 128, 3, {2, 1}}}) {
+    const DType dt = config.first;
+    const bool nhwc = config.second;
     const std::string dtype = dtype_name(dt);
     CAPTURE(dtype);
+    CAPTURE(nhwc);
     CAPTURE(c.C);
     CAPTURE(c.R);
     OK(gpu().set_math_precision(dt == DType::kF16 ? MathPrecision::kFp16 : MathPrecision::kFp32));
@@ -149,6 +148,10 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
     };
     Tensor x = dev({N, c.C, c.H, c.H}, dt), w = dev({c.K, c.C, c.R, c.R}, dt), y = dev({N, c.K, P, P}, dt),
            dw = dev({c.K, c.C, c.R, c.R}, DType::kF32);
+    if (nhwc) {  // zeros in either order
+      OK(x.set_layout(Layout::kNhwc));
+      OK(y.set_layout(Layout::kNhwc));
+    }
     Tensor no_db;
     auto taken = [&](auto&& run) {
       OK(gpu().synchronize());
@@ -839,42 +842,63 @@ TEST_CASE("cuda vs reference: the inference graph's half-precision ops (fused co
 }
 
 TEST_CASE("cuda vs reference: training on half-precision storage (convolution's three passes, batch norm, ReLU, "
-          "pooling, linear backward; f32 parameter gradients)") {
+          "add, pooling, linear backward; f32 parameter gradients), NCHW and channels last") {
   // The reference computes each op in f32 from the stored half values and rounds once (its weight
   // gradients: the product rounded once to the half type, then added in f32). cuda: cuDNN's half
   // convolutions (f32 compute) in their own summation order, our kernels with the same formulas
   // (one flip of a rounding at most), cuBLAS's GemmEx. Bounds in u of the normalised error.
+  // Channels last (backend.h "Channels last in training"): cuda's image tensors NHWC
+  // (to_channels_last; NHWC convolutions with KRSC filters, batch norm on 32-channel blocks, the
+  // [N H W, C] grids) against the reference's plain ones, with the same bounds; each output must
+  // come back labelled nhwc. 13 and 40 channels: a partial 32-channel block, and one and a bit.
   struct Guard {
     ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
   } guard;
-  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
-    const std::string name = dtype_name(half);
+  for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}})
+  for (const Layout layout : {Layout::kPlain, Layout::kNhwc})
+  for (const int64_t C : {int64_t{13}, int64_t{40}}) {
+    const std::string name = std::string(dtype_name(half)) + " " + layout_name(layout);
     CAPTURE(name);
+    CAPTURE(C);
     OK(gpu().set_math_precision(prec));
     const double u = testing::unit_roundoff(half);
     auto check = [&](const char* what, const Tensor& dev, const Tensor& want, double bound_u) {
       const double e = normalised_error(device_values(dev), host_values(want));
-      MESSAGE(name, " ", what, ": ", e / u, " u");
+      MESSAGE(name, " C=", C, " ", what, ": ", e / u, " u");
       CAPTURE(what);
       CHECK(e <= bound_u * u);
     };
-    const int64_t N = 3, C = 13, H = 9, W = 9, K = 16, R = 3, P = 5;
+    // An image tensor on the device in this case's layout; an output's label must be it.
+    const bool nhwc = layout == Layout::kNhwc;
+    auto img = [&](const Tensor& host) {
+      if (!nhwc) return up(host);
+      auto t = gpu().to_channels_last(up(host));
+      REQUIRE_MESSAGE(t.ok(), t.status().to_string());
+      REQUIRE(t->layout() == Layout::kNhwc);
+      return *t;
+    };
+    auto labelled = [&](const Tensor& dev) { CHECK(dev.layout() == layout); };
+    const int64_t N = 3, H = 9, W = 9, K = 16, R = 3, P = 5;
     const Conv2dParams p{2, 1};
     const Tensor x = host_half({N, C, H, W}, 301, half), w = host_half({K, C, R, R}, 302, half, -0.3, 0.3),
                  b = host_half({K}, 303, half), dy = host_half({N, K, P, P}, 304, half);
+    const Tensor xd = img(x), dyd = img(dy);
     Tensor want_y = empty_on(ref(), {N, K, P, P}, half), got_y = empty_on(gpu(), {N, K, P, P}, half);
     OK(ref().conv2d_forward(x, w, b, p, want_y));
-    OK(gpu().conv2d_forward(up(x), up(w), up(b), p, got_y));
+    OK(gpu().conv2d_forward(xd, up(w), up(b), p, got_y));
+    labelled(got_y);
     check("conv2d_forward (+ bias)", got_y, want_y, 4);  // cuDNN's rounding, then the bias's
     Tensor want_dx = empty_on(ref(), x.shape(), half), got_dx = empty_on(gpu(), x.shape(), half);
     OK(ref().conv2d_backward_data(dy, w, p, want_dx));
-    OK(gpu().conv2d_backward_data(up(dy), up(w), p, got_dx));
+    OK(gpu().conv2d_backward_data(dyd, up(w), p, got_dx));
+    labelled(got_dx);
     check("conv2d_backward_data", got_dx, want_dx, 4);
     const Pair dw0 = make({K, C, R, R}, 0, 0, 0, 1), db0 = make({K}, 0, 0, 0, 1);  // gradients start at 1: +=
     Tensor want_dw = *dw0.f.clone(), want_db = *db0.f.clone(), got_dw = up(dw0.f), got_db = up(db0.f);
     OK(ref().conv2d_backward_weights(x, dy, p, want_dw, want_db));
-    OK(gpu().conv2d_backward_weights(up(x), up(dy), p, got_dw, got_db));
+    OK(gpu().conv2d_backward_weights(xd, dyd, p, got_dw, got_db));
     CHECK(got_dw.dtype() == DType::kF32);
+    CHECK(got_dw.layout() == Layout::kPlain);  // KCRS, whatever the activations' layout
     check("conv2d_backward_weights dw (f32)", got_dw, want_dw, 4);
     check("conv2d_backward_weights db (f32)", got_db, want_db, 0.01);  // f32 sums in double
 
@@ -885,39 +909,60 @@ TEST_CASE("cuda vs reference: training on half-precision storage (convolution's 
     Tensor got_sm = empty_on(gpu(), {C}, DType::kF32), got_si = empty_on(gpu(), {C}, DType::kF32);
     Tensor want_by = empty_on(ref(), x.shape(), half), got_by = empty_on(gpu(), x.shape(), half);
     OK(ref().batch_norm_forward_training(x, gamma.f, beta.f, 1e-5, 0.1, want_rm, want_rv, want_by, want_sm, want_si));
-    const Tensor xd = up(x);
     OK(gpu().batch_norm_forward_training(xd, up(gamma.f), up(beta.f), 1e-5, 0.1, got_rm, got_rv, got_by, got_sm, got_si));
+    labelled(got_by);
     check("batch_norm_forward_training y", got_by, want_by, 2);
     check("batch_norm_forward_training save_mean", got_sm, want_sm, 0.01);
     check("batch_norm_forward_training save_invstd", got_si, want_si, 0.01);
+    check("batch_norm_forward_training running_mean", got_rm, want_rm, 0.01);
     check("batch_norm_forward_training running_var", got_rv, want_rv, 0.01);
     Tensor want_iy = empty_on(ref(), x.shape(), half), got_iy = empty_on(gpu(), x.shape(), half);
     OK(ref().batch_norm_forward_inference(x, gamma.f, beta.f, rm.f, rv.f, 1e-5, want_iy));
     OK(gpu().batch_norm_forward_inference(xd, up(gamma.f), up(beta.f), up(rm.f), up(rv.f), 1e-5, got_iy));
+    labelled(got_iy);
     check("batch_norm_forward_inference", got_iy, want_iy, 2);
-    const Tensor bdy = host_half(x.shape(), 309, half);
+    const Tensor bdy = host_half(x.shape(), 309, half), bdyd = img(bdy);
     const Pair g1 = make({C}, 0, 0, 0, 1);
     Tensor want_bdx = empty_on(ref(), x.shape(), half), got_bdx = empty_on(gpu(), x.shape(), half);
     Tensor want_dg = *g1.f.clone(), want_dbt = *g1.f.clone(), got_dg = up(g1.f), got_dbt = up(g1.f);
     OK(ref().batch_norm_backward(x, bdy, gamma.f, want_sm, want_si, want_bdx, want_dg, want_dbt));
-    OK(gpu().batch_norm_backward(xd, up(bdy), up(gamma.f), got_sm, got_si, got_bdx, got_dg, got_dbt));
+    OK(gpu().batch_norm_backward(xd, bdyd, up(gamma.f), got_sm, got_si, got_bdx, got_dg, got_dbt));
+    labelled(got_bdx);
     check("batch_norm_backward dx", got_bdx, want_bdx, 4);
     check("batch_norm_backward dgamma", got_dg, want_dg, 0.01);
     check("batch_norm_backward dbeta", got_dbt, want_dbt, 0.01);
 
-    // ReLU and pooling: choices and f32 sums in the reference's order.
+    // ReLU, the residual add and pooling: choices and f32 sums in the reference's order.
     Tensor want_r = empty_on(ref(), x.shape(), half), got_r = empty_on(gpu(), x.shape(), half);
     OK(ref().relu_forward(x, want_r));
     OK(gpu().relu_forward(xd, got_r));
+    labelled(got_r);
     CHECK(device_values(got_r) == host_values(want_r));
     Tensor want_rg = empty_on(ref(), x.shape(), half), got_rg = empty_on(gpu(), x.shape(), half);
     OK(ref().relu_backward(want_r, bdy, want_rg));
-    OK(gpu().relu_backward(got_r, up(bdy), got_rg));
+    OK(gpu().relu_backward(got_r, bdyd, got_rg));
+    labelled(got_rg);
     CHECK(device_values(got_rg) == host_values(want_rg));
+    Tensor want_s = empty_on(ref(), x.shape(), half), got_s = empty_on(gpu(), x.shape(), half);
+    OK(ref().add(want_r, bdy, want_s));
+    OK(gpu().add(got_r, bdyd, got_s));
+    labelled(got_s);
+    CHECK(device_values(got_s) == host_values(want_s));
+    if (nhwc) {  // one layout per call
+      Tensor mixed = empty_on(gpu(), x.shape(), half);
+      CHECK(gpu().add(got_r, up(bdy), mixed).code() == StatusCode::kInvalidArgument);
+    }
+    const Pool2dParams pp{3, 2, 1};
+    Tensor want_m = empty_on(ref(), {N, C, 5, 5}, half), got_m = empty_on(gpu(), {N, C, 5, 5}, half);
+    OK(ref().max_pool2d_forward(x, pp, want_m));
+    OK(gpu().max_pool2d_forward(xd, pp, got_m));
+    labelled(got_m);
+    CHECK(device_values(got_m) == host_values(want_m));
     const Tensor pdy = host_half({N, C, 5, 5}, 310, half);
     Tensor want_pdx = empty_on(ref(), x.shape(), half), got_pdx = empty_on(gpu(), x.shape(), half);
-    OK(ref().max_pool2d_backward(x, pdy, Pool2dParams{3, 2, 1}, want_pdx));
-    OK(gpu().max_pool2d_backward(xd, up(pdy), Pool2dParams{3, 2, 1}, got_pdx));
+    OK(ref().max_pool2d_backward(x, pdy, pp, want_pdx));
+    OK(gpu().max_pool2d_backward(xd, img(pdy), pp, got_pdx));
+    labelled(got_pdx);
     CHECK(device_values(got_pdx) == host_values(want_pdx));
     Tensor want_g = empty_on(ref(), {N, C}, half), got_g = empty_on(gpu(), {N, C}, half);
     OK(ref().global_avg_pool_forward(x, want_g));
@@ -925,9 +970,12 @@ TEST_CASE("cuda vs reference: training on half-precision storage (convolution's 
     check("global_avg_pool_forward", got_g, want_g, 2);
     const Tensor gdy = host_half({N, C}, 311, half);
     Tensor want_gdx = empty_on(ref(), x.shape(), half), got_gdx = empty_on(gpu(), x.shape(), half);
+    OK(got_gdx.set_layout(layout));  // dx's label chooses its layout
     OK(ref().global_avg_pool_backward(gdy, want_gdx));
     OK(gpu().global_avg_pool_backward(up(gdy), got_gdx));
+    labelled(got_gdx);
     check("global_avg_pool_backward", got_gdx, want_gdx, 2);
+    if (nhwc || C != 13) continue;  // the linear layers below have no image tensors
 
     // Linear backward: data all half; weights into f32 (cuBLAS accumulates the product into dw
     // unrounded; the reference rounds it to the half type first: one rounding apart).
@@ -952,10 +1000,10 @@ TEST_CASE("cuda: a small CNN trained with half-precision activations (enable_hal
   struct Guard {
     ~Guard() { (void)gpu().set_math_precision(MathPrecision::kFp32); }
   } guard;
-  auto grads = [&](Backend& be, DType half) {
+  auto grads = [&](Backend& be, DType half, Layout layout = Layout::kPlain) {
     auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3, 0.2);
     REQUIRE(model.ok());
-    if (half != DType::kF32) OK(enable_half_activations(**model, half));
+    if (half != DType::kF32) OK(enable_half_activations(**model, half, layout));
     OK(move_to_device(be, **model));
     (*model)->set_rng_seed(11);
     (*model)->set_input_gradient(false);
@@ -1001,16 +1049,22 @@ TEST_CASE("cuda: a small CNN trained with half-precision activations (enable_hal
     CAPTURE(name);
     OK(gpu().set_math_precision(prec));
     const double u = testing::unit_roundoff(half);
-    const auto ref_half = grads(ref(), half), gpu_half = grads(gpu(), half);
-    double sum = 0, sum_ref = 0;
-    for (size_t i = 0; i < f32.size(); ++i) {
-      const double e = rel(gpu_half[i], f32[i]), base = rel(ref_half[i], f32[i]);
-      MESSAGE(name, " gradient ", i, ": cuda ", e / u, " u, reference ", base / u, " u from the f32 run");
-      CHECK(e <= 3 * base + 8 * u);
-      sum += e;
-      sum_ref += base;
+    const auto ref_half = grads(ref(), half);
+    for (const Layout layout : {Layout::kPlain, Layout::kNhwc}) {  // NCHW, and channels last
+      const std::string layout_text = layout_name(layout);
+      CAPTURE(layout_text);
+      const auto gpu_half = grads(gpu(), half, layout);
+      double sum = 0, sum_ref = 0;
+      for (size_t i = 0; i < f32.size(); ++i) {
+        const double e = rel(gpu_half[i], f32[i]), base = rel(ref_half[i], f32[i]);
+        MESSAGE(name, " ", layout_text, " gradient ", i, ": cuda ", e / u, " u, reference ", base / u,
+                " u from the f32 run");
+        CHECK(e <= 3 * base + 8 * u);
+        sum += e;
+        sum_ref += base;
+      }
+      CHECK(sum <= 2 * sum_ref + 8 * u);
     }
-    CHECK(sum <= 2 * sum_ref + 8 * u);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <string>
 #include <unordered_set>
+#include <tuple>
 #include <vector>
 
 #include "../../libtrain/src/cuda/conv_plan.h"
@@ -169,6 +170,45 @@ TEST_CASE("bn_segment: a channel's segments cut its N * HW values into consecuti
       }
       CHECK(next == values);
     }
+  }
+}
+
+TEST_CASE("bn_nhwc_segment: a channels-last batch norm grid visits every (row, channel) once, in the block and "
+          "segment whose partial sum holds that channel's segment") {
+  CHECK(kernels::kBnNhwcColumns * kernels::kBnNhwcLanes == 256);  // kernels.cu's block
+  // ResNet-50's layer4 at batch 128 (2048 channels of 7 x 7): one segment, 64 block columns.
+  CHECK(kernels::bn_nhwc_blocks(2048, kernels::bn_segments(128, 49)) == 64);
+  for (const auto& shape : {std::tuple<int64_t, int64_t, int64_t>{3, 5, 42}, {2, 33, 9}, {1, 64, 8193 * 2},
+                             {7, 13, 1}, {4, 32, 3000}}) {
+    // Plain locals, not a structured binding: the lambdas below use them (clang before 16).
+    const int64_t N = std::get<0>(shape), C = std::get<1>(shape), HW = std::get<2>(shape);
+    CAPTURE(N);
+    CAPTURE(C);
+    CAPTURE(HW);
+    const int64_t rows = N * HW, segments = kernels::bn_segments(N, HW);
+    std::vector<int> seen(static_cast<size_t>(rows * C), 0);
+    for (int64_t b = 0; b < kernels::bn_nhwc_blocks(C, segments); ++b)
+      for (int64_t t = 0; t < kernels::kBnNhwcColumns * kernels::kBnNhwcLanes; ++t) {
+        const kernels::NhwcSegment seg = kernels::bn_nhwc_segment(b, t, segments, rows);
+        // The segment is NCHW's segment of the same index (same partial sums' layout).
+        const kernels::ChannelSegment plain = kernels::bn_segment(seg.segment, segments, rows);
+        REQUIRE(seg.begin == plain.begin);
+        REQUIRE(seg.end == plain.end);
+        REQUIRE(seg.segment == b % segments);
+        int64_t last = -1;
+        kernels::for_nhwc_segment(seg, t / kernels::kBnNhwcColumns, C, [&](int64_t i) {
+          REQUIRE(i % C == seg.c);
+          REQUIRE(i / C >= seg.begin);
+          REQUIRE(i / C < seg.end);
+          REQUIRE(i > last);  // rows in increasing order
+          last = i;
+          ++seen[static_cast<size_t>(i)];
+        });
+        if (seg.c >= C) CHECK(last == -1);
+      }
+    bool once = true;
+    for (int v : seen) once = once && v == 1;
+    CHECK(once);
   }
 }
 

@@ -27,12 +27,6 @@ using slide::core::StatusCode;
 
 namespace {
 
-#define OK(expr)                              \
-  do {                                        \
-    Status s_ = (expr);                       \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string()); \
-  } while (0)
-
 Backend& ref() { return testing::reference(); }
 
 using testing::random_f32;

@@ -22,12 +22,6 @@ using slide::core::StatusCode;
 
 namespace {
 
-#define OK(expr)                              \
-  do {                                        \
-    Status s_ = (expr);                       \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string()); \
-  } while (0)
-
 Backend& ref() { return testing::reference(); }
 using testing::host_cast;
 using testing::host_values;
@@ -201,11 +195,12 @@ using ModelFactory = std::function<std::unique_ptr<Sequential>()>;
 // random images [N, 3, S, S] (seed 21) with labels n % 4 and the cross-entropy's logit gradient
 // times `scale` (the loss scale; the gradients are divided by it again). `half` (f16 / bf16)
 // enables half-precision activations; `precision` sets the products' operand rounding.
+// `layout` kNhwc makes the activations channels last as well.
 Grads gradients(const ModelFactory& make, int64_t N, int64_t S, DType half, double scale,
-                MathPrecision precision = MathPrecision::kFp32) {
+                MathPrecision precision = MathPrecision::kFp32, Layout layout = Layout::kPlain) {
   OK(ref().set_math_precision(precision));
   std::unique_ptr<Sequential> model = make();
-  if (half != DType::kF32) OK(enable_half_activations(*model, half));
+  if (half != DType::kF32) OK(enable_half_activations(*model, half, layout));
   model->set_rng_seed(11);
   const Tensor images = random_f32({N, 3, S, S}, 21, -2, 2);
   Tensor labels = *Tensor::empty({N}, DType::kI32, cpu_allocator());
@@ -375,4 +370,46 @@ TEST_CASE("enable_half_activations: casts at both ends, refused twice or for f32
   // Saved activations: half the bytes, but for batch norm's f32 statistics and the half copies of
   // the weights saved for backward (2 bytes a parameter, as torch.autocast's weight cache).
   CHECK(double(halved->saved_bytes) < 0.6 * double(plain->saved_bytes));
+}
+
+TEST_CASE("channels-last training (enable_half_activations with nhwc): a small CNN's and ResNet-18's logits and "
+          "gradients equal the plain half run's bit for bit on the reference") {
+  // The reference stores the activations [N][H][W][C] as cuda does and computes each op on plain
+  // copies, so every value must be the plain run's: what this checks is the model code (the casts,
+  // the layouts the layers hand on, global average pooling's gradient, the residual adds).
+  const ModelFactory cnn = [] { return take(make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3, 0.2)); };
+  const ModelFactory resnet = [] { return take(make_resnet(cpu_allocator(), DType::kF32, 18, 4, 3, 0.2)); };
+  for (const DType half : {DType::kF16, DType::kBF16}) {
+    const std::string half_name = dtype_name(half);
+    CAPTURE(half_name);
+    for (const auto& model : {std::pair{"small cnn", cnn}, std::pair{"resnet18", resnet}}) {
+      const std::string name = model.first;
+      const ModelFactory& make = model.second;
+      CAPTURE(name);
+      const double scale = half == DType::kF16 ? 1024.0 : 1.0;
+      const Grads plain = gradients(make, 4, 32, half, scale);
+      const Grads last = gradients(make, 4, 32, half, scale, MathPrecision::kFp32, Layout::kNhwc);
+      CHECK(last.names == plain.names);
+      CHECK(last.logits == plain.logits);
+      REQUIRE(last.values.size() == plain.values.size());
+      for (size_t i = 0; i < last.values.size(); ++i) {
+        CAPTURE(plain.names[i]);
+        CHECK(last.values[i] == plain.values[i]);
+      }
+    }
+  }
+  auto model = take(make_resnet(cpu_allocator(), DType::kF32, 18, 4, 3));
+  CHECK(activation_layout(*model) == Layout::kPlain);
+  CHECK(enable_half_activations(*model, DType::kBF16, Layout::kNChw16c).code() == StatusCode::kInvalidArgument);
+  OK(enable_half_activations(*model, DType::kBF16, Layout::kNhwc));
+  CHECK(activation_layout(*model) == Layout::kNhwc);
+  // The planner runs the model on its placeholders (the relaid-out images counted).
+  PlanOptions po;
+  po.micro_batch = 8;
+  po.sample_shape = {3, 64, 64};
+  po.classes = 4;
+  po.backend = "reference";
+  auto plan = plan_memory(*model, po);
+  REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
+  CHECK(plan->peak_bytes > 0);
 }

@@ -13,6 +13,13 @@
 
 #include "slide/train/backend.h"
 
+// OK(expr): the Status `expr` must be ok; the test stops with its message otherwise.
+#define OK(expr)                              \
+  do {                                        \
+    ::slide::core::Status s_ = (expr);        \
+    REQUIRE_MESSAGE(s_.ok(), s_.to_string()); \
+  } while (0)
+
 namespace slide::train::testing {
 
 // A backend by name; the test fails if it is not built.

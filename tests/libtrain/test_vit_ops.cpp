@@ -22,12 +22,6 @@ Backend& cpu() {
 }
 Backend& ref() { return testing::reference(); }
 
-#define OK(expr)                              \
-  do {                                        \
-    Status s_ = (expr);                       \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string()); \
-  } while (0)
-
 }  // namespace
 
 TEST_CASE("GELU: exact erf form (PyTorch's default) at known points; its gradient passes a central-difference check") {

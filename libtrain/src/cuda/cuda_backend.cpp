@@ -48,6 +48,28 @@ Status plain_or_nhwc(const char* op, std::initializer_list<const Tensor*> ts) {
   return ok_status();
 }
 
+// Channels last in training (backend.h): the image tensors of one call (the defined ones among
+// `images`) all plain or all kNhwc; `params` (filters, biases) plain. True when channels last.
+Result<bool> channels_last(const char* op, std::initializer_list<const Tensor*> images,
+                           std::initializer_list<const Tensor*> params = {}) {
+  SLIDE_RETURN_IF_ERROR(plain_or_nhwc(op, images));
+  const Tensor* first = nullptr;
+  for (const Tensor* t : images) {
+    if (!t->defined()) continue;
+    if (first == nullptr) first = t;
+    if (t->layout() != first->layout())
+      return slide::core::invalid_argument(std::string(op) + ": image tensors in two layouts (" +
+                                           layout_name(first->layout()) + " and " + layout_name(t->layout()) +
+                                           "); one layout per call");
+  }
+  for (const Tensor* t : params)
+    if (t->defined() && t->layout() != Layout::kPlain)
+      return slide::core::invalid_argument(std::string(op) + ": a parameter in the " + layout_name(t->layout()) +
+                                           " layout; parameters are plain");
+  return first != nullptr && first->layout() == Layout::kNhwc;
+}
+Layout layout_of(bool nhwc) { return nhwc ? Layout::kNhwc : Layout::kPlain; }
+
 // --- Device state (one per device, for the process's life) ---------------------------------------
 
 class CudaDeviceMemory final : public RawDeviceMemory {
@@ -503,8 +525,11 @@ class CudaBackend final : public Backend {
 
   // --- Convolution ---
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_forward(x, w, b, p, y, kHalfDTypes));
-    if (detail::is_half(x.dtype())) return conv_forward_half(x, w, b, p, y, d);
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_forward(x, w, b, p, y, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("conv2d_forward", {&x}, {&w, &b}));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
+    if (nhwc || detail::is_half(x.dtype())) return conv_forward_typed(x, w, b, p, y, d, nhwc);
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kForward, d, p);
@@ -524,9 +549,13 @@ class CudaBackend final : public Backend {
   }
 
   // --- Training on half-precision storage (backend.h; layers.h enable_half_activations) ---
-  // The convolution's three passes on f16 / bf16 tensors and filter, NCHW, with f32 compute
-  // (cuDNN's PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, as PyTorch's autocast convolutions), the
-  // algorithms chosen and cached per shape as for f32 (the key carries the storage type).
+  // The convolution's three passes on f16 / bf16 tensors and filter with f32 compute (cuDNN's
+  // PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG, as PyTorch's autocast convolutions), the
+  // algorithms chosen and cached per shape as for f32 (the key carries the storage type and the
+  // layout). Channels last (any storage): the tensors NHWC, and the filter relaid out to KRSC for
+  // the pass (krsc_filter: cuDNN's NHWC filter; the layer keeps its KCRS weights), the filter
+  // gradient written KRSC and relaid out before it is added; the copies are part of the pass's
+  // planned workspace (conv_workspace_bytes).
   // y = conv(x, w) by cudnnConvolutionForward on `half` storage (f32 compute), y overwritten: the
   // training forward (NCHW) and the inference graph's fused convolution (fused_conv_half) alike.
   Status half_convolution(const detail::ConvDims& d, Conv2dParams p, DType half, bool nhwc, const void* x,
@@ -546,47 +575,66 @@ class CudaBackend final : public Backend {
     return run_conv(key, ds, candidates, workspace, run);
   }
   // y = conv(x, w) (+ b, in f32, rounded once by the epilogue kernel: cuDNN's output is rounded
-  // first, as the op list allows).
-  Status conv_forward_half(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y,
-                           const detail::ConvDims& d) {
+  // first, as the op list allows), half-precision or channels last (y labelled by the caller).
+  Status conv_forward_typed(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y,
+                            const detail::ConvDims& d, bool nhwc) {
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();
-    const DType half = x.dtype();
-    SLIDE_RETURN_IF_ERROR(half_convolution(d, p, half, false, x.raw(), w.raw(), y.raw()));
+    const DType t = x.dtype();
+    Tensor filter = w;
+    if (nhwc) {
+      SLIDE_ASSIGN_OR_RETURN(filter, krsc_filter(w));
+    }
+    SLIDE_RETURN_IF_ERROR(half_convolution(d, p, t, nhwc, x.raw(), filter.raw(), y.raw()));
     if (b.defined())
-      SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(half), false, y.raw(), b.raw(), nullptr, y.raw(), d.N, d.K,
-                                            d.P * d.Q, false, st_->stream));
+      SLIDE_CUDA_CHECK(launch_conv_epilogue(storage(t), nhwc, y.raw(), b.raw(), nullptr, y.raw(), d.N, d.K, d.P * d.Q,
+                                            false, st_->stream));
     return ok_status();
   }
-  Status conv_backward_data_half(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx,
-                                 const detail::ConvDims& d) {
+  // w [K, C, R, S] stored [K][R][S][C] (cuDNN's NHWC filter), a copy from the budgeted allocator.
+  Result<Tensor> krsc_filter(const Tensor& w) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor krsc, Tensor::empty(w.shape(), w.dtype(), *st_->alloc, "channels-last filter (KRSC)"));
+    SLIDE_RETURN_IF_ERROR(permute_storage(w, w.shape(), {0, 2, 3, 1}, krsc));
+    return krsc;
+  }
+  // dx = the transpose of the convolution applied to dy, half-precision or channels last.
+  Status conv_backward_data_typed(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx,
+                                  const detail::ConvDims& d, bool nhwc) {
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
-    const DType half = dy.dtype();
-    const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p, half);
+    const DType t = dy.dtype();
+    Tensor filter = w;
+    if (nhwc) {
+      SLIDE_ASSIGN_OR_RETURN(filter, krsc_filter(w));
+    }
+    const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p, t, nhwc);
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(t), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
     auto candidates = [&] { return backward_data_candidates(ds); };
     auto workspace = [&](int algo) { return backward_data_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
       const float one = 1, zero = 0;  // dx is overwritten
-      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardData(st_->cudnn, &one, ds.w.d, w.raw(), ds.y.d, dy.raw(), ds.conv.d,
-                                                     static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, ws_bytes,
-                                                     &zero, ds.x.d, dx.raw()));
+      SLIDE_CUDNN_CHECK(cudnnConvolutionBackwardData(st_->cudnn, &one, ds.w.d, filter.raw(), ds.y.d, dy.raw(),
+                                                     ds.conv.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws,
+                                                     ws_bytes, &zero, ds.x.d, dx.raw()));
       return ok_status();
     };
     return run_conv(key, ds, candidates, workspace, run);
   }
-  // dw (f32) += the filter gradient, which cuDNN writes in x's half type (its half configurations
-  // take one data type for x, dy and dw) into scratch that is then added to dw in f32; db (f32) +=
-  // the sum of dy in double. The scratch is part of the pass's planned workspace
-  // (conv_workspace_bytes).
-  Status conv_backward_weights_half(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db,
-                                    const detail::ConvDims& d) {
+  // dw (f32, KCRS) += the filter gradient, which cuDNN writes in x's type (its half configurations
+  // take one data type for x, dy and dw; channels last, KRSC) into scratch that is then relaid out
+  // (channels last) and added to dw in f32; db (f32) += the sum of dy in double. The scratch is
+  // allocated before the pass's workspace and is part of its planned bytes (conv_workspace_bytes).
+  Status conv_backward_weights_typed(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db,
+                                     const detail::ConvDims& d, bool nhwc) {
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
-    const DType half = x.dtype();
-    const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p, half);
+    const DType t = x.dtype();
+    const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p, t, nhwc);
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(half)));
-    SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::empty(dw.shape(), half, *st_->alloc, "half-precision weight gradient"));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(t), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
+    SLIDE_ASSIGN_OR_RETURN(Tensor product, Tensor::empty(dw.shape(), t, *st_->alloc, "weight gradient product"));
+    Tensor kcrs = product;
+    if (nhwc) {
+      SLIDE_ASSIGN_OR_RETURN(kcrs, Tensor::empty(dw.shape(), t, *st_->alloc, "weight gradient product (KCRS)"));
+    }
     auto candidates = [&] { return backward_filter_candidates(ds); };
     auto workspace = [&](int algo) { return backward_filter_workspace(ds, algo); };
     auto run = [&](int algo, void* ws, size_t ws_bytes) -> Status {
@@ -597,10 +645,13 @@ class CudaBackend final : public Backend {
       return ok_status();
     };
     SLIDE_RETURN_IF_ERROR(run_conv(key, ds, candidates, workspace, run));
-    SLIDE_CUDA_CHECK(launch_binary(Binary::kAdd, CastType::kF32, dw.raw(), storage(half), product.raw(), dw.raw(),
+    if (nhwc) SLIDE_RETURN_IF_ERROR(permute_storage(product, {d.K, d.R, d.S, d.C}, {0, 3, 1, 2}, kcrs));
+    SLIDE_CUDA_CHECK(launch_binary(Binary::kAdd, CastType::kF32, dw.raw(), storage(t), kcrs.raw(), dw.raw(),
                                    dw.numel(), st_->stream));
+    // Channels last, dy is [N P Q, K]: the bias kernel's [N', K, 1] with N' = N P Q.
     if (db.defined())
-      SLIDE_CUDA_CHECK(launch_bias_grad(storage(half), dy.raw(), f32(db), d.N, d.K, d.P * d.Q, st_->stream));
+      SLIDE_CUDA_CHECK(launch_bias_grad(storage(t), dy.raw(), f32(db), nhwc ? d.N * d.P * d.Q : d.N, d.K,
+                                        nhwc ? 1 : d.P * d.Q, st_->stream));
     return ok_status();
   }
 
@@ -767,6 +818,17 @@ class CudaBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(relayout(x, Layout::kPlain, y));
     return y;
   }
+  // A plain [N, C, H, W] relaid out channels last (a copy); channels-last tensors as they are.
+  Result<Tensor> to_channels_last(const Tensor& x) override {
+    if (x.layout() == Layout::kNhwc) return x;
+    if (x.rank() != 4 || x.layout() != Layout::kPlain || x.device() != Device::kCuda)
+      return slide::core::invalid_argument("to_channels_last: a " + shape_string(x.shape()) + " " +
+                                           layout_name(x.layout()) + " tensor on " + device_name(x.device()) +
+                                           "; needs a plain [N, C, H, W] on cuda");
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), *st_->alloc, "channels-last copy"));
+    SLIDE_RETURN_IF_ERROR(relayout(x, Layout::kNhwc, y));
+    return y;
+  }
 
   // Backend::conv_workspace_bytes: the workspace each pass's run_conv would take (planned_workspace).
   Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
@@ -783,30 +845,44 @@ class CudaBackend final : public Backend {
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
                                                                       : ConvDirection::kBackwardFilter;
-    const ConvKey key = conv_key(direction, d, p, x.dtype());
+    // Channels last: x (forward, backward weights) or dx (backward data) labelled kNhwc, as the
+    // planner's placeholders are (planner.cpp follows the backends' labels).
+    const bool nhwc = x.layout() == Layout::kNhwc;
+    const ConvKey key = conv_key(direction, d, p, x.dtype(), nhwc);
     ConvDescs ds;
-    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(x.dtype())));
+    SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(x.dtype()), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));
+    // A filter-sized copy in x's type: the KRSC filter (channels last), the filter gradient's scratch.
+    const size_t filter_copy = static_cast<size_t>(w.numel()) * dtype_size(x.dtype());
     switch (pass) {
-      case ConvPass::kForward:
-        return planned_workspace(key, ds, [&] { return forward_candidates(ds); },
-                                 [&](int algo) { return forward_workspace(ds, algo); });
-      case ConvPass::kBackwardData:
-        return planned_workspace(key, ds, [&] { return backward_data_candidates(ds); },
-                                 [&](int algo) { return backward_data_workspace(ds, algo); });
+      case ConvPass::kForward: {
+        SLIDE_ASSIGN_OR_RETURN(const size_t ws, planned_workspace(key, ds, [&] { return forward_candidates(ds); },
+                                                                  [&](int algo) { return forward_workspace(ds, algo); }));
+        return ws + (nhwc ? filter_copy : 0);
+      }
+      case ConvPass::kBackwardData: {
+        SLIDE_ASSIGN_OR_RETURN(const size_t ws,
+                               planned_workspace(key, ds, [&] { return backward_data_candidates(ds); },
+                                                 [&](int algo) { return backward_data_workspace(ds, algo); }));
+        return ws + (nhwc ? filter_copy : 0);
+      }
       case ConvPass::kBackwardWeights: {
         SLIDE_ASSIGN_OR_RETURN(const size_t ws,
                                planned_workspace(key, ds, [&] { return backward_filter_candidates(ds); },
                                                  [&](int algo) { return backward_filter_workspace(ds, algo); }));
-        // ... and the half filter gradient's scratch (conv_backward_weights_half).
-        return ws + (half ? static_cast<size_t>(w.numel()) * dtype_size(x.dtype()) : 0);
+        // ... and the filter gradient's scratch (conv_backward_weights_typed): the product, and
+        // its KCRS copy when channels last.
+        return ws + (half || nhwc ? filter_copy : 0) + (nhwc ? filter_copy : 0);
       }
     }
     return size_t{0};
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d, detail::validate_conv2d_backward_data(dy, w, p, dx, kHalfDTypes));
-    if (detail::is_half(dy.dtype())) return conv_backward_data_half(dy, w, p, dx, d);
+    SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
+                           detail::validate_conv2d_backward_data(dy, w, p, dx, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("conv2d_backward_data", {&dy}, {&w}));
+    SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
+    if (nhwc || detail::is_half(dy.dtype())) return conv_backward_data_typed(dy, w, p, dx, d, nhwc);
     if (d.N * d.C * d.H * d.W == 0) return ok_status();
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kBackwardData, d, p);
@@ -825,8 +901,9 @@ class CudaBackend final : public Backend {
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
-                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kHalfDTypes));
-    if (detail::is_half(x.dtype())) return conv_backward_weights_half(x, dy, p, dw, db, d);
+                           detail::validate_conv2d_backward_weights(x, dy, p, dw, db, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("conv2d_backward_weights", {&x, &dy}, {&dw, &db}));
+    if (nhwc || detail::is_half(x.dtype())) return conv_backward_weights_typed(x, dy, p, dw, db, d, nhwc);
     if (d.N * d.K * d.P * d.Q == 0) return ok_status();  // nothing to accumulate
     ConvDescs ds;
     const ConvKey key = conv_key(ConvDirection::kBackwardFilter, d, p);
@@ -852,9 +929,11 @@ class CudaBackend final : public Backend {
                                      Tensor& save_mean, Tensor& save_invstd) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
-                                                                save_invstd, kHalfDTypes));
+                                                                save_invstd, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_forward_training", {&x}, {&gamma, &beta}));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_forward_training(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), eps, momentum,
+    SLIDE_CUDA_CHECK(launch_bn_forward_training(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), eps, momentum,
                                                 f32(running_mean), f32(running_var), y.raw(), f32(save_mean),
                                                 f32(save_invstd), d.N, d.C,
                                                 d.HW, f64(scratch), st_->stream));
@@ -863,9 +942,11 @@ class CudaBackend final : public Backend {
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(x, gamma, beta, running_mean,
-                                                                                         running_var, y, kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_forward_inference(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), f32(running_mean),
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_inference(
+                                                       x, gamma, beta, running_mean, running_var, y, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_forward_inference", {&x}, {&gamma, &beta}));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_forward_inference(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), f32(running_mean),
                                                  f32(running_var), eps, y.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
@@ -873,9 +954,11 @@ class CudaBackend final : public Backend {
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
-                                                                kHalfDTypes));
+                                                                kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward", {&x, &dy}, {&gamma}));
+    SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), x.raw(), dy.raw(), f32(gamma), f32(save_mean),
+    SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
                                         f32(save_invstd), dx.raw(), f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
@@ -895,13 +978,13 @@ class CudaBackend final : public Backend {
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_stats(storage(x.dtype()), x.raw(), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_stats(storage(x.dtype()), false, x.raw(), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_deviations(storage(x.dtype()), x.raw(), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_deviations(storage(x.dtype()), false, x.raw(), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
@@ -912,7 +995,7 @@ class CudaBackend final : public Backend {
                            detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                           running_var, y, save_mean, save_invstd,
                                                                           kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), x.raw(), f32(gamma), f32(beta), f64(stats),
+    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), false, x.raw(), f32(gamma), f32(beta), f64(stats),
                                                   f64(devs), eps, momentum, f32(running_mean), f32(running_var),
                                                   y.raw(), f32(save_mean),
                                                   f32(save_invstd), d.N, d.C, d.HW, st_->stream));
@@ -923,7 +1006,7 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
                                                        x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kHalfDTypes));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
+    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), false, x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
                                                f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
@@ -933,23 +1016,30 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
                                                                       dx, kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), x.raw(), dy.raw(), f32(gamma), f32(save_mean),
+    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), false, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
                                               f32(save_invstd), f64(stats), f64(sums), dx.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
 
   // --- Element-wise ---
+  // ReLU and add are element-wise: channels-last tensors (backend.h) as flat arrays of one layout,
+  // the output labelled alike.
   Status relu_forward(const Tensor& x, Tensor& y) override {
-    return unary("relu_forward", Unary::kRelu, x, y, kHalfDTypes);
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("relu_forward", {&x}));
+    SLIDE_RETURN_IF_ERROR(unary("relu_forward", Unary::kRelu, x, y, kHalfLayoutDTypes));
+    return y.set_layout(layout_of(nhwc));
   }
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
-    return unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx, kHalfDTypes);
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("relu_backward", {&y, &dy}));
+    SLIDE_RETURN_IF_ERROR(unary_grad("relu_backward", UnaryGrad::kRelu, y, dy, dx, kHalfLayoutDTypes));
+    return dx.set_layout(layout_of(nhwc));
   }
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, kHalfDTypes));
+    SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("add", {&a, &b}));
     SLIDE_CUDA_CHECK(launch_binary(Binary::kAdd, storage(a.dtype()), a.raw(), storage(b.dtype()), b.raw(), y.raw(),
                                    a.numel(), st_->stream));
-    return ok_status();
+    return y.set_layout(layout_of(nhwc));
   }
   Status mul(const Tensor& a, const Tensor& b, Tensor& y) override { return binary("mul", Binary::kMul, a, b, y); }
   Status tanh_forward(const Tensor& x, Tensor& y) override { return unary("tanh_forward", Unary::kTanh, x, y); }
@@ -1089,37 +1179,39 @@ class CudaBackend final : public Backend {
   }
 
   // --- Pooling ---
+  // Pooling on NCHW or channels-last tensors (the inference graph's and channels-last training's).
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
-    const bool half = detail::is_half(x.dtype());
-    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr,
-                                                     half ? kHalfLayoutDTypes : kHalfDTypes));
-    if (half) SLIDE_RETURN_IF_ERROR(plain_or_nhwc("max_pool2d_forward", {&x}));
-    const bool nhwc = x.layout() == Layout::kNhwc;  // y takes x's layout
+    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d, detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr,
+                                                                               nullptr, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("max_pool2d_forward", {&x}));  // y takes x's layout
     SLIDE_CUDA_CHECK(launch_max_pool_forward(storage(x.dtype()), nhwc, x.raw(), y.raw(), d.N, d.C, d.H, d.W, d.P, d.Q,
                                              p.kernel, p.stride, p.pad, st_->stream));
-    SLIDE_RETURN_IF_ERROR(y.set_layout(x.layout()));
-    return ok_status();
+    return y.set_layout(layout_of(nhwc));
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d,
-                           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_max_pool_backward(storage(x.dtype()), x.raw(), dy.raw(), dx.raw(), d.N * d.C, d.H, d.W, d.P, d.Q, p.kernel,
-                                              p.stride, p.pad, st_->stream));
-    return ok_status();
+    SLIDE_ASSIGN_OR_RETURN(const detail::PoolDims d, detail::validate_max_pool("max_pool2d_backward", x, p, nullptr,
+                                                                               &dy, &dx, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("max_pool2d_backward", {&x, &dy}));
+    SLIDE_CUDA_CHECK(launch_max_pool_backward(storage(x.dtype()), nhwc, x.raw(), dy.raw(), dx.raw(), d.N, d.C, d.H,
+                                              d.W, d.P, d.Q, p.kernel, p.stride, p.pad, st_->stream));
+    return dx.set_layout(layout_of(nhwc));
   }
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kHalfDTypes));
+                           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("global_avg_pool_forward", {&x}, {&y}));
     SLIDE_CUDA_CHECK(
-        launch_global_avg_pool_forward(storage(x.dtype()), x.raw(), y.raw(), d.N * d.C, d.HW, st_->stream));
+        launch_global_avg_pool_forward(storage(x.dtype()), nhwc, x.raw(), y.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
+  // dx's label chooses its layout (its only image tensor; layers.h GlobalAvgPool labels it as its
+  // input was).
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
-                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kHalfDTypes));
+                           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("global_avg_pool_backward", {&dx}, {&dy}));
     SLIDE_CUDA_CHECK(
-        launch_global_avg_pool_backward(storage(dy.dtype()), dy.raw(), dx.raw(), d.N * d.C, d.HW, st_->stream));
+        launch_global_avg_pool_backward(storage(dy.dtype()), nhwc, dy.raw(), dx.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }
 

@@ -265,6 +265,16 @@ __global__ void bn_reduce_kernel(const double* partials, double* out, int64_t C,
   }
 }
 
+// Channel c's saved statistics (mean, 1 / std) and running ones (momentum; the unbiased variance
+// from the sum of squared deviations sq over `count` values), written by one thread per channel.
+__device__ void bn_write_statistics(int64_t c, double mean, double invstd, double sq, double count, double momentum,
+                                    float* save_mean, float* save_invstd, float* running_mean, float* running_var) {
+  save_mean[c] = static_cast<float>(mean);
+  save_invstd[c] = static_cast<float>(invstd);
+  running_mean[c] = fm::bn_running(running_mean[c], momentum, mean);
+  running_var[c] = fm::bn_running(running_var[c], momentum, fm::bn_unbiased_var(sq, count));
+}
+
 // y over block b's segment from the channel's sum (stats [C+1], count at C) and sum of squared
 // deviations (devs [C]); the channel's first segment's thread 0 writes the saved and running
 // statistics.
@@ -279,12 +289,8 @@ __global__ void bn_normalise_kernel(const typename S::T* x, const float* gamma, 
   const double invstd = fm::bn_invstd(sq / count, eps);
   const double gm = gamma[c], bt = beta[c];
   g.each([&](int64_t i) { y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd)); });
-  if (threadIdx.x == 0 && g.index(segments) == 0) {
-    save_mean[c] = static_cast<float>(mean);
-    save_invstd[c] = static_cast<float>(invstd);
-    running_mean[c] = fm::bn_running(running_mean[c], momentum, mean);
-    running_var[c] = fm::bn_running(running_var[c], momentum, fm::bn_unbiased_var(sq, count));
-  }
+  if (threadIdx.x == 0 && g.index(segments) == 0)
+    bn_write_statistics(c, mean, invstd, sq, count, momentum, save_mean, save_invstd, running_mean, running_var);
 }
 
 // dx over block b's segment from the channel's sums (sums [2C]: sum dy, then sum dy * xhat) over
@@ -320,6 +326,137 @@ __global__ void bn_forward_inference_kernel(const typename S::T* x, const float*
   });
 }
 
+// --- Batch norm, channels last (Layout::kNhwc): x as [rows = N HW, C], the channel the column ---
+// The reducing passes: bn_nhwc_blocks(C, S) blocks of kBlock threads, 32 channels by 8 row lanes
+// (kernels::bn_nhwc_segment), each writing the partial sums of its channels' segment into the NCHW
+// passes' layout (partials[c S + s]), so that bn_reduce_kernel and the f64 scratch are theirs.
+static_assert(kernels::kBnNhwcColumns * kernels::kBnNhwcLanes == kBlock, "a channels-last batch norm block");
+struct BnNhwc {
+  int64_t C;
+  kernels::NhwcSegment seg;
+  int64_t lane;
+  __device__ BnNhwc(int64_t c, int64_t segments, int64_t rows)
+      : C(c), seg(kernels::bn_nhwc_segment(blockIdx.x, threadIdx.x, segments, rows)),
+        lane(static_cast<int64_t>(threadIdx.x) / kernels::kBnNhwcColumns) {}
+  __device__ bool active() const { return seg.c < C; }
+  template <typename F>
+  __device__ void each(F f) const {
+    kernels::for_nhwc_segment(seg, lane, C, f);
+  }
+  // The sum of `v` over the block's lanes for this thread's channel, added in lane order (a fixed
+  // order); lane 0's threads get it (the others 0). Every thread must call it (barriers).
+  __device__ double lanes_sum(double v, double* shared) const {
+    shared[threadIdx.x] = v;
+    __syncthreads();
+    double total = 0;
+    if (lane == 0)
+      for (int64_t l = 0; l < kernels::kBnNhwcLanes; ++l) total += shared[l * kernels::kBnNhwcColumns + threadIdx.x];
+    __syncthreads();
+    return total;
+  }
+  // partials[offset + c S + s] = total, by lane 0's thread of an existing channel.
+  __device__ void write(double* partials, int64_t segments, int64_t offset, double total) const {
+    if (lane == 0 && active()) partials[offset + seg.c * segments + seg.segment] = total;
+  }
+};
+
+template <typename S>
+__global__ void bn_nhwc_partial_sum_kernel(const typename S::T* x, double* partials, int64_t C, int64_t rows,
+                                           int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnNhwc g(C, segments, rows);
+  double local = 0;
+  g.each([&](int64_t i) { local += S::load(x[i]); });
+  g.write(partials, segments, 0, g.lanes_sum(local, shared));
+}
+
+template <typename S>
+__global__ void bn_nhwc_partial_deviations_kernel(const typename S::T* x, const double* stats, double* partials,
+                                                  int64_t C, int64_t rows, int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnNhwc g(C, segments, rows);
+  const double mean = g.active() ? stats[g.seg.c] / stats[C] : 0.0;
+  double local = 0;
+  g.each([&](int64_t i) {
+    const double d = S::load(x[i]) - mean;
+    local += d * d;
+  });
+  g.write(partials, segments, 0, g.lanes_sum(local, shared));
+}
+
+template <typename S>
+__global__ void bn_nhwc_partial_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* save_mean,
+                                            const float* save_invstd, double* partials, int64_t C, int64_t rows,
+                                            int64_t segments) {
+  __shared__ double shared[kBlock];
+  const BnNhwc g(C, segments, rows);
+  const double mean = g.active() ? double(save_mean[g.seg.c]) : 0.0;
+  const double invstd = g.active() ? double(save_invstd[g.seg.c]) : 0.0;
+  double local_dy = 0, local_dy_xhat = 0;
+  g.each([&](int64_t i) {
+    const float dyv = S::load(dy[i]);
+    local_dy += dyv;
+    local_dy_xhat += double(dyv) * fm::bn_xhat(S::load(x[i]), mean, invstd);
+  });
+  const double sum_dy = g.lanes_sum(local_dy, shared);
+  const double sum_dy_xhat = g.lanes_sum(local_dy_xhat, shared);
+  g.write(partials, segments, 0, sum_dy);
+  g.write(partials, segments, C * segments, sum_dy_xhat);
+}
+
+// The element-wise passes on a kernels::LaunchRowsCols grid over [rows, C]: a thread's channel is
+// its column, whose constants it loads once. normalise: y and, by the thread that owns row 0 of its
+// column (the grid is launched over at least one row), the saved and running statistics.
+template <typename S>
+__global__ void bn_nhwc_normalise_kernel(const typename S::T* x, const float* gamma, const float* beta,
+                                         const double* stats, const double* devs, double eps, double momentum,
+                                         float* running_mean, float* running_var, typename S::T* y, float* save_mean,
+                                         float* save_invstd, int64_t rows, int64_t C, kernels::LaunchRowsCols g) {
+  const int64_t c = rows_cols_column(g);
+  if (c >= C) return;
+  const double count = stats[C], mean = stats[c] / count, sq = devs[c];
+  const double invstd = fm::bn_invstd(sq / count, eps);
+  const double gm = gamma[c], bt = beta[c];
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
+    const int64_t i = r * C + col;
+    y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd));
+  });
+  if (blockIdx.y == 0 && threadIdx.y == 0)
+    bn_write_statistics(c, mean, invstd, sq, count, momentum, save_mean, save_invstd, running_mean, running_var);
+}
+
+template <typename S>
+__global__ void bn_nhwc_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* gamma,
+                                          const float* save_mean, const float* save_invstd, const double* stats,
+                                          const double* sums, typename S::T* dx, int64_t rows, int64_t C,
+                                          kernels::LaunchRowsCols g) {
+  const int64_t c = rows_cols_column(g);
+  if (c >= C) return;
+  const double count = stats != nullptr ? stats[C] : double(rows);
+  const double mean = save_mean[c], invstd = save_invstd[c];
+  const double k = double(gamma[c]) * invstd / count;
+  const double sum_dy = sums[c], sum_dy_xhat = sums[C + c];
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
+    const int64_t i = r * C + col;
+    dx[i] = S::store(
+        fm::bn_input_grad(S::load(dy[i]), fm::bn_xhat(S::load(x[i]), mean, invstd), k, count, sum_dy, sum_dy_xhat));
+  });
+}
+
+template <typename S>
+__global__ void bn_nhwc_forward_inference_kernel(const typename S::T* x, const float* gamma, const float* beta,
+                                                 const float* running_mean, const float* running_var, double eps,
+                                                 typename S::T* y, int64_t rows, int64_t C, kernels::LaunchRowsCols g) {
+  const int64_t c = rows_cols_column(g);
+  if (c >= C) return;
+  const double gm = gamma[c], bt = beta[c], mean = running_mean[c];
+  const double invstd = fm::bn_invstd(double(running_var[c]), eps);
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
+    const int64_t i = r * C + col;
+    y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd));
+  });
+}
+
 // --- Pooling ---
 // Stored elements seen as their f32 values (max_pool_argmax's comparisons), at NCHW-order index
 // i: position i itself, or, channels last (C > 0), kernels::nhwc_position(i, C, HW).
@@ -329,6 +466,15 @@ struct Loaded {
   int64_t C = 0, HW = 0;  // C 0: NCHW
   __device__ int64_t at(int64_t i) const { return C > 0 ? kernels::nhwc_position(i, C, HW) : i; }
   __device__ float operator[](int64_t i) const { return S::load(p[at(i)]); }
+};
+
+// The stored elements p[0], p[stride], p[2 stride], ... seen as their f32 values (one channel's
+// plane of a channels-last tensor: stride C).
+template <typename S>
+struct Strided {
+  const typename S::T* p;
+  int64_t stride;
+  __device__ float operator[](int64_t i) const { return S::load(p[i * stride]); }
 };
 
 // x [N, C, H, W] -> y [N, C, P, Q], both NCHW, or both channels last (nhwc: every index of the
@@ -410,6 +556,55 @@ __global__ void gap_forward_kernel(const typename S::T* x, typename S::T* y, int
 template <typename S>
 __global__ void gap_backward_kernel(const typename S::T* dy, typename S::T* dx, int64_t HW, int64_t n) {
   SLIDE_GRID_STRIDE(i, n) { dx[i] = S::store(static_cast<float>(double(S::load(dy[i / HW])) / double(HW))); }
+}
+
+// Channels last: thread j = n C + c sums x[n][hw][c] over hw (neighbouring threads read neighbouring
+// channels), in hw order as the NCHW kernel; backward on a [N HW, C] grid, the channel the column.
+template <typename S>
+__global__ void gap_nhwc_forward_kernel(const typename S::T* x, typename S::T* y, int64_t C, int64_t HW, int64_t n) {
+  SLIDE_GRID_STRIDE(j, n) {
+    const int64_t b = j / C, c = j - b * C;
+    const typename S::T* p = x + b * HW * C + c;
+    double s = 0;
+    for (int64_t i = 0; i < HW; ++i) s += S::load(p[i * C]);
+    y[j] = S::store(static_cast<float>(s / double(HW)));
+  }
+}
+template <typename S>
+__global__ void gap_nhwc_backward_kernel(const typename S::T* dy, typename S::T* dx, int64_t C, int64_t HW,
+                                         int64_t rows, kernels::LaunchRowsCols g) {
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t c) {
+    dx[r * C + c] = S::store(static_cast<float>(double(S::load(dy[r / HW * C + c])) / double(HW)));
+  });
+}
+
+// Max pooling's backward channels last: a [N H W, C] grid (the channel the column, so that a warp
+// reads 32 neighbouring channels); thread (row n HW + o, c) gathers, as max_pool_backward_kernel,
+// dy of the windows whose first maximum is input position o of channel c, in window order. The
+// plane of (n, c) is read with stride C (Strided).
+template <typename S>
+__global__ void max_pool_nhwc_backward_kernel(const typename S::T* x, const typename S::T* dy, typename S::T* dx,
+                                              int64_t C, int H, int W, int P, int Q, int kernel, int stride, int pad,
+                                              int64_t rows, kernels::LaunchRowsCols g) {
+  const int64_t HW = int64_t{H} * W, PQ = int64_t{P} * Q;
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t c) {
+    const int64_t n = r / HW;
+    const int o = static_cast<int>(r - n * HW), ih = o / W, iw = o - ih * W;
+    const int oh_hi = min(P - 1, (ih + pad) / stride), ow_hi = min(Q - 1, (iw + pad) / stride);
+    const int oh_lo = max(0, oh_hi - (kernel - 1) / stride - 1), ow_lo = max(0, ow_hi - (kernel - 1) / stride - 1);
+    const Strided<S> xp{x + n * HW * C + c, C};
+    const typename S::T* dyp = dy + n * PQ * C + c;
+    float acc = 0.0f;
+    for (int oh = oh_lo; oh <= oh_hi; ++oh) {
+      if (ih < oh * stride - pad || ih >= oh * stride - pad + kernel) continue;
+      for (int ow = ow_lo; ow <= ow_hi; ++ow) {
+        if (iw < ow * stride - pad || iw >= ow * stride - pad + kernel) continue;
+        if (fm::max_pool_argmax(xp, 0, oh, ow, H, W, kernel, stride, pad) == o)
+          acc += S::load(dyp[(int64_t{oh} * Q + ow) * C]);
+      }
+    }
+    dx[r * C + c] = S::store(acc);
+  });
 }
 
 // --- Row softmax: one block per row, or one warp per row (kernels::launch_rows) ---
@@ -751,6 +946,22 @@ cudaError_t with_storage(CastType t, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Launches a channels-last element-wise batch norm kernel on a [rows, C] kernels::LaunchRowsCols
+// grid of at least one row (so that the normalising pass writes the statistics when rows is 0).
+template <typename Kernel, typename... Args>
+cudaError_t launch_bn_nhwc_elementwise(int64_t rows, int64_t C, cudaStream_t stream, Kernel kernel, Args... args) {
+  const kernels::LaunchRowsCols g = kernels::launch_rows_cols(rows > 0 ? rows : 1, C, kBlock);
+  if (g.blocks_x == 0) return cudaSuccess;
+  if (g.blocks_x > 2147483647) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(g.blocks_x), static_cast<unsigned>(g.blocks_y));
+  const dim3 block(static_cast<unsigned>(g.threads_x), static_cast<unsigned>(g.threads_y));
+  kernel<<<grid, block, 0, stream>>>(args..., rows, C, g);
+  return cudaGetLastError();
+}
+// The reducing passes' grid: C S blocks (NCHW: a block per channel segment) or bn_nhwc_blocks(C, S)
+// (channels last: 32 channels a block).
+int64_t bn_blocks(bool nhwc, int64_t C, int64_t S) { return nhwc ? kernels::bn_nhwc_blocks(C, S) : C * S; }
+
 }  // namespace
 
 cudaError_t launch_unary(Unary f, CastType t, const void* x, void* y, int64_t n, cudaStream_t stream) {
@@ -804,31 +1015,35 @@ cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, i
     return launch_per_block(K, stream, bias_grad_kernel<S>, static_cast<const typename S::T*>(dy), db, N, K, inner);
   });
 }
-cudaError_t launch_bn_stats(CastType t, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
+cudaError_t launch_bn_stats(CastType t, bool nhwc, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
                             double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
-    return launch_per_block(C * S, stream, bn_partial_sum_kernel<St>, static_cast<const typename St::T*>(x), partials,
-                            N, C, HW, S);
+    const auto* xs = static_cast<const typename St::T*>(x);
+    if (nhwc) return launch_per_block(bn_blocks(true, C, S), stream, bn_nhwc_partial_sum_kernel<St>, xs, partials, C,
+                                      N * HW, S);
+    return launch_per_block(C * S, stream, bn_partial_sum_kernel<St>, xs, partials, N, C, HW, S);
   });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), stats, C, S,
                           double(N * HW), true, static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
-cudaError_t launch_bn_deviations(CastType t, const void* x, const double* stats, double* devs, int64_t N, int64_t C,
-                                 int64_t HW, double* partials, cudaStream_t stream) {
+cudaError_t launch_bn_deviations(CastType t, bool nhwc, const void* x, const double* stats, double* devs, int64_t N,
+                                 int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
-    return launch_per_block(C * S, stream, bn_partial_deviations_kernel<St>, static_cast<const typename St::T*>(x),
-                            stats, partials, N, C, HW, S);
+    const auto* xs = static_cast<const typename St::T*>(x);
+    if (nhwc) return launch_per_block(bn_blocks(true, C, S), stream, bn_nhwc_partial_deviations_kernel<St>, xs, stats,
+                                      partials, C, N * HW, S);
+    return launch_per_block(C * S, stream, bn_partial_deviations_kernel<St>, xs, stats, partials, N, C, HW, S);
   });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), devs, C, S, 0.0, false,
                           static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 }
-cudaError_t launch_bn_forward_from_stats(CastType t, const void* x, const float* gamma, const float* beta,
+cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, void* y, float* save_mean,
                                          float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
@@ -836,18 +1051,25 @@ cudaError_t launch_bn_forward_from_stats(CastType t, const void* x, const float*
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
+    if (nhwc)
+      return launch_bn_nhwc_elementwise(N * HW, C, stream, bn_nhwc_normalise_kernel<St>, static_cast<const T*>(x),
+                                        gamma, beta, stats, devs, eps, momentum, running_mean, running_var,
+                                        static_cast<T*>(y), save_mean, save_invstd);
     return launch_per_block(C * S, stream, bn_normalise_kernel<St>, static_cast<const T*>(x), gamma, beta, stats, devs,
                             eps, momentum, running_mean, running_var, static_cast<T*>(y), save_mean, save_invstd, N,
                             C, HW, S);
   });
 }
-cudaError_t launch_bn_backward_reduce(CastType t, const void* x, const void* dy, const float* save_mean,
+cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const float* save_mean,
                                       const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
                                       int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
+    if (nhwc)
+      return launch_per_block(bn_blocks(true, C, S), stream, bn_nhwc_partial_grad_kernel<St>, static_cast<const T*>(x),
+                              static_cast<const T*>(dy), save_mean, save_invstd, partials, C, N * HW, S);
     return launch_per_block(C * S, stream, bn_partial_grad_kernel<St>, static_cast<const T*>(x),
                             static_cast<const T*>(dy), save_mean, save_invstd, partials, N, C, HW, S);
   });
@@ -855,7 +1077,7 @@ cudaError_t launch_bn_backward_reduce(CastType t, const void* x, const void* dy,
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), sums, C, S, 0.0, false,
                           dgamma, dbeta);
 }
-cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, const float* gamma,
+cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
                                      const float* save_mean, const float* save_invstd, const double* stats,
                                      const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
                                      cudaStream_t stream) {
@@ -863,6 +1085,10 @@ cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, 
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
+    if (nhwc)
+      return launch_bn_nhwc_elementwise(N * HW, C, stream, bn_nhwc_input_grad_kernel<St>, static_cast<const T*>(x),
+                                        static_cast<const T*>(dy), gamma, save_mean, save_invstd, stats, sums,
+                                        static_cast<T*>(dx));
     return launch_per_block(C * S, stream, bn_input_grad_kernel<St>, static_cast<const T*>(x),
                             static_cast<const T*>(dy), gamma, save_mean, save_invstd, stats, sums, static_cast<T*>(dx),
                             N, C, HW, S);
@@ -870,39 +1096,42 @@ cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, 
 }
 // One rank: the synchronised pieces, over `scratch` (kernels::bn_forward_scratch_doubles and
 // bn_backward_scratch_doubles: the partials, then the per-channel sums).
-cudaError_t launch_bn_forward_training(CastType t, const void* x, const float* gamma, const float* beta, double eps,
-                                       double momentum, float* running_mean, float* running_var, void* y,
+cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
+                                       double eps, double momentum, float* running_mean, float* running_var, void* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        double* scratch, cudaStream_t stream) {
   double* partials = scratch;
   double* stats = scratch + kernels::bn_partials(N, C, HW);
   double* devs = stats + C + 1;
-  cudaError_t e = launch_bn_stats(t, x, stats, N, C, HW, partials, stream);
-  if (e == cudaSuccess) e = launch_bn_deviations(t, x, stats, devs, N, C, HW, partials, stream);
+  cudaError_t e = launch_bn_stats(t, nhwc, x, stats, N, C, HW, partials, stream);
+  if (e == cudaSuccess) e = launch_bn_deviations(t, nhwc, x, stats, devs, N, C, HW, partials, stream);
   if (e == cudaSuccess)
-    e = launch_bn_forward_from_stats(t, x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
+    e = launch_bn_forward_from_stats(t, nhwc, x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
                                      save_mean, save_invstd, N, C, HW, stream);
   return e;
 }
-cudaError_t launch_bn_forward_inference(CastType t, const void* x, const float* gamma, const float* beta,
+cudaError_t launch_bn_forward_inference(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                         const float* running_mean, const float* running_var, double eps, void* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
+    if (nhwc)
+      return launch_rows_cols(N * HW, C, stream, bn_nhwc_forward_inference_kernel<S>, static_cast<const T*>(x), gamma,
+                              beta, running_mean, running_var, eps, static_cast<T*>(y), N * HW, C);
     return launch_rows_cols(N * C, HW, stream, bn_forward_inference_kernel<S>, static_cast<const T*>(x), gamma, beta,
                             running_mean, running_var, eps, static_cast<T*>(y), C, N * C, HW);
   });
 }
-cudaError_t launch_bn_backward(CastType t, const void* x, const void* dy, const float* gamma, const float* save_mean,
-                               const float* save_invstd, void* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
-                               int64_t HW, double* scratch, cudaStream_t stream) {
+cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
+                               const float* save_mean, const float* save_invstd, void* dx, float* dgamma, float* dbeta,
+                               int64_t N, int64_t C, int64_t HW, double* scratch, cudaStream_t stream) {
   double* partials = scratch;
   double* sums = scratch + 2 * kernels::bn_partials(N, C, HW);
-  cudaError_t e = launch_bn_backward_reduce(t, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW, partials,
-                                            stream);
+  cudaError_t e = launch_bn_backward_reduce(t, nhwc, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW,
+                                            partials, stream);
   if (e != cudaSuccess) return e;
-  return launch_bn_backward_elemt(t, x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
+  return launch_bn_backward_elemt(t, nhwc, x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
 }
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
@@ -927,34 +1156,46 @@ cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const voi
                             rows, cols);
   });
 }
-cudaError_t launch_max_pool_backward(CastType t, const void* x, const void* dy, void* dx, int64_t NC, int64_t H,
-                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
-                                     cudaStream_t stream) {
+cudaError_t launch_max_pool_backward(CastType t, bool nhwc, const void* x, const void* dy, void* dx, int64_t N,
+                                     int64_t C, int64_t H, int64_t W, int64_t P, int64_t Q, int kernel, int stride,
+                                     int pad, cudaStream_t stream) {
   constexpr int64_t kInt = 2147483647;
   if (H > kInt || W > kInt || P > kInt || Q > kInt || H * W > kInt || P * Q > kInt) return cudaErrorInvalidValue;
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_rows_cols(NC, H * W, stream, max_pool_backward_kernel<S>, static_cast<const T*>(x),
+    if (nhwc)
+      return launch_rows_cols(N * H * W, C, stream, max_pool_nhwc_backward_kernel<S>, static_cast<const T*>(x),
+                              static_cast<const T*>(dy), static_cast<T*>(dx), C, static_cast<int>(H),
+                              static_cast<int>(W), static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad,
+                              N * H * W);
+    return launch_rows_cols(N * C, H * W, stream, max_pool_backward_kernel<S>, static_cast<const T*>(x),
                             static_cast<const T*>(dy), static_cast<T*>(dx), static_cast<int>(H), static_cast<int>(W),
-                            static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad, NC);
+                            static_cast<int>(P), static_cast<int>(Q), kernel, stride, pad, N * C);
   });
 }
-cudaError_t launch_global_avg_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t HW,
-                                           cudaStream_t stream) {
+cudaError_t launch_global_avg_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C,
+                                           int64_t HW, cudaStream_t stream) {
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_grid_stride(NC, stream, gap_forward_kernel<S>, static_cast<const T*>(x), static_cast<T*>(y), HW, NC);
+    if (nhwc)
+      return launch_grid_stride(N * C, stream, gap_nhwc_forward_kernel<S>, static_cast<const T*>(x),
+                                static_cast<T*>(y), C, HW, N * C);
+    return launch_grid_stride(N * C, stream, gap_forward_kernel<S>, static_cast<const T*>(x), static_cast<T*>(y), HW,
+                              N * C);
   });
 }
-cudaError_t launch_global_avg_pool_backward(CastType t, const void* dy, void* dx, int64_t NC, int64_t HW,
-                                            cudaStream_t stream) {
+cudaError_t launch_global_avg_pool_backward(CastType t, bool nhwc, const void* dy, void* dx, int64_t N, int64_t C,
+                                            int64_t HW, cudaStream_t stream) {
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
-    return launch_grid_stride(NC * HW, stream, gap_backward_kernel<S>, static_cast<const T*>(dy), static_cast<T*>(dx),
-                              HW, NC * HW);
+    if (nhwc)
+      return launch_rows_cols(N * HW, C, stream, gap_nhwc_backward_kernel<S>, static_cast<const T*>(dy),
+                              static_cast<T*>(dx), C, HW, N * HW);
+    return launch_grid_stride(N * C * HW, stream, gap_backward_kernel<S>, static_cast<const T*>(dy),
+                              static_cast<T*>(dx), HW, N * C * HW);
   });
 }
 // Rows of a warp each (g.blocks blocks of kBlock threads), or a block each when long

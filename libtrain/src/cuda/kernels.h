@@ -53,45 +53,48 @@ cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, i
 // Batch norm over x [N, C, HW] (backend.h). Training writes y, save_mean, save_invstd and updates
 // the running statistics; backward overwrites dx and accumulates dgamma, dbeta. x, y, dy and dx are
 // of storage t (f32, or f16 / bf16 for half-precision activations: read as f32 values, each output
-// rounded once); gamma, beta, the running and saved statistics and dgamma, dbeta are f32. Each
-// channel is cut into kernels::bn_segments(N, HW) segments, a block each, whose partial sums are
-// reduced per channel in a fixed order; `scratch` is the caller's device f64 array of
+// rounded once), NCHW, or channels last when nhwc (stored [N][HW][C]: channels-last training);
+// gamma, beta, the running and saved statistics and dgamma, dbeta are f32. Each channel is cut into
+// kernels::bn_segments(N, HW) segments whose partial sums are reduced per channel in a fixed order:
+// NCHW a block per channel segment, channels last a block per 32 channels of a segment of rows
+// (kernels::bn_nhwc_segment); `scratch` is the caller's device f64 array of
 // kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW) values.
-cudaError_t launch_bn_forward_training(CastType t, const void* x, const float* gamma, const float* beta, double eps,
-                                       double momentum, float* running_mean, float* running_var, void* y,
+cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
+                                       double eps, double momentum, float* running_mean, float* running_var, void* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        double* scratch, cudaStream_t stream);
-cudaError_t launch_bn_forward_inference(CastType t, const void* x, const float* gamma, const float* beta,
+cudaError_t launch_bn_forward_inference(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                         const float* running_mean, const float* running_var, double eps, void* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward(CastType t, const void* x, const void* dy, const float* gamma, const float* save_mean,
-                               const float* save_invstd, void* dx, float* dgamma, float* dbeta, int64_t N, int64_t C,
-                               int64_t HW, double* scratch, cudaStream_t stream);
+cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
+                               const float* save_mean, const float* save_invstd, void* dx, float* dgamma, float* dbeta,
+                               int64_t N, int64_t C, int64_t HW, double* scratch, cudaStream_t stream);
 
 // Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt), with
-// the storage rule above. The one-rank launches above are these pieces run in turn, so over one rank
+// the storage and layout rule above (the backend's pieces take NCHW; the one-rank launches above run
+// them channels last too). The one-rank launches are these pieces run in turn, so over one rank
 // the two agree bit for bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C],
 // sums [2C]; `partials` is the caller's f64 scratch of kernels::bn_partials (N, C, HW) values (twice
 // that for backward_reduce). N may be 0.
-cudaError_t launch_bn_stats(CastType t, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
+cudaError_t launch_bn_stats(CastType t, bool nhwc, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
                             double* partials, cudaStream_t stream);
-cudaError_t launch_bn_deviations(CastType t, const void* x, const double* stats, double* devs, int64_t N, int64_t C,
-                                 int64_t HW, double* partials, cudaStream_t stream);
-cudaError_t launch_bn_forward_from_stats(CastType t, const void* x, const float* gamma, const float* beta,
+cudaError_t launch_bn_deviations(CastType t, bool nhwc, const void* x, const double* stats, double* devs, int64_t N,
+                                 int64_t C, int64_t HW, double* partials, cudaStream_t stream);
+cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, void* y, float* save_mean,
                                          float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward_reduce(CastType t, const void* x, const void* dy, const float* save_mean,
+cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const float* save_mean,
                                       const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
                                       int64_t C, int64_t HW, double* partials, cudaStream_t stream);
-cudaError_t launch_bn_backward_elemt(CastType t, const void* x, const void* dy, const float* gamma,
+cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
                                      const float* save_mean, const float* save_invstd, const double* stats,
                                      const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
                                      cudaStream_t stream);
 
-// Max pooling of x [N, C, H, W] to y [N, C, P, Q] of storage t (f32, or half: the inference graph's
+// Max pooling of x [N, C, H, W] to y [N, C, P, Q] of storage t (f32, or half-precision
 // activations), both NCHW or both channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as
-// stored), the first maximum of each window; backward (NCHW, storage t) gathers, for each input
+// stored), the first maximum of each window; backward (x, dy, dx alike) gathers, for each input
 // position, dy of the windows whose first maximum it is, in output order (the CPU's order:
 // bit-identical sums), in f32, rounded once.
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
@@ -102,14 +105,16 @@ cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* 
 // once; y may be c or z.
 cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const void* b, const void* z, void* y, int64_t N,
                                  int64_t K, int64_t inner, bool relu, cudaStream_t stream);
-cudaError_t launch_max_pool_backward(CastType t, const void* x, const void* dy, void* dx, int64_t NC, int64_t H,
-                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
-                                     cudaStream_t stream);
-// y[nc] = mean of x[nc, :HW]; dx[nc, i] = dy[nc] / HW; storage t, in double, rounded to f32 then t.
-cudaError_t launch_global_avg_pool_forward(CastType t, const void* x, void* y, int64_t NC, int64_t HW,
-                                           cudaStream_t stream);
-cudaError_t launch_global_avg_pool_backward(CastType t, const void* dy, void* dx, int64_t NC, int64_t HW,
-                                            cudaStream_t stream);
+cudaError_t launch_max_pool_backward(CastType t, bool nhwc, const void* x, const void* dy, void* dx, int64_t N,
+                                     int64_t C, int64_t H, int64_t W, int64_t P, int64_t Q, int kernel, int stride,
+                                     int pad, cudaStream_t stream);
+// y[n, c] = mean of x's HW values of (n, c); dx's values of (n, c) = dy[n, c] / HW; x and dx NCHW,
+// or channels last when nhwc ([N][HW][C]); y and dy [N, C]; storage t, in double, rounded to f32
+// then t.
+cudaError_t launch_global_avg_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C,
+                                           int64_t HW, cudaStream_t stream);
+cudaError_t launch_global_avg_pool_backward(CastType t, bool nhwc, const void* dy, void* dx, int64_t N, int64_t C,
+                                            int64_t HW, cudaStream_t stream);
 
 // Row softmax of x [R, C] and its backward. The second forward takes rows ld apart (ld >= C, in x
 // and y alike; attention pads its score rows to kernels::attention_scores_ld, and the values past C

@@ -185,6 +185,38 @@ SLIDE_LAUNCH_HD ChannelSegment bn_segment(int64_t block, int64_t segments, int64
   return {c, begin, begin + length < values ? begin + length : values};
 }
 
+// Batch norm on channels-last tensors (Layout::kNhwc, channels-last training): x seen as a matrix
+// of rows = N * HW pixels by C channels, the channel being the column. A block of kBlockThreads =
+// kBnNhwcColumns x kBnNhwcLanes threads takes kBnNhwcColumns consecutive channels (a warp reads 32
+// neighbouring values of one row: coalesced, where walking one channel down the rows would read one
+// value per 32-byte sector) over one segment of rows: bn_segment's share for the same
+// bn_segments(N, HW) count as NCHW, so that the f64 partials (partials[c * segments + s]), their
+// reduction (bn_reduce) and the scratch the planner holds are the NCHW ones. Lane l of the block
+// (thread / kBnNhwcColumns) walks rows begin + l, begin + l + kBnNhwcLanes, ...; the lanes' sums are
+// then added in lane order, a fixed order: results repeat bit for bit.
+constexpr int64_t kBnNhwcColumns = 32, kBnNhwcLanes = 8;
+inline int64_t bn_nhwc_blocks(int64_t C, int64_t segments) {
+  return (C + kBnNhwcColumns - 1) / kBnNhwcColumns * segments;
+}
+struct NhwcSegment {
+  int64_t c = 0, segment = 0, begin = 0, end = 0;  // c >= C: an idle thread of the last block column
+};
+// Thread `thread` of block `block` of a grid of bn_nhwc_blocks(C, segments) blocks over `rows`
+// rows: its channel and its segment's rows [begin, end).
+SLIDE_LAUNCH_HD NhwcSegment bn_nhwc_segment(int64_t block, int64_t thread, int64_t segments, int64_t rows) {
+  const int64_t tile = block / segments, s = block - tile * segments;
+  const ChannelSegment r = bn_segment(s, segments, rows);
+  return {tile * kBnNhwcColumns + thread % kBnNhwcColumns, s, r.begin, r.end};
+}
+// Calls f(index) for lane `lane`'s values of channel seg.c: rows begin + lane, + kBnNhwcLanes, ...
+// < end, at index = row * C + c, in that order.
+template <typename F>
+SLIDE_LAUNCH_HD void for_nhwc_segment(const NhwcSegment& seg, int64_t lane, int64_t C, F&& f) {
+  if (seg.c >= C) return;
+  SLIDE_UNROLL_4
+  for (int64_t r = seg.begin + lane; r < seg.end; r += kBnNhwcLanes) f(r * C + seg.c);
+}
+
 // Channels last (Layout::kNhwc): the storage position of element j of an [N, C, H, W] tensor in
 // NCHW order (j = ((n C + c) H + h) W + w, HW = H W) when it is stored [N][H][W][C]:
 // (n HW + h W + w) C + c. The cuda kernels that walk an NHWC tensor in NCHW order (max pooling's

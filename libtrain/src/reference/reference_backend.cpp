@@ -179,6 +179,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, Conv2dParams p, Tensor& y) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("conv2d_forward", {&x}, &y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return conv2d_forward(f[0], w, b, p, out);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_forward(x, w, b, p, y, detail::with_half(dtypes_)).status());
       return via_f32({&x, &w, &b}, y,
@@ -214,6 +218,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_data(const Tensor& dy, const Tensor& w, Conv2dParams p, Tensor& dx) override {
+    if (dy.layout() == Layout::kNhwc)
+      return via_plain("conv2d_backward_data", {&dy}, &dx, [&](std::vector<Tensor>& f, Tensor& out) {
+        return conv2d_backward_data(f[0], w, p, out);
+      });
     if (detail::is_half(dy.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_backward_data(dy, w, p, dx, detail::with_half(dtypes_)).status());
       return via_f32({&dy, &w}, dx,
@@ -248,6 +256,10 @@ class ReferenceBackend final : public Backend {
   }
 
   Status conv2d_backward_weights(const Tensor& x, const Tensor& dy, Conv2dParams p, Tensor& dw, Tensor& db) override {
+    if (any_nhwc({&x, &dy}))
+      return via_plain("conv2d_backward_weights", {&x, &dy}, nullptr, [&](std::vector<Tensor>& f, Tensor&) {
+        return conv2d_backward_weights(f[0], f[1], p, dw, db);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_conv2d_backward_weights(x, dy, p, dw, db, detail::with_half(dtypes_)).status());
       return half_weight_gradient(x, dy, dw, db, [&](const Tensor& xf, const Tensor& dyf, Tensor& dwf, Tensor& dbf) {
@@ -294,6 +306,11 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                      double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
                                      Tensor& save_mean, Tensor& save_invstd) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("batch_norm_forward_training", {&x}, &y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_training(f[0], gamma, beta, eps, momentum, running_mean, running_var, out, save_mean,
+                                           save_invstd);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                  save_invstd, detail::with_half(dtypes_))
@@ -325,6 +342,10 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                       const Tensor& running_mean, const Tensor& running_var, double eps,
                                       Tensor& y) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("batch_norm_forward_inference", {&x}, &y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_inference(f[0], gamma, beta, running_mean, running_var, eps, out);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_inference(x, gamma, beta, running_mean, running_var, y,
                                                                   detail::with_half(dtypes_))
@@ -354,6 +375,10 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
+    if (any_nhwc({&x, &dy}))
+      return via_plain("batch_norm_backward", {&x, &dy}, &dx, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_backward(f[0], f[1], gamma, save_mean, save_invstd, out, dgamma, dbeta);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                  detail::with_half(dtypes_))
@@ -491,6 +516,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_forward(const Tensor& x, Tensor& y) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("relu_forward", {&x}, &y,
+                       [&](std::vector<Tensor>& f, Tensor& out) { return relu_forward(f[0], out); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_forward", x, y, nullptr, detail::with_half(dtypes_)));
       return via_f32({&x}, y, [&](std::vector<Tensor>& f, Tensor& out) { return relu_forward(f[0], out); });
@@ -505,6 +533,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    if (any_nhwc({&y, &dy}))
+      return via_plain("relu_backward", {&y, &dy}, &dx,
+                       [&](std::vector<Tensor>& f, Tensor& out) { return relu_backward(f[0], f[1], out); });
     if (detail::is_half(y.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("relu_backward", y, dy, &dx, detail::with_half(dtypes_)));
       return via_f32({&y, &dy}, dx, [&](std::vector<Tensor>& f, Tensor& out) { return relu_backward(f[0], f[1], out); });
@@ -519,6 +550,8 @@ class ReferenceBackend final : public Backend {
   }
 
   Status add(const Tensor& a, const Tensor& b, Tensor& y) override {
+    if (any_nhwc({&a, &b}))
+      return via_plain("add", {&a, &b}, &y, [&](std::vector<Tensor>& f, Tensor& out) { return add(f[0], f[1], out); });
     if (detail::is_half(b.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_add(a, b, y, detail::with_half(dtypes_)));
       return via_f32({&a, &b}, y, [&](std::vector<Tensor>& f, Tensor& out) { return add(f[0], f[1], out); });
@@ -547,6 +580,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status max_pool2d_forward(const Tensor& x, Pool2dParams p, Tensor& y) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("max_pool2d_forward", {&x}, &y,
+                       [&](std::vector<Tensor>& f, Tensor& out) { return max_pool2d_forward(f[0], p, out); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(
           detail::validate_max_pool("max_pool2d_forward", x, p, &y, nullptr, nullptr, detail::with_half(dtypes_))
@@ -568,6 +604,9 @@ class ReferenceBackend final : public Backend {
     });
   }
   Status max_pool2d_backward(const Tensor& x, const Tensor& dy, Pool2dParams p, Tensor& dx) override {
+    if (any_nhwc({&x, &dy}))
+      return via_plain("max_pool2d_backward", {&x, &dy}, &dx,
+                       [&](std::vector<Tensor>& f, Tensor& out) { return max_pool2d_backward(f[0], f[1], p, out); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(
           detail::validate_max_pool("max_pool2d_backward", x, p, nullptr, &dy, &dx, detail::with_half(dtypes_))
@@ -579,6 +618,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_forward(const Tensor& x, Tensor& y) override {
+    if (x.layout() == Layout::kNhwc)  // y [N, C] stays plain
+      return via_plain("global_avg_pool_forward", {&x}, nullptr,
+                       [&](std::vector<Tensor>& f, Tensor&) { return global_avg_pool_forward(f[0], y); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(
           detail::validate_global_avg_pool("global_avg_pool_forward", x, y, detail::with_half(dtypes_)).status());
@@ -599,6 +641,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status global_avg_pool_backward(const Tensor& dy, Tensor& dx) override {
+    if (dx.layout() == Layout::kNhwc)  // dy [N, C] is plain; dx's label asks for channels last
+      return via_plain("global_avg_pool_backward", {}, &dx,
+                       [&](std::vector<Tensor>&, Tensor& out) { return global_avg_pool_backward(dy, out); });
     if (detail::is_half(dy.dtype())) {
       SLIDE_RETURN_IF_ERROR(
           detail::validate_global_avg_pool("global_avg_pool_backward", dx, dy, detail::with_half(dtypes_)).status());
@@ -903,6 +948,27 @@ class ReferenceBackend final : public Backend {
     });
   }
 
+  // Channels last (backend.h): the reference stores kNhwc tensors as cuda does ([N][H][W][C]) and
+  // runs the listed ops on plain copies (via_plain), so that the model code of channels-last
+  // training runs on the CPU and the values are the plain run's bit for bit.
+  Result<Tensor> to_plain(const Tensor& x) override {
+    if (x.layout() == Layout::kPlain) return x;
+    if (x.layout() != Layout::kNhwc) return Backend::to_plain(x);
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), alloc_, "plain copy"));
+    relayout(x, y, false);
+    return y;
+  }
+  Result<Tensor> to_channels_last(const Tensor& x) override {
+    if (x.layout() == Layout::kNhwc) return x;
+    if (x.rank() != 4 || x.layout() != Layout::kPlain)
+      return slide::core::invalid_argument("to_channels_last: a " + shape_string(x.shape()) + " " +
+                                           layout_name(x.layout()) + " tensor; needs a plain [N, C, H, W]");
+    SLIDE_ASSIGN_OR_RETURN(Tensor y, Tensor::empty(x.shape(), x.dtype(), alloc_, "channels-last copy"));
+    relayout(x, y, true);
+    SLIDE_RETURN_IF_ERROR(y.set_layout(Layout::kNhwc));
+    return y;
+  }
+
   Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) override {
     SLIDE_ASSIGN_OR_RETURN(const int64_t B, detail::validate_gather_augment(tiles, records, images, dtypes_));
     const int64_t N = tiles.dim(0), S = tiles.dim(1);
@@ -1028,6 +1094,54 @@ class ReferenceBackend final : public Backend {
   // conversions), its f32 result rounded once into `out` (cast: round to nearest even). Inputs
   // already f32, and undefined ones, pass as they are; so does `out` when it is f32 (an input may
   // then be out itself: the ops called are element-wise in place).
+  // y = x's elements moved between plain NCHW and channels last (to_nhwc: x plain, y stored
+  // [N][H][W][C]; else the reverse) by kernels::nhwc_position, cuda's map; any element size.
+  static void relayout(const Tensor& x, Tensor& y, bool to_nhwc) {
+    const int64_t C = x.dim(1), HW = x.dim(2) * x.dim(3), n = x.numel();
+    const size_t e = dtype_size(x.dtype());
+    const auto* src = static_cast<const unsigned char*>(x.raw());
+    auto* dst = static_cast<unsigned char*>(y.raw());
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = kernels::nhwc_position(j, C, HW);
+      std::memcpy(dst + static_cast<size_t>(to_nhwc ? k : j) * e, src + static_cast<size_t>(to_nhwc ? j : k) * e, e);
+    }
+  }
+  static bool any_nhwc(std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts)
+      if (t->defined() && t->layout() == Layout::kNhwc) return true;
+    return false;
+  }
+  // Channels last (backend.h): `op` on plain copies of the call's image tensors `in` (each defined
+  // one kNhwc: a mix of layouts is kInvalidArgument naming `name`), its image result (out non-null)
+  // written plain into scratch, then moved into *out channels last and *out labelled kNhwc. The op
+  // validates shapes and dtypes on the plain copies; in-place calls (out one of `in`) are safe.
+  template <typename Op>
+  Status via_plain(const char* name, std::initializer_list<const Tensor*> in, Tensor* out, Op op) {
+    std::vector<Tensor> plain;
+    for (const Tensor* t : in) {
+      if (!t->defined()) {
+        plain.push_back(*t);
+        continue;
+      }
+      if (t->layout() != Layout::kNhwc)
+        return slide::core::invalid_argument(std::string(name) + ": image tensors in two layouts (" +
+                                             layout_name(t->layout()) + " and nhwc); one layout per call");
+      SLIDE_ASSIGN_OR_RETURN(Tensor p, to_plain(*t));
+      plain.push_back(std::move(p));
+    }
+    Tensor result;
+    if (out != nullptr) {
+      if (out->rank() != 4)
+        return slide::core::invalid_argument(std::string(name) + ": a channels-last output of shape " +
+                                             shape_string(out->shape()));
+      SLIDE_ASSIGN_OR_RETURN(result, Tensor::empty(out->shape(), out->dtype(), alloc_, "plain result"));
+    }
+    SLIDE_RETURN_IF_ERROR(op(plain, result));
+    if (out == nullptr) return ok_status();
+    relayout(result, *out, true);
+    return out->set_layout(Layout::kNhwc);
+  }
+
   template <typename Op>
   Status via_f32(std::initializer_list<const Tensor*> in, Tensor& out, Op op) {
     std::vector<Tensor> f;

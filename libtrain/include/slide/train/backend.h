@@ -185,6 +185,18 @@ class Backend {
   //   db is summed unrounded;
   //   batch_norm_forward_training / _inference / _backward and the synchronised pieces: x, y, dy,
   //   dx of one half type; gamma, beta, the running and saved statistics, dgamma, dbeta f32.
+  // Channels last in training (enable_half_activations with Layout::kNhwc, PyTorch's
+  // channels_last): on a backend with to_channels_last (cuda; the reference emulates it), the
+  // training ops on half storage also take their image tensors channels last: conv2d_forward /
+  // _backward_data / _backward_weights (x, y, dy, dx), batch_norm_forward_training / _inference /
+  // _backward (x, y, dy, dx; not the synchronised pieces), relu_forward / _backward, add,
+  // max_pool2d_forward / _backward, global_avg_pool_forward (x) / _backward (dx). The image tensors
+  // of one call share one layout (plain or kNhwc; a mix is kInvalidArgument naming the op); filters,
+  // biases, per-channel tensors, pooled features [N, C] and every gradient of a parameter stay
+  // plain. An op writes its image outputs in its image inputs' layout and labels them so (y and dx
+  // as x; conv2d_backward_data's dx as dy); global_avg_pool_backward, whose only image tensor is
+  // dx, writes dx in the layout dx is labelled with. The values are the plain op's, bit for bit on
+  // the reference; only their order in memory differs.
   // Products accumulate in f32 or wider; each output element is rounded once to its dtype (round to
   // nearest even, kernels/formulas.h), except that attention may round its probabilities to the
   // half type before the second product (cuda: the operand of a tensor-core GEMM), as PyTorch's
@@ -213,6 +225,15 @@ class Backend {
     if (x.layout() == Layout::kPlain) return x;
     return slide::core::unimplemented(std::string("to_plain: ") + name() + " has no " + layout_name(x.layout()) +
                                       " layout");
+  }
+  // x [N, C, H, W] channels last (Layout::kNhwc: stored [N][H][W][C], PyTorch's channels_last):
+  // x itself when it is already, else a relaid-out copy (same shape and dtype, labelled kNhwc)
+  // from this backend's allocator. The entry into channels-last training (layers.h Cast).
+  // Errors: kInvalidArgument (not rank 4, or in a blocked layout); the allocator's; kUnimplemented
+  // on a backend without channels last (cpu keeps its own blocked layouts).
+  [[nodiscard]] virtual Result<Tensor> to_channels_last(const Tensor& x) {
+    if (x.layout() == Layout::kNhwc) return x;
+    return slide::core::unimplemented(std::string("to_channels_last: ") + name() + " has no channels-last layout");
   }
 
   // --- Convolution (cross-correlation, as PyTorch) ---------------------------------------------

@@ -184,6 +184,7 @@ class GlobalAvgPool final : public Layer {
 
  private:
   Shape in_shape_;
+  Layout in_layout_ = Layout::kPlain;  // the input gradient is written in the input's layout
 };
 
 // Linear(in, out): weight [out, in], bias [out]; PyTorch's default init, U(-1/sqrt(in), 1/sqrt(in)).
@@ -204,16 +205,20 @@ class Linear final : public Layer {
 
 // Converts its input to `dtype` (Backend::cast), and its gradient back to the input's dtype: the
 // boundaries of a region of half-precision activations (torch.autocast's casts at a model's input
-// and output). A tensor already of `dtype` passes as it is. Saves: the input's dtype.
+// and output). A tensor already of `dtype` passes as it is. With `layout` kNhwc, a 4-D output is
+// then made channels last (Backend::to_channels_last; PyTorch's channels_last memory format), and
+// the gradient comes back plain. Saves: the input's dtype.
 class Cast final : public Layer {
  public:
-  explicit Cast(DType dtype) : dtype_(dtype) {}
+  explicit Cast(DType dtype, Layout layout = Layout::kPlain) : dtype_(dtype), layout_(layout) {}
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   DType dtype() const { return dtype_; }
+  Layout layout() const { return layout_; }
 
  private:
   DType dtype_;
+  Layout layout_;
   DType from_ = DType::kF32;
 };
 
@@ -300,8 +305,16 @@ class Bottleneck final : public ResidualBlock {
 // have the half-precision training ops (backend.h, "Half-precision storage": cuda, and the
 // reference as the oracle); fp16 training needs dynamic loss scaling (loss_scaler.h). Parameter
 // names are unchanged (the casts have none), so checkpoints move between f32 and half runs.
-// Errors: kInvalidArgument for a dtype other than f16 / bf16, or a model that has them already.
-[[nodiscard]] Status enable_half_activations(Sequential& model, DType dtype);
+// With `layout` Layout::kNhwc the activations are also channels last between the casts (cast_in
+// relays the images out; PyTorch's channels_last, the layout of cuDNN's tensor-core kernels, so
+// that no convolution transposes its operands): the backend must have it (backend.h, "Channels
+// last in training": cuda, and the reference emulating it); not with synchronised batch norm,
+// whose pieces read plain tensors.
+// Errors: kInvalidArgument for a dtype other than f16 / bf16, a layout other than plain or kNhwc,
+// or a model that has them already.
+[[nodiscard]] Status enable_half_activations(Sequential& model, DType dtype, Layout layout = Layout::kPlain);
+// The layout of `model`'s activations: kNhwc after enable_half_activations(..., kNhwc), else plain.
+Layout activation_layout(Sequential& model);
 // Whether `model` runs half-precision activations (its first layer is a Cast to f16 / bf16), and
 // in which dtype; f32 when not.
 DType half_activation_dtype(Sequential& model);

@@ -266,9 +266,10 @@ int run_main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "f32", "f16", "bf16"}));
   std::string channels_last = "auto";
   app.add_option("--channels-last", channels_last,
-                 "Half-precision activations also channels last (PyTorch's channels_last memory format: cuDNN's "
+                 "The CNN's activations channels last (PyTorch's channels_last memory format: cuDNN's "
                  "tensor-core convolutions then need no transposes): auto (on cuda with half-precision "
-                 "activations, unless --sync-bn) | on (also on the reference backend, which emulates it) | off")
+                 "activations, unless --sync-bn) | on (also f32 activations, e.g. --precision tf32; on cuda, or "
+                 "the reference backend, which emulates it) | off")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off"}));
   double loss_scale = 65536.0;
@@ -561,20 +562,23 @@ int run_main(int argc, char** argv) {
     return fail(slide::core::invalid_argument("--activations f16 needs --precision fp16, whose dynamic loss scaling keeps "
                                               "small gradients within f16's range (bf16 needs none)"));
   // Channels last between the casts (backend.h, "Channels last in training"): the synchronised
-  // batch norm pieces read plain tensors, so not with --sync-bn.
-  if (channels_last == "on" && act == DType::kF32)
-    return fail(slide::core::invalid_argument("--channels-last on: it is for half-precision activations (--activations "
-                                              "f16 / bf16, or auto on cuda under --precision fp16 / bf16)"));
+  // batch norm pieces read plain tensors, so not with --sync-bn; cpu keeps its own blocked layouts.
   if (channels_last == "on" && sync_bn)
     return fail(slide::core::invalid_argument("--channels-last on: --sync-bn's pieces read plain NCHW tensors"));
-  const bool nhwc = act != DType::kF32 && !sync_bn &&
-                    (channels_last == "on" || (channels_last == "auto" && (*be)->name() == "cuda"));
+  if (channels_last == "on" && (*be)->name() == "cpu")
+    return fail(slide::core::invalid_argument("--channels-last on: the cpu backend keeps oneDNN's blocked layouts "
+                                              "(nChw8c / nChw16c); channels last is for --backend cuda"));
+  const bool nhwc = !sync_bn && (channels_last == "on" ||
+                                 (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda"));
   if (act != DType::kF32) {
     if (auto s = enable_half_activations(*run.model, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
       return fail(s);
     slide::core::log_info("half-precision activations for training",
                           {{"activations", slide::train::dtype_name(act)}, {"master weights", "f32"},
                            {"layout", nhwc ? "channels last" : "nchw"}});
+  } else if (nhwc) {
+    if (auto s = enable_channels_last(*run.model); !s.ok()) return fail(s);
+    slide::core::log_info("channels-last activations for training", {{"activations", "f32"}});
   }
   run.model->collect("", &run.params, &run.buffers);
   OptimizerConfig oc;

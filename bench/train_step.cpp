@@ -6,7 +6,7 @@
 //                   [--precision fp32|tf32|bf16|fp16] [--channels-last auto|on|off]
 // Activations as slide-train's --activations auto: f16 / bf16 on cuda under fp16 / bf16
 // (enable_half_activations), else f32, and with --channels-last auto channels last where they are
-// half on cuda (on: also on the reference); the line printed says which.
+// half on cuda (on: also f32 activations, enable_channels_last); the line printed says which.
 // oneDNN's thread count follows OMP_NUM_THREADS (the bench script sets it).
 #include <algorithm>
 #include <chrono>
@@ -49,10 +49,12 @@ int main(int argc, char** argv) {
   if (Status s = move_to_device(**be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   const DType act = (*be)->activation_dtype();
   const bool nhwc =
-      act != DType::kF32 && (channels_last == "on" || (channels_last == "auto" && (*be)->name() == "cuda"));
-  if (act != DType::kF32)
-    if (Status s = enable_half_activations(**net, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
-      return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
+      channels_last == "on" || (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda");
+  if (Status s = act != DType::kF32 ? enable_half_activations(**net, act, nhwc ? Layout::kNhwc : Layout::kPlain)
+                 : nhwc             ? enable_channels_last(**net)
+                                    : Status();
+      !s.ok())
+    return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   Allocator& alloc = (*be)->allocator();
   std::vector<Parameter*> params;
   (*net)->collect("", &params, nullptr);

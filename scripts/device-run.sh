@@ -15,7 +15,7 @@
 #   7. slide-embed --model uni from a store at fp32, tf32, bf16 and fp16 (bench/uni_gpu_embed.sh);
 #   8. the compute-only figures beside PyTorch's on the same GPU (bench/torch_gpu_peer.py):
 #      ResNet-50 training at fp32, tf32, bf16 and fp16 (bench/train_step; bf16 / fp16 channels last,
-#      and fp16 NCHW beside it), and ViT-L/16 class-token
+#      fp16 NCHW and tf32 channels last beside them), and ViT-L/16 class-token
 #      features at batch 64 (bench/embed_step --model vit_l_16; the peer is timm's UNI architecture);
 #      ResNet-50 layer3 embedding at fp16 and tf32 (bench/embed_step, issue 11's embedding target);
 #      then issue 11's training target end to end: slide-train ResNet-50 from a store with --cache
@@ -141,9 +141,12 @@ for precision in fp32 tf32 bf16 fp16; do
   step "resnet50_step_$precision" 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
     --size 224 --steps 10 --precision "$precision"
 done
-# bf16 / fp16 above run channels last (--channels-last auto); the same step NCHW beside it.
+# bf16 / fp16 above run channels last (--channels-last auto); the same step NCHW beside it, and
+# tf32 channels last (--channels-last on: f32 activations NHWC).
 step resnet50_step_fp16_nchw 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
   --size 224 --steps 10 --precision fp16 --channels-last off
+step resnet50_step_tf32_nhwc 90 "$build/bench/train_step" --backend cuda --model resnet50 --batch 128 \
+  --size 224 --steps 10 --precision tf32 --channels-last on
 # Issue 13's table and issue 11's planner check on the device: ResNet-50 at 224 px, batch 64, with
 # nothing, checkpointing, offload and both; measured device peak beside the planner's, images/s,
 # and the largest batch each fits in 16 GiB.

@@ -318,16 +318,25 @@ Status enable_half_activations(Sequential& model, DType dtype, Layout layout) {
   if (layout != Layout::kPlain && layout != Layout::kNhwc)
     return invalid_argument(std::string("half-precision activations: the ") + layout_name(layout) +
                             " layout; plain or nhwc (channels last)");
-  if (half_activation_dtype(model) != DType::kF32)
-    return invalid_argument("half-precision activations: the model has them already");
+  if (model.size() > 0 && dynamic_cast<const Cast*>(&model.at(0)) != nullptr)
+    return invalid_argument("half-precision activations: the model has casts at its ends already");
   model.insert(0, std::make_unique<Cast>(dtype, layout), "cast_in");
   model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
   return slide::core::ok_status();
 }
 
+Status enable_channels_last(Sequential& model) {
+  if (model.size() > 0 && dynamic_cast<const Cast*>(&model.at(0)) != nullptr)
+    return invalid_argument("channels last: the model has casts at its ends already");
+  model.insert(0, std::make_unique<Cast>(DType::kF32, Layout::kNhwc), "cast_in");
+  model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
+  return slide::core::ok_status();
+}
+
 Layout activation_layout(Sequential& model) {
-  if (half_activation_dtype(model) == DType::kF32) return Layout::kPlain;
-  return dynamic_cast<const Cast&>(model.at(0)).layout();
+  if (model.size() == 0) return Layout::kPlain;
+  const auto* c = dynamic_cast<const Cast*>(&model.at(0));
+  return c != nullptr ? c->layout() : Layout::kPlain;
 }
 
 DType half_activation_dtype(Sequential& model) {

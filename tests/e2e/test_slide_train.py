@@ -500,6 +500,13 @@ class TestPrecision(Base):
         w1, l1 = self.weights(bf16, 1), self.weights(last, 1)
         self.assertEqual(sorted(w1), sorted(l1))
         self.assertTrue(all(np.array_equal(w1[k], l1[k]) for k in w1))
+        # ... and at f32 (--channels-last on with f32 activations, as cuda's tf32 would run it).
+        last32 = os.path.join(self.tmp, "act_f32_nhwc")
+        r = self.run_ref(last32, 1, "--channels-last", "on")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("channels-last activations for training", r.stderr)
+        w1, l1 = self.weights(self.fp32_run(), 1), self.weights(last32, 1)
+        self.assertTrue(all(np.array_equal(w1[k], l1[k]) for k in w1))
         # The cpu backend evaluates the checkpoint.
         ev = os.path.join(self.tmp, "act_eval")
         r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(bf16, "checkpoints", "epoch-2-step-0"),
@@ -510,8 +517,8 @@ class TestPrecision(Base):
         for extra, why in ((["--backend", "cpu", "--activations", "bf16"], "the cpu backend keeps f32 activations"),
                            (["--backend", "reference", "--activations", "f16"],
                             "--activations f16 needs --precision fp16"),
-                           (["--backend", "reference", "--channels-last", "on"],
-                            "--channels-last on: it is for half-precision activations"),
+                           (["--backend", "cpu", "--channels-last", "on"],
+                            "--channels-last on: the cpu backend keeps oneDNN's blocked layouts"),
                            (["--backend", "reference", "--precision", "bf16", "--activations", "bf16",
                              "--channels-last", "on", "--sync-bn"], "--channels-last on: --sync-bn")):
             out = os.path.join(self.tmp, "act_refused")

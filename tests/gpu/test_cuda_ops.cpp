@@ -129,7 +129,8 @@ TEST_CASE("cuda: conv_workspace_bytes is the workspace each convolution pass the
   // Channels last (f16, nhwc): the passes also hold the KRSC filter copy, and backward weights the
   // filter gradient's KCRS copy.
   Allocator& alloc = gpu().allocator();
-  for (const auto& config : {std::pair{DType::kF32, false}, std::pair{DType::kF16, false}, std::pair{DType::kF16, true}})
+  for (const auto& config : {std::pair{DType::kF32, false}, std::pair{DType::kF16, false}, std::pair{DType::kF16, true},
+                             std::pair{DType::kF32, true}})
   for (Case c : {Case{3, 224, 64, 7, {2, 3}}, Case{64, 56, 64, 3, {1, 1}}, Case{128, 56, 128, 3, {2, 1}}}) {
     const DType dt = config.first;
     const bool nhwc = config.second;
@@ -1004,6 +1005,7 @@ TEST_CASE("cuda: a small CNN trained with half-precision activations (enable_hal
     auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3, 0.2);
     REQUIRE(model.ok());
     if (half != DType::kF32) OK(enable_half_activations(**model, half, layout));
+    if (half == DType::kF32 && layout == Layout::kNhwc) OK(enable_channels_last(**model));
     OK(move_to_device(be, **model));
     (*model)->set_rng_seed(11);
     (*model)->set_input_gradient(false);
@@ -1044,6 +1046,16 @@ TEST_CASE("cuda: a small CNN trained with half-precision activations (enable_hal
     return std::sqrt(num / std::max(den, 1e-30));
   };
   const auto f32 = grads(ref(), DType::kF32);
+  // f32 channels last (enable_channels_last; cuDNN's NHWC FLOAT convolutions at fp32's FMA math):
+  // the reference's f32 gradients but for the summation order.
+  {
+    const auto last = grads(gpu(), DType::kF32, Layout::kNhwc);
+    for (size_t i = 0; i < f32.size(); ++i) {
+      const double e = rel(last[i], f32[i]);
+      MESSAGE("f32 nhwc gradient ", i, ": ", e, " from the reference's");
+      CHECK(e <= 1e-4);
+    }
+  }
   for (auto [prec, half] : {std::pair{MathPrecision::kFp16, DType::kF16}, std::pair{MathPrecision::kBf16, DType::kBF16}}) {
     const std::string name = dtype_name(half);
     CAPTURE(name);

@@ -176,16 +176,21 @@ TEST_CASE("bn_segment: a channel's segments cut its N * HW values into consecuti
 TEST_CASE("bn_nhwc_segment: a channels-last batch norm grid visits every (row, channel) once, in the block and "
           "segment whose partial sum holds that channel's segment") {
   CHECK(kernels::kBnNhwcColumns * kernels::kBnNhwcLanes == 256);  // kernels.cu's block
-  // ResNet-50's layer4 at batch 128 (2048 channels of 7 x 7): one segment, 64 block columns.
-  CHECK(kernels::bn_nhwc_blocks(2048, kernels::bn_segments(128, 49)) == 64);
-  for (const auto& shape : {std::tuple<int64_t, int64_t, int64_t>{3, 5, 42}, {2, 33, 9}, {1, 64, 8193 * 2},
+  // ResNet-50's layer4 at batch 128 (6,272 rows): 13 segments of 512 rows; 512 channels are 16
+  // block columns, 208 blocks (NCHW's count, one segment, would leave 16).
+  CHECK(kernels::bn_segments(128, 49, true) == 13);
+  CHECK(kernels::bn_nhwc_blocks(512, kernels::bn_segments(128, 49, true)) == 208);
+  CHECK(kernels::bn_segments(128, 112 * 112, true) == kernels::kBnMaxSegments);  // the stem: capped
+  CHECK(kernels::bn_segments(0, 5, true) == 1);
+  CHECK(kernels::bn_scratch_bytes(false, 128, 512, 49, true) == 8 * (512 * 13 + 2 * 512 + 1));
+  for (const auto& shape : {std::tuple<int64_t, int64_t, int64_t>{3, 5, 42}, {2, 33, 9}, {1, 64, 8193 * 2}, {2, 5, 70000},
                              {7, 13, 1}, {4, 32, 3000}}) {
     // Plain locals, not a structured binding: the lambdas below use them (clang before 16).
     const int64_t N = std::get<0>(shape), C = std::get<1>(shape), HW = std::get<2>(shape);
     CAPTURE(N);
     CAPTURE(C);
     CAPTURE(HW);
-    const int64_t rows = N * HW, segments = kernels::bn_segments(N, HW);
+    const int64_t rows = N * HW, segments = kernels::bn_segments(N, HW, true);
     std::vector<int> seen(static_cast<size_t>(rows * C), 0);
     for (int64_t b = 0; b < kernels::bn_nhwc_blocks(C, segments); ++b)
       for (int64_t t = 0; t < kernels::kBnNhwcColumns * kernels::kBnNhwcLanes; ++t) {

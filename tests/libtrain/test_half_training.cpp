@@ -195,12 +195,13 @@ using ModelFactory = std::function<std::unique_ptr<Sequential>()>;
 // random images [N, 3, S, S] (seed 21) with labels n % 4 and the cross-entropy's logit gradient
 // times `scale` (the loss scale; the gradients are divided by it again). `half` (f16 / bf16)
 // enables half-precision activations; `precision` sets the products' operand rounding.
-// `layout` kNhwc makes the activations channels last as well.
+// `layout` kNhwc makes the activations channels last as well (at f32: enable_channels_last).
 Grads gradients(const ModelFactory& make, int64_t N, int64_t S, DType half, double scale,
                 MathPrecision precision = MathPrecision::kFp32, Layout layout = Layout::kPlain) {
   OK(ref().set_math_precision(precision));
   std::unique_ptr<Sequential> model = make();
   if (half != DType::kF32) OK(enable_half_activations(*model, half, layout));
+  if (half == DType::kF32 && layout == Layout::kNhwc) OK(enable_channels_last(*model));
   model->set_rng_seed(11);
   const Tensor images = random_f32({N, 3, S, S}, 21, -2, 2);
   Tensor labels = *Tensor::empty({N}, DType::kI32, cpu_allocator());
@@ -372,14 +373,14 @@ TEST_CASE("enable_half_activations: casts at both ends, refused twice or for f32
   CHECK(double(halved->saved_bytes) < 0.6 * double(plain->saved_bytes));
 }
 
-TEST_CASE("channels-last training (enable_half_activations with nhwc): a small CNN's and ResNet-18's logits and "
-          "gradients equal the plain half run's bit for bit on the reference") {
+TEST_CASE("channels-last training (enable_half_activations with nhwc, enable_channels_last at f32): a small CNN's "
+          "and ResNet-18's logits and gradients equal the plain run's bit for bit on the reference") {
   // The reference stores the activations [N][H][W][C] as cuda does and computes each op on plain
   // copies, so every value must be the plain run's: what this checks is the model code (the casts,
   // the layouts the layers hand on, global average pooling's gradient, the residual adds).
   const ModelFactory cnn = [] { return take(make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3, 0.2)); };
   const ModelFactory resnet = [] { return take(make_resnet(cpu_allocator(), DType::kF32, 18, 4, 3, 0.2)); };
-  for (const DType half : {DType::kF16, DType::kBF16}) {
+  for (const DType half : {DType::kF32, DType::kF16, DType::kBF16}) {
     const std::string half_name = dtype_name(half);
     CAPTURE(half_name);
     for (const auto& model : {std::pair{"small cnn", cnn}, std::pair{"resnet18", resnet}}) {
@@ -403,6 +404,12 @@ TEST_CASE("channels-last training (enable_half_activations with nhwc): a small C
   CHECK(enable_half_activations(*model, DType::kBF16, Layout::kNChw16c).code() == StatusCode::kInvalidArgument);
   OK(enable_half_activations(*model, DType::kBF16, Layout::kNhwc));
   CHECK(activation_layout(*model) == Layout::kNhwc);
+  CHECK(enable_channels_last(*model).code() == StatusCode::kInvalidArgument);  // casts there already
+  auto f32_last = take(make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3));
+  OK(enable_channels_last(*f32_last));
+  CHECK(activation_layout(*f32_last) == Layout::kNhwc);
+  CHECK(half_activation_dtype(*f32_last) == DType::kF32);
+  CHECK(enable_half_activations(*f32_last, DType::kBF16).code() == StatusCode::kInvalidArgument);
   // The planner runs the model on its placeholders (the relaid-out images counted).
   PlanOptions po;
   po.micro_batch = 8;

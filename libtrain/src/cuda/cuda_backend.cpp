@@ -932,7 +932,7 @@ class CudaBackend final : public Backend {
                                                                 save_invstd, kHalfLayoutDTypes));
     SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_forward_training", {&x}, {&gamma, &beta}));
     SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
-    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW)));
+    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW, nhwc)));
     SLIDE_CUDA_CHECK(launch_bn_forward_training(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), eps, momentum,
                                                 f32(running_mean), f32(running_var), y.raw(), f32(save_mean),
                                                 f32(save_invstd), d.N, d.C,
@@ -957,7 +957,7 @@ class CudaBackend final : public Backend {
                                                                 kHalfLayoutDTypes));
     SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward", {&x, &dy}, {&gamma}));
     SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
-    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW)));
+    SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW, nhwc)));
     SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
                                         f32(save_invstd), dx.raw(), f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
     return ok_status();
@@ -970,7 +970,8 @@ class CudaBackend final : public Backend {
   }
   size_t batch_norm_scratch_bytes(bool backward, const Tensor& x) override {
     if (x.rank() != 4) return 0;
-    return static_cast<size_t>(kernels::bn_scratch_bytes(backward, x.dim(0), x.dim(1), x.dim(2) * x.dim(3)));
+    return static_cast<size_t>(kernels::bn_scratch_bytes(backward, x.dim(0), x.dim(1), x.dim(2) * x.dim(3),
+                                                         x.layout() == Layout::kNhwc));
   }
   // Synchronised batch norm's pieces: what batch_norm_forward_training and batch_norm_backward run
   // in turn (kernels.h); the f64 sums stay on the device between the pieces (NCCL all-reduces them

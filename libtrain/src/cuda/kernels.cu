@@ -328,8 +328,8 @@ __global__ void bn_forward_inference_kernel(const typename S::T* x, const float*
 
 // --- Batch norm, channels last (Layout::kNhwc): x as [rows = N HW, C], the channel the column ---
 // The reducing passes: bn_nhwc_blocks(C, S) blocks of kBlock threads, 32 channels by 8 row lanes
-// (kernels::bn_nhwc_segment), each writing the partial sums of its channels' segment into the NCHW
-// passes' layout (partials[c S + s]), so that bn_reduce_kernel and the f64 scratch are theirs.
+// (kernels::bn_nhwc_segment, S = bn_segments(N, HW, true)), each writing the partial sums of its
+// channels' segment into the NCHW passes' layout (partials[c S + s]) for bn_reduce_kernel.
 static_assert(kernels::kBnNhwcColumns * kernels::kBnNhwcLanes == kBlock, "a channels-last batch norm block");
 struct BnNhwc {
   int64_t C;
@@ -1017,7 +1017,7 @@ cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, i
 }
 cudaError_t launch_bn_stats(CastType t, bool nhwc, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
                             double* partials, cudaStream_t stream) {
-  const int64_t S = kernels::bn_segments(N, HW);
+  const int64_t S = kernels::bn_segments(N, HW, nhwc);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
     const auto* xs = static_cast<const typename St::T*>(x);
@@ -1031,7 +1031,7 @@ cudaError_t launch_bn_stats(CastType t, bool nhwc, const void* x, double* stats,
 }
 cudaError_t launch_bn_deviations(CastType t, bool nhwc, const void* x, const double* stats, double* devs, int64_t N,
                                  int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
-  const int64_t S = kernels::bn_segments(N, HW);
+  const int64_t S = kernels::bn_segments(N, HW, nhwc);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
     const auto* xs = static_cast<const typename St::T*>(x);
@@ -1047,7 +1047,7 @@ cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, c
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, void* y, float* save_mean,
                                          float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
-  const int64_t S = kernels::bn_segments(N, HW);
+  const int64_t S = kernels::bn_segments(N, HW, nhwc);
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
@@ -1063,7 +1063,7 @@ cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, c
 cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const float* save_mean,
                                       const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
                                       int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
-  const int64_t S = kernels::bn_segments(N, HW);
+  const int64_t S = kernels::bn_segments(N, HW, nhwc);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
@@ -1081,7 +1081,7 @@ cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const
                                      const float* save_mean, const float* save_invstd, const double* stats,
                                      const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
                                      cudaStream_t stream) {
-  const int64_t S = kernels::bn_segments(N, HW);
+  const int64_t S = kernels::bn_segments(N, HW, nhwc);
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
@@ -1101,7 +1101,7 @@ cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, con
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
                                        double* scratch, cudaStream_t stream) {
   double* partials = scratch;
-  double* stats = scratch + kernels::bn_partials(N, C, HW);
+  double* stats = scratch + kernels::bn_partials(N, C, HW, nhwc);
   double* devs = stats + C + 1;
   cudaError_t e = launch_bn_stats(t, nhwc, x, stats, N, C, HW, partials, stream);
   if (e == cudaSuccess) e = launch_bn_deviations(t, nhwc, x, stats, devs, N, C, HW, partials, stream);
@@ -1127,7 +1127,7 @@ cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void*
                                const float* save_mean, const float* save_invstd, void* dx, float* dgamma, float* dbeta,
                                int64_t N, int64_t C, int64_t HW, double* scratch, cudaStream_t stream) {
   double* partials = scratch;
-  double* sums = scratch + 2 * kernels::bn_partials(N, C, HW);
+  double* sums = scratch + 2 * kernels::bn_partials(N, C, HW, nhwc);
   cudaError_t e = launch_bn_backward_reduce(t, nhwc, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW,
                                             partials, stream);
   if (e != cudaSuccess) return e;

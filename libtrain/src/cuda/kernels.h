@@ -55,10 +55,10 @@ cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, i
 // of storage t (f32, or f16 / bf16 for half-precision activations: read as f32 values, each output
 // rounded once), NCHW, or channels last when nhwc (stored [N][HW][C]: channels-last training);
 // gamma, beta, the running and saved statistics and dgamma, dbeta are f32. Each channel is cut into
-// kernels::bn_segments(N, HW) segments whose partial sums are reduced per channel in a fixed order:
-// NCHW a block per channel segment, channels last a block per 32 channels of a segment of rows
-// (kernels::bn_nhwc_segment); `scratch` is the caller's device f64 array of
-// kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW) values.
+// kernels::bn_segments(N, HW, nhwc) segments whose partial sums are reduced per channel in a fixed
+// order: NCHW a block per channel segment, channels last a block per 32 channels of a segment of
+// rows (kernels::bn_nhwc_segment); `scratch` is the caller's device f64 array of
+// kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW, nhwc) values.
 cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                        double eps, double momentum, float* running_mean, float* running_var, void* y,
                                        float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
@@ -74,7 +74,7 @@ cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void*
 // the storage and layout rule above (the backend's pieces take NCHW; the one-rank launches above run
 // them channels last too). The one-rank launches are these pieces run in turn, so over one rank
 // the two agree bit for bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C],
-// sums [2C]; `partials` is the caller's f64 scratch of kernels::bn_partials (N, C, HW) values (twice
+// sums [2C]; `partials` is the caller's f64 scratch of kernels::bn_partials (N, C, HW, nhwc) values (twice
 // that for backward_reduce). N may be 0.
 cudaError_t launch_bn_stats(CastType t, bool nhwc, const void* x, double* stats, int64_t N, int64_t C, int64_t HW,
                             double* partials, cudaStream_t stream);

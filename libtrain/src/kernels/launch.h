@@ -149,27 +149,37 @@ SLIDE_LAUNCH_HD void for_channel(int64_t N, int64_t C, int64_t HW, int64_t c, in
 // idle.) A block's partial sums are reduced per channel in a fixed order, so that results repeat
 // bit for bit. The count depends on the shape only (not on the GPU): about kBnSegmentValues values
 // a segment, at most kBnMaxSegments (the reducing block's threads).
+// Channels last (nhwc, bn_nhwc_segment below), a block takes 32 channels of a segment of rows, and
+// its 8 lanes walk the rows one after another: segments of about kBnNhwcSegmentRows rows (64 a
+// lane), at most kBnMaxSegments, so that the narrow, short layers (ResNet-50's layer4 at batch 128:
+// 512 channels of 6,272 rows) still spread over the GPU (16 blocks with NCHW's count, 208 here).
 constexpr int64_t kBnSegmentValues = 8192;
+constexpr int64_t kBnNhwcSegmentRows = 512;
 constexpr int64_t kBnMaxSegments = 256;
-inline int64_t bn_segments(int64_t N, int64_t HW) {
+inline int64_t bn_segments(int64_t N, int64_t HW, bool nhwc = false) {
   const int64_t values = N * HW;
   if (values <= 0) return 1;
-  return std::min(kBnMaxSegments, (values + kBnSegmentValues - 1) / kBnSegmentValues);
+  const int64_t length = nhwc ? kBnNhwcSegmentRows : kBnSegmentValues;
+  return std::min(kBnMaxSegments, (values + length - 1) / length);
 }
 // The f64 scratch of the cuda batch norm passes: one partial per segment (C * segments; two per
 // segment backward), then the per-channel sums (forward: stats [C + 1] and devs [C]; backward:
 // sums [2C]).
-inline int64_t bn_partials(int64_t N, int64_t C, int64_t HW) { return C * bn_segments(N, HW); }
-inline int64_t bn_forward_scratch_doubles(int64_t N, int64_t C, int64_t HW) {
-  return bn_partials(N, C, HW) + 2 * C + 1;
+inline int64_t bn_partials(int64_t N, int64_t C, int64_t HW, bool nhwc = false) {
+  return C * bn_segments(N, HW, nhwc);
 }
-inline int64_t bn_backward_scratch_doubles(int64_t N, int64_t C, int64_t HW) {
-  return 2 * bn_partials(N, C, HW) + 2 * C;
+inline int64_t bn_forward_scratch_doubles(int64_t N, int64_t C, int64_t HW, bool nhwc = false) {
+  return bn_partials(N, C, HW, nhwc) + 2 * C + 1;
+}
+inline int64_t bn_backward_scratch_doubles(int64_t N, int64_t C, int64_t HW, bool nhwc = false) {
+  return 2 * bn_partials(N, C, HW, nhwc) + 2 * C;
 }
 // In bytes, as the cuda backend allocates it (at least one value) and reports it to the memory
-// planner (Backend::batch_norm_scratch_bytes); the simulated device takes the same.
-inline int64_t bn_scratch_bytes(bool backward, int64_t N, int64_t C, int64_t HW) {
-  const int64_t doubles = backward ? bn_backward_scratch_doubles(N, C, HW) : bn_forward_scratch_doubles(N, C, HW);
+// planner (Backend::batch_norm_scratch_bytes); the simulated device takes the same (NCHW: it runs
+// channels-last batch norm on plain copies).
+inline int64_t bn_scratch_bytes(bool backward, int64_t N, int64_t C, int64_t HW, bool nhwc = false) {
+  const int64_t doubles =
+      backward ? bn_backward_scratch_doubles(N, C, HW, nhwc) : bn_forward_scratch_doubles(N, C, HW, nhwc);
   return 8 * (doubles > 1 ? doubles : 1);
 }
 // Block b of a batch norm grid of C * segments blocks: channel c = b / segments, and that
@@ -189,9 +199,9 @@ SLIDE_LAUNCH_HD ChannelSegment bn_segment(int64_t block, int64_t segments, int64
 // of rows = N * HW pixels by C channels, the channel being the column. A block of kBlockThreads =
 // kBnNhwcColumns x kBnNhwcLanes threads takes kBnNhwcColumns consecutive channels (a warp reads 32
 // neighbouring values of one row: coalesced, where walking one channel down the rows would read one
-// value per 32-byte sector) over one segment of rows: bn_segment's share for the same
-// bn_segments(N, HW) count as NCHW, so that the f64 partials (partials[c * segments + s]), their
-// reduction (bn_reduce) and the scratch the planner holds are the NCHW ones. Lane l of the block
+// value per 32-byte sector) over one segment of rows: bn_segment's share for bn_segments(N, HW,
+// true) segments, the f64 partials laid out as NCHW's (partials[c * segments + s]) for the same
+// reduction (bn_reduce). Lane l of the block
 // (thread / kBnNhwcColumns) walks rows begin + l, begin + l + kBnNhwcLanes, ...; the lanes' sums are
 // then added in lane order, a fixed order: results repeat bit for bit.
 constexpr int64_t kBnNhwcColumns = 32, kBnNhwcLanes = 8;

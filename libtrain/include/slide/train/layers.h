@@ -313,7 +313,14 @@ class Bottleneck final : public ResidualBlock {
 // Errors: kInvalidArgument for a dtype other than f16 / bf16, a layout other than plain or kNhwc,
 // or a model that has them already.
 [[nodiscard]] Status enable_half_activations(Sequential& model, DType dtype, Layout layout = Layout::kPlain);
-// The layout of `model`'s activations: kNhwc after enable_half_activations(..., kNhwc), else plain.
+// Channels-last f32 activations (tf32 / fp32 training on cuda, where cuDNN's TF32 tensor-core
+// convolutions are NHWC too): Cast(f32, kNhwc) first ("cast_in": the images relaid out, as
+// enable_half_activations with kNhwc but without the cast) and Cast(f32) last ("cast_out"). Same
+// backends, names and refusals as enable_half_activations' channels last. Errors:
+// kInvalidArgument for a model that has casts at its ends already.
+[[nodiscard]] Status enable_channels_last(Sequential& model);
+// The layout of `model`'s activations: kNhwc after enable_half_activations(..., kNhwc) or
+// enable_channels_last, else plain.
 Layout activation_layout(Sequential& model);
 // Whether `model` runs half-precision activations (its first layer is a Cast to f16 / bf16), and
 // in which dtype; f32 when not.

@@ -268,7 +268,7 @@ int run_main(int argc, char** argv) {
   app.add_option("--channels-last", channels_last,
                  "The CNN's activations channels last (PyTorch's channels_last memory format: cuDNN's "
                  "tensor-core convolutions then need no transposes): auto (on cuda with half-precision "
-                 "activations, unless --sync-bn) | on (also f32 activations, e.g. --precision tf32; on cuda, or "
+                 "activations) | on (also f32 activations, e.g. --precision tf32; on cuda, or "
                  "the reference backend, which emulates it) | off")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off"}));
@@ -561,15 +561,13 @@ int run_main(int argc, char** argv) {
   if (act == DType::kF16 && (*be)->math_precision() != slide::train::MathPrecision::kFp16)
     return fail(slide::core::invalid_argument("--activations f16 needs --precision fp16, whose dynamic loss scaling keeps "
                                               "small gradients within f16's range (bf16 needs none)"));
-  // Channels last between the casts (backend.h, "Channels last in training"): the synchronised
-  // batch norm pieces read plain tensors, so not with --sync-bn; cpu keeps its own blocked layouts.
-  if (channels_last == "on" && sync_bn)
-    return fail(slide::core::invalid_argument("--channels-last on: --sync-bn's pieces read plain NCHW tensors"));
+  // Channels last between the casts (backend.h, "Channels last in training"); cpu keeps its own
+  // blocked layouts.
   if (channels_last == "on" && (*be)->name() == "cpu")
     return fail(slide::core::invalid_argument("--channels-last on: the cpu backend keeps oneDNN's blocked layouts "
                                               "(nChw8c / nChw16c); channels last is for --backend cuda"));
-  const bool nhwc = !sync_bn && (channels_last == "on" ||
-                                 (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda"));
+  const bool nhwc =
+      channels_last == "on" || (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda");
   if (act != DType::kF32) {
     if (auto s = enable_half_activations(*run.model, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
       return fail(s);

@@ -155,8 +155,8 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
   // The statistics in the parameters' dtype: f32 beside half-precision activations.
   SLIDE_ASSIGN_OR_RETURN(mean_, new_tensor(be, c, weight.value.dtype(), "batch mean"));
   SLIDE_ASSIGN_OR_RETURN(invstd_, new_tensor(be, c, weight.value.dtype(), "batch 1/std"));
-  if (sync_ != nullptr) {  // the pieces read plain NCHW: a blocked x is read through a plain copy
-    SLIDE_ASSIGN_OR_RETURN(const Tensor xp, be.to_plain(x));
+  if (sync_ != nullptr) {  // the pieces read plain or channels last: a blocked x through a plain copy
+    SLIDE_ASSIGN_OR_RETURN(const Tensor xp, x.layout() == Layout::kNhwc ? Result<Tensor>(x) : be.to_plain(x));
     SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, be, xp, weight.value, bias.value, eps_, momentum_,
                                                         running_mean.value, running_var.value, y, mean_, invstd_,
                                                         &sync_stats_));
@@ -173,7 +173,7 @@ Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("BatchNorm2d: backward without a training forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
   if (sync_ != nullptr) {
-    SLIDE_ASSIGN_OR_RETURN(const Tensor dyp, be.to_plain(dy));
+    SLIDE_ASSIGN_OR_RETURN(const Tensor dyp, dy.layout() == Layout::kNhwc ? Result<Tensor>(dy) : be.to_plain(dy));
     SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, be, x_, dyp, weight.value, mean_, invstd_, sync_stats_,
                                                          dx, weight.grad, bias.grad));
     return dx;

@@ -265,15 +265,19 @@ TEST_CASE("cuda vs reference: batch norm training, inference, backward") {
   }
 }
 
-TEST_CASE("cuda: synchronised batch norm's pieces over one rank are cuda's batch norm, bit for bit") {
+TEST_CASE("cuda: synchronised batch norm's pieces over one rank are cuda's batch norm, bit for bit (NCHW and "
+          "channels last)") {
   // The local communicator's buffers are host memory: the device sums go through the staged
   // all-reduce (download, add, upload). The pieces keep the per-block order of cuda's batch norm.
   auto comm = make_communicator("local", 10).value();
-  for (Shape s : {Shape{3, 13, 5, 7}, Shape{1, 3, 4, 4}, Shape{5, 3, 59, 61}}) {
+  for (const bool nhwc : {false, true})
+  for (Shape s : {Shape{3, 13, 5, 7}, Shape{1, 3, 4, 4}, Shape{5, 3, 59, 61}, Shape{2, 40, 30, 31}}) {
+    CAPTURE(nhwc);
     const int64_t C = s[1];
     Pair x = make(s, 11, -2, 3), g = make({C}, 12, 0.5, 1.5), bt = make({C}, 13), rm = make({C}, 14),
          rv = make({C}, 15, 0.5, 2), dy = make(s, 16), one = make({C}, 0, 0, 0, 1.0), out = make(s), ch = make({C});
-    Tensor X = up(x.f), G = up(g.f), BT = up(bt.f), DY = up(dy.f);
+    auto image = [&](const Tensor& host) { return nhwc ? gpu().to_channels_last(up(host)).value() : up(host); };
+    Tensor X = image(x.f), G = up(g.f), BT = up(bt.f), DY = image(dy.f);
     Tensor RM[2] = {up(rm.f), up(rm.f)}, RV[2] = {up(rv.f), up(rv.f)}, Y[2] = {up(out.f), up(out.f)},
            SM[2] = {up(ch.f), up(ch.f)}, SI[2] = {up(ch.f), up(ch.f)}, DX[2] = {up(out.f), up(out.f)},
            DG[2] = {up(one.f), up(one.f)}, DB[2] = {up(one.f), up(one.f)};
@@ -283,7 +287,9 @@ TEST_CASE("cuda: synchronised batch norm's pieces over one rank are cuda's batch
     OK(dist::sync_batch_norm_forward(*comm, gpu(), X, G, BT, 1e-5, 0.1, RM[1], RV[1], Y[1], SM[1], SI[1], &stats));
     OK(dist::sync_batch_norm_backward(*comm, gpu(), X, DY, G, SM[1], SI[1], stats, DX[1], DG[1], DB[1]));
     for (Tensor* t : {RM, RV, Y, SM, SI, DX, DG, DB}) {
-      Tensor a = to_host(gpu(), t[0]).value(), b = to_host(gpu(), t[1]).value();
+      CHECK(t[1].layout() == t[0].layout());
+      Tensor a = to_host(gpu(), gpu().to_plain(t[0]).value()).value(),
+             b = to_host(gpu(), gpu().to_plain(t[1]).value()).value();
       REQUIRE(std::memcmp(a.data<float>(), b.data<float>(), static_cast<size_t>(a.numel()) * sizeof(float)) == 0);
     }
   }

@@ -191,7 +191,43 @@ TEST_CASE("channels last: a call mixing layouts, and ops outside the list, are r
   s = ref().mul(al, al, y);  // not a channels-last op
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK(s.message().find("nhwc") != std::string::npos);
-  // The synchronised batch norm pieces read plain tensors.
-  Tensor stats = *Tensor::empty({4}, DType::kF64, cpu_allocator());
-  CHECK(ref().batch_norm_stats(al, stats).code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("synchronised batch norm's pieces on channels-last tensors: the plain pieces' values bit for bit") {
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    CAPTURE(dtype_name(dtype));
+    const int64_t N = 2, C = 3, H = 5, W = 4;
+    const Tensor x = in(random_f32({N, C, H, W}, 1), dtype), dy = in(random_f32({N, C, H, W}, 2), dtype);
+    const Tensor xl = nhwc(x), dyl = nhwc(dy);
+    auto f64 = [](int64_t n) { return *Tensor::empty({n}, DType::kF64, cpu_allocator()); };
+    Tensor st = f64(C + 1), stl = f64(C + 1), dv = f64(C), dvl = f64(C);
+    OK(ref().batch_norm_stats(x, st));
+    OK(ref().batch_norm_stats(xl, stl));
+    OK(ref().batch_norm_deviations(x, st, dv));
+    OK(ref().batch_norm_deviations(xl, stl, dvl));
+    CHECK(std::memcmp(st.raw(), stl.raw(), st.bytes()) == 0);
+    CHECK(std::memcmp(dv.raw(), dvl.raw(), dv.bytes()) == 0);
+    const Tensor gamma = random_f32({C}, 3, 0.5, 1.5), beta = random_f32({C}, 4);
+    Tensor rm = random_f32({C}, 5), rv = random_f32({C}, 6, 0.5, 1), rml = *rm.clone(), rvl = *rv.clone();
+    Tensor y = empty(x.shape(), dtype), yl = empty(x.shape(), dtype), sm = empty({C}, DType::kF32),
+           si = empty({C}, DType::kF32), sml = empty({C}, DType::kF32), sil = empty({C}, DType::kF32);
+    OK(ref().batch_norm_forward_from_stats(x, gamma, beta, st, dv, 1e-5, 0.1, rm, rv, y, sm, si));
+    OK(ref().batch_norm_forward_from_stats(xl, gamma, beta, stl, dvl, 1e-5, 0.1, rml, rvl, yl, sml, sil));
+    CHECK(yl.layout() == Layout::kNhwc);
+    CHECK(bits(yl) == bits(y));
+    CHECK(bits(rml) == bits(rm));
+    Tensor su = f64(2 * C), sul = f64(2 * C), dg = random_f32({C}, 7), db = random_f32({C}, 8), dgl = *dg.clone(),
+           dbl = *db.clone();
+    OK(ref().batch_norm_backward_reduce(x, dy, sm, si, su, dg, db));
+    OK(ref().batch_norm_backward_reduce(xl, dyl, sm, si, sul, dgl, dbl));
+    CHECK(std::memcmp(su.raw(), sul.raw(), su.bytes()) == 0);
+    CHECK(bits(dgl) == bits(dg));
+    Tensor dx = empty(x.shape(), dtype), dxl = empty(x.shape(), dtype);
+    OK(ref().batch_norm_backward_elemt(x, dy, gamma, sm, si, st, su, dx));
+    OK(ref().batch_norm_backward_elemt(xl, dyl, gamma, sm, si, stl, sul, dxl));
+    CHECK(dxl.layout() == Layout::kNhwc);
+    CHECK(bits(dxl) == bits(dx));
+    Tensor bad = empty(x.shape(), dtype);
+    CHECK(ref().batch_norm_backward_elemt(xl, dy, gamma, sm, si, st, su, bad).code() == StatusCode::kInvalidArgument);
+  }
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "slide/train/backend.h"
+#include "slide/train/communicator.h"
 #include "slide/train/layers.h"
 #include "slide/train/loss_scaler.h"
 #include "slide/train/optimizer.h"
@@ -195,11 +196,14 @@ using ModelFactory = std::function<std::unique_ptr<Sequential>()>;
 // random images [N, 3, S, S] (seed 21) with labels n % 4 and the cross-entropy's logit gradient
 // times `scale` (the loss scale; the gradients are divided by it again). `half` (f16 / bf16)
 // enables half-precision activations; `precision` sets the products' operand rounding.
-// `layout` kNhwc makes the activations channels last as well (at f32: enable_channels_last).
+// `layout` kNhwc makes the activations channels last as well (at f32: enable_channels_last);
+// `sync` runs batch norm through the synchronised pieces over that communicator.
 Grads gradients(const ModelFactory& make, int64_t N, int64_t S, DType half, double scale,
-                MathPrecision precision = MathPrecision::kFp32, Layout layout = Layout::kPlain) {
+                MathPrecision precision = MathPrecision::kFp32, Layout layout = Layout::kPlain,
+                Communicator* sync = nullptr) {
   OK(ref().set_math_precision(precision));
   std::unique_ptr<Sequential> model = make();
+  if (sync != nullptr) model->set_batch_norm_sync(sync);
   if (half != DType::kF32) OK(enable_half_activations(*model, half, layout));
   if (half == DType::kF32 && layout == Layout::kNhwc) OK(enable_channels_last(*model));
   model->set_rng_seed(11);
@@ -399,6 +403,12 @@ TEST_CASE("channels-last training (enable_half_activations with nhwc, enable_cha
       }
     }
   }
+  // --sync-bn keeps channels last: its pieces over one rank are batch norm, bit for bit.
+  auto comm = make_communicator("local", 10).value();
+  const Grads plain = gradients(cnn, 4, 32, DType::kBF16, 1.0);
+  const Grads synced = gradients(cnn, 4, 32, DType::kBF16, 1.0, MathPrecision::kFp32, Layout::kNhwc, comm.get());
+  CHECK(synced.logits == plain.logits);
+  CHECK(synced.values == plain.values);
   auto model = take(make_resnet(cpu_allocator(), DType::kF32, 18, 4, 3));
   CHECK(activation_layout(*model) == Layout::kPlain);
   CHECK(enable_half_activations(*model, DType::kBF16, Layout::kNChw16c).code() == StatusCode::kInvalidArgument);

@@ -977,15 +977,18 @@ class CudaBackend final : public Backend {
   // in turn (kernels.h); the f64 sums stay on the device between the pieces (NCCL all-reduces them
   // in place; a host communicator stages them, dist/sync_batch_norm.cpp).
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kHalfDTypes));
-    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_stats(storage(x.dtype()), false, x.raw(), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_stats(x, stats, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_stats", {&x}, {&stats}));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW, nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_stats(storage(x.dtype()), nhwc, x.raw(), f64(stats), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
-    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_deviations(x, stats, devs, kHalfDTypes));
-    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_deviations(storage(x.dtype()), false, x.raw(), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
+                           detail::validate_batch_norm_deviations(x, stats, devs, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_deviations", {&x}, {&stats, &devs}));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(kernels::bn_partials(d.N, d.C, d.HW, nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_deviations(storage(x.dtype()), nhwc, x.raw(), f64(stats), f64(devs), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_from_stats(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& stats,
@@ -995,8 +998,10 @@ class CudaBackend final : public Backend {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                           running_var, y, save_mean, save_invstd,
-                                                                          kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), false, x.raw(), f32(gamma), f32(beta), f64(stats),
+                                                                          kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_forward_from_stats", {&x}, {&gamma, &beta}));
+    SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), f64(stats),
                                                   f64(devs), eps, momentum, f32(running_mean), f32(running_var),
                                                   y.raw(), f32(save_mean),
                                                   f32(save_invstd), d.N, d.C, d.HW, st_->stream));
@@ -1005,9 +1010,11 @@ class CudaBackend final : public Backend {
   Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d, detail::validate_batch_norm_backward_reduce(
-                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta, kHalfDTypes));
-    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW)));
-    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), false, x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
+                                                       x, dy, save_mean, save_invstd, sums, dgamma, dbeta,
+                                                       kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward_reduce", {&x, &dy}, {&sums}));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW, nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
                                                f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(partials), st_->stream));
     return ok_status();
   }
@@ -1016,8 +1023,10 @@ class CudaBackend final : public Backend {
                                    Tensor& dx) override {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats, sums,
-                                                                      dx, kHalfDTypes));
-    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), false, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
+                                                                      dx, kHalfLayoutDTypes));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward_elemt", {&x, &dy}, {&gamma}));
+    SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
+    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
                                               f32(save_invstd), f64(stats), f64(sums), dx.raw(), d.N, d.C, d.HW, st_->stream));
     return ok_status();
   }

@@ -408,6 +408,9 @@ class ReferenceBackend final : public Backend {
   // all-reduced.
   // Half-precision x (and y, dy, dx) through f32 copies, as the one-rank ops.
   Status batch_norm_stats(const Tensor& x, Tensor& stats) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("batch_norm_stats", {&x}, nullptr,
+                       [&](std::vector<Tensor>& f, Tensor&) { return batch_norm_stats(f[0], stats); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_stats(x, stats, detail::with_half(dtypes_)).status());
       return via_f32({&x}, stats, [&](std::vector<Tensor>& f, Tensor& out) { return batch_norm_stats(f[0], out); });
@@ -423,6 +426,9 @@ class ReferenceBackend final : public Backend {
   }
 
   Status batch_norm_deviations(const Tensor& x, const Tensor& stats, Tensor& devs) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("batch_norm_deviations", {&x}, nullptr,
+                       [&](std::vector<Tensor>& f, Tensor&) { return batch_norm_deviations(f[0], stats, devs); });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(
           detail::validate_batch_norm_deviations(x, stats, devs, detail::with_half(dtypes_)).status());
@@ -443,6 +449,11 @@ class ReferenceBackend final : public Backend {
                                        const Tensor& devs, double eps, double momentum, Tensor& running_mean,
                                        Tensor& running_var, Tensor& y, Tensor& save_mean,
                                        Tensor& save_invstd) override {
+    if (x.layout() == Layout::kNhwc)
+      return via_plain("batch_norm_forward_from_stats", {&x}, &y, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_forward_from_stats(f[0], gamma, beta, stats, devs, eps, momentum, running_mean, running_var,
+                                             out, save_mean, save_invstd);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_forward_from_stats(x, gamma, beta, stats, devs, running_mean,
                                                                            running_var, y, save_mean, save_invstd,
@@ -470,6 +481,10 @@ class ReferenceBackend final : public Backend {
 
   Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
                                     const Tensor& save_invstd, Tensor& sums, Tensor& dgamma, Tensor& dbeta) override {
+    if (any_nhwc({&x, &dy}))
+      return via_plain("batch_norm_backward_reduce", {&x, &dy}, nullptr, [&](std::vector<Tensor>& f, Tensor&) {
+        return batch_norm_backward_reduce(f[0], f[1], save_mean, save_invstd, sums, dgamma, dbeta);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward_reduce(x, dy, save_mean, save_invstd, sums, dgamma,
                                                                         dbeta, detail::with_half(dtypes_))
@@ -494,6 +509,10 @@ class ReferenceBackend final : public Backend {
   Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                                    const Tensor& save_invstd, const Tensor& stats, const Tensor& sums,
                                    Tensor& dx) override {
+    if (any_nhwc({&x, &dy}))
+      return via_plain("batch_norm_backward_elemt", {&x, &dy}, &dx, [&](std::vector<Tensor>& f, Tensor& out) {
+        return batch_norm_backward_elemt(f[0], f[1], gamma, save_mean, save_invstd, stats, sums, out);
+      });
     if (detail::is_half(x.dtype())) {
       SLIDE_RETURN_IF_ERROR(detail::validate_batch_norm_backward_elemt(x, dy, gamma, save_mean, save_invstd, stats,
                                                                        sums, dx, detail::with_half(dtypes_))

@@ -185,11 +185,11 @@ class Backend {
   //   db is summed unrounded;
   //   batch_norm_forward_training / _inference / _backward and the synchronised pieces: x, y, dy,
   //   dx of one half type; gamma, beta, the running and saved statistics, dgamma, dbeta f32.
-  // Channels last in training (enable_half_activations with Layout::kNhwc, PyTorch's
-  // channels_last): on a backend with to_channels_last (cuda; the reference emulates it), the
-  // training ops on half storage also take their image tensors channels last: conv2d_forward /
+  // Channels last in training (enable_half_activations with Layout::kNhwc, or enable_channels_last
+  // at f32; PyTorch's channels_last): on a backend with to_channels_last (cuda; the reference
+  // emulates it), these training ops also take their image tensors channels last: conv2d_forward /
   // _backward_data / _backward_weights (x, y, dy, dx), batch_norm_forward_training / _inference /
-  // _backward (x, y, dy, dx; not the synchronised pieces), relu_forward / _backward, add,
+  // _backward and the synchronised pieces (x, y, dy, dx), relu_forward / _backward, add,
   // max_pool2d_forward / _backward, global_avg_pool_forward (x) / _backward (dx). The image tensors
   // of one call share one layout (plain or kNhwc; a mix is kInvalidArgument naming the op); filters,
   // biases, per-channel tensors, pooled features [N, C] and every gradient of a parameter stay

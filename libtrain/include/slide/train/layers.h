@@ -308,8 +308,7 @@ class Bottleneck final : public ResidualBlock {
 // With `layout` Layout::kNhwc the activations are also channels last between the casts (cast_in
 // relays the images out; PyTorch's channels_last, the layout of cuDNN's tensor-core kernels, so
 // that no convolution transposes its operands): the backend must have it (backend.h, "Channels
-// last in training": cuda, and the reference emulating it); not with synchronised batch norm,
-// whose pieces read plain tensors.
+// last in training": cuda, and the reference emulating it).
 // Errors: kInvalidArgument for a dtype other than f16 / bf16, a layout other than plain or kNhwc,
 // or a model that has them already.
 [[nodiscard]] Status enable_half_activations(Sequential& model, DType dtype, Layout layout = Layout::kPlain);

@@ -67,4 +67,11 @@ inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(
   return be;
 }
 
+// slide-train's --channels-last rule (bench/train_step follows it): "on" always, "auto" where the
+// activations are half precision on cuda, "off" never.
+inline bool channels_last_activations(const std::string& option, slide::train::DType activations,
+                                      const slide::train::Backend& be) {
+  return option == "on" || (option == "auto" && activations != slide::train::DType::kF32 && be.name() == "cuda");
+}
+
 }  // namespace slide::apps

@@ -566,8 +566,7 @@ int run_main(int argc, char** argv) {
   if (channels_last == "on" && (*be)->name() == "cpu")
     return fail(slide::core::invalid_argument("--channels-last on: the cpu backend keeps oneDNN's blocked layouts "
                                               "(nChw8c / nChw16c); channels last is for --backend cuda"));
-  const bool nhwc =
-      channels_last == "on" || (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda");
+  const bool nhwc = slide::apps::channels_last_activations(channels_last, act, **be);
   if (act != DType::kF32) {
     if (auto s = enable_half_activations(*run.model, act, nhwc ? Layout::kNhwc : Layout::kPlain); !s.ok())
       return fail(s);

@@ -65,7 +65,9 @@ int run(const std::string& model, const std::string& mode, int64_t batch, int64_
   // Activations as slide-train's --activations auto and --channels-last auto (half precision,
   // channels last, on cuda under fp16 / bf16).
   if (const DType act = be.activation_dtype(); act != DType::kF32)
-    if (Status s = enable_half_activations(**net, act, be.name() == "cuda" ? Layout::kNhwc : Layout::kPlain); !s.ok())
+    if (Status s = enable_half_activations(
+            **net, act, slide::apps::channels_last_activations("auto", act, be) ? Layout::kNhwc : Layout::kPlain);
+        !s.ok())
       return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   Allocator& alloc = be.allocator();
   std::vector<Parameter*> params;

@@ -48,8 +48,7 @@ int main(int argc, char** argv) {
   // in slide-train.
   if (Status s = move_to_device(**be, **net); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
   const DType act = (*be)->activation_dtype();
-  const bool nhwc =
-      channels_last == "on" || (channels_last == "auto" && act != DType::kF32 && (*be)->name() == "cuda");
+  const bool nhwc = slide::apps::channels_last_activations(channels_last, act, **be);
   if (Status s = act != DType::kF32 ? enable_half_activations(**net, act, nhwc ? Layout::kNhwc : Layout::kPlain)
                  : nhwc             ? enable_channels_last(**net)
                                     : Status();

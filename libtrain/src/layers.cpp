@@ -312,26 +312,28 @@ Result<Tensor> Cast::backward(Backend& be, const Tensor& dy) {
   return dx;
 }
 
+namespace {
+// Cast(dtype, layout) first ("cast_in") and Cast(f32) last ("cast_out"), unless the model has a
+// Cast first already (`what` names the caller in that error).
+Status insert_casts(Sequential& model, DType dtype, Layout layout, const char* what) {
+  if (model.size() > 0 && dynamic_cast<const Cast*>(&model.at(0)) != nullptr)
+    return invalid_argument(std::string(what) + ": the model has casts at its ends already");
+  model.insert(0, std::make_unique<Cast>(dtype, layout), "cast_in");
+  model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
+  return slide::core::ok_status();
+}
+}  // namespace
+
 Status enable_half_activations(Sequential& model, DType dtype, Layout layout) {
   if (!detail::is_half(dtype))
     return invalid_argument(std::string("half-precision activations: ") + dtype_name(dtype) + " is not f16 or bf16");
   if (layout != Layout::kPlain && layout != Layout::kNhwc)
     return invalid_argument(std::string("half-precision activations: the ") + layout_name(layout) +
                             " layout; plain or nhwc (channels last)");
-  if (model.size() > 0 && dynamic_cast<const Cast*>(&model.at(0)) != nullptr)
-    return invalid_argument("half-precision activations: the model has casts at its ends already");
-  model.insert(0, std::make_unique<Cast>(dtype, layout), "cast_in");
-  model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
-  return slide::core::ok_status();
+  return insert_casts(model, dtype, layout, "half-precision activations");
 }
 
-Status enable_channels_last(Sequential& model) {
-  if (model.size() > 0 && dynamic_cast<const Cast*>(&model.at(0)) != nullptr)
-    return invalid_argument("channels last: the model has casts at its ends already");
-  model.insert(0, std::make_unique<Cast>(DType::kF32, Layout::kNhwc), "cast_in");
-  model.insert(model.size(), std::make_unique<Cast>(DType::kF32), "cast_out");
-  return slide::core::ok_status();
-}
+Status enable_channels_last(Sequential& model) { return insert_casts(model, DType::kF32, Layout::kNhwc, "channels last"); }
 
 Layout activation_layout(Sequential& model) {
   if (model.size() == 0) return Layout::kPlain;

@@ -302,6 +302,7 @@ Result<Tensor> Cast::forward(Backend& be, const Tensor& x, bool training) {
 }
 
 Result<Tensor> Cast::backward(Backend& be, const Tensor& dy) {
+  if (!input_gradient_ || !dy.defined()) return Tensor();  // set_input_gradient(false)
   Tensor g = dy;
   if (g.layout() != Layout::kPlain) {  // channels last: the input's gradient is plain, as the input was
     SLIDE_ASSIGN_OR_RETURN(g, be.to_plain(dy));
@@ -310,6 +311,13 @@ Result<Tensor> Cast::backward(Backend& be, const Tensor& dy) {
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, g.shape(), from_, "cast input gradient"));
   SLIDE_RETURN_IF_ERROR(be.cast(g, dx));
   return dx;
+}
+
+void set_input_gradient_of(const std::vector<std::unique_ptr<Layer>>& layers, bool needed) {
+  for (const auto& l : layers) {
+    l->set_input_gradient(needed);
+    if (dynamic_cast<const Cast*>(l.get()) == nullptr) break;
+  }
 }
 
 namespace {

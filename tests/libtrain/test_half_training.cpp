@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "slide/train/activation_checkpoint.h"
 #include "slide/train/backend.h"
 #include "slide/train/communicator.h"
 #include "slide/train/layers.h"
@@ -354,6 +355,29 @@ TEST_CASE("enable_half_activations: casts at both ends, refused twice or for f32
   CHECK(model->name_at(0) == "cast_in");
   CHECK(model->name_at(model->size() - 1) == "cast_out");
   CHECK(enable_half_activations(*model, DType::kF16).code() == StatusCode::kInvalidArgument);
+
+  // The input is data (the trainer's set_input_gradient(false)): cast_in passes it on, so conv1
+  // skips its backward-data pass and the model returns no input gradient, as without the casts;
+  // and a checkpointed stem (cast_in and conv1 in one segment) does the same.
+  for (const bool checkpointed : {false, true}) {
+    CAPTURE(checkpointed);
+    auto cnn = take(make_small_cnn(cpu_allocator(), DType::kF32, 3, 4, 8, 3));
+    OK(enable_half_activations(*cnn, DType::kBF16, Layout::kNhwc));
+    if (checkpointed) REQUIRE(checkpoint_activations(*cnn, "2").ok());
+    cnn->set_input_gradient(false);
+    auto y = cnn->forward(ref(), random_f32({2, 3, 16, 16}, 1), true);
+    REQUIRE_MESSAGE(y.ok(), y.status().to_string());
+    auto dx = cnn->backward(ref(), random_f32(y->shape(), 2));
+    REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
+    CHECK_FALSE(dx->defined());
+    cnn->set_input_gradient(true);
+    y = cnn->forward(ref(), random_f32({2, 3, 16, 16}, 1), true);
+    REQUIRE(y.ok());
+    dx = cnn->backward(ref(), random_f32(y->shape(), 2));
+    REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
+    CHECK(dx->dtype() == DType::kF32);
+    CHECK(dx->layout() == Layout::kPlain);
+  }
 
   // The planner runs the layers on placeholders: with half activations the activation bytes halve,
   // the parameters' (and their gradients') do not.

@@ -387,6 +387,21 @@ TEST_CASE("planner: a device's convolution workspaces and batch norm scratch are
     CHECK(with->peak_bytes - without->peak_bytes == b.peak - a.peak);
     CHECK(with->peak_bytes - state == b.peak);
   }
+  {  // channels last (bf16 activations): the placeholders, labelled nhwc as the model's tensors
+     // are, are asked about as the ops read them (cuda's query refused them: every channels-last
+     // plan failed)
+    auto m = resnet(18);
+    REQUIRE(enable_half_activations(*m, DType::kBF16, Layout::kNhwc).ok());
+    PlanOptions po;
+    po.micro_batch = 2;
+    po.sample_shape = {3, kPx, kPx};
+    po.classes = 3;
+    po.backend = "reference";
+    po.workspace_backend = ws_be.get();
+    auto plan = plan_memory(*m, po);
+    REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
+    CHECK(plan->peak_bytes > 0);
+  }
 }
 
 TEST_CASE("planner: a micro-batch past cuDNN's tensor limit fits no budget, and the search stops below it") {

@@ -835,19 +835,23 @@ class CudaBackend final : public Backend {
                                       const Tensor& y) override {
     // Shapes and dtypes only: the planner's placeholders live on no device. Half-precision x with
     // backward weights' f32 dw (in w's place) is the half training pass.
+    // Channels-last placeholders are read as the ops read them (kHalfLayoutDTypes): refusing them
+    // failed every channels-last plan, so every slide-train run under fp16 / bf16.
     const bool half = detail::is_half(x.dtype());
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            pass == ConvPass::kBackwardWeights
                                ? detail::validate_conv2d_backward_weights(x, y, p, w, Tensor(),
-                                                                          detail::shapes_only(kHalfDTypes))
-                               : detail::validate_conv2d_forward(x, w, Tensor(), p, y, detail::shapes_only(kHalfDTypes)));
+                                                                          detail::shapes_only(kHalfLayoutDTypes))
+                               : detail::validate_conv2d_forward(x, w, Tensor(), p, y,
+                                                                 detail::shapes_only(kHalfLayoutDTypes)));
+    // Channels last: x and y (forward: x, y; backward data: dx, dy; backward weights: x, dy)
+    // labelled kNhwc, as the planner's placeholders are (planner.cpp follows the backends' labels);
+    // one layout for both, the filter (or its gradient) plain.
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("conv_workspace_bytes", {&x, &y}, {&w}));
     if (d.N * d.K * d.P * d.Q == 0 || d.N * d.C * d.H * d.W == 0) return size_t{0};  // the ops return early
     const ConvDirection direction = pass == ConvPass::kForward        ? ConvDirection::kForward
                                     : pass == ConvPass::kBackwardData ? ConvDirection::kBackwardData
                                                                       : ConvDirection::kBackwardFilter;
-    // Channels last: x (forward, backward weights) or dx (backward data) labelled kNhwc, as the
-    // planner's placeholders are (planner.cpp follows the backends' labels).
-    const bool nhwc = x.layout() == Layout::kNhwc;
     const ConvKey key = conv_key(direction, d, p, x.dtype(), nhwc);
     ConvDescs ds;
     SLIDE_RETURN_IF_ERROR(ds.set(d, p, key.math, cudnn_type(x.dtype()), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW));

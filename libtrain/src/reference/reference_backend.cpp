@@ -168,9 +168,11 @@ class ReferenceBackend final : public Backend {
   Result<size_t> conv_workspace_bytes(ConvPass pass, const Tensor& x, const Tensor& w, Conv2dParams p,
                                       const Tensor& y) override {
     if (!simulated_workspace_) return size_t{0};
-    // Shapes and dtypes only: the planner's placeholders live on no device.
+    // Shapes and dtypes only: the planner's placeholders live on no device, and are labelled
+    // channels last where the model keeps its activations so (the ops read them).
     // Half-precision x with backward weights' f32 dw (in w's place): the half training pass.
-    const detail::DTypes any = detail::shapes_only(detail::with_half(dtypes_));
+    detail::DTypes any = detail::shapes_only(detail::with_half(dtypes_));
+    any.blocked = true;
     SLIDE_ASSIGN_OR_RETURN(const detail::ConvDims d,
                            pass == ConvPass::kBackwardWeights
                                ? detail::validate_conv2d_backward_weights(x, y, p, w, Tensor(), any)

@@ -44,9 +44,7 @@ class Segment : public Layer {
   void set_batch_norm_sync(Communicator* comm) override {
     for (auto& l : layers_) l->set_batch_norm_sync(comm);
   }
-  void set_input_gradient(bool needed) override {
-    if (!layers_.empty()) layers_.front()->set_input_gradient(needed);
-  }
+  void set_input_gradient(bool needed) override { set_input_gradient_of(layers_, needed); }
   size_t layers() const { return layers_.size(); }
   // Gives the layers back, with their names in the parent (unwrap_segments); the segment is empty
   // afterwards.

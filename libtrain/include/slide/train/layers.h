@@ -212,7 +212,10 @@ class Cast final : public Layer {
  public:
   explicit Cast(DType dtype, Layout layout = Layout::kPlain) : dtype_(dtype), layout_(layout) {}
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
+  // Told that no input gradient is needed (set_input_gradient_of passes it on to the layer after
+  // it as well), backward returns an undefined tensor.
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
+  void set_input_gradient(bool needed) override { input_gradient_ = needed; }
   DType dtype() const { return dtype_; }
   Layout layout() const { return layout_; }
 
@@ -220,7 +223,13 @@ class Cast final : public Layer {
   DType dtype_;
   Layout layout_;
   DType from_ = DType::kF32;
+  bool input_gradient_ = true;
 };
+
+// Layer::set_input_gradient for a container's layers in order: the first layer, and past each
+// Cast (whose input gradient is only its output's, cast) the one after it too, so that a model
+// with casts at its ends still skips its first convolution's backward-data pass.
+void set_input_gradient_of(const std::vector<std::unique_ptr<Layer>>& layers, bool needed);
 
 // Layers applied in order; names are "<index>." unless given (torchvision's Sequential naming).
 class Sequential final : public Layer {
@@ -233,9 +242,7 @@ class Sequential final : public Layer {
   void set_rng_seed(uint64_t seed) override;
   void set_batch_norm_sync(Communicator* comm) override;
   void set_backward_hook(const BackwardHook* hook) override;
-  void set_input_gradient(bool needed) override {
-    if (!layers_.empty()) layers_.front()->set_input_gradient(needed);
-  }
+  void set_input_gradient(bool needed) override { set_input_gradient_of(layers_, needed); }
   size_t size() const { return layers_.size(); }
   // The i-th layer (i < size()) and its name, for the memory planner and activation checkpointing.
   Layer& at(size_t i) { return *layers_.at(i); }

@@ -1,7 +1,10 @@
 // Backend::prepare_fused_conv2d and Backend::fused_conv2d_inference's defaults: the fused inference
 // convolution composed from the op list (conv2d_forward, add, relu_forward). The reference backend
 // runs these (they are the oracle of the fused versions); cpu (oneDNN post-ops) and cuda
-// (cudnnConvolutionBiasActivationForward) override both.
+// (cudnnConvolutionBiasActivationForward) override both. Also the defaults of the training pair
+// batch norm + ReLU (Backend::batch_norm_relu_forward_training / _backward), composed from
+// batch_norm_forward_training, relu_forward, relu_backward and batch_norm_backward: what the
+// reference and cpu run; cuda overrides both.
 #include <memory>
 
 #include "op_checks.h"
@@ -43,6 +46,24 @@ Status Backend::fused_conv2d_inference(const Tensor& x, const FusedConvWeights& 
   }
   if (relu) SLIDE_RETURN_IF_ERROR(relu_forward(y, y));
   return slide::core::ok_status();
+}
+
+Status Backend::batch_norm_relu_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                                                 double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
+                                                 Tensor& save_mean, Tensor& save_invstd) {
+  SLIDE_RETURN_IF_ERROR(batch_norm_forward_training(x, gamma, beta, eps, momentum, running_mean, running_var, y,
+                                                    save_mean, save_invstd));
+  return relu_forward(y, y);
+}
+
+Status Backend::batch_norm_relu_backward(const Tensor& x, const Tensor& y, const Tensor& dy, const Tensor& gamma,
+                                         const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx,
+                                         Tensor& dgamma, Tensor& dbeta) {
+  // The masked gradient in dx, then batch norm's backward in place on it (backend.h allows dx == dy):
+  // no tensor beyond the two layers' (a scratch of dy's size here raised the peak of a small CNN's
+  // step by one activation, dy being still held by the caller).
+  SLIDE_RETURN_IF_ERROR(relu_backward(y, dy, dx));
+  return batch_norm_backward(x, dx, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
 }
 
 }  // namespace slide::train

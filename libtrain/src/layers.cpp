@@ -143,12 +143,18 @@ Result<std::unique_ptr<BatchNorm2d>> BatchNorm2d::make(Allocator& alloc, DType d
   return b;
 }
 
+void BatchNorm2d::fuse_relu(ReLU& next) {
+  relu_ = true;
+  next.fused_ = true;
+}
+
 Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training) {
   SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), x.dtype(), "batch norm output"));
   if (!training) {
     SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_inference(x, weight.value, bias.value, running_mean.value,
                                                           running_var.value, eps_, y));
-    x_ = Tensor();
+    if (relu_) SLIDE_RETURN_IF_ERROR(be.relu_forward(y, y));
+    x_ = y_ = Tensor();
     return y;
   }
   const Shape c{weight.value.dim(0)};
@@ -160,12 +166,21 @@ Result<Tensor> BatchNorm2d::forward(Backend& be, const Tensor& x, bool training)
     SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_forward(*sync_, be, xp, weight.value, bias.value, eps_, momentum_,
                                                         running_mean.value, running_var.value, y, mean_, invstd_,
                                                         &sync_stats_));
+    if (relu_) SLIDE_RETURN_IF_ERROR(be.relu_forward(y, y));
     x_ = xp;
+    y_ = relu_ ? y : Tensor();
     return y;
   }
-  SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
-                                                       running_mean.value, running_var.value, y, mean_, invstd_));
+  if (relu_) {
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_relu_forward_training(x, weight.value, bias.value, eps_, momentum_,
+                                                              running_mean.value, running_var.value, y, mean_,
+                                                              invstd_));
+  } else {
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_forward_training(x, weight.value, bias.value, eps_, momentum_,
+                                                         running_mean.value, running_var.value, y, mean_, invstd_));
+  }
   x_ = x;
+  y_ = relu_ ? y : Tensor();
   return y;
 }
 
@@ -173,12 +188,21 @@ Result<Tensor> BatchNorm2d::backward(Backend& be, const Tensor& dy) {
   if (!x_.defined()) return failed_precondition("BatchNorm2d: backward without a training forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, x_.shape(), x_.dtype(), "batch norm input gradient"));
   if (sync_ != nullptr) {
-    SLIDE_ASSIGN_OR_RETURN(const Tensor dyp, dy.layout() == Layout::kNhwc ? Result<Tensor>(dy) : be.to_plain(dy));
+    SLIDE_ASSIGN_OR_RETURN(Tensor dyp, dy.layout() == Layout::kNhwc ? Result<Tensor>(dy) : be.to_plain(dy));
+    if (relu_) {  // the ReLU's mask first, as its own layer would, into dx (the pieces allow dx == dy)
+      SLIDE_RETURN_IF_ERROR(be.relu_backward(y_, dyp, dx));
+      dyp = dx;
+    }
     SLIDE_RETURN_IF_ERROR(dist::sync_batch_norm_backward(*sync_, be, x_, dyp, weight.value, mean_, invstd_, sync_stats_,
                                                          dx, weight.grad, bias.grad));
     return dx;
   }
-  SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+  if (relu_) {
+    SLIDE_RETURN_IF_ERROR(
+        be.batch_norm_relu_backward(x_, y_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+  } else {
+    SLIDE_RETURN_IF_ERROR(be.batch_norm_backward(x_, dy, weight.value, mean_, invstd_, dx, weight.grad, bias.grad));
+  }
   return dx;
 }
 
@@ -197,6 +221,7 @@ void BatchNorm2d::collect(const std::string& prefix, std::vector<Parameter*>* pa
 
 // ---------------------------------------------------------------------------------------------
 Result<Tensor> ReLU::forward(Backend& be, const Tensor& x, bool training) {
+  if (fused_) return x;  // the batch norm before it applied it
   SLIDE_ASSIGN_OR_RETURN(Tensor y, new_tensor(be, x.shape(), x.dtype(), "relu output"));
   SLIDE_RETURN_IF_ERROR(be.relu_forward(x, y));
   y_ = training ? y : Tensor();
@@ -204,6 +229,7 @@ Result<Tensor> ReLU::forward(Backend& be, const Tensor& x, bool training) {
 }
 
 Result<Tensor> ReLU::backward(Backend& be, const Tensor& dy) {
+  if (fused_) return dy;
   if (!y_.defined()) return failed_precondition("ReLU: backward without a training forward");
   SLIDE_ASSIGN_OR_RETURN(Tensor dx, new_tensor(be, y_.shape(), y_.dtype(), "relu input gradient"));
   SLIDE_RETURN_IF_ERROR(be.relu_backward(y_, dy, dx));
@@ -364,6 +390,11 @@ void Sequential::insert(size_t i, std::unique_ptr<Layer> layer, std::string name
 }
 
 void Sequential::add(std::unique_ptr<Layer> layer, std::string name) {
+  if (auto* relu = dynamic_cast<ReLU*>(layer.get()); relu != nullptr && !layers_.empty()) {
+    if (auto* bn = dynamic_cast<BatchNorm2d*>(layers_.back().get()); bn != nullptr && !bn->relu_fused()) {
+      bn->fuse_relu(*relu);
+    }
+  }
   names_.push_back(name.empty() ? std::to_string(layers_.size()) : std::move(name));
   layers_.push_back(std::move(layer));
 }

@@ -295,6 +295,45 @@ TEST_CASE("cuda: synchronised batch norm's pieces over one rank are cuda's batch
   }
 }
 
+TEST_CASE("cuda: batch norm + ReLU as one op is batch norm then ReLU, bit for bit (f32, f16, bf16; NCHW and "
+          "channels last)") {
+  // cuda's fused op (the normalising pass stores max(y, 0); the backward passes mask dy as they
+  // read it) against Backend's default on the same backend: batch_norm_forward_training then
+  // relu_forward, relu_backward then batch_norm_backward. Same kernels, same order: the same bits.
+  for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16})
+  for (const bool nhwc : {false, true})
+  for (Shape s : {Shape{3, 13, 5, 7}, Shape{2, 40, 30, 31}}) {
+    CAPTURE(dtype_name(dtype));
+    CAPTURE(nhwc);
+    const int64_t C = s[1];
+    Pair g = make({C}, 12, 0.5, 1.5), bt = make({C}, 13), rm = make({C}, 14), rv = make({C}, 15, 0.5, 2),
+         one = make({C}, 0, 0, 0, 1.0), ch = make({C});
+    auto image = [&](uint64_t seed, double lo, double hi) {
+      Tensor d = up(testing::host_cast(testing::random_f32(s, seed, lo, hi), dtype));
+      return nhwc ? gpu().to_channels_last(d).value() : d;
+    };
+    const Tensor X = image(11, -2, 3), DY = image(16, -1, 1), G = up(g.f), BT = up(bt.f);
+    auto images = [&] { return *Tensor::empty(s, dtype, gpu().allocator(), "output"); };
+    Tensor RM[2] = {up(rm.f), up(rm.f)}, RV[2] = {up(rv.f), up(rv.f)}, SM[2] = {up(ch.f), up(ch.f)},
+           SI[2] = {up(ch.f), up(ch.f)}, DG[2] = {up(one.f), up(one.f)}, DB[2] = {up(one.f), up(one.f)},
+           Y[2] = {images(), images()}, DX[2] = {images(), images()};
+    OK(gpu().batch_norm_relu_forward_training(X, G, BT, 1e-5, 0.1, RM[0], RV[0], Y[0], SM[0], SI[0]));
+    OK(gpu().batch_norm_relu_backward(X, Y[0], DY, G, SM[0], SI[0], DX[0], DG[0], DB[0]));
+    OK(gpu().Backend::batch_norm_relu_forward_training(X, G, BT, 1e-5, 0.1, RM[1], RV[1], Y[1], SM[1], SI[1]));
+    OK(gpu().Backend::batch_norm_relu_backward(X, Y[1], DY, G, SM[1], SI[1], DX[1], DG[1], DB[1]));
+    for (Tensor* t : {RM, RV, SM, SI, DG, DB, Y, DX}) {
+      CHECK(t[0].layout() == t[1].layout());
+      Tensor a = to_host(gpu(), gpu().to_plain(t[0]).value()).value(),
+             b = to_host(gpu(), gpu().to_plain(t[1]).value()).value();
+      REQUIRE(std::memcmp(a.raw(), b.raw(), a.bytes()) == 0);
+    }
+    // The mask mattered: some outputs were clamped, some passed.
+    const std::vector<float> y = testing::host_values(to_host(gpu(), gpu().to_plain(Y[0]).value()).value());
+    CHECK(std::count(y.begin(), y.end(), 0.0f) > 0);
+    CHECK(std::count_if(y.begin(), y.end(), [](float v) { return v > 0; }) > 0);
+  }
+}
+
 TEST_CASE("cuda vs reference: element-wise ops, forward and backward") {
   const Shape s{3, 13, 5};
   Pair x = make(s, 21, -3, 3), z = make(s, 22), y = make(s), dy = make(s, 23), dx = make(s);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "slide/train/communicator.h"
 #include "slide/train/layers.h"
 #include "slide/train/model_registry.h"
 #include "test_util.h"
@@ -102,6 +103,119 @@ TEST_CASE("layers: BasicBlock with a downsample shortcut, and the small CNN, end
   auto cnn = make_small_cnn(cpu_allocator(), DType::kF64, 3, 3, 2, 7);
   REQUIRE(cnn.ok());
   check_layer(**cnn, random({3, 3, 8, 8}, 9), 1e-5);
+}
+
+namespace {
+
+template <typename L>
+std::unique_ptr<Layer> must(Result<std::unique_ptr<L>> r) {
+  REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+  return std::move(*r);
+}
+// conv, batch norm, ReLU, max pool, conv, batch norm, ReLU, global average pool, linear, from a
+// fixed seed. fused: each ReLU added right after its batch norm (Sequential::add fuses the pair);
+// else each ReLU in a Sequential of its own, which add does not fuse.
+std::unique_ptr<Sequential> conv_bn_relu_net(DType dtype, bool fused) {
+  InitRng rng(7);
+  auto net = std::make_unique<Sequential>();
+  auto relu = [&] {
+    if (fused) return net->add(std::make_unique<ReLU>());
+    auto own = std::make_unique<Sequential>();
+    own->add(std::make_unique<ReLU>());
+    net->add(std::move(own));
+  };
+  net->add(must(Conv2d::make(cpu_allocator(), dtype, 3, 8, 3, {1, 1}, false, rng)));
+  net->add(must(BatchNorm2d::make(cpu_allocator(), dtype, 8)));
+  relu();
+  net->add(std::make_unique<MaxPool2d>(Pool2dParams{2, 2, 0}));
+  net->add(must(Conv2d::make(cpu_allocator(), dtype, 8, 8, 3, {2, 1}, false, rng)));
+  net->add(must(BatchNorm2d::make(cpu_allocator(), dtype, 8)));
+  relu();
+  net->add(std::make_unique<GlobalAvgPool>());
+  net->add(must(Linear::make(cpu_allocator(), dtype, 8, 4, rng)));
+  return net;
+}
+
+// The bytes of a training step's (forward, backward) outputs, parameter gradients and running
+// statistics, each made plain, then an inference forward's: what two runs must share bit for bit.
+std::vector<std::vector<unsigned char>> step_bytes(Backend& be, Sequential& net, const Tensor& x, const Tensor& r) {
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  net.collect("", &params, &buffers);
+  for (Parameter* p : params) p->grad.fill_zero();
+  std::vector<Tensor> out;
+  auto y = net.forward(be, x, true);
+  REQUIRE_MESSAGE(y.ok(), y.status().to_string());
+  auto dx = net.backward(be, r);
+  REQUIRE_MESSAGE(dx.ok(), dx.status().to_string());
+  out = {*y, *dx};
+  for (Parameter* p : params) out.push_back(p->grad);
+  for (Buffer* b : buffers) out.push_back(b->value);
+  auto eval = net.forward(be, x, false);
+  REQUIRE_MESSAGE(eval.ok(), eval.status().to_string());
+  out.push_back(*eval);
+  std::vector<std::vector<unsigned char>> bytes;
+  for (const Tensor& t : out) {
+    auto plain = be.to_plain(t);
+    REQUIRE_MESSAGE(plain.ok(), plain.status().to_string());
+    auto host = to_host(be, *plain);
+    REQUIRE_MESSAGE(host.ok(), host.status().to_string());
+    const auto* p = static_cast<const unsigned char*>(host->raw());
+    bytes.emplace_back(p, p + host->bytes());
+  }
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("layers: a ReLU added after a BatchNorm2d is fused into it; the fused pair equals the two layers bit for "
+          "bit (reference f64 and f32, cpu, synchronised batch norm, bf16 channels last)") {
+  auto fused = conv_bn_relu_net(DType::kF32, true);
+  auto* bn = dynamic_cast<BatchNorm2d*>(&fused->at(1));
+  auto* relu = dynamic_cast<ReLU*>(&fused->at(2));
+  REQUIRE(bn != nullptr);
+  REQUIRE(relu != nullptr);
+  CHECK(bn->relu_fused());
+  CHECK(relu->fused());
+  auto apart = conv_bn_relu_net(DType::kF32, false);
+  CHECK_FALSE(dynamic_cast<BatchNorm2d*>(&apart->at(1))->relu_fused());
+  // ResNet: the stem's and each block's inner pairs; the last batch norm of a block feeds the add.
+  auto resnet = make_resnet(cpu_allocator(), DType::kF32, 18, 4, 3);
+  REQUIRE(resnet.ok());
+  CHECK(dynamic_cast<BatchNorm2d*>(&(*resnet)->at(1))->relu_fused());
+  auto& block = dynamic_cast<ResidualBlock&>(dynamic_cast<Sequential&>((*resnet)->at(4)).at(0));
+  CHECK(dynamic_cast<BatchNorm2d*>(&block.main_path().at(1))->relu_fused());
+  CHECK_FALSE(dynamic_cast<BatchNorm2d*>(&block.main_path().at(4))->relu_fused());
+
+  auto cpu = testing::must_make("cpu");
+  auto comm = make_communicator("local", 10).value();
+  struct Case {
+    const char* name;
+    Backend* be;
+    DType dtype;
+    bool sync, bf16_nhwc;
+  };
+  for (const Case& c : {Case{"reference f64", &ref(), DType::kF64, false, false},
+                        Case{"reference f32", &ref(), DType::kF32, false, false},
+                        Case{"cpu f32", cpu.get(), DType::kF32, false, false},
+                        Case{"reference f32, sync batch norm", &ref(), DType::kF32, true, false},
+                        Case{"reference bf16 channels last", &ref(), DType::kF32, false, true}}) {
+    CAPTURE(c.name);
+    std::vector<std::vector<unsigned char>> runs[2];
+    for (const bool f : {true, false}) {
+      auto net = conv_bn_relu_net(c.dtype, f);
+      if (c.sync) net->set_batch_norm_sync(comm.get());
+      if (c.bf16_nhwc) OK(enable_half_activations(*net, DType::kBF16, Layout::kNhwc));
+      Tensor x = c.dtype == DType::kF64 ? random({4, 3, 12, 12}, 3) : testing::random_f32({4, 3, 12, 12}, 3, -2, 2);
+      Tensor r = c.dtype == DType::kF64 ? random({4, 4}, 4) : testing::random_f32({4, 4}, 4);
+      runs[f ? 0 : 1] = step_bytes(*c.be, *net, x, r);
+    }
+    REQUIRE(runs[0].size() == runs[1].size());
+    for (size_t i = 0; i < runs[0].size(); ++i) {
+      CAPTURE(i);
+      CHECK(runs[0][i] == runs[1][i]);
+    }
+  }
 }
 
 TEST_CASE("layers: backward without a training forward is a precondition error; eval keeps no activations") {

@@ -931,16 +931,28 @@ class CudaBackend final : public Backend {
   Status batch_norm_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
                                      double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
                                      Tensor& save_mean, Tensor& save_invstd) override {
+    return bn_training("batch_norm_forward_training", false, x, gamma, beta, eps, momentum, running_mean, running_var,
+                       y, save_mean, save_invstd);
+  }
+  // Batch norm + ReLU: the normalising pass stores max(y, 0) (kernels.h launch_bn_forward_training).
+  Status batch_norm_relu_forward_training(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                                          double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y,
+                                          Tensor& save_mean, Tensor& save_invstd) override {
+    return bn_training("batch_norm_relu_forward_training", true, x, gamma, beta, eps, momentum, running_mean,
+                       running_var, y, save_mean, save_invstd);
+  }
+  Status bn_training(const char* op, bool relu, const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                     double momentum, Tensor& running_mean, Tensor& running_var, Tensor& y, Tensor& save_mean,
+                     Tensor& save_invstd) {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_training(x, gamma, beta, running_mean, running_var, y, save_mean,
                                                                 save_invstd, kHalfLayoutDTypes));
-    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_forward_training", {&x}, {&gamma, &beta}));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last(op, {&x}, {&gamma, &beta}));
     SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_forward_scratch_doubles(d.N, d.C, d.HW, nhwc)));
     SLIDE_CUDA_CHECK(launch_bn_forward_training(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), eps, momentum,
                                                 f32(running_mean), f32(running_var), y.raw(), f32(save_mean),
-                                                f32(save_invstd), d.N, d.C,
-                                                d.HW, f64(scratch), st_->stream));
+                                                f32(save_invstd), relu, d.N, d.C, d.HW, f64(scratch), st_->stream));
     return ok_status();
   }
   Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
@@ -956,14 +968,28 @@ class CudaBackend final : public Backend {
   }
   Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
                              const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override {
+    return bn_backward("batch_norm_backward", x, nullptr, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
+  }
+  // Batch norm + ReLU: both reducing and element-wise passes read dy masked by y > 0 (no scratch).
+  Status batch_norm_relu_backward(const Tensor& x, const Tensor& y, const Tensor& dy, const Tensor& gamma,
+                                  const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                                  Tensor& dbeta) override {
+    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("batch_norm_relu_backward", x, y, nullptr, kHalfLayoutDTypes));
+    return bn_backward("batch_norm_relu_backward", x, &y, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
+  }
+  Status bn_backward(const char* op, const Tensor& x, const Tensor* relu_y, const Tensor& dy, const Tensor& gamma,
+                     const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
     SLIDE_ASSIGN_OR_RETURN(const detail::BnDims d,
                            detail::validate_batch_norm_backward(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta,
                                                                 kHalfLayoutDTypes));
-    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward", {&x, &dy}, {&gamma}));
+    SLIDE_ASSIGN_OR_RETURN(const bool nhwc, relu_y != nullptr ? channels_last(op, {&x, relu_y, &dy}, {&gamma})
+                                                              : channels_last(op, {&x, &dy}, {&gamma}));
     SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
     SLIDE_ASSIGN_OR_RETURN(Tensor scratch, bn_scratch(kernels::bn_backward_scratch_doubles(d.N, d.C, d.HW, nhwc)));
-    SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
-                                        f32(save_invstd), dx.raw(), f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(scratch), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_backward(storage(x.dtype()), nhwc, x.raw(), dy.raw(),
+                                        relu_y != nullptr ? relu_y->raw() : nullptr, f32(gamma), f32(save_mean),
+                                        f32(save_invstd), dx.raw(), f32(dgamma), f32(dbeta), d.N, d.C, d.HW,
+                                        f64(scratch), st_->stream));
     return ok_status();
   }
 
@@ -1007,8 +1033,8 @@ class CudaBackend final : public Backend {
     SLIDE_RETURN_IF_ERROR(y.set_layout(layout_of(nhwc)));
     SLIDE_CUDA_CHECK(launch_bn_forward_from_stats(storage(x.dtype()), nhwc, x.raw(), f32(gamma), f32(beta), f64(stats),
                                                   f64(devs), eps, momentum, f32(running_mean), f32(running_var),
-                                                  y.raw(), f32(save_mean),
-                                                  f32(save_invstd), d.N, d.C, d.HW, st_->stream));
+                                                  y.raw(), f32(save_mean), f32(save_invstd), false, d.N, d.C, d.HW,
+                                                  st_->stream));
     return ok_status();
   }
   Status batch_norm_backward_reduce(const Tensor& x, const Tensor& dy, const Tensor& save_mean,
@@ -1018,8 +1044,9 @@ class CudaBackend final : public Backend {
                                                        kHalfLayoutDTypes));
     SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward_reduce", {&x, &dy}, {&sums}));
     SLIDE_ASSIGN_OR_RETURN(Tensor partials, bn_scratch(2 * kernels::bn_partials(d.N, d.C, d.HW, nhwc)));
-    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(save_mean), f32(save_invstd), f64(sums),
-                                               f32(dgamma), f32(dbeta), d.N, d.C, d.HW, f64(partials), st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_backward_reduce(storage(x.dtype()), nhwc, x.raw(), dy.raw(), nullptr, f32(save_mean),
+                                               f32(save_invstd), f64(sums), f32(dgamma), f32(dbeta), d.N, d.C, d.HW,
+                                               f64(partials), st_->stream));
     return ok_status();
   }
   Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& save_mean,
@@ -1030,8 +1057,9 @@ class CudaBackend final : public Backend {
                                                                       dx, kHalfLayoutDTypes));
     SLIDE_ASSIGN_OR_RETURN(const bool nhwc, channels_last("batch_norm_backward_elemt", {&x, &dy}, {&gamma}));
     SLIDE_RETURN_IF_ERROR(dx.set_layout(layout_of(nhwc)));
-    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), nhwc, x.raw(), dy.raw(), f32(gamma), f32(save_mean),
-                                              f32(save_invstd), f64(stats), f64(sums), dx.raw(), d.N, d.C, d.HW, st_->stream));
+    SLIDE_CUDA_CHECK(launch_bn_backward_elemt(storage(x.dtype()), nhwc, x.raw(), dy.raw(), nullptr, f32(gamma),
+                                              f32(save_mean), f32(save_invstd), f64(stats), f64(sums), dx.raw(), d.N,
+                                              d.C, d.HW, st_->stream));
     return ok_status();
   }
 

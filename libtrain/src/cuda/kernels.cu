@@ -220,17 +220,26 @@ __global__ void bn_partial_deviations_kernel(const typename S::T* x, const doubl
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// partials[b] = sum dy and partials[C S + b] = sum dy * xhat over block b's segment.
+// dy[i] as f32, masked by ReLU's rule where the batch norm's output relu_y (batch norm + ReLU,
+// backend.h batch_norm_relu_backward) is given: the value relu_backward would have stored.
 template <typename S>
-__global__ void bn_partial_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* save_mean,
-                                       const float* save_invstd, double* partials, int64_t N, int64_t C, int64_t HW,
-                                       int64_t segments) {
+__device__ float bn_gradient(const typename S::T* dy, const typename S::T* relu_y, int64_t i) {
+  const float g = S::load(dy[i]);
+  return relu_y != nullptr ? fm::relu_grad(S::load(relu_y[i]), g) : g;
+}
+
+// partials[b] = sum dy and partials[C S + b] = sum dy * xhat over block b's segment (dy masked by
+// relu_y where given).
+template <typename S>
+__global__ void bn_partial_grad_kernel(const typename S::T* x, const typename S::T* dy, const typename S::T* relu_y,
+                                       const float* save_mean, const float* save_invstd, double* partials, int64_t N,
+                                       int64_t C, int64_t HW, int64_t segments) {
   __shared__ double shared[kBlock];
   const BnSegment g(N, C, HW, segments);
   const double mean = save_mean[g.seg.c], invstd = save_invstd[g.seg.c];
   double local_dy = 0, local_dy_xhat = 0;
   g.each([&](int64_t i) {
-    const float dyv = S::load(dy[i]);
+    const float dyv = bn_gradient<S>(dy, relu_y, i);
     local_dy += dyv;
     local_dy_xhat += double(dyv) * fm::bn_xhat(S::load(x[i]), mean, invstd);
   });
@@ -275,29 +284,38 @@ __device__ void bn_write_statistics(int64_t c, double mean, double invstd, doubl
   running_var[c] = fm::bn_running(running_var[c], momentum, fm::bn_unbiased_var(sq, count));
 }
 
+// y[i] = the normalised value, stored, then ReLU'd when `relu` (batch norm + ReLU; ReLU of the
+// stored value: relu_forward's on batch norm's output, bit for bit).
+template <typename S>
+__device__ void bn_store(typename S::T* y, int64_t i, float v, bool relu) {
+  const typename S::T stored = S::store(v);
+  y[i] = relu ? S::store(fm::relu(S::load(stored))) : stored;
+}
+
 // y over block b's segment from the channel's sum (stats [C+1], count at C) and sum of squared
-// deviations (devs [C]); the channel's first segment's thread 0 writes the saved and running
-// statistics.
+// deviations (devs [C]), ReLU'd when `relu`; the channel's first segment's thread 0 writes the
+// saved and running statistics.
 template <typename S>
 __global__ void bn_normalise_kernel(const typename S::T* x, const float* gamma, const float* beta, const double* stats,
                                     const double* devs, double eps, double momentum, float* running_mean,
                                     float* running_var, typename S::T* y, float* save_mean, float* save_invstd,
-                                    int64_t N, int64_t C, int64_t HW, int64_t segments) {
+                                    bool relu, int64_t N, int64_t C, int64_t HW, int64_t segments) {
   const BnSegment g(N, C, HW, segments);
   const int64_t c = g.seg.c;
   const double count = stats[C], mean = stats[c] / count, sq = devs[c];
   const double invstd = fm::bn_invstd(sq / count, eps);
   const double gm = gamma[c], bt = beta[c];
-  g.each([&](int64_t i) { y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd)); });
+  g.each([&](int64_t i) { bn_store<S>(y, i, fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd), relu); });
   if (threadIdx.x == 0 && g.index(segments) == 0)
     bn_write_statistics(c, mean, invstd, sq, count, momentum, save_mean, save_invstd, running_mean, running_var);
 }
 
 // dx over block b's segment from the channel's sums (sums [2C]: sum dy, then sum dy * xhat) over
-// `count` values (stats[C], the all-reduced count, or N * HW when stats is null).
+// `count` values (stats[C], the all-reduced count, or N * HW when stats is null); dy masked by
+// relu_y where given.
 template <typename S>
-__global__ void bn_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* gamma,
-                                     const float* save_mean, const float* save_invstd, const double* stats,
+__global__ void bn_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const typename S::T* relu_y,
+                                     const float* gamma, const float* save_mean, const float* save_invstd, const double* stats,
                                      const double* sums, typename S::T* dx, int64_t N, int64_t C, int64_t HW,
                                      int64_t segments) {
   const BnSegment g(N, C, HW, segments);
@@ -307,8 +325,8 @@ __global__ void bn_input_grad_kernel(const typename S::T* x, const typename S::T
   const double k = double(gamma[c]) * invstd / count;
   const double sum_dy = sums[c], sum_dy_xhat = sums[C + c];
   g.each([&](int64_t i) {
-    dx[i] = S::store(
-        fm::bn_input_grad(S::load(dy[i]), fm::bn_xhat(S::load(x[i]), mean, invstd), k, count, sum_dy, sum_dy_xhat));
+    dx[i] = S::store(fm::bn_input_grad(bn_gradient<S>(dy, relu_y, i), fm::bn_xhat(S::load(x[i]), mean, invstd), k,
+                                       count, sum_dy, sum_dy_xhat));
   });
 }
 
@@ -385,7 +403,8 @@ __global__ void bn_nhwc_partial_deviations_kernel(const typename S::T* x, const 
 }
 
 template <typename S>
-__global__ void bn_nhwc_partial_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* save_mean,
+__global__ void bn_nhwc_partial_grad_kernel(const typename S::T* x, const typename S::T* dy,
+                                            const typename S::T* relu_y, const float* save_mean,
                                             const float* save_invstd, double* partials, int64_t C, int64_t rows,
                                             int64_t segments) {
   __shared__ double shared[kBlock];
@@ -394,7 +413,7 @@ __global__ void bn_nhwc_partial_grad_kernel(const typename S::T* x, const typena
   const double invstd = g.active() ? double(save_invstd[g.seg.c]) : 0.0;
   double local_dy = 0, local_dy_xhat = 0;
   g.each([&](int64_t i) {
-    const float dyv = S::load(dy[i]);
+    const float dyv = bn_gradient<S>(dy, relu_y, i);
     local_dy += dyv;
     local_dy_xhat += double(dyv) * fm::bn_xhat(S::load(x[i]), mean, invstd);
   });
@@ -411,22 +430,23 @@ template <typename S>
 __global__ void bn_nhwc_normalise_kernel(const typename S::T* x, const float* gamma, const float* beta,
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, typename S::T* y, float* save_mean,
-                                         float* save_invstd, int64_t rows, int64_t C, kernels::LaunchRowsCols g) {
+                                         float* save_invstd, bool relu, int64_t rows, int64_t C,
+                                         kernels::LaunchRowsCols g) {
   const int64_t c = rows_cols_column(g);
   if (c >= C) return;
   const double count = stats[C], mean = stats[c] / count, sq = devs[c];
   const double invstd = fm::bn_invstd(sq / count, eps);
   const double gm = gamma[c], bt = beta[c];
   walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
-    const int64_t i = r * C + col;
-    y[i] = S::store(fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd));
+    bn_store<S>(y, r * C + col, fm::bn_apply(S::load(x[r * C + col]), gm, bt, mean, invstd), relu);
   });
   if (blockIdx.y == 0 && threadIdx.y == 0)
     bn_write_statistics(c, mean, invstd, sq, count, momentum, save_mean, save_invstd, running_mean, running_var);
 }
 
 template <typename S>
-__global__ void bn_nhwc_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const float* gamma,
+__global__ void bn_nhwc_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const typename S::T* relu_y,
+                                          const float* gamma,
                                           const float* save_mean, const float* save_invstd, const double* stats,
                                           const double* sums, typename S::T* dx, int64_t rows, int64_t C,
                                           kernels::LaunchRowsCols g) {
@@ -438,8 +458,8 @@ __global__ void bn_nhwc_input_grad_kernel(const typename S::T* x, const typename
   const double sum_dy = sums[c], sum_dy_xhat = sums[C + c];
   walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
     const int64_t i = r * C + col;
-    dx[i] = S::store(
-        fm::bn_input_grad(S::load(dy[i]), fm::bn_xhat(S::load(x[i]), mean, invstd), k, count, sum_dy, sum_dy_xhat));
+    dx[i] = S::store(fm::bn_input_grad(bn_gradient<S>(dy, relu_y, i), fm::bn_xhat(S::load(x[i]), mean, invstd), k,
+                                       count, sum_dy, sum_dy_xhat));
   });
 }
 
@@ -1046,7 +1066,8 @@ cudaError_t launch_bn_deviations(CastType t, bool nhwc, const void* x, const dou
 cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, void* y, float* save_mean,
-                                         float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream) {
+                                         float* save_invstd, bool relu, int64_t N, int64_t C, int64_t HW,
+                                         cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW, nhwc);
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
@@ -1054,52 +1075,55 @@ cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, c
     if (nhwc)
       return launch_bn_nhwc_elementwise(N * HW, C, stream, bn_nhwc_normalise_kernel<St>, static_cast<const T*>(x),
                                         gamma, beta, stats, devs, eps, momentum, running_mean, running_var,
-                                        static_cast<T*>(y), save_mean, save_invstd);
+                                        static_cast<T*>(y), save_mean, save_invstd, relu);
     return launch_per_block(C * S, stream, bn_normalise_kernel<St>, static_cast<const T*>(x), gamma, beta, stats, devs,
-                            eps, momentum, running_mean, running_var, static_cast<T*>(y), save_mean, save_invstd, N,
-                            C, HW, S);
+                            eps, momentum, running_mean, running_var, static_cast<T*>(y), save_mean, save_invstd, relu,
+                            N, C, HW, S);
   });
 }
-cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const float* save_mean,
-                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
-                                      int64_t C, int64_t HW, double* partials, cudaStream_t stream) {
+cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                                      const float* save_mean, const float* save_invstd, double* sums, float* dgamma,
+                                      float* dbeta, int64_t N, int64_t C, int64_t HW, double* partials,
+                                      cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW, nhwc);
   cudaError_t e = with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
     if (nhwc)
       return launch_per_block(bn_blocks(true, C, S), stream, bn_nhwc_partial_grad_kernel<St>, static_cast<const T*>(x),
-                              static_cast<const T*>(dy), save_mean, save_invstd, partials, C, N * HW, S);
+                              static_cast<const T*>(dy), static_cast<const T*>(relu_y), save_mean, save_invstd,
+                              partials, C, N * HW, S);
     return launch_per_block(C * S, stream, bn_partial_grad_kernel<St>, static_cast<const T*>(x),
-                            static_cast<const T*>(dy), save_mean, save_invstd, partials, N, C, HW, S);
+                            static_cast<const T*>(dy), static_cast<const T*>(relu_y), save_mean, save_invstd, partials,
+                            N, C, HW, S);
   });
   if (e != cudaSuccess) return e;
   return launch_per_block(C, stream, bn_reduce_kernel, static_cast<const double*>(partials), sums, C, S, 0.0, false,
                           dgamma, dbeta);
 }
-cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
-                                     const float* save_mean, const float* save_invstd, const double* stats,
-                                     const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
-                                     cudaStream_t stream) {
+cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                                     const float* gamma, const float* save_mean, const float* save_invstd,
+                                     const double* stats, const double* sums, void* dx, int64_t N, int64_t C,
+                                     int64_t HW, cudaStream_t stream) {
   const int64_t S = kernels::bn_segments(N, HW, nhwc);
   return with_storage(t, [&](auto s) {
     using St = decltype(s);
     using T = typename St::T;
     if (nhwc)
       return launch_bn_nhwc_elementwise(N * HW, C, stream, bn_nhwc_input_grad_kernel<St>, static_cast<const T*>(x),
-                                        static_cast<const T*>(dy), gamma, save_mean, save_invstd, stats, sums,
-                                        static_cast<T*>(dx));
+                                        static_cast<const T*>(dy), static_cast<const T*>(relu_y), gamma, save_mean,
+                                        save_invstd, stats, sums, static_cast<T*>(dx));
     return launch_per_block(C * S, stream, bn_input_grad_kernel<St>, static_cast<const T*>(x),
-                            static_cast<const T*>(dy), gamma, save_mean, save_invstd, stats, sums, static_cast<T*>(dx),
-                            N, C, HW, S);
+                            static_cast<const T*>(dy), static_cast<const T*>(relu_y), gamma, save_mean, save_invstd,
+                            stats, sums, static_cast<T*>(dx), N, C, HW, S);
   });
 }
 // One rank: the synchronised pieces, over `scratch` (kernels::bn_forward_scratch_doubles and
 // bn_backward_scratch_doubles: the partials, then the per-channel sums).
 cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                        double eps, double momentum, float* running_mean, float* running_var, void* y,
-                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
-                                       double* scratch, cudaStream_t stream) {
+                                       float* save_mean, float* save_invstd, bool relu, int64_t N, int64_t C,
+                                       int64_t HW, double* scratch, cudaStream_t stream) {
   double* partials = scratch;
   double* stats = scratch + kernels::bn_partials(N, C, HW, nhwc);
   double* devs = stats + C + 1;
@@ -1107,7 +1131,7 @@ cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, con
   if (e == cudaSuccess) e = launch_bn_deviations(t, nhwc, x, stats, devs, N, C, HW, partials, stream);
   if (e == cudaSuccess)
     e = launch_bn_forward_from_stats(t, nhwc, x, gamma, beta, stats, devs, eps, momentum, running_mean, running_var, y,
-                                     save_mean, save_invstd, N, C, HW, stream);
+                                     save_mean, save_invstd, relu, N, C, HW, stream);
   return e;
 }
 cudaError_t launch_bn_forward_inference(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
@@ -1123,15 +1147,17 @@ cudaError_t launch_bn_forward_inference(CastType t, bool nhwc, const void* x, co
                             running_mean, running_var, eps, static_cast<T*>(y), C, N * C, HW);
   });
 }
-cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
-                               const float* save_mean, const float* save_invstd, void* dx, float* dgamma, float* dbeta,
-                               int64_t N, int64_t C, int64_t HW, double* scratch, cudaStream_t stream) {
+cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                               const float* gamma, const float* save_mean, const float* save_invstd, void* dx,
+                               float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW, double* scratch,
+                               cudaStream_t stream) {
   double* partials = scratch;
   double* sums = scratch + 2 * kernels::bn_partials(N, C, HW, nhwc);
-  cudaError_t e = launch_bn_backward_reduce(t, nhwc, x, dy, save_mean, save_invstd, sums, dgamma, dbeta, N, C, HW,
-                                            partials, stream);
+  cudaError_t e = launch_bn_backward_reduce(t, nhwc, x, dy, relu_y, save_mean, save_invstd, sums, dgamma, dbeta, N, C,
+                                            HW, partials, stream);
   if (e != cudaSuccess) return e;
-  return launch_bn_backward_elemt(t, nhwc, x, dy, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW, stream);
+  return launch_bn_backward_elemt(t, nhwc, x, dy, relu_y, gamma, save_mean, save_invstd, nullptr, sums, dx, N, C, HW,
+                                  stream);
 }
 cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* y, int64_t N, int64_t C, int64_t H,
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,

@@ -59,20 +59,24 @@ cudaError_t launch_bias_grad(CastType t, const void* dy, float* db, int64_t N, i
 // order: NCHW a block per channel segment, channels last a block per 32 channels of a segment of
 // rows (kernels::bn_nhwc_segment); `scratch` is the caller's device f64 array of
 // kernels::bn_forward_scratch_doubles / bn_backward_scratch_doubles (N, C, HW, nhwc) values.
+// Batch norm + ReLU (backend.h batch_norm_relu_*): `relu` applies ReLU to the stored y; `relu_y`
+// (that op's output, of x's storage and layout; null: none) masks dy as relu_backward would, as
+// the backward passes read it.
 cudaError_t launch_bn_forward_training(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                        double eps, double momentum, float* running_mean, float* running_var, void* y,
-                                       float* save_mean, float* save_invstd, int64_t N, int64_t C, int64_t HW,
-                                       double* scratch, cudaStream_t stream);
+                                       float* save_mean, float* save_invstd, bool relu, int64_t N, int64_t C,
+                                       int64_t HW, double* scratch, cudaStream_t stream);
 cudaError_t launch_bn_forward_inference(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                         const float* running_mean, const float* running_var, double eps, void* y,
                                         int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
-                               const float* save_mean, const float* save_invstd, void* dx, float* dgamma, float* dbeta,
-                               int64_t N, int64_t C, int64_t HW, double* scratch, cudaStream_t stream);
+cudaError_t launch_bn_backward(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                               const float* gamma, const float* save_mean, const float* save_invstd, void* dx,
+                               float* dgamma, float* dbeta, int64_t N, int64_t C, int64_t HW, double* scratch,
+                               cudaStream_t stream);
 
 // Synchronised batch norm's pieces (backend.h: batch_norm_stats ... batch_norm_backward_elemt), with
-// the storage and layout rule above (the backend's pieces take NCHW; the one-rank launches above run
-// them channels last too). The one-rank launches are these pieces run in turn, so over one rank
+// the storage and layout rule above (NCHW or channels last, as the backend's pieces take them).
+// The one-rank launches are these pieces run in turn, so over one rank
 // the two agree bit for bit. The sums are f64 device arrays: stats [C+1] (count at C), devs [C],
 // sums [2C]; `partials` is the caller's f64 scratch of kernels::bn_partials (N, C, HW, nhwc) values (twice
 // that for backward_reduce). N may be 0.
@@ -83,14 +87,16 @@ cudaError_t launch_bn_deviations(CastType t, bool nhwc, const void* x, const dou
 cudaError_t launch_bn_forward_from_stats(CastType t, bool nhwc, const void* x, const float* gamma, const float* beta,
                                          const double* stats, const double* devs, double eps, double momentum,
                                          float* running_mean, float* running_var, void* y, float* save_mean,
-                                         float* save_invstd, int64_t N, int64_t C, int64_t HW, cudaStream_t stream);
-cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const float* save_mean,
-                                      const float* save_invstd, double* sums, float* dgamma, float* dbeta, int64_t N,
-                                      int64_t C, int64_t HW, double* partials, cudaStream_t stream);
-cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const float* gamma,
-                                     const float* save_mean, const float* save_invstd, const double* stats,
-                                     const double* sums, void* dx, int64_t N, int64_t C, int64_t HW,
-                                     cudaStream_t stream);
+                                         float* save_invstd, bool relu, int64_t N, int64_t C, int64_t HW,
+                                         cudaStream_t stream);
+cudaError_t launch_bn_backward_reduce(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                                      const float* save_mean, const float* save_invstd, double* sums, float* dgamma,
+                                      float* dbeta, int64_t N, int64_t C, int64_t HW, double* partials,
+                                      cudaStream_t stream);
+cudaError_t launch_bn_backward_elemt(CastType t, bool nhwc, const void* x, const void* dy, const void* relu_y,
+                                     const float* gamma, const float* save_mean, const float* save_invstd,
+                                     const double* stats, const double* sums, void* dx, int64_t N, int64_t C,
+                                     int64_t HW, cudaStream_t stream);
 
 // Max pooling of x [N, C, H, W] to y [N, C, P, Q] of storage t (f32, or half-precision
 // activations), both NCHW or both channels last (nhwc: x [N, H, W, C] and y [N, P, Q, C] as

@@ -28,7 +28,9 @@ namespace slide::train::dist {
 // Backward: dx = gamma invstd / M (M dy - sum(dy) - xhat sum(dy xhat)), the sums over all ranks
 // (one all-reduce of 2C values) and M the global count (stats from the forward); dgamma += and
 // dbeta += this rank's own sums (the gradient all-reduce adds the other ranks'). With a world of
-// one: batch_norm_backward's results bit for bit. Errors: as the forward.
+// one: batch_norm_backward's results bit for bit. dx may be dy (its pieces read a channel's dy for
+// the sums before any dx is written, then each dx element from dy's same element). Errors: as the
+// forward.
 [[nodiscard]] Status sync_batch_norm_backward(Communicator& comm, Backend& be, const Tensor& x, const Tensor& dy,
                                               const Tensor& gamma, const Tensor& save_mean, const Tensor& save_invstd,
                                               const Tensor& stats, Tensor& dx, Tensor& dgamma, Tensor& dbeta);

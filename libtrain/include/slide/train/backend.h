@@ -287,7 +287,9 @@ class Backend {
   [[nodiscard]] virtual Status batch_norm_forward_inference(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                                                             const Tensor& running_mean, const Tensor& running_var,
                                                             double eps, Tensor& y) = 0;
-  // dx (overwritten), dgamma += sum dy * xhat, dbeta += sum dy.
+  // dx (overwritten), dgamma += sum dy * xhat, dbeta += sum dy. dx may be dy (in place: each
+  // backend reads the whole channel's dy for the sums before it writes dx, then each element of dx
+  // from dy's same element; oneDNN's batch normalization supports it).
   [[nodiscard]] virtual Status batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma,
                                                    const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx,
                                                    Tensor& dgamma, Tensor& dbeta) = 0;
@@ -297,6 +299,27 @@ class Backend {
   // bn_backward_scratch_doubles); the simulated device's with a simulated workspace, the same
   // figure; 0 elsewhere (the cpu backend's scratch is the planner's own model, planner.cpp).
   [[nodiscard]] virtual size_t batch_norm_scratch_bytes(bool backward, const Tensor& x);
+
+  // --- Batch norm followed by ReLU, one op where the backend fuses the pair ------------------------
+  // (cuda: the normalising pass applies ReLU, the backward passes mask dy as they read it; cuDNN's
+  // CUDNN_BATCHNORM_OPS_BN_ACTIVATION and oneDNN's fuse_norm_relu fuse the same pair.)
+  // y = max(batch_norm(x), 0): batch_norm_forward_training's contract, shapes, dtypes and
+  // layouts, with ReLU applied to y; bit for bit batch_norm_forward_training then relu_forward on
+  // y (ReLU of the stored value equals the stored ReLU: both round monotonically and map -0 and
+  // NaN to +0). The default runs those two ops, ReLU in place.
+  [[nodiscard]] virtual Status batch_norm_relu_forward_training(const Tensor& x, const Tensor& gamma,
+                                                                const Tensor& beta, double eps, double momentum,
+                                                                Tensor& running_mean, Tensor& running_var, Tensor& y,
+                                                                Tensor& save_mean, Tensor& save_invstd);
+  // The pair's backward: batch_norm_backward (dx overwritten, dgamma and dbeta +=) for the gradient
+  // dy masked by relu_backward's rule (dy where y > 0, else 0), y being the forward's output
+  // (x's shape, dtype and layout); bit for bit relu_backward then batch_norm_backward. The default
+  // runs those two ops, the masked gradient written into dx and batch norm's backward run in place
+  // on it, so that it holds no more memory than the two layers did.
+  [[nodiscard]] virtual Status batch_norm_relu_backward(const Tensor& x, const Tensor& y, const Tensor& dy,
+                                                        const Tensor& gamma, const Tensor& save_mean,
+                                                        const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                                                        Tensor& dbeta);
 
   // --- Synchronised batch normalisation's pieces (--sync-bn) -----------------------------------------
   // The training forward and backward above, cut where the ranks' per-channel sums must be
@@ -339,7 +362,7 @@ class Backend {
     return unimplemented_op("batch_norm_backward_reduce", x, dy, save_mean, save_invstd, sums, dgamma, dbeta);
   }
   // dx (overwritten) = gamma invstd / M (M dy - sums[k] - xhat sums[C + k]) with the all-reduced
-  // sums and the forward's stats (M = stats[C], the global count).
+  // sums and the forward's stats (M = stats[C], the global count). dx may be dy (element-wise).
   [[nodiscard]] virtual Status batch_norm_backward_elemt(const Tensor& x, const Tensor& dy, const Tensor& gamma,
                                                          const Tensor& save_mean, const Tensor& save_invstd,
                                                          const Tensor& stats, const Tensor& sums, Tensor& dx) {

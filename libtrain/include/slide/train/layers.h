@@ -106,9 +106,12 @@ class Conv2d final : public Layer {
   bool input_gradient_ = true;
 };
 
+class ReLU;
+
 // BatchNorm2d(C, eps = 1e-5, momentum = 0.1): gamma 1, beta 0, running mean 0, var 1.
-// Saves: x, the batch mean and 1/std (training). f16 / bf16 x keeps gamma, beta and the statistics
-// in f32 (PyTorch's cuDNN batch norm on half inputs).
+// Saves: x, the batch mean and 1/std (training); fused with the ReLU after it (fuse_relu), also
+// its output y (the ReLU's mask). f16 / bf16 x keeps gamma, beta and the statistics in f32
+// (PyTorch's cuDNN batch norm on half inputs).
 class BatchNorm2d final : public Layer {
  public:
   [[nodiscard]] static Result<std::unique_ptr<BatchNorm2d>> make(Allocator& alloc, DType dtype, int64_t channels,
@@ -116,27 +119,40 @@ class BatchNorm2d final : public Layer {
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* buffers) override;
-  void release() override { x_ = mean_ = invstd_ = sync_stats_ = Tensor(); }
+  void release() override { x_ = y_ = mean_ = invstd_ = sync_stats_ = Tensor(); }
   void set_batch_norm_sync(Communicator* comm) override { sync_ = comm; }
   double eps() const { return eps_; }
+  // Takes over `next`, the ReLU applied to this layer's output: this layer then computes
+  // max(batch_norm(x), 0) and its backward (Backend::batch_norm_relu_forward_training / _backward:
+  // one op where the backend fuses them, cuda; the two ops in turn elsewhere), and `next` passes
+  // its input and gradient through unchanged. Values and gradients are the unfused pair's bit for
+  // bit. Sequential::add fuses a ReLU added right after a BatchNorm2d.
+  void fuse_relu(ReLU& next);
+  bool relu_fused() const { return relu_; }
   Parameter weight, bias;        // gamma, beta
   Buffer running_mean, running_var;
 
  private:
   double eps_, momentum_;
+  bool relu_ = false;
   Communicator* sync_ = nullptr;  // --sync-bn: statistics over every rank
   // --sync-bn: the last forward's all-reduced sums (f64 [C+1], the global count at C).
-  Tensor x_, mean_, invstd_, sync_stats_;
+  Tensor x_, y_, mean_, invstd_, sync_stats_;
 };
 
-// ReLU. Saves: y (backward needs only the output).
+// ReLU. Saves: y (backward needs only the output). Once the BatchNorm2d before it has taken it
+// over (BatchNorm2d::fuse_relu), forward returns x and backward dy, unchanged: the batch norm
+// applies it.
 class ReLU final : public Layer {
  public:
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
   void release() override { y_ = Tensor(); }
+  bool fused() const { return fused_; }
 
  private:
+  friend class BatchNorm2d;
+  bool fused_ = false;
   Tensor y_;
 };
 
@@ -234,6 +250,8 @@ void set_input_gradient_of(const std::vector<std::unique_ptr<Layer>>& layers, bo
 // Layers applied in order; names are "<index>." unless given (torchvision's Sequential naming).
 class Sequential final : public Layer {
  public:
+  // Appends `layer`. A ReLU added right after a BatchNorm2d is fused into it
+  // (BatchNorm2d::fuse_relu): the pair runs as one op where the backend fuses it.
   void add(std::unique_ptr<Layer> layer, std::string name = "");
   Result<Tensor> forward(Backend& be, const Tensor& x, bool training) override;
   Result<Tensor> backward(Backend& be, const Tensor& dy) override;
@@ -250,7 +268,9 @@ class Sequential final : public Layer {
   // Puts `layer` in place of the i-th (same name) and returns the old one. An empty name is
   // transparent in parameter names (a wrapper's children keep theirs).
   std::unique_ptr<Layer> replace(size_t i, std::unique_ptr<Layer> layer);
-  // Puts `layer` before the i-th (i <= size()), named `name` (which must be given and new).
+  // Puts `layer` before the i-th (i <= size()), named `name` (which must be given and new). The
+  // i-th must not be a ReLU fused into the batch norm before it (BatchNorm2d::fuse_relu): the
+  // new layer would see the ReLU's output.
   void insert(size_t i, std::unique_ptr<Layer> layer, std::string name);
 
  private:

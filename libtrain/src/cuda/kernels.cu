@@ -478,14 +478,11 @@ __global__ void bn_nhwc_forward_inference_kernel(const typename S::T* x, const f
 }
 
 // --- Pooling ---
-// Stored elements seen as their f32 values (max_pool_argmax's comparisons), at NCHW-order index
-// i: position i itself, or, channels last (C > 0), kernels::nhwc_position(i, C, HW).
+// Stored elements seen as their f32 values (max_pool_argmax's comparisons), at index i.
 template <typename S>
 struct Loaded {
   const typename S::T* p;
-  int64_t C = 0, HW = 0;  // C 0: NCHW
-  __device__ int64_t at(int64_t i) const { return C > 0 ? kernels::nhwc_position(i, C, HW) : i; }
-  __device__ float operator[](int64_t i) const { return S::load(p[at(i)]); }
+  __device__ float operator[](int64_t i) const { return S::load(p[i]); }
 };
 
 // The stored elements p[0], p[stride], p[2 stride], ... seen as their f32 values (one channel's
@@ -497,17 +494,37 @@ struct Strided {
   __device__ float operator[](int64_t i) const { return S::load(p[i * stride]); }
 };
 
-// x [N, C, H, W] -> y [N, C, P, Q], both NCHW, or both channels last (nhwc: every index of the
-// NCHW-order walk mapped by nhwc_position).
+// x [N, C, H, W] -> y [N, C, P, Q], both NCHW.
 template <typename S>
 __global__ void max_pool_forward_kernel(const typename S::T* x, typename S::T* y, int64_t C, int64_t H, int64_t W,
-                                        int64_t P, int64_t Q, int kernel, int stride, int pad, bool nhwc, int64_t n) {
-  const Loaded<S> xv{x, nhwc ? C : 0, H * W};
+                                        int64_t P, int64_t Q, int kernel, int stride, int pad, int64_t n) {
+  const Loaded<S> xv{x};
   SLIDE_GRID_STRIDE(o, n) {
     const int64_t nc = o / (P * Q), oh = (o / Q) % P, ow = o % Q;
     const int64_t best = fm::max_pool_argmax(xv, nc, oh, ow, H, W, kernel, stride, pad);
-    y[nhwc ? kernels::nhwc_position(o, C, P * Q) : o] = best >= 0 ? x[xv.at(best)] : S::store(0.0f);
+    y[o] = best >= 0 ? x[best] : S::store(0.0f);
   }
+}
+
+// Max pooling's forward channels last: a [N P Q, C] grid (the channel the column, so that a warp
+// reads and writes 32 neighbouring channels); thread (row n PQ + o, c) scans window o of the
+// plane of (n, c), read with stride C (Strided), by max_pool_argmax as the NCHW kernel, and copies
+// the first maximum's stored value. One 64-bit division per output (the sample), the window's
+// position in 32-bit arithmetic (P * Q < 2^31, checked by the launcher). (It walked the outputs in
+// NCHW order before, mapping every window value's index by nhwc_position: three 64-bit divisions
+// a read, and writes C elements apart.)
+template <typename S>
+__global__ void max_pool_nhwc_forward_kernel(const typename S::T* x, typename S::T* y, int64_t C, int H, int W, int P,
+                                             int Q, int kernel, int stride, int pad, int64_t rows,
+                                             kernels::LaunchRowsCols g) {
+  const int64_t HW = int64_t{H} * W, PQ = int64_t{P} * Q;
+  walk_rows_cols(rows, C, g, [&](int64_t r, int64_t c) {
+    const int64_t n = r / PQ;
+    const int o = static_cast<int>(r - n * PQ), oh = o / Q, ow = o - oh * Q;
+    const Strided<S> xp{x + n * HW * C + c, C};
+    const int64_t best = fm::max_pool_argmax(xp, 0, oh, ow, H, W, kernel, stride, pad);
+    y[r * C + c] = best >= 0 ? xp.p[best * C] : S::store(0.0f);
+  });
 }
 
 // The fused inference convolution's epilogue on half-precision storage: y = ReLU(c + b[k] + z)
@@ -1163,11 +1180,18 @@ cudaError_t launch_max_pool_forward(CastType t, bool nhwc, const void* x, void* 
                                     int64_t W, int64_t P, int64_t Q, int kernel, int stride, int pad,
                                     cudaStream_t stream) {
   if (nhwc && C < 1) return N * C == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  constexpr int64_t kInt = 2147483647;
+  if (nhwc && (H > kInt || W > kInt || P > kInt || Q > kInt || H * W > kInt || P * Q > kInt))
+    return cudaErrorInvalidValue;
   return with_storage(t, [&](auto s) {
     using S = decltype(s);
     using T = typename S::T;
+    if (nhwc)
+      return launch_rows_cols(N * P * Q, C, stream, max_pool_nhwc_forward_kernel<S>, static_cast<const T*>(x),
+                              static_cast<T*>(y), C, static_cast<int>(H), static_cast<int>(W), static_cast<int>(P),
+                              static_cast<int>(Q), kernel, stride, pad, N * P * Q);
     return launch_grid_stride(N * C * P * Q, stream, max_pool_forward_kernel<S>, static_cast<const T*>(x),
-                              static_cast<T*>(y), C, H, W, P, Q, kernel, stride, pad, nhwc, N * C * P * Q);
+                              static_cast<T*>(y), C, H, W, P, Q, kernel, stride, pad, N * C * P * Q);
   });
 }
 cudaError_t launch_conv_epilogue(CastType t, bool nhwc, const void* c, const void* b, const void* z, void* y, int64_t N,

@@ -261,6 +261,32 @@ TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's
   CHECK(cuda::order_candidates({{3, false, true, 0}}, true).empty());
 }
 
+TEST_CASE("choose_candidates: deterministic algorithms only when cuDNN has one, else its non-deterministic ones; "
+          "describe names the convolution") {
+  using cuda::AlgoCandidate;
+  bool deterministic = false;
+  // A deterministic candidate exists: only those, even if a non-deterministic one is faster.
+  auto both = cuda::choose_candidates({{7, true, false, 100}, {1, true, true, 4096}}, &deterministic);
+  CHECK(deterministic);
+  REQUIRE(both.size() == 1);
+  CHECK(both[0].algo == 1);
+  // None deterministic (or none runnable that is): the runnable non-deterministic ones, in order.
+  auto none = cuda::choose_candidates({{7, true, false, 100}, {2, false, true, 0}, {4, true, false, 0}}, &deterministic);
+  CHECK_FALSE(deterministic);
+  REQUIRE(none.size() == 2);
+  CHECK(none[0].algo == 7);
+  CHECK(none[1].algo == 4);
+  CHECK(cuda::choose_candidates({{2, false, true, 0}}, &deterministic).empty());
+  cuda::ConvKey k;
+  k.direction = cuda::ConvDirection::kBackwardFilter;
+  k.N = 256, k.C = 3, k.H = 224, k.W = 224, k.K = 64, k.R = 7, k.S = 7, k.stride = 2, k.pad = 3;
+  k.math = cuda::ConvMath::kTensorOp;
+  k.storage = cuda::ConvStorage::kF16;
+  k.nhwc = true;
+  CHECK(cuda::describe(k) == "backward filter 256x3x224x224 (f16, channels last) * 64x7x7, stride 2, pad 3, "
+                             "tensor-op math");
+}
+
 TEST_CASE("fits_cudnn_descriptor: at most 2^31 - 1 elements, products checked without overflow") {
   CHECK(cuda::fits_cudnn_descriptor(64, 64, 112, 112));
   CHECK(cuda::fits_cudnn_descriptor(1, 1, 1, 2147483647));

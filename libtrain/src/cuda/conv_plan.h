@@ -7,12 +7,17 @@
 // order, only candidates that cuDNN can run and that are deterministic (so that two runs, and N
 // ranks against one, give the same bits: the project's invariant); the first whose workspace the
 // budgeted allocator grants is used and cached for the shape. A workspace refused by the budget
-// moves on to the next (usually smaller) candidate instead of failing the step.
+// moves on to the next (usually smaller) candidate instead of failing the step. A convolution for
+// which cuDNN has no deterministic algorithm (choose_candidates) runs on its non-deterministic
+// ones, with a warning naming it, rather than stopping the run: PyTorch's default does the same
+// (torch.backends.cudnn.deterministic off), and a first GPU run should not end on a
+// configuration nobody could try beforehand.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "slide/train/backend.h"
@@ -125,6 +130,30 @@ inline std::vector<AlgoCandidate> order_candidates(const std::vector<AlgoCandida
     for (const auto& c : candidates)
       if (c.runnable && !c.deterministic) add(c);
   return out;
+}
+
+// The candidates a convolution tries: the deterministic ones (order_candidates) when cuDNN has
+// any; else its runnable non-deterministic ones, *deterministic then false (the caller warns).
+// Empty: cuDNN can run nothing for the shape.
+inline std::vector<AlgoCandidate> choose_candidates(const std::vector<AlgoCandidate>& candidates,
+                                                    bool* deterministic) {
+  std::vector<AlgoCandidate> out = order_candidates(candidates, false);
+  *deterministic = !out.empty();
+  if (out.empty()) out = order_candidates(candidates, true);
+  return out;
+}
+
+// A convolution's key in words, for messages: "backward filter 256x64x56x56 (f16, channels last)
+// * 64x3x3, stride 1, pad 1, tensor-op math".
+inline std::string describe(const ConvKey& k) {
+  static const char* const kDirection[] = {"forward", "backward data", "backward filter", "fused forward"};
+  static const char* const kStorage[] = {"f32", "f16", "bf16"};
+  static const char* const kMath[] = {"FMA math", "tensor-op math", "tensor-op math with f16 conversion"};
+  auto n = [](int64_t v) { return std::to_string(v); };
+  return std::string(kDirection[static_cast<int>(k.direction)]) + " " + n(k.N) + "x" + n(k.C) + "x" + n(k.H) + "x" +
+         n(k.W) + " (" + kStorage[static_cast<int>(k.storage)] + (k.nhwc ? ", channels last" : "") + ") * " + n(k.K) +
+         "x" + n(k.R) + "x" + n(k.S) + ", stride " + std::to_string(k.stride) + ", pad " + std::to_string(k.pad) +
+         ", " + kMath[static_cast<int>(k.math)];
 }
 
 }  // namespace slide::train::cuda

@@ -254,11 +254,13 @@ struct DeviceState {
   std::unique_ptr<CachingDeviceAllocator> alloc;
   std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
   bool copy_failed = false;
-  std::mutex mu;  // guards algos, unfused and planned_workspace
+  std::mutex mu;  // guards algos, unfused, planned_workspace and nondeterministic
   std::unordered_map<ConvKey, AlgoCandidate, ConvKeyHash> algos;  // the algorithm (and math type) that ran per shape
   std::unordered_set<ConvKey, ConvKeyHash> unfused;     // fused shapes cuDNN answered NOT_SUPPORTED
   // conv_workspace_bytes's answers for shapes with no algorithm cached yet (planned_workspace).
   std::unordered_map<ConvKey, size_t, ConvKeyHash> planned_workspace;
+  // Shapes that run on a non-deterministic algorithm (conv_plan.h choose_candidates), warned once.
+  std::unordered_set<ConvKey, ConvKeyHash> nondeterministic;
 };
 
 Status init_device(int device, DeviceState* st) {
@@ -1507,6 +1509,28 @@ class CudaBackend final : public Backend {
                    conv_storage(storage), nhwc};
   }
 
+  // The candidates to try for `key` (conv_plan.h choose_candidates): non-deterministic ones only
+  // where cuDNN has no deterministic one, with a warning naming the convolution (once per shape).
+  // kUnimplemented when cuDNN can run nothing for it.
+  Result<std::vector<AlgoCandidate>> candidate_order(const ConvKey& key, const std::vector<AlgoCandidate>& all) {
+    bool deterministic = true;
+    std::vector<AlgoCandidate> order = choose_candidates(all, &deterministic);
+    if (order.empty())
+      return slide::core::unimplemented("cuda conv2d: cuDNN offers no algorithm it can run for " + describe(key));
+    if (!deterministic) {
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> lock(st_->mu);
+        first = st_->nondeterministic.insert(key).second;
+      }
+      if (first)
+        slide::core::log_warn("cuDNN has no deterministic algorithm for a convolution: it runs on a non-deterministic "
+                              "one (its results may differ in the last bits from run to run and between ranks)",
+                              {{"convolution", describe(key)}});
+    }
+    return order;
+  }
+
   // The workspace run_conv would take for `key`: the cached algorithm's, else the first
   // candidate's in conv_plan.h's order (run_conv takes it when the budget grants it, and only a
   // smaller one otherwise), under the math type it is listed with. Remembered per key until an
@@ -1528,9 +1552,7 @@ class CudaBackend final : public Backend {
       c = *cached;
     } else {
       SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
-      const std::vector<AlgoCandidate> order = order_candidates(all, /*allow_nondeterministic=*/false);
-      if (order.empty())
-        return slide::core::unimplemented("cuda conv2d: cuDNN offers no deterministic algorithm for this shape");
+      SLIDE_ASSIGN_OR_RETURN(const std::vector<AlgoCandidate> order, candidate_order(key, all));
       c = order.front();
     }
     if (key.math != ConvMath::kFma && c.math_type >= 0)
@@ -1564,9 +1586,7 @@ class CudaBackend final : public Backend {
       order.push_back(*cached);
     } else {
       SLIDE_ASSIGN_OR_RETURN(std::vector<AlgoCandidate> all, candidates());
-      order = order_candidates(all, /*allow_nondeterministic=*/false);
-      if (order.empty())
-        return slide::core::unimplemented("cuda conv2d: cuDNN offers no deterministic algorithm for this shape");
+      SLIDE_ASSIGN_OR_RETURN(order, candidate_order(key, all));
     }
     Status last = ok_status();
     for (const AlgoCandidate& c : order) {

@@ -37,6 +37,9 @@ TEST_CASE("nccl: all-reduce of a device buffer, in place, sum and average") {
   std::vector<float> got(host.size());
   REQUIRE(cudaMemcpy(got.data(), dev, got.size() * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
   for (size_t i = 0; i < got.size(); ++i) REQUIRE(got[i] == static_cast<float>(p * (p + 1) / 2 * (i % 13)));
+  // The average of each rank's own values (dev holds the sum now: reload them), (r + 1) * 3 at
+  // element 3: 3 (P + 1) / 2 over P ranks.
+  REQUIRE(cudaMemcpy(dev, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
   REQUIRE(comm.all_reduce(dev, static_cast<int64_t>(host.size()), DType::kF32, ReduceOp::kAverage, "avg").ok());
   REQUIRE(cudaMemcpy(got.data(), dev, 4 * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(got[3] == doctest::Approx(3.0 * (p + 1) / 2));

@@ -88,17 +88,23 @@ Status Optimizer::step(Backend& be, double lr) {
 }
 
 Result<bool> Optimizer::gradients_finite(Backend& be, std::string* first_bad) {
-  // The sum of squared gradient elements (Backend::sum_of_squares: on the gradients' device, one
-  // number per parameter back to the host), the first non-finite one named.
-  std::string where;
-  double sq = 0;
+  // The sum of squared gradient elements (Backend::sum_of_squares_each: on the gradients' device,
+  // one number per parameter back to the host in one wait), the first non-finite one named.
+  std::vector<const Tensor*> grads;
+  std::vector<const Parameter*> checked;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter* p = params_[i];
     if (!p->grad.defined() || options_[i].frozen) continue;
-    double one = 0;
-    SLIDE_RETURN_IF_ERROR(be.sum_of_squares(p->grad, &one).with_context("gradient check of " + p->name));
-    if (!std::isfinite(one) && where.empty()) where = p->name;
-    sq += one;
+    grads.push_back(&p->grad);
+    checked.push_back(p);
+  }
+  std::vector<double> sums(grads.size(), 0.0);
+  SLIDE_RETURN_IF_ERROR(be.sum_of_squares_each(grads, sums.data()).with_context("gradient check"));
+  std::string where;
+  double sq = 0;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    if (!std::isfinite(sums[i]) && where.empty()) where = checked[i]->name;
+    sq += sums[i];
   }
   if (first_bad != nullptr) *first_bad = where;
   return std::isfinite(sq);

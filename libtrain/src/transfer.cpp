@@ -23,6 +23,10 @@ Result<size_t> Backend::conv_workspace_bytes(ConvPass, const Tensor&, const Tens
   return size_t{0};
 }
 size_t Backend::batch_norm_scratch_bytes(bool, const Tensor&) { return 0; }
+Status Backend::sum_of_squares_each(const std::vector<const Tensor*>& xs, double* out) {
+  for (size_t i = 0; i < xs.size(); ++i) SLIDE_RETURN_IF_ERROR(sum_of_squares(*xs[i], &out[i]));
+  return slide::core::ok_status();
+}
 
 namespace detail {
 

@@ -1221,6 +1221,18 @@ TEST_CASE("cuda vs reference: sum of squares (the optimizer's gradient check), N
   bad.f.data<float>()[4321] = std::numeric_limits<float>::infinity();
   OK(gpu().sum_of_squares(up(bad.f), &got));
   CHECK(std::isinf(got));
+  // Many at once (one wait): each sum the single op's bits, an empty tensor 0, the inf kept in
+  // its own slot only.
+  const Tensor a = up(make({1000}, 43).f), b = up(make({300001}, 44).f), e = up(make({0}).f), c = up(bad.f);
+  std::vector<double> each(4, -1.0);
+  OK(gpu().sum_of_squares_each({&a, &b, &e, &c}, each.data()));
+  double one = 0;
+  OK(gpu().sum_of_squares(a, &one));
+  CHECK(each[0] == one);
+  OK(gpu().sum_of_squares(b, &one));
+  CHECK(each[1] == one);
+  CHECK(each[2] == 0.0);
+  CHECK(std::isinf(each[3]));
 }
 
 TEST_CASE("cuda: tensors on the host are refused; budgets and zeros work on the device") {

@@ -1136,6 +1136,28 @@ class CudaBackend final : public Backend {
     SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
     return ok_status();
   }
+  // Every reduction queued on the stream (one partial-sum scratch, reused in stream order), each
+  // total into its slot of one device array, then one copy back and one wait.
+  Status sum_of_squares_each(const std::vector<const Tensor*>& xs, double* out) override {
+    for (const Tensor* x : xs)
+      SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", *x, *x, nullptr, kDTypes));
+    if (xs.empty()) return ok_status();
+    const int64_t n = static_cast<int64_t>(xs.size());
+    SLIDE_ASSIGN_OR_RETURN(Tensor totals, Tensor::zeros({n}, DType::kF64, *st_->alloc, "sums of squares"));
+    SLIDE_ASSIGN_OR_RETURN(Tensor partial,
+                           Tensor::empty({kSumOfSquaresBlocks}, DType::kF64, *st_->alloc, "sum of squares"));
+    for (int64_t i = 0; i < n; ++i) {
+      const Tensor& x = *xs[static_cast<size_t>(i)];
+      if (x.numel() == 0) continue;  // its slot stays 0
+      const int64_t blocks = std::min<int64_t>(kernels::launch_1d(x.numel(), 256).blocks, kSumOfSquaresBlocks);
+      SLIDE_CUDA_CHECK(launch_sum_of_squares(f32(x), x.numel(), partial.ptr<double>(), blocks,
+                                             totals.ptr<double>() + i, st_->stream));
+    }
+    SLIDE_CUDA_CHECK(cudaMemcpyAsync(out, totals.ptr<double>(), static_cast<size_t>(n) * sizeof(double),
+                                     cudaMemcpyDeviceToHost, st_->stream));
+    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
+    return ok_status();
+  }
   Status scale(const Tensor& x, double alpha, Tensor& y) override {
     SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("scale", x, y, nullptr, kDTypes));
     SLIDE_CUDA_CHECK(launch_scale(f32(x), alpha, f32(y), x.numel(), st_->stream));

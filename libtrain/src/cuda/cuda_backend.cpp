@@ -1122,20 +1122,7 @@ class CudaBackend final : public Backend {
                                            images.ptr<float>(), st_->stream));
     return ok_status();
   }
-  Status sum_of_squares(const Tensor& x, double* out) override {
-    SLIDE_RETURN_IF_ERROR(detail::validate_same_shape("sum_of_squares", x, x, nullptr, kDTypes));
-    *out = 0;
-    if (x.numel() == 0) return ok_status();
-    const int64_t blocks = std::min<int64_t>(kernels::launch_1d(x.numel(), 256).blocks, kSumOfSquaresBlocks);
-    // partial[0 .. blocks) and the total at partial[blocks].
-    SLIDE_ASSIGN_OR_RETURN(Tensor partial, Tensor::empty({blocks + 1}, DType::kF64, *st_->alloc, "sum of squares"));
-    SLIDE_CUDA_CHECK(launch_sum_of_squares(f32(x), x.numel(), partial.ptr<double>(), blocks,
-                                           partial.ptr<double>() + blocks, st_->stream));
-    SLIDE_CUDA_CHECK(cudaMemcpyAsync(out, partial.ptr<double>() + blocks, sizeof(double), cudaMemcpyDeviceToHost,
-                                     st_->stream));
-    SLIDE_CUDA_CHECK(cudaStreamSynchronize(st_->stream));
-    return ok_status();
-  }
+  Status sum_of_squares(const Tensor& x, double* out) override { return sum_of_squares_each({&x}, out); }
   // Every reduction queued on the stream (one partial-sum scratch, reused in stream order), each
   // total into its slot of one device array, then one copy back and one wait.
   Status sum_of_squares_each(const std::vector<const Tensor*>& xs, double* out) override {

@@ -315,7 +315,8 @@ __global__ void bn_normalise_kernel(const typename S::T* x, const float* gamma, 
 // relu_y where given.
 template <typename S>
 __global__ void bn_input_grad_kernel(const typename S::T* x, const typename S::T* dy, const typename S::T* relu_y,
-                                     const float* gamma, const float* save_mean, const float* save_invstd, const double* stats,
+                                     const float* gamma, const float* save_mean, const float* save_invstd,
+                                     const double* stats,
                                      const double* sums, typename S::T* dx, int64_t N, int64_t C, int64_t HW,
                                      int64_t segments) {
   const BnSegment g(N, C, HW, segments);
@@ -438,7 +439,8 @@ __global__ void bn_nhwc_normalise_kernel(const typename S::T* x, const float* ga
   const double invstd = fm::bn_invstd(sq / count, eps);
   const double gm = gamma[c], bt = beta[c];
   walk_rows_cols(rows, C, g, [&](int64_t r, int64_t col) {
-    bn_store<S>(y, r * C + col, fm::bn_apply(S::load(x[r * C + col]), gm, bt, mean, invstd), relu);
+    const int64_t i = r * C + col;
+    bn_store<S>(y, i, fm::bn_apply(S::load(x[i]), gm, bt, mean, invstd), relu);
   });
   if (blockIdx.y == 0 && threadIdx.y == 0)
     bn_write_statistics(c, mean, invstd, sq, count, momentum, save_mean, save_invstd, running_mean, running_var);

@@ -159,10 +159,32 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
   int64_t correct = 0;
   double loss_sum = 0;
   // The epoch's micro-batches, from start_step on; sizes within a step differ by at most one.
+  // step_w: the sum of the class weights of the whole (global) step's labels, sum_n w[y_n] (its
+  // sample count without class weights), the same on every rank.
   struct Micro {
     size_t start, a, b;
     int64_t step_n;
+    double step_w;
     bool first, last;
+  };
+  // The class weights on the host (options.class_weights is the caller's host tensor), and
+  // sum_n w[y_n] over order[a, b) in index order (the count b - a without weights). A tile without
+  // a label never reaches training (TileDataset::labelled).
+  std::vector<double> host_weights;
+  if (options.class_weights.defined()) {
+    if (options.class_weights.device() != Device::kCpu || options.class_weights.dtype() != DType::kF32)
+      return slide::core::invalid_argument("class weights: expected an f32 tensor in host memory");
+    const float* w = options.class_weights.data<float>();
+    host_weights.assign(w, w + options.class_weights.numel());
+  }
+  auto weight_of = [&](size_t a, size_t b) {
+    if (host_weights.empty()) return static_cast<double>(b - a);
+    double sum = 0;
+    for (size_t i = a; i < b; ++i) {
+      const int32_t y = data.tiles()[order[i]].label;
+      if (y >= 0 && static_cast<size_t>(y) < host_weights.size()) sum += host_weights[static_cast<size_t>(y)];
+    }
+    return sum;
   };
   std::vector<Micro> plan;
   // Data-parallel (data_parallel.h): this rank's slice of each step, and the gradient buckets.
@@ -193,11 +215,13 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
                                            std::to_string(step_n) + " samples for " + std::to_string(world) +
                                            " ranks; choose a batch size whose last step has at least one per rank");
     const int64_t micro = std::min<int64_t>(options.accumulate, options.sync_batch_norm ? step_n / world : rank_n);
+    const double step_w = weight_of(start, end);
     // A rank with no sample in this step (step_n < ranks) still all-reduces and steps.
-    if (micro == 0) plan.push_back({start, first, first, step_n, true, true});
+    if (micro == 0) plan.push_back({start, first, first, step_n, step_w, true, true});
     for (int64_t m = 0; m < micro; ++m)
       plan.push_back({start, first + static_cast<size_t>(rank_n * m / micro),
-                      first + static_cast<size_t>(rank_n * (m + 1) / micro), step_n, m == 0, m == micro - 1});
+                      first + static_cast<size_t>(rank_n * (m + 1) / micro), step_n, step_w, m == 0,
+                      m == micro - 1});
   }
   // A bounded prefetch queue of one micro-batch: the next one is decoded (on the pool) while this
   // one computes. Decoding depends only on (seed, positions), so the order of work changes
@@ -277,15 +301,27 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
       SLIDE_RETURN_IF_ERROR(be.softmax_cross_entropy_backward(sc.probs, sc.labels, class_weights,
                                                               options.label_smoothing, dlogits));
       // The micro-batch's mean-loss gradient, weighted by its share of the (global) step's samples
-      // (llm.c's dloss), on the device. The share is rounded to f32 first: a product of two f32
-      // values rounded once is the f32 product, so this equals the f32 loop it replaced bit for bit.
-      const float share = static_cast<float>(mb.b - mb.a) / static_cast<float>(mb.step_n);
+      // (llm.c's dloss), on the device. With class weights the loss is a weighted mean
+      // (sum_n w[y_n] l_n / sum_n w[y_n], PyTorch's CrossEntropyLoss(weight)), so the share is that
+      // of the step's weight, sum over the micro-batch / sum over the step: the micro-batches'
+      // gradients then add up to the weighted mean over the whole step, however it is split over
+      // ranks and micro-batches (a step whose weights are all 0 has gradient 0, as the op's).
+      // The share is rounded to f32 first: a product of two f32 values rounded once is the f32
+      // product, so this equals the f32 loop it replaced bit for bit (without weights, both sums
+      // are exact integers).
+      const double mb_w = weight_of(mb.a, mb.b);
+      const float share = mb.step_w > 0 ? static_cast<float>(mb_w) / static_cast<float>(mb.step_w) : 0.0f;
       // Under loss scaling, times the scale. With a power of two (GradScaler's 2^16 and every
       // halving or doubling of it) share * scale is exact and the gradients are exactly scale times
       // the unscaled ones until an operand over- or underflows.
       SLIDE_RETURN_IF_ERROR(be.scale(dlogits, static_cast<double>(share) * loss_scale, dlogits));
       SLIDE_RETURN_IF_ERROR(model.backward(be, dlogits).status());
-      loss_sum += sc.loss * static_cast<double>(mb.b - mb.a);
+      // The epoch's loss: the mean over steps of each step's (weighted) mean loss, weighted by the
+      // step's samples; without class weights, the mean over samples. Either way independent of
+      // the split.
+      loss_sum += host_weights.empty() || mb.step_w <= 0
+                      ? sc.loss * static_cast<double>(mb.b - mb.a)
+                      : sc.loss * mb_w / mb.step_w * static_cast<double>(mb.step_n);
       SLIDE_RETURN_IF_ERROR(with_host_probs(be, &sc));
       tally(sc.host_probs, sc.host_labels, &seen, &right, &correct);
     }
@@ -324,8 +360,8 @@ Result<EpochStats> train_epoch(Backend& be, Layer& model, Optimizer& opt, const 
         if (micro == 0) redo.push_back(plan[j]);
         for (int64_t m = 0; m < micro; ++m)
           redo.push_back({plan[j].start, first + static_cast<size_t>(rank_n * m / micro),
-                          first + static_cast<size_t>(rank_n * (m + 1) / micro), plan[j].step_n, m == 0,
-                          m == micro - 1});
+                          first + static_cast<size_t>(rank_n * (m + 1) / micro), plan[j].step_n, plan[j].step_w,
+                          m == 0, m == micro - 1});
         j = last + 1;
       }
       plan = std::move(redo);

@@ -232,21 +232,41 @@ TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (
   REQUIRE(cpu.ok());
   // conv -> relu -> global pool -> linear: batch norm would see different statistics per
   // micro-batch (the documented exception), so it is left out here.
-  auto run = [&](int64_t accumulate) {
+  auto run = [&](int64_t accumulate, bool weighted = false) {
     TrainOptions to;
     to.batch_size = 12;
     to.accumulate = accumulate;
+    if (weighted) to.class_weights = *w;
     const TinyRun r = train_tiny(**cpu, *data, twelve, to);
     CHECK(r.stats.steps == 1);
-    return r.weights;
+    return r;
   };
-  const std::vector<float> one = run(1), three = run(3), five = run(5);  // 5: micro-batches of 2 and 3
+  const std::vector<float> one = run(1).weights, three = run(3).weights,
+                           five = run(5).weights;  // 5: micro-batches of 2 and 3
   REQUIRE(one.size() == three.size());
   double worst3 = 0, worst5 = 0, moved = 0;
   InitRng rng(5);
   for (size_t i = 0; i < one.size(); ++i) {
     worst3 = std::max(worst3, double(std::abs(one[i] - three[i])));
     worst5 = std::max(worst5, double(std::abs(one[i] - five[i])));
+  }
+  // With class weights the loss is the weighted mean over the whole step (PyTorch's
+  // CrossEntropyLoss(weight)): each micro-batch's gradient counts by its share of the step's weight,
+  // not of its samples (here lung_scc weighs 0, so micro-batches of equal size weigh differently).
+  {
+    const TinyRun w1 = run(1, true), w3 = run(3, true), w5 = run(5, true);
+    double worst_w3 = 0, worst_w5 = 0, unweighted = 0;
+    for (size_t i = 0; i < one.size(); ++i) {
+      worst_w3 = std::max(worst_w3, double(std::abs(w1.weights[i] - w3.weights[i])));
+      worst_w5 = std::max(worst_w5, double(std::abs(w1.weights[i] - w5.weights[i])));
+      unweighted = std::max(unweighted, double(std::abs(w1.weights[i] - one[i])));
+    }
+    CHECK(unweighted > 1e-4);  // the weights changed the update
+    CHECK(worst_w3 < 1e-5);
+    CHECK(worst_w5 < 1e-5);
+    // The epoch's reported loss does not depend on the split either.
+    CHECK(w3.stats.loss == doctest::Approx(w1.stats.loss).epsilon(1e-5));
+    CHECK(w5.stats.loss == doctest::Approx(w1.stats.loss).epsilon(1e-5));
   }
   // The step moved the weights (so equality is not vacuous): compare with a fresh initialisation.
   Sequential fresh;

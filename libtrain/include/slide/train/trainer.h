@@ -56,7 +56,11 @@ struct TrainOptions {
   int64_t accumulate = 1;      // micro-batches per step
   double label_smoothing = 0;
   Augmentation augment = {.flips_rotations = true};  // augment.h; {} for none
-  Tensor class_weights;    // [classes] f32 on the backend's device, or undefined (all 1)
+  // [classes] f32 in host memory (copied to the backend's device once per epoch), or undefined
+  // (all 1). The loss is then each step's weighted mean, sum_n w[y_n] l_n / sum_n w[y_n] over the
+  // whole (global) step: a micro-batch's gradient counts by its share of the step's weight, so the
+  // update does not depend on the split over ranks and micro-batches.
+  Tensor class_weights;
   int64_t start_step = 0;  // resume inside an epoch: skip its first start_step steps (same order)
   const std::atomic<bool>* cancel = nullptr;  // checked after every step
   // Called after every step with the step's (global) sample count and this rank's mean training

@@ -34,6 +34,7 @@
 #include "slide/tile/image.h"
 #include "slide/train/checkpoint.h"
 #include "slide/train/data_parallel.h"
+#include "slide/train/device_select.h"
 #include "slide/train/embed.h"
 #include "slide/train/fine_tune.h"
 #include "slide/train/stain.h"
@@ -245,10 +246,11 @@ int run_main(int argc, char** argv) {
       ->check(CLI::Range(2, 1000));
   app.add_option("--fold", fold, "With --folds K: the fold (0..K-1) that is validation; the others train")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--decode-threads,--threads", threads,
-                 "Threads decoding (JPEG) and augmenting the tiles of the next batches (--threads: the old name; "
-                 "the last one given counts)")
-      ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
+  CLI::Option* decode_threads_opt =
+      app.add_option("--decode-threads,--threads", threads,
+                     "Threads decoding (JPEG) and augmenting the tiles of the next batches (--threads: the old name; "
+                     "the last one given counts; default: the cores, divided among the ranks on one host)")
+          ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
   int compute_threads = 0;
   app.add_option("--compute-threads", compute_threads,
                  "Compute threads of the cpu backend (oneDNN's OpenMP threads); 0: OMP_NUM_THREADS, else every core")
@@ -400,7 +402,7 @@ int run_main(int argc, char** argv) {
     return slide::apps::run_launcher(lo);
   }
   // Ranks started by --gpus on GPUs join over NCCL (its unique id over the launcher's sockets).
-  if (launched->world_size > 0 && dist == "auto" && backend == "cuda") dist = "nccl";
+  if (launched->world_size > 0 && dist == "auto" && slide::train::resolve_backend_name(backend) == "cuda") dist = "nccl";
   if (sweep->parsed()) {
     std::error_code ec;
     return slide::apps::run_sweep(sweep_options, fs::read_symlink("/proc/self/exe", ec).string(), &g_cancel);
@@ -457,9 +459,9 @@ int run_main(int argc, char** argv) {
     std::fprintf(stderr, "slide-train: --data and --out are required (or use: slide-train evaluate ...)\n");
     return kExitUsage;
   }
-  auto made_comm = make_communicator(dist, dist_timeout);
+  auto made_comm = make_communicator(dist, dist_timeout, device);
   if (!made_comm.ok()) return fail(made_comm.status());
-  const std::unique_ptr<Communicator> comm = std::move(*made_comm);
+  std::unique_ptr<Communicator> comm = std::move(*made_comm);
   g_comm = comm.get();
   const bool writer = comm->rank() == 0;  // only rank 0 writes checkpoints, metrics, plots and logs
   if (!writer) slide::core::set_log_level(slide::core::LogLevel::kWarn);
@@ -644,6 +646,11 @@ int run_main(int argc, char** argv) {
 
   if (cache != "auto" && cache != "device" && cache != "ram" && cache != "none")
     return fail(slide::core::invalid_argument("--cache '" + cache + "' is not one of auto, device, ram, none"));
+  // The ranks on this host share its cores and RAM (a collective: every rank asks).
+  auto host_ranks = slide::train::ranks_on_this_host(*comm);
+  if (!host_ranks.ok()) return fail(host_ranks.status());
+  if (decode_threads_opt->count() == 0 && *host_ranks > 1)
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / *host_ranks);
   slide::core::ThreadPool pool(static_cast<size_t>(std::max(1, threads)));
   const bool device_backend = (*be)->device() != Device::kCpu;
   if (cache == "device" && !device_backend) {
@@ -670,10 +677,16 @@ int run_main(int argc, char** argv) {
       }
     }
   }
+  // Each rank weighs --cache auto against its share of the host's free RAM.
   if (cache != "none" && !on_device) {
-    const size_t budget_left = cpu_allocator().budget_bytes() == Allocator::kUnlimited
-                                   ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE))
-                                   : cpu_allocator().budget_bytes() - cpu_allocator().current_bytes();
+    const size_t budget_left =
+        cpu_allocator().budget_bytes() == Allocator::kUnlimited
+            ? static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE)) /
+                  static_cast<size_t>(*host_ranks)
+            : cpu_allocator().budget_bytes() - cpu_allocator().current_bytes();
+    if (*host_ranks > 1 && cache == "auto")
+      slide::core::log_info("--cache auto: the host's free RAM is shared by its ranks",
+                            {{"ranks_on_host", *host_ranks}, {"share_bytes", static_cast<int64_t>(budget_left)}});
     if (cache == "ram" || slide::apps::dataset_fits((*ds)->decoded_bytes(), budget_left, *memory_plan, "in RAM")) {
       if (auto s = (*ds)->cache_in_ram(&pool, cpu_allocator()); !s.ok()) {
         if (cache == "ram") return fail(s.with_context("--cache ram"));
@@ -907,6 +920,12 @@ int run_main(int argc, char** argv) {
                                     {"images_per_s", st->samples / st->seconds},
                                     {"all_reduce_s", st->all_reduce_seconds}});
   }
+  // Training is over: the ranks part here, together, before rank 0 evaluates the test set alone
+  // (a rank finalising NCCL would otherwise wait for rank 0 through the whole evaluation, and
+  // past --dist-timeout abort the job). The model's synchronised batch norms point at comm: none
+  // runs after this.
+  g_comm = nullptr;
+  comm.reset();
   if (writer && (!test_data.empty() || test_fraction > 0)) {
     // The held-out test set, once, with the weights validation chose (else the last checkpoint's).
     slide::apps::TileInferenceOptions test;

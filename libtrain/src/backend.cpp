@@ -45,12 +45,18 @@ Result<MathPrecision> parse_math_precision(const std::string& name) {
   return slide::core::invalid_argument("precision '" + name + "': expected fp32, tf32, bf16 or fp16");
 }
 
+std::string resolve_backend_name(const std::string& name) {
+  if (name != "auto") return name;
+#if defined(SLIDE_WITH_CUDA)
+  if (auto count = cuda::usable_device_count(); count.ok() && *count > 0) return "cuda";
+#endif
+  return "cpu";
+}
+
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, int device) {
   if (name == "auto") {
     // cuda when this build has it and a device answers, else cpu.
-#if defined(SLIDE_WITH_CUDA)
-    if (auto count = cuda::usable_device_count(); count.ok() && *count > 0) return make_backend("cuda", device);
-#endif
+    if (resolve_backend_name(name) == "cuda") return make_backend("cuda", device);
     if (device >= 0) return slide::core::invalid_argument("--device " + std::to_string(device) + ": no CUDA device here");
     return make_backend("cpu");
   }

@@ -169,39 +169,61 @@ Status TileDataset::set_stain(const StainTarget& target) {
   return slide::core::ok_status();
 }
 
+Status TileDataset::decode_range(slide::core::ThreadPool* pool, int64_t first, int64_t count, uint8_t* out) const {
+  const size_t bytes = static_cast<size_t>(3 * tile_size_ * tile_size_);
+  auto range = [&](int64_t a, int64_t b) -> Status {
+    for (int64_t i = a; i < b; ++i)
+      SLIDE_RETURN_IF_ERROR(decode_tile(static_cast<size_t>(first + i), out + static_cast<size_t>(i) * bytes));
+    return slide::core::ok_status();
+  };
+  const int64_t n = count;
+  const int64_t parts = pool != nullptr ? static_cast<int64_t>(pool->size()) : 1;
+  std::vector<std::future<Status>> done;
+  for (int64_t k = 1; k < parts; ++k) done.push_back(pool->submit([&, k] { return range(n * k / parts, n * (k + 1) / parts); }));
+  Status first_error = range(0, n / parts);
+  for (auto& f : done) {
+    Status s = f.get();
+    if (first_error.ok() && !s.ok()) first_error = s;
+  }
+  return first_error;
+}
+
 Status TileDataset::cache_in_ram(slide::core::ThreadPool* pool, Allocator& alloc) {
   const auto n = static_cast<int64_t>(tiles_.size());
   SLIDE_ASSIGN_OR_RETURN(Tensor cache, Tensor::empty({n, tile_size_, tile_size_, 3}, DType::kU8, alloc,
                                                      "decoded dataset (RAM cache)"));
-  const size_t bytes = static_cast<size_t>(3 * tile_size_ * tile_size_);
-  auto range = [&](int64_t a, int64_t b) -> Status {
-    for (int64_t i = a; i < b; ++i)
-      SLIDE_RETURN_IF_ERROR(decode_tile(static_cast<size_t>(i), cache.data<uint8_t>() + static_cast<size_t>(i) * bytes));
-    return slide::core::ok_status();
-  };
-  const int64_t parts = pool != nullptr ? static_cast<int64_t>(pool->size()) : 1;
-  std::vector<std::future<Status>> done;
-  for (int64_t k = 1; k < parts; ++k) done.push_back(pool->submit([&, k] { return range(n * k / parts, n * (k + 1) / parts); }));
-  Status first = range(0, n / parts);
-  for (auto& f : done) {
-    Status s = f.get();
-    if (first.ok() && !s.ok()) first = s;
-  }
-  SLIDE_RETURN_IF_ERROR(first);
+  SLIDE_RETURN_IF_ERROR(decode_range(pool, 0, n, cache.data<uint8_t>()));
   cache_ = std::move(cache);
   return slide::core::ok_status();
 }
 
-Status TileDataset::cache_on_device(Backend& be, slide::core::ThreadPool* pool) {
+Status TileDataset::cache_on_device(Backend& be, slide::core::ThreadPool* pool, size_t chunk_bytes) {
   if (be.device() == Device::kCpu)
     return slide::core::invalid_argument("--cache device: the " + be.name() +
                                          " backend computes in host memory; the RAM cache is its device cache");
-  const bool had_ram_cache = cached();
-  if (!had_ram_cache) SLIDE_RETURN_IF_ERROR(cache_in_ram(pool, cpu_allocator()));
-  auto uploaded = to_device(be, cache_, "decoded dataset (device cache)");
-  if (!had_ram_cache) cache_ = Tensor();  // the host copy goes; reads go to the stores again
-  if (!uploaded.ok()) return uploaded.status();
-  device_cache_ = std::move(*uploaded);
+  if (cached()) {  // the RAM cache is there already: one upload
+    SLIDE_ASSIGN_OR_RETURN(device_cache_, to_device(be, cache_, "decoded dataset (device cache)"));
+    return slide::core::ok_status();
+  }
+  // Decoded a chunk at a time into one host buffer and uploaded into its rows of the device
+  // cache: host memory stays at one chunk whatever the dataset's size (every rank of a node does
+  // this at once, each for its own GPU).
+  const auto n = static_cast<int64_t>(tiles_.size());
+  const auto row = 3 * tile_size_ * tile_size_;
+  const int64_t per_chunk = std::clamp<int64_t>(static_cast<int64_t>(chunk_bytes) / row, 1, std::max<int64_t>(n, 1));
+  SLIDE_ASSIGN_OR_RETURN(Tensor dev, Tensor::empty({n, tile_size_, tile_size_, 3}, DType::kU8, be.allocator(),
+                                                   "decoded dataset (device cache)"));
+  SLIDE_ASSIGN_OR_RETURN(Tensor host, Tensor::empty({per_chunk, tile_size_, tile_size_, 3}, DType::kU8,
+                                                    cpu_allocator(), "decoded dataset (upload chunk)"));
+  for (int64_t first = 0; first < n; first += per_chunk) {
+    const int64_t count = std::min(per_chunk, n - first);
+    SLIDE_RETURN_IF_ERROR(decode_range(pool, first, count, host.data<uint8_t>()));
+    const Shape rows{count, tile_size_, tile_size_, 3};
+    SLIDE_ASSIGN_OR_RETURN(const Tensor src, host.view(0, rows));
+    SLIDE_ASSIGN_OR_RETURN(Tensor dst, dev.view(first * row, rows));
+    SLIDE_RETURN_IF_ERROR(be.upload(src, dst));  // returns once the copy is done: the chunk is free again
+  }
+  device_cache_ = std::move(dev);
   return slide::core::ok_status();
 }
 

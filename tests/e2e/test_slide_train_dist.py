@@ -144,7 +144,8 @@ class Base(unittest.TestCase):
 
 
 class TestEquivalence(Base):
-    def check(self, ranks, batch, extra_single, extra_ranks, epochs=2, same_validation=False):
+    def check(self, ranks, batch, extra_single, extra_ranks, epochs=2, same_validation=False, rtol=2e-4, atol=2e-5,
+              places=4):
         one = os.path.join(self.tmp, "one_%d_%d_%s" % (ranks, batch, "_".join(extra_single)))
         many = os.path.join(self.tmp, "many_%d_%d_%s" % (ranks, batch, "_".join(extra_ranks)))
         r = self.train(0, one, batch, epochs, *extra_single)
@@ -158,10 +159,10 @@ class TestEquivalence(Base):
         # Equal parameters are not a given: the last epoch moved them well beyond the tolerance.
         before = params(one, epochs - 1)
         self.assertGreater(max(float(np.abs(a[k] - before[k]).max()) for k in a), 1e-2)
-        self.assert_close(a, b)
+        self.assert_close(a, b, rtol=rtol, atol=atol)
         # The training statistics are reduced over the ranks: the single rank's.
         for h1, h2 in zip(self.history(one), self.history(many)):
-            self.assertAlmostEqual(h1["train_loss"], h2["train_loss"], places=4)
+            self.assertAlmostEqual(h1["train_loss"], h2["train_loss"], places=places)
             self.assertAlmostEqual(h1["train_accuracy"], h2["train_accuracy"], places=6)
         # Validation, split over the ranks and reduced, scores the checkpoint rank 0 wrote (its
         # running statistics): what `slide-train evaluate` of that checkpoint finds.
@@ -179,7 +180,7 @@ class TestEquivalence(Base):
         if same_validation:
             # --sync-bn: the running statistics are the single rank's too.
             for h1, h2 in zip(self.history(one), self.history(many)):
-                self.assertAlmostEqual(h1["val_loss"], h2["val_loss"], places=4)
+                self.assertAlmostEqual(h1["val_loss"], h2["val_loss"], places=places)
                 self.assertAlmostEqual(h1["val_accuracy"], h2["val_accuracy"], places=6)
 
     def test_two_ranks_odd_batch_equal_one_rank_with_two_micro_batches(self):
@@ -282,6 +283,18 @@ class TestEquivalence(Base):
         self.check(2, 6, [], ["--sync-bn"], same_validation=True)
         self.assert_close(read_safetensors(os.path.join(self.tmp, "one_2_6_", "best.safetensors")),
                           read_safetensors(os.path.join(self.tmp, "many_2_6_--sync-bn", "best.safetensors")))
+
+    def test_class_weights_two_ranks_equal_one_rank_with_the_whole_batch(self):
+        # The loss is each step's weighted mean over all its samples (PyTorch's
+        # CrossEntropyLoss(weight)): a rank's gradient counts by its share of the step's weight, not
+        # of its samples (--sync-bn, so that batch norm sees the whole batch too).
+        # The ranks' shares of the weight (e.g. 4.5 / 8.5) are not exact in f32 as halves of the
+        # samples are, and 12 steps of SGD with momentum grow the rounding to ~5e-5 in the weights
+        # and ~1e-4 in the validation loss; splitting by samples instead (the bug this guards
+        # against) is off by percents.
+        w = ["--class-weights", "1,3,0.5"]
+        self.check(2, 6, w, ["--sync-bn"] + w, same_validation=True, rtol=1e-3, atol=2e-4,
+                   places=3)
 
 
 class TestFailure(Base):

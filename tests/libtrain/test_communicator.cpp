@@ -379,6 +379,9 @@ int collectives(Communicator& c, int world) {
   float y = 1.0f;
   auto w = c.all_reduce_async(&y, 1, DType::kF32, ReduceOp::kAverage, "async");
   if (!w.ok() || !(*w)->wait().ok() || y != 1.0f) return 21;
+  // Every forked rank runs on this host.
+  auto here = ranks_on_this_host(c);
+  if (!here.ok() || *here != world) return 22;
   return 0;
 }
 
@@ -403,6 +406,34 @@ TEST_CASE("socket communicator: 3 forked ranks; sums in rank order, broadcast, g
   CHECK((*c)->rank() == 0);
   CHECK(collectives(**c, world) == 0);
   CHECK(reap(f) == std::vector<int>{0, 0});
+}
+
+TEST_CASE("socket communicator: lost_peer names a rank whose connection closed, without blocking") {
+  int release[2];
+  REQUIRE(::pipe(release) == 0);
+  // Rank 1 waits for the word to exit; rank 2 exits at once.
+  Forked f = fork_ranks(3, [&](int r, int) {
+    if (r == 2) return 0;
+    char c;
+    return ::read(release[0], &c, 1) == 1 ? 0 : 9;
+  });
+  auto c = make_socket_communicator(0, 3, f.fds0, 60);
+  REQUIRE(c.ok());
+  int lost = -1;
+  for (int i = 0; i < 500 && lost < 0; ++i) {  // rank 2's exit closes its socket (within 5 s)
+    lost = (*c)->lost_peer();
+    if (lost < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(lost == 2);
+  REQUIRE(::write(release[1], "x", 1) == 1);
+  CHECK(reap(f) == std::vector<int>{0, 0});
+  CHECK((*c)->lost_peer() >= 1);  // both gone now
+  ::close(release[0]), ::close(release[1]);
+  // One rank: nobody to lose.
+  auto local = make_communicator("local", 10);
+  REQUIRE(local.ok());
+  CHECK((*local)->lost_peer() == -1);
+  CHECK(*ranks_on_this_host(**local) == 1);
 }
 
 TEST_CASE("socket communicator: a dead peer fails the collective at once, naming it; later calls are refused") {

@@ -483,6 +483,15 @@ TEST_CASE("select_device: --device, else the launcher's node-local rank, else 0;
   env["CUDA_VISIBLE_DEVICES"] = "5";
   CHECK(*select_device(-1, 1, getenv_fn) == 0);
   CHECK(select_device(-1, 2, getenv_fn).status().code() == StatusCode::kFailedPrecondition);  // two visible: refused
+  // slide-train --gpus 2 under CUDA_VISIBLE_DEVICES=0: both ranks see the same one GPU; rank 1
+  // must not take it too.
+  env["SLIDE_LAUNCH_LOCAL_RANK"] = "1";
+  auto shared = select_device(-1, 1, getenv_fn);
+  CHECK(shared.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(shared.status().message().find("node-local rank 1 but this node shows 1 GPU(s)") != std::string::npos);
+  env["SLIDE_LAUNCH_LOCAL_RANK"] = "0";
+  CHECK(*select_device(-1, 1, getenv_fn) == 0);
+  env.erase("SLIDE_LAUNCH_LOCAL_RANK");
   env.erase("CUDA_VISIBLE_DEVICES");
   auto bad_flag = select_device(8, 8, getenv_fn);
   CHECK(bad_flag.status().code() == StatusCode::kInvalidArgument);

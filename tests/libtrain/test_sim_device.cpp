@@ -310,16 +310,24 @@ TEST_CASE("sim device: gather_augment on a dataset cached on the device makes lo
   auto sim = backend("reference-sim");
   auto data = testing::tile_lc25000(16, "sim_device_gather");
   REQUIRE(!data->device_cached());
-  const Status cached = data->cache_on_device(*sim, nullptr);
+  // Uploaded in chunks of 100 tiles (100, 100, 100, 60 of the 360): host memory holds one chunk,
+  // never the dataset.
+  const size_t row = 16 * 16 * 3, chunk = 100 * row + 5;
+  REQUIRE(data->decoded_bytes() == 360 * row);
+  const size_t host_before = cpu_allocator().current_bytes();
+  cpu_allocator().reset_peak();
+  const Status cached = data->cache_on_device(*sim, nullptr, chunk);
   REQUIRE_MESSAGE(cached.ok(), cached.to_string());
+  CHECK(cpu_allocator().peak_bytes() - host_before <= 100 * row + 4096);
+  CHECK(cpu_allocator().current_bytes() == host_before);
   CHECK(data->device_cached());
-  CHECK(!data->cached());  // the host copy made for the upload is gone
+  CHECK(!data->cached());  // no RAM cache was made for the upload
   Augmentation aug;
   aug.flips_rotations = true;
   aug.brightness = 0.3f, aug.contrast = 0.3f, aug.saturation = 0.3f, aug.hue = 0.1f;
   aug.crop_min_scale = 0.4f;
   aug.stain_sigma = 0.05f;
-  const std::vector<size_t> positions = {0, 7, 7, 100, 359, 42, 3};
+  const std::vector<size_t> positions = {0, 7, 7, 100, 359, 42, 3, 99, 299, 300};  // chunk edges too
   for (const Augmentation& a : {aug, Augmentation{}}) {
     for (uint64_t seed : {1u, 99u}) {
       Tensor host_images, host_labels, dev_images, dev_labels;

@@ -1,8 +1,14 @@
 // The factory (the one place that knows which communicators were built), the local one, and the
 // helpers every implementation shares.
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "dist/communicators.h"
 
@@ -156,7 +162,22 @@ Result<std::unique_ptr<CollectiveWork>> all_reduce_now(Communicator& comm, void*
 }
 }  // namespace dist
 
-Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s) {
+Result<int> ranks_on_this_host(Communicator& comm) {
+  if (comm.world_size() == 1) return 1;
+  char host[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "?");
+  // FNV-1a, 64 bits (Fowler, Noll, Vo), cut to the 52 bits a double holds exactly.
+  uint64_t h = 14695981039346656037ull;
+  for (const char* c = host; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  const double mine = static_cast<double>(h & ((uint64_t{1} << 52) - 1));
+  std::vector<double> all;
+  SLIDE_RETURN_IF_ERROR(comm.all_gather(mine, &all, "all-gather of the ranks' host names"));
+  int same = 0;
+  for (double v : all) same += v == mine ? 1 : 0;
+  return std::max(same, 1);
+}
+
+Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s, int device) {
   if (!(timeout_s > 0))
     return slide::core::invalid_argument("the collective timeout must be positive, not " + std::to_string(timeout_s));
   SLIDE_ASSIGN_OR_RETURN(LaunchedRank launched, launched_rank());
@@ -180,12 +201,18 @@ Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind,
     if (launched.world_size > 0) {
       SLIDE_ASSIGN_OR_RETURN(auto bootstrap, make_socket_communicator(launched.rank, launched.world_size,
                                                                       std::move(launched.fds), timeout_s));
-      return dist::make_nccl_communicator(timeout_s, std::move(bootstrap));
+      return dist::make_nccl_communicator(timeout_s, std::move(bootstrap), device);
     }
+#ifdef SLIDE_WITH_MPI
     SLIDE_ASSIGN_OR_RETURN(auto bootstrap, dist::make_mpi_communicator(timeout_s));
-    return dist::make_nccl_communicator(timeout_s, std::move(bootstrap));
+    return dist::make_nccl_communicator(timeout_s, std::move(bootstrap), device);
 #else
-    return slide::core::unimplemented("--dist nccl: this build has no NCCL (CUDA, NCCL and MPI are needed)");
+    return slide::core::unimplemented("--dist nccl outside slide-train --gpus bootstraps over MPI, which this build "
+                                      "has not (install libopenmpi-dev and rebuild)");
+#endif
+#else
+    (void)device;
+    return slide::core::unimplemented("--dist nccl: this build has no NCCL (CUDA and NCCL are needed)");
 #endif
   }
   return slide::core::invalid_argument("--dist '" + kind + "' is not one of auto, local, mpi, socket, nccl");

@@ -31,12 +31,13 @@ bool set_mpi_transport_defaults();
 [[nodiscard]] Result<std::unique_ptr<Communicator>> make_mpi_communicator(double timeout_s);
 #endif
 #ifdef SLIDE_WITH_NCCL
-// GPU ranks: the device of the node-local rank, NCCL's unique id broadcast over `bootstrap` (the
+// GPU ranks: GPU `device` (select_device's choice for it: -1 is the node-local rank's), NCCL's unique id broadcast over `bootstrap` (the
 // "mpi" communicator under mpirun/srun, the "socket" one under slide-train --gpus), which gives
 // the rank and world size and is kept for the communicator's lifetime. Errors:
 // kFailedPrecondition (no CUDA device), kDeadlineExceeded (set-up past the timeout), kInternal.
 [[nodiscard]] Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s,
-                                                                         std::unique_ptr<Communicator> bootstrap);
+                                                                         std::unique_ptr<Communicator> bootstrap,
+                                                                         int device);
 #endif
 
 }  // namespace slide::train::dist

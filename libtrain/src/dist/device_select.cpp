@@ -33,8 +33,10 @@ slide::core::Result<int> select_device(int requested, int device_count,
   SLIDE_ASSIGN_OR_RETURN(int local, launcher_local_rank(getenv_fn));
   if (local < 0) return 0;
   // A launcher that gives each rank a GPU of its own hides the others (Slurm's --gpus-per-task=1,
-  // a CUDA_VISIBLE_DEVICES per rank): the one device this process sees is its own.
-  if (local >= device_count && device_count == 1) {
+  // a CUDA_VISIBLE_DEVICES per rank): the one device this process sees is its own. Never for
+  // slide-train --gpus N's ranks: it starts every rank with the user's environment, so one visible
+  // device there is one GPU for all the ranks (CUDA_VISIBLE_DEVICES=0 slide-train --gpus 2).
+  if (local >= device_count && device_count == 1 && getenv_fn("SLIDE_LAUNCH_LOCAL_RANK") == nullptr) {
     const char* visible = getenv_fn("CUDA_VISIBLE_DEVICES");
     if (visible != nullptr && *visible != '\0') return 0;
   }

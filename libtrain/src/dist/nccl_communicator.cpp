@@ -29,6 +29,37 @@ namespace slide::train::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// How often a wait on NCCL polls the bootstrap connections for a lost peer (Communicator::lost_peer:
+// a poll(2) of at most P - 1 sockets), and how long it then goes on waiting before it fails: a
+// rank's death fails the others' collectives within a second instead of at --dist-timeout.
+constexpr auto kPeerCheckInterval = std::chrono::milliseconds(10);
+constexpr auto kLostPeerGrace = std::chrono::seconds(1);
+
+// Watches the bootstrap connections during one wait on NCCL. A closed connection is not a failure
+// at once: a peer that finished the job's last collective may exit while this rank's part of it
+// completes moments later. So the wait goes on for kLostPeerGrace after the loss is seen, and
+// fails only if it has not completed by then (a dead peer's collective never does).
+class PeerWatch {
+ public:
+  explicit PeerWatch(Communicator& bootstrap) : bootstrap_(bootstrap), next_(Clock::now() + kPeerCheckInterval) {}
+  // The lost rank once its grace has passed, else -1.
+  int check(Clock::time_point now) {
+    if (lost_ < 0) {
+      if (now < next_) return -1;
+      next_ = now + kPeerCheckInterval;
+      lost_ = bootstrap_.lost_peer();
+      if (lost_ < 0) return -1;
+      lost_at_ = now;
+    }
+    return now - lost_at_ >= kLostPeerGrace ? lost_ : -1;
+  }
+
+ private:
+  Communicator& bootstrap_;
+  Clock::time_point next_;
+  Clock::time_point lost_at_{};
+  int lost_ = -1;
+};
 
 Result<ncclDataType_t> nccl_type(DType t, const std::string& what) {
   switch (t) {
@@ -77,6 +108,7 @@ class NcclCommunicator final : public Communicator {
       : Communicator(timeout_s), bootstrap_(std::move(bootstrap)) {}
 
   ~NcclCommunicator() override {
+    if (device_ >= 0) (void)cudaSetDevice(device_);  // this thread may have another current device
     if (comm_ != nullptr) {
       if (broken_) {
         ncclCommAbort(comm_);
@@ -102,6 +134,7 @@ class NcclCommunicator final : public Communicator {
 
   Status init(int device) {
     if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_error("cudaSetDevice", e);
+    device_ = device;
     if (const cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess)
       return cuda_error("cudaStreamCreate", e);
     ncclUniqueId id;
@@ -149,6 +182,8 @@ class NcclCommunicator final : public Communicator {
     const auto* f = dynamic_cast<const cuda::CudaFence*>(&fence);
     if (f == nullptr) return false;
     if (broken_ || comm_ == nullptr) return broken_error("ordering after the backend's work");
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess)
+      return fail("ordering after the backend's work", cudaGetErrorString(e));
     if (const cudaError_t e = cudaStreamWaitEvent(stream_, f->event(), 0); e != cudaSuccess)
       return fail("ordering after the backend's work", cudaGetErrorString(e));
     return true;
@@ -194,6 +229,14 @@ class NcclCommunicator final : public Communicator {
   }
   void release(Staging* s) { free_.push_back(s); }
   ncclComm_t nccl() const { return comm_; }
+  int lost_peer() override { return bootstrap_->lost_peer(); }
+  // A peer's bootstrap connection closed while this rank waits on NCCL: its kernels would wait for
+  // that rank until the deadline; abort now, naming it (kUnavailable, as the socket communicator).
+  Status peer_gone(const std::string& what, int peer) {
+    mark_broken();
+    return slide::core::unavailable(describe(what) + ": rank " + std::to_string(peer) +
+                                    " closed its connection (it has exited, failed or was killed)");
+  }
   using Communicator::deadline_message;
   Status fail(const std::string& what, const std::string& why) {
     mark_broken();
@@ -208,12 +251,14 @@ class NcclCommunicator final : public Communicator {
   // Waits for a non-blocking NCCL call to leave ncclInProgress, within the deadline.
   Status settle(Clock::time_point start, const std::string& what) {
     const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s()));
+    PeerWatch peers(*bootstrap_);
     for (;;) {
       ncclResult_t st = ncclInProgress;
       if (const ncclResult_t r = ncclCommGetAsyncError(comm_, &st); r != ncclSuccess)
         return fail(what, ncclGetErrorString(r));
       if (st == ncclSuccess) return slide::core::ok_status();
       if (st != ncclInProgress) return fail(what, std::string(ncclGetErrorString(st)) + ": " + ncclGetLastError(comm_));
+      if (const int peer = peers.check(Clock::now()); peer >= 0) return peer_gone(what, peer);
       if (Clock::now() >= deadline) {
         mark_broken();
         return Status(slide::core::StatusCode::kDeadlineExceeded, deadline_message(what));
@@ -249,6 +294,9 @@ class NcclCommunicator final : public Communicator {
                                                   const std::string& what, Call call) {
     if (broken_ || comm_ == nullptr) return broken_error(what);
     const auto start = Clock::now();
+    // The event below is created on the current device, which must be the stream's: the calling
+    // thread may have made another device current (cudaSetDevice is per host thread).
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(what, cudaGetErrorString(e));
     cudaPointerAttributes attr{};
     const bool on_device = cudaPointerGetAttributes(&attr, data) == cudaSuccess &&
                            (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
@@ -282,6 +330,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Communicator> bootstrap_;
+  int device_ = -1;  // the CUDA device of comm_ and stream_
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   std::deque<Staging> pool_;    // every staging made (a deque: works hold pointers into it)
@@ -299,14 +348,19 @@ NcclWork::~NcclWork() {
 Status NcclWork::wait() {
   if (done_) return slide::core::ok_status();
   const auto deadline = start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(comm_->timeout_s()));
+  PeerWatch peers(*comm_);
   for (;;) {
     const cudaError_t e = cudaEventQuery(event_);
     if (e == cudaSuccess) break;
     if (e != cudaErrorNotReady) return comm_->fail(what_, cudaGetErrorString(e));
+    // Not an error, but the runtime may keep it as this thread's last error, where the backend's
+    // next launch check would take it for its own: clear it, and only it.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
     ncclResult_t st = ncclSuccess;
     if (comm_->nccl() == nullptr) return comm_->fail(what_, "the NCCL communicator was aborted");
     if (ncclCommGetAsyncError(comm_->nccl(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress)
       return comm_->fail(what_, std::string(ncclGetErrorString(st)) + ": " + ncclGetLastError(comm_->nccl()));
+    if (const int peer = peers.check(Clock::now()); peer >= 0) return comm_->peer_gone(what_, peer);
     if (Clock::now() >= deadline) {
       comm_->mark_broken();
       return Status(slide::core::StatusCode::kDeadlineExceeded, comm_->deadline_message(what_));
@@ -320,14 +374,15 @@ Status NcclWork::wait() {
 
 }  // namespace
 
-Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s, std::unique_ptr<Communicator> bootstrap) {
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s, std::unique_ptr<Communicator> bootstrap,
+                                                             int device_flag) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return slide::core::failed_precondition("--dist nccl: no CUDA device on this node");
-  // The GPU the cuda backend opens too (make_backend: select_device without --device): the
+  // The GPU the cuda backend opens too (make_backend: select_device): --device, else the
   // launcher's node-local rank; more ranks on a node than GPUs is refused, not shared.
   SLIDE_ASSIGN_OR_RETURN(const int device,
-                         select_device(-1, devices, [](const char* var) { return std::getenv(var); }));
+                         select_device(device_flag, devices, [](const char* var) { return std::getenv(var); }));
   auto comm = std::make_unique<NcclCommunicator>(timeout_s, std::move(bootstrap));
   SLIDE_RETURN_IF_ERROR(comm->init(device));
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -149,6 +149,23 @@ class SocketCommunicator final : public Communicator {
     return slide::core::ok_status();
   }
 
+  // A socket the peer closed polls as hung up, or readable with nothing to read (EOF). Between
+  // collectives nothing is in flight, so data waiting there is not a loss (and is left in place).
+  int lost_peer() override {
+    for (size_t i = 0; i < fds_.size(); ++i) {
+      pollfd p{fds_[i], static_cast<short>(POLLIN | POLLRDHUP), 0};
+      if (::poll(&p, 1, 0) <= 0) continue;
+      const int peer = rank_ == 0 ? static_cast<int>(i) + 1 : 0;
+      if ((p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) return peer;
+      char c = 0;
+      if ((p.revents & POLLIN) != 0) {
+        const ssize_t n = ::recv(fds_[i], &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno == ECONNRESET)) return peer;
+      }
+    }
+    return -1;
+  }
+
   // The peers' next read or write on this rank's sockets ends at once (EOF); the app then exits
   // with `exit_code` and the launcher stops whoever is left (apps/launch.cpp).
   void abort_job(int) override {

@@ -95,6 +95,13 @@ class Communicator {
   // One small host value per rank, gathered on every rank: (*out)[r] is rank r's `value`.
   // Errors: as all_reduce.
   [[nodiscard]] virtual Status all_gather(double value, std::vector<double>* out, const std::string& what) = 0;
+  // Checked without blocking: a rank whose connection to this one has closed (it exited, was
+  // killed, or took the job down with abort_job), else -1. For a device communicator's wait
+  // (NCCL), which cannot see a peer's death in its own collectives, to fail within moments instead
+  // of at the deadline. Only peers this rank holds a connection to are seen (socket: rank 0 sees
+  // every rank, the others rank 0, whose own failure then closes theirs); communicators that
+  // cannot tell return -1 (local; MPI, where mpirun ends the job when a rank fails).
+  virtual int lost_peer() { return -1; }
   // Takes every rank of the job down with `exit_code` (MPI_Abort): what an app does after a
   // failure on one rank so that the others are not left blocked. Only apps call it (libraries
   // return Status). "local" returns, and the app exits as it would without ranks.
@@ -116,16 +123,24 @@ class Communicator {
   int64_t step_ = 0;
 };
 
+// How many ranks of `comm` run on this rank's host (itself included), for dividing what they
+// share, such as RAM: the hosts' names (gethostname) gathered over every rank (one all_gather of
+// a 52-bit FNV-1a hash of the name) and those equal to this rank's counted. A collective: every
+// rank calls it. Errors: those of all_gather.
+[[nodiscard]] Result<int> ranks_on_this_host(Communicator& comm);
+
 // The communicator for `kind`: "local", "mpi", "socket", "nccl", or "auto" ("socket" in a rank
 // that `slide-train --gpus N` started, "mpi" when launch_world_size() > 1, else "local"). "mpi"
 // initialises MPI (MPI_Init_thread, funneled: only the calling thread makes MPI calls) and
 // finalises it when destroyed; it works for a world of one too. "socket" takes the rank, world
 // size and sockets from the environment the launcher set (launched_rank()). "nccl" bootstraps
-// over "socket" in such a rank, else over "mpi". `timeout_s` > 0 bounds every collective.
-// Errors: kInvalidArgument (unknown kind, timeout_s <= 0, "socket" outside a launched rank or
+// over "socket" in such a rank, else over "mpi", on GPU `device` (--device; -1: the node-local
+// rank's, select_device in device_select.h, as the cuda backend chooses). `timeout_s` > 0 bounds
+// every collective. Errors: kInvalidArgument (unknown kind, timeout_s <= 0, "socket" outside a launched rank or
 // with a malformed environment), kUnimplemented ("mpi" or "nccl" in a build without them),
 // kInternal (MPI failed to start).
-[[nodiscard]] Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s);
+[[nodiscard]] Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s,
+                                                                      int device = -1);
 
 // The world size the launcher announced in the environment, before any MPI call: slidestream's
 // own SLIDE_LAUNCH_WORLD_SIZE (slide-train --gpus N), Open MPI's OMPI_COMM_WORLD_SIZE (mpirun),

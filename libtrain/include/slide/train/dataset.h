@@ -107,11 +107,13 @@ class TileDataset {
   bool cached() const { return cache_.defined(); }
 
   // --cache device: every tile decoded (on `pool`) and uploaded once to be's device, u8 [N,S,S,3]
-  // from be.allocator(); the host copy is freed afterwards unless cache_in_ram made it before.
+  // from be.allocator(). Decoded `chunk_bytes` of tiles at a time (at least one tile) into one
+  // host buffer, each chunk uploaded into its rows: host memory holds one chunk, not the dataset;
+  // when cache_in_ram made a RAM cache before, that is uploaded as it is.
   // Then load_batch_on_device makes batches there. Errors: kInvalidArgument for a host backend
   // (device cpu: use cache_in_ram), kResourceExhausted when it does not fit the device's budget
   // (the caller may go on without it), and those of decoding and the upload.
-  [[nodiscard]] Status cache_on_device(Backend& be, slide::core::ThreadPool* pool);
+  [[nodiscard]] Status cache_on_device(Backend& be, slide::core::ThreadPool* pool, size_t chunk_bytes = 64u << 20);
   bool device_cached() const { return device_cache_.defined(); }
   // load_batch's images on the device of the backend that cache_on_device used: the draws made on
   // the host (draw_augment: the same as load_batch's for the same seed), checked and uploaded as
@@ -172,6 +174,8 @@ class TileDataset {
   std::vector<bool> held_out_;         // per group, after hold_out: its tiles are the test set
   std::vector<uint32_t> kept_groups() const;  // the groups not held out, in index order
   std::vector<slide::tile::SlideRecord> slide_records_;  // per slide: its store's record
+  // Tiles first .. first + count - 1 decoded (on `pool`) into out, count x S x S x 3 bytes.
+  Status decode_range(slide::core::ThreadPool* pool, int64_t first, int64_t count, uint8_t* out) const;
   Tensor cache_;                       // u8 [tiles, S, S, 3] when cached in RAM
   Tensor device_cache_;                // u8 [tiles, S, S, 3] on a device (cache_on_device)
 

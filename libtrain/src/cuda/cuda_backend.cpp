@@ -275,7 +275,11 @@ Status init_device(int device, DeviceState* st) {
   SLIDE_CUDNN_CHECK(cudnnSetStream(st->cudnn, st->stream));
   SLIDE_CUBLAS_CHECK(cublasCreate(&st->cublas));
   SLIDE_CUBLAS_CHECK(cublasSetStream(st->cublas, st->stream));
-  SLIDE_CUBLAS_CHECK(cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH));
+  // Split-K partial sums of a GEMM with half-precision output in the f32 compute type, not the
+  // output's (the flag's documented meaning): each output element is rounded once, as backend.h
+  // promises (cuBLAS may otherwise add the partials in f16 / bf16).
+  SLIDE_CUBLAS_CHECK(cublasSetMathMode(
+      st->cublas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   st->alloc = std::make_unique<CachingDeviceAllocator>(std::make_unique<CudaDeviceMemory>(device, st->stream));
   return ok_status();
 }

@@ -48,10 +48,18 @@ __device__ double block_max(double v, double* shared) {
   return m;
 }
 
+// Every launch goes through these helpers: the thread's last error is cleared right before the
+// launch and read right after, so a launch reports its own failure only. (cudaGetLastError also
+// returns an earlier call's error that was reported as a Status and never read back, e.g. a cuBLAS
+// workspace allocation's out of memory, which would otherwise fail the next good launch as
+// kResourceExhausted and set off out-of-memory recovery again.)
+inline void clear_last_error() { (void)cudaGetLastError(); }
+
 template <typename Kernel, typename... Args>
 cudaError_t launch_grid_stride(int64_t n, cudaStream_t stream, Kernel kernel, Args... args) {
   const kernels::Launch1d g = kernels::launch_1d(n, kBlock);
   if (g.blocks == 0) return cudaSuccess;
+  clear_last_error();
   kernel<<<static_cast<unsigned>(g.blocks), g.threads, 0, stream>>>(args...);
   return cudaGetLastError();
 }
@@ -65,6 +73,7 @@ cudaError_t launch_rows_cols(int64_t rows, int64_t cols, cudaStream_t stream, Ke
   if (g.blocks_x > 2147483647) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(g.blocks_x), static_cast<unsigned>(g.blocks_y));
   const dim3 block(static_cast<unsigned>(g.threads_x), static_cast<unsigned>(g.threads_y));
+  clear_last_error();
   kernel<<<grid, block, 0, stream>>>(args..., g);
   return cudaGetLastError();
 }
@@ -74,6 +83,7 @@ template <int B = kBlock, typename Kernel, typename... Args>
 cudaError_t launch_per_block(int64_t blocks, cudaStream_t stream, Kernel kernel, Args... args) {
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 2147483647) return cudaErrorInvalidConfiguration;
+  clear_last_error();
   kernel<<<static_cast<unsigned>(blocks), B, 0, stream>>>(args...);
   return cudaGetLastError();
 }
@@ -994,6 +1004,7 @@ cudaError_t launch_bn_nhwc_elementwise(int64_t rows, int64_t C, cudaStream_t str
   if (g.blocks_x > 2147483647) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(g.blocks_x), static_cast<unsigned>(g.blocks_y));
   const dim3 block(static_cast<unsigned>(g.threads_x), static_cast<unsigned>(g.threads_y));
+  clear_last_error();
   kernel<<<grid, block, 0, stream>>>(args..., rows, C, g);
   return cudaGetLastError();
 }

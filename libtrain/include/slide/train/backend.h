@@ -509,8 +509,10 @@ class Backend {
   // the image's mean grey, saturation, hue, then flip and rotation) and normalised with ImageNet's
   // mean and std: the pixels TileDataset::load_batch makes on the host, from the per-pixel formulas
   // it shares (kernels/formulas.h). records: u8 [B, sizeof(AugmentRecord)] on the device, as
-  // draw_augment made them. The contrast mean is summed in double in another order on a GPU, so
-  // cuda may differ from the host in the last bits. Errors: kInvalidArgument (shapes, dtypes,
+  // draw_augment made them. On a GPU the contrast mean is summed in double in another order, nvcc
+  // contracts a * b + c into fused multiply-adds (the host build does not) and logf / expf (the
+  // stain jitter) are CUDA's, so cuda's augmented pixels may differ from the host's by a few ulps
+  // (un-augmented ones are equal). Errors: kInvalidArgument (shapes, dtypes,
   // layouts, devices; on host-readable devices also a record's index outside [0, N) or a crop box
   // outside the tile), kUnimplemented.
   [[nodiscard]] virtual Status gather_augment(const Tensor& tiles, const Tensor& records, Tensor& images) {

@@ -147,6 +147,15 @@ int run_main(int argc, char** argv) {
   app.add_option("--slides-file", slides_file, "Embed only the slide ids in this file (one per line, or a CSV with a "
                                                "slide_id column)");
   app.add_option("--batch-size", opt.batch, "Tiles per forward pass")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--micro-batch", opt.micro_batch,
+                 "Tiles per forward pass on the backend, at most --batch-size (default: --batch-size); halved "
+                 "whenever a forward pass runs out of memory (the log says so), for the rest of the run")
+      ->check(CLI::Range(1, 4096));
+  std::string budget;
+  app.add_option("--memory-budget", budget,
+                 "Memory budget for tensors on the backend's device, e.g. 8G (GPU memory on cuda, the weights "
+                 "included; host tensors on cpu); a forward pass that exceeds it runs again in smaller "
+                 "micro-batches");
   app.add_option("--dtype", dtype, "Stored feature type: float32 or float16")
       ->capture_default_str()
       ->check(CLI::IsMember({"float32", "float16"}));
@@ -211,6 +220,14 @@ int run_main(int argc, char** argv) {
   auto opened = slide::apps::open_backend(backend, device, precision);
   if (!opened.ok()) return fail(opened.status());
   std::unique_ptr<slide::train::Backend> be = std::move(*opened);
+  // The backend's allocator (the GPU's on cuda): its peak goes into the summary. It lives as long
+  // as the backend, which the encoder keeps.
+  const slide::train::Allocator& backend_alloc = be->allocator();
+  if (!budget.empty()) {
+    auto b = slide::train::parse_bytes(budget);
+    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
+    be->allocator().set_budget_bytes(*b);
+  }
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 
@@ -269,7 +286,13 @@ int run_main(int argc, char** argv) {
                                     {"slides_failed", summary->failed()},
                                     {"tiles", summary->tiles_embedded},
                                     {"seconds", std::to_string(summary->seconds)},
-                                    {"tiles_per_s", std::to_string(rate)}});
+                                    {"tiles_per_s", std::to_string(rate)},
+                                    {"micro_batch", summary->micro_batch},
+                                    {"memory_peak_bytes", static_cast<int64_t>(backend_alloc.peak_bytes())}});
+  if (summary->oom_reruns > 0)
+    slide::core::log_warn("forward passes ran out of memory and were rerun in smaller micro-batches: set "
+                          "--micro-batch to this to skip the failed attempts next time",
+                          {{"micro_batch", summary->micro_batch}, {"reruns", summary->oom_reruns}});
   for (const auto& s : summary->slides) {
     if (!s.status.ok() && s.status.code() != slide::core::StatusCode::kCancelled) {
       slide::core::log_warn("slide failed", {{"slide", s.slide_id}, {"store", s.store}, {"error", s.status.message()}});

@@ -61,6 +61,38 @@ Status FeatureExtractor::extract(const float* images, int64_t n, int64_t h, int6
   return ok_status();
 }
 
+void FeatureExtractor::release_cached_memory() { be_->allocator().trim_cache(); }
+
+Status extract_in_micro_batches(TileEncoder& encoder, const float* images, int64_t n, int64_t h, int64_t w,
+                                float* features, int64_t* micro_batch, int64_t* reruns) {
+  if (n < 1 || h < 1 || w < 1)
+    return invalid_argument("extract: " + std::to_string(n) + " images of " + std::to_string(h) + "x" +
+                            std::to_string(w) + " px");
+  int64_t m = micro_batch == nullptr || *micro_batch <= 0 || *micro_batch > n ? n : *micro_batch;
+  const int64_t image = 3 * h * w, D = encoder.feature_dim();
+  for (int64_t i = 0; i < n;) {
+    const int64_t k = std::min(m, n - i);
+    Status st = encoder.extract(images + i * image, k, h, w, features + i * D);
+    if (st.ok()) {
+      i += k;
+      continue;
+    }
+    if (st.code() != slide::core::StatusCode::kResourceExhausted) return st;
+    if (k == 1)
+      return st.with_context("out of memory with one image per forward pass: no smaller micro-batch is left");
+    // Halve what failed (not the remainder: the rows before i are done) and keep the new size.
+    const int64_t half = (k + 1) / 2;
+    slide::core::log_warn("out of memory in a forward pass: it runs again in smaller micro-batches (same features); "
+                          "later batches keep them",
+                          {{"error", st.to_string()}, {"micro_batch_before", k}, {"micro_batch_now", half}});
+    encoder.release_cached_memory();
+    m = half;
+    if (micro_batch != nullptr) *micro_batch = m;
+    if (reruns != nullptr) ++*reruns;
+  }
+  return ok_status();
+}
+
 // ------------------------------------------------------------------------------------------------
 // Stores -> bags
 
@@ -426,6 +458,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     }
   };
 
+  // Tiles per forward pass: the batch, or options.micro_batch; halved on out of memory.
+  int64_t micro = opt.micro_batch > 0 ? std::min(opt.micro_batch, opt.batch) : opt.batch;
   int which = 0;
   launch(bufs[0]);
   while (bufs[which].n > 0) {
@@ -436,7 +470,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       if (!b.statuses[i].ok()) fail_slide(b.items[i].job, b.statuses[i]);
     }
     features.resize(static_cast<size_t>(b.n * D));
-    Status st = extractor.extract(b.images.data(), b.n, b.E, b.E, features.data());
+    Status st = extract_in_micro_batches(extractor, b.images.data(), b.n, b.E, b.E, features.data(), &micro,
+                                         &summary.oom_reruns);
     if (!st.ok()) {
       for (const Item& it : b.items) fail_slide(it.job, st);
     }
@@ -511,6 +546,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   }
   SLIDE_RETURN_IF_ERROR_CTX(manifest, "bags.csv");
   summary.seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  summary.micro_batch = micro;
   return summary;
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "slide/train/embed.h"
@@ -144,4 +145,91 @@ TEST_CASE("cuts: names, defaults and errors") {
   // 8 px is too small for layer4 of a ResNet (the spatial extent would vanish) -> not a crash.
   auto s = (*ex)->extract(x.data(), 1, 8, 8, f.data());
   if (!s.ok()) CHECK(s.code() == slide::core::StatusCode::kInvalidArgument);
+}
+
+namespace {
+
+// An encoder whose device holds `capacity` images per forward pass: more is kResourceExhausted, as
+// the budgeted allocator answers. Each feature row is a function of its own image only.
+class CappedEncoder final : public TileEncoder {
+ public:
+  explicit CappedEncoder(int64_t capacity) : capacity_(capacity) {}
+  int64_t feature_dim() const override { return 2; }
+  const std::string& layer() const override { return layer_; }
+  Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override {
+    calls.push_back(n);
+    if (n > capacity_) return slide::core::resource_exhausted("memory budget exceeded: " + std::to_string(n) + " images");
+    for (int64_t i = 0; i < n; ++i) {
+      const float* x = images + i * 3 * h * w;
+      features[2 * i] = x[0];
+      features[2 * i + 1] = x[0] + x[3 * h * w - 1];
+    }
+    return fail_next.ok() ? slide::core::ok_status() : std::exchange(fail_next, slide::core::ok_status());
+  }
+  void release_cached_memory() override { ++released; }
+  std::vector<int64_t> calls;
+  int released = 0;
+  Status fail_next;
+
+ private:
+  int64_t capacity_;
+  std::string layer_ = "test";
+};
+
+}  // namespace
+
+TEST_CASE("extract_in_micro_batches: out of memory halves the micro-batch, rows in order, the size kept") {
+  const int64_t n = 7, h = 2, w = 2, image = 3 * h * w;
+  std::vector<float> x(n * image);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < image; ++j) x[i * image + j] = static_cast<float>(100 * i + j);
+  std::vector<float> want(n * 2);
+  for (int64_t i = 0; i < n; ++i) want[2 * i] = x[i * image], want[2 * i + 1] = x[i * image] + x[i * image + image - 1];
+
+  CappedEncoder enc(2);
+  std::vector<float> f(n * 2, -1.f);
+  int64_t micro = 0, reruns = 0;  // 0: the whole batch at once
+  REQUIRE(extract_in_micro_batches(enc, x.data(), n, h, w, f.data(), &micro, &reruns).ok());
+  CHECK(f == want);
+  CHECK(micro == 2);  // 7 -> 4 -> 2
+  CHECK(reruns == 2);
+  CHECK(enc.released == 2);
+  CHECK(enc.calls == std::vector<int64_t>{7, 4, 2, 2, 2, 1});
+
+  // The next batch starts at the kept size: no failed attempt.
+  enc.calls.clear();
+  std::fill(f.begin(), f.end(), -1.f);
+  REQUIRE(extract_in_micro_batches(enc, x.data(), n, h, w, f.data(), &micro, &reruns).ok());
+  CHECK(f == want);
+  CHECK(enc.calls == std::vector<int64_t>{2, 2, 2, 1});
+  CHECK(reruns == 2);
+
+  // A failure part-way halves what failed, not the rows already done.
+  CappedEncoder enc3(3);
+  micro = 6;
+  std::fill(f.begin(), f.end(), -1.f);
+  REQUIRE(extract_in_micro_batches(enc3, x.data(), n, h, w, f.data(), &micro).ok());
+  CHECK(f == want);
+  CHECK(enc3.calls == std::vector<int64_t>{6, 3, 3, 1});
+  CHECK(micro == 3);
+}
+
+TEST_CASE("extract_in_micro_batches: one image that does not fit, and other errors, are returned") {
+  std::vector<float> x(4 * 3 * 2 * 2), f(4 * 2);
+  CappedEncoder none(0);
+  int64_t micro = 4;
+  Status s = extract_in_micro_batches(none, x.data(), 4, 2, 2, f.data(), &micro);
+  CHECK(s.code() == slide::core::StatusCode::kResourceExhausted);
+  CHECK(s.message().find("one image per forward pass") != std::string::npos);
+  CHECK(none.calls == std::vector<int64_t>{4, 2, 1});
+
+  CappedEncoder enc(4);
+  enc.fail_next = slide::core::internal_error("a kernel failed");
+  micro = 4;
+  s = extract_in_micro_batches(enc, x.data(), 4, 2, 2, f.data(), &micro);
+  CHECK(s.code() == slide::core::StatusCode::kInternal);  // not retried
+  CHECK(enc.calls == std::vector<int64_t>{4});
+  CHECK(micro == 4);
+  CHECK(extract_in_micro_batches(enc, x.data(), 0, 2, 2, f.data(), &micro).code() ==
+        slide::core::StatusCode::kInvalidArgument);
 }

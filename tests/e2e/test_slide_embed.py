@@ -205,6 +205,52 @@ class TestEngine(Base):
             err = rel_err(feats["reference-sim"][sid], want)
             self.assertLess(err, 1e-4, "%s: reference-sim features vs torchvision: %.3g" % (sid, err))
 
+    def test_out_of_memory_on_the_device_reruns_in_micro_batches(self):
+        """A forward pass that exceeds --memory-budget on the (simulated) device runs again in halves
+        and later batches keep the smaller micro-batch: every bag is written and equals the
+        unbudgeted run's bit for bit (no batch statistics at inference; the reference backend's rows
+        do not depend on their batch). A budget that one tile alone exceeds fails every slide,
+        naming the cause, and writes no bag."""
+        store = self.tile("lc64oom", "--patches", LC, "--tile-size", "64")
+        _, weights = self.random_weights("resnet18", seed=7)
+        ids = ["lung_aca/lungaca%d" % i for i in range(1, 7)] + ["lung_n/lungn%d" % i for i in range(10, 16)]
+
+        def embed(name, *extra):
+            out = os.path.join(self.tmp, name)
+            r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--slides", ",".join(ids),
+                           "--backend", "reference-sim", *extra)
+            summary = [l for l in r.stderr.splitlines() if " summary " in l]
+            fields = dict(kv.split("=", 1) for kv in summary[-1].split()[3:]) if summary else {}
+            return r, out, fields
+
+        r1, _, one = embed("oom_b1", "--batch-size", "1")
+        self.assertEqual(r1.returncode, 0, r1.stderr)
+        r8, out8, eight = embed("oom_b8", "--batch-size", "8")
+        self.assertEqual(r8.returncode, 0, r8.stderr)
+        self.assertEqual(eight["micro_batch"], "8")
+        peak1, peak8 = int(one["memory_peak_bytes"]), int(eight["memory_peak_bytes"])
+        per_tile = (peak8 - peak1) / 7.0
+        self.assertGreater(per_tile, 0)
+        # Room for the weights and about 2.5 tiles: 8 and 4 tiles exceed it, 2 fit.
+        budget = int(peak1 + 2.5 * per_tile)
+        r, out, fields = embed("oom_budget", "--batch-size", "8", "--memory-budget", str(budget))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("out of memory in a forward pass", r.stderr)
+        self.assertEqual(fields["micro_batch"], "2", r.stderr)
+        self.assertLessEqual(int(fields["memory_peak_bytes"]), budget)
+        self.assertEqual(listing(out), listing(out8))
+        for sid in ids:
+            with h5py.File(os.path.join(out, bag_name(sid)), "r") as f, \
+                    h5py.File(os.path.join(out8, bag_name(sid)), "r") as g:
+                np.testing.assert_array_equal(f["features"][:], g["features"][:])
+                np.testing.assert_array_equal(f["coords"][:], g["coords"][:])
+        # Weights fit, one tile does not: each slide fails with the reason; no bag is written.
+        r, out, fields = embed("oom_none", "--batch-size", "8", "--memory-budget", str(int(peak1 - per_tile / 2)))
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("one image per forward pass", r.stderr)
+        self.assertEqual(fields["slides_failed"], str(len(ids)))
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".h5") or n.endswith(".partial")])
+
     def test_cuda_without_a_gpu_is_a_usage_error(self):
         store = self.tile("lc64b", "--patches", LC, "--tile-size", "64")
         _, weights = self.random_weights("resnet18", seed=6)

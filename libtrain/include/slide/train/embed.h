@@ -89,7 +89,21 @@ class TileEncoder {
   // images: n x 3 x h x w f32, plain NCHW, normalised; features: n x D f32, row-major,
   // overwritten. Errors: kInvalidArgument (n < 1, a size the encoder cannot take), the backend's.
   [[nodiscard]] virtual Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) = 0;
+  // Gives the cached free blocks of the encoder's backend allocator back to the system (or the
+  // driver): after an out-of-memory error, before a retry with fewer images. Default: nothing.
+  virtual void release_cached_memory() {}
 };
+
+// encoder.extract over n images (the layout of TileEncoder::extract) in micro-batches of at most
+// *micro_batch images (<= 0 or > n: all n at once), rows written in order. A micro-batch that fails
+// with kResourceExhausted (the device's memory, or --memory-budget) is run again in halves, after
+// release_cached_memory(), and *micro_batch keeps the smaller size for later calls (a forward
+// pass's rows do not depend on the other images of its batch: no batch statistics at inference).
+// *reruns (if given) counts the halvings. Errors: the encoder's; kResourceExhausted naming the
+// micro-batch when one image alone does not fit.
+[[nodiscard]] Status extract_in_micro_batches(TileEncoder& encoder, const float* images, int64_t n, int64_t h,
+                                              int64_t w, float* features, int64_t* micro_batch,
+                                              int64_t* reruns = nullptr);
 
 // The CNN encoder: the model's inference graph (inference_graph.h: batch norm folded, the
 // residual add and ReLU fused into the convolutions) on a backend, any of them (cpu: oneDNN with
@@ -118,7 +132,7 @@ class FeatureExtractor final : public TileEncoder {
   // later calls reuse them. Errors: kInvalidArgument (n < 1, an input too small for the cut,
   // naming the layer), the backend's (kInternal with oneDNN's message, kResourceExhausted).
   [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
-
+  void release_cached_memory() override;
 
  private:
   FeatureExtractor(InferenceGraph graph, std::unique_ptr<Backend> be, std::string layer);
@@ -137,7 +151,10 @@ struct EmbedOptions {
   // (slide/cache/bag.h), and <out_dir>/dataset.csv (case_id,slide_id,label: CLAM's dataset CSV;
   // case_id is the slide id, slide_id the bag's file stem, which CLAM appends ".h5" to).
   std::string layout = "flat";
-  int64_t batch = 32;                  // tiles per forward pass
+  int64_t batch = 32;                  // tiles per forward pass (decoded together)
+  // Tiles per forward pass on the backend, at most `batch` (<= 0: batch). An out-of-memory error
+  // halves it for the rest of the run (extract_in_micro_batches; the log says so once per halving).
+  int64_t micro_batch = 0;
   int decode_threads = 2;              // JPEG decode workers (run one batch ahead of compute)
   slide::cache::BagWriterOptions bag;  // dtype, compression, chunk rows
   std::string tool_version;            // "slide-embed 0.1.0"
@@ -165,6 +182,10 @@ struct EmbedSummary {
   int64_t tiles_embedded = 0;
   double seconds = 0;
   bool interrupted = false;
+  // Tiles per forward pass at the end (options.micro_batch, or batch, after any halving on out of
+  // memory) and how many halvings there were.
+  int64_t micro_batch = 0;
+  int64_t oom_reruns = 0;
   int failed() const;  // slides whose status is an error other than kCancelled
   // Of the slides whose status is OK: bags written, bags already complete (skipped), slides
   // without tiles (no bag).

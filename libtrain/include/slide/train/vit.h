@@ -273,6 +273,7 @@ class VitEncoder final : public TileEncoder {
   const float* mean() const override { return mean_; }
   const float* std() const override { return std_; }
   [[nodiscard]] Status extract(const float* images, int64_t n, int64_t h, int64_t w, float* features) override;
+  void release_cached_memory() override { be_->allocator().trim_cache(); }
   const VitConfig& config() const { return vit_->config(); }
 
  private:

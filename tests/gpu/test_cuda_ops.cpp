@@ -25,6 +25,7 @@
 
 #include "../../libtrain/src/batch_uploader.h"
 #include "../../libtrain/src/dist/sync_batch_norm.h"
+#include "../../libtrain/src/kernels/launch.h"
 #include "../libtrain/test_util.h"
 #include "device_probe.h"
 #include "slide/train/augment.h"
@@ -531,9 +532,13 @@ TEST_CASE("cuda vs reference: the ViT ops (layer norm, GELU forward and backward
 
 TEST_CASE("cuda vs reference: multi-head attention (strided-batched GEMMs straight into qkv)") {
   // Odd sizes: 3 sequences of 7 tokens, 4 heads of 5; ViT-B/16's own shape, one sequence and two
-  // (each head's GEMMs are batched over the sequences, head-major scores).
+  // (each head's GEMMs are batched over the sequences, head-major scores); and 5 sequences of 4000
+  // tokens, whose scores (64 MB each) the backend runs in chunks of 4 and 1
+  // (kernels::attention_sequences_per_chunk under its 256 MiB scratch cap).
+  CHECK(kernels::attention_sequences_per_chunk(5, 1, 4000, kernels::attention_scores_ld(4000), 4) == 4);
   for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{1, 197, 12, 64},
-                             std::array<int64_t, 4>{2, 197, 12, 64}}) {
+                             std::array<int64_t, 4>{2, 197, 12, 64}, std::array<int64_t, 4>{5, 4000, 1, 8}}) {
+    CAPTURE(B);
     CAPTURE(T);
     const int64_t C = H * Dh;
     const double scale = 1.0 / std::sqrt(double(Dh));

@@ -56,6 +56,28 @@ TEST_CASE("launch_rows: a warp per row up to 1024 values, 8 rows a block of 256;
   CHECK(kernels::launch_rows(5, 0).blocks == 0);
 }
 
+TEST_CASE("attention_sequences_per_chunk: the scores of a chunk stay within the cap, at least one sequence") {
+  using kernels::attention_sequences_per_chunk;
+  const int64_t ld197 = kernels::attention_scores_ld(197);
+  // ViT-L/16 at 224 px, batch 64: 16 * 197 * 200 * 4 B = 2.5 MB a sequence, all 64 in one chunk.
+  CHECK(attention_sequences_per_chunk(64, 16, 197, ld197, 4) == 64);
+  // ViT-B/16 at 448 px (CONCH), batch 64: 12 * 785 * 792 * 4 B = 29.8 MB a sequence -> 8 of them.
+  const int64_t ld785 = kernels::attention_scores_ld(785);
+  const int64_t c = attention_sequences_per_chunk(64, 12, 785, ld785, 4);
+  CHECK(c == 8);
+  CHECK(static_cast<size_t>(c * 12 * 785 * ld785 * 4) <= kernels::kAttentionScratchBytes);
+  CHECK(static_cast<size_t>((c + 1) * 12 * 785 * ld785 * 4) > kernels::kAttentionScratchBytes);
+  // Half-precision probabilities beside the f32 scores: 6 bytes an element, fewer sequences.
+  CHECK(attention_sequences_per_chunk(64, 12, 785, ld785, 6) == 5);
+  // One sequence over the cap still runs (alone); a batch under it runs whole.
+  CHECK(attention_sequences_per_chunk(8, 16, 4000, 4000, 4) == 1);
+  CHECK(attention_sequences_per_chunk(3, 2, 8, 8, 4, 1) == 1);
+  CHECK(attention_sequences_per_chunk(3, 2, 8, 8, 4, 2 * 8 * 8 * 4 * 2) == 2);
+  CHECK(attention_sequences_per_chunk(3, 2, 8, 8, 4, 1 << 20) == 3);
+  CHECK(attention_sequences_per_chunk(0, 2, 8, 8, 4) == 0);
+  CHECK(attention_sequences_per_chunk(3, 2, 0, 0, 4) == 0);
+}
+
 TEST_CASE("attention_scores_ld: rows of scores and probabilities start 16-byte aligned in f32 and in 16-bit types") {
   CHECK(kernels::attention_scores_ld(0) == 0);
   CHECK(kernels::attention_scores_ld(1) == 8);

@@ -1160,8 +1160,8 @@ class CudaBackend final : public Backend {
                                                storage(y.dtype()), y.raw(), d.N, d.I, st_->stream));
     return ok_status();
   }
-  // Multi-head attention (backend.h), per head h: two cuBLAS strided-batched GEMMs over the B
-  // sequences, whose operands are strided views straight into qkv (no permutes), and between them
+  // Multi-head attention (backend.h), per chunk of sequences and head h: two cuBLAS strided-batched
+  // GEMMs over the chunk's sequences, whose operands are strided views straight into qkv (no permutes), and between them
   // one row softmax over every head's and sequence's scores.
   // Row-major X [r, c] with row stride L is, to column-major cuBLAS, X^T [c, r] with ld L:
   //   scores_h^T [T, T] = K_h Q_h^T: A = K_h^T (as stored, ld 3C) transposed, B = Q_h^T (as
@@ -1178,11 +1178,13 @@ class CudaBackend final : public Backend {
     constexpr int64_t kMax = 2147483647;
     if (3 * C > kMax || T * ld > kMax || H > kMax || d.B > kMax)
       return slide::core::unimplemented("cuda attention_forward: an extent over 2^31 - 1");
-    // Every sequence's scores at once, head-major: scores[h][b] = [T, L] (H * B * T * L floats, about
-    // qkv's own size for a ViT), so that each product is one strided-batched GEMM per head over the B
-    // sequences (a sequence's rows are T * 3C apart in qkv, T * C in out) and the softmax one launch:
-    // 2H + 1 calls a layer instead of 3B (one per sequence and product), which left the GPU waiting
-    // on launches at B = 64.
+    // The scores of a chunk of sequences at once, head-major: scores[h][b] = [T, L] for the chunk's
+    // b, so that each product is one strided-batched GEMM per head over the chunk (a sequence's
+    // rows are T * 3C apart in qkv, T * C in out) and the softmax one launch: 2H + 1 calls per chunk
+    // instead of 3B (one per sequence and product), which left the GPU waiting on launches at
+    // B = 64. A chunk holds as many sequences as keep the scratch within
+    // kernels::kAttentionScratchBytes (attention_sequences_per_chunk): every sequence of a ViT at
+    // 224 px at batch 64, so that the scratch grows as T^2 but not with the batch.
     // Half-precision storage (backend.h): f16 / bf16 qkv and out, the same GEMMs with half operands
     // and f32 accumulation (CUBLAS_COMPUTE_32F); the scores still come out in f32 (a documented
     // cublasGemmEx combination: half A and B, f32 C), and the softmax writes the probabilities in
@@ -1191,41 +1193,48 @@ class CudaBackend final : public Backend {
     const bool half = detail::is_half(qkv.dtype());
     const cudaDataType_t type = cublas_type(qkv.dtype());
     const cublasComputeType_t compute = half ? CUBLAS_COMPUTE_32F : compute_type();
+    const int64_t chunk = kernels::attention_sequences_per_chunk(
+        d.B, H, T, ld, static_cast<int64_t>(sizeof(float) + (half ? dtype_size(qkv.dtype()) : 0)));
     // Rows of scores and probabilities are ld apart (kernels::attention_scores_ld: aligned operands
     // for cuBLAS's vectorised kernels); the padding columns are never written nor read.
     SLIDE_ASSIGN_OR_RETURN(Tensor scores,
-                           Tensor::empty({H * d.B * T, ld}, DType::kF32, *st_->alloc, "attention scores"));
+                           Tensor::empty({H * chunk * T, ld}, DType::kF32, *st_->alloc, "attention scores"));
     Tensor probs = scores;
     if (half) {
       SLIDE_ASSIGN_OR_RETURN(probs,
-                             Tensor::empty({H * d.B * T, ld}, qkv.dtype(), *st_->alloc, "attention probabilities"));
+                             Tensor::empty({H * chunk * T, ld}, qkv.dtype(), *st_->alloc, "attention probabilities"));
     }
     const float alpha = static_cast<float>(scale), one = 1.0f, zero = 0.0f;
     const int t = static_cast<int>(T), dh = static_cast<int>(Dh), ld_qkv = static_cast<int>(3 * C),
-              ld_out = static_cast<int>(C), ld_scores = static_cast<int>(ld), batch_count = static_cast<int>(d.B);
+              ld_out = static_cast<int>(C), ld_scores = static_cast<int>(ld);
     const long long seq_qkv = T * 3 * C, seq_out = T * C, seq_scores = T * ld;
     // Element offsets into qkv, out and probs, in bytes of their dtypes.
     const size_t e = dtype_size(qkv.dtype()), pe = dtype_size(probs.dtype());
-    const char* base = static_cast<const char*>(qkv.raw());
-    for (int64_t h = 0; h < H; ++h) {
-      const char* q = base + h * Dh * e;  // sequence 0's head h: q, then k at +C, v at +2C
-      float* sc = f32(scores) + h * d.B * T * ld;
-      // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C * e,
-                                                    type, ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv, &zero, sc,
-                                                    CUDA_R_32F, ld_scores, seq_scores, batch_count, compute,
-                                                    CUBLAS_GEMM_DEFAULT));
-    }
-    SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * d.B * T, T, ld,
-                                            st_->stream));
-    for (int64_t h = 0; h < H; ++h) {
-      const char* v = base + (2 * C + h * Dh) * e;
-      const char* pr = static_cast<const char*>(probs.raw()) + h * d.B * T * ld * pe;
-      // Row-major out_h = probs v, written into head h's Dh columns of each token's row.
-      SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
-                                                    ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), ld_scores, seq_scores,
-                                                    &zero, static_cast<char*>(out.raw()) + h * Dh * e, type, ld_out,
-                                                    seq_out, batch_count, compute, CUBLAS_GEMM_DEFAULT));
+    for (int64_t b0 = 0; b0 < d.B; b0 += chunk) {
+      const int64_t nb = std::min(chunk, d.B - b0);
+      const int batch_count = static_cast<int>(nb);
+      const char* base = static_cast<const char*>(qkv.raw()) + b0 * seq_qkv * e;  // the chunk's first sequence
+      char* out_base = static_cast<char*>(out.raw()) + b0 * seq_out * e;
+      for (int64_t h = 0; h < H; ++h) {
+        const char* q = base + h * Dh * e;  // the chunk's first sequence's head h: q, then k at +C, v at +2C
+        float* sc = f32(scores) + h * nb * T * ld;
+        // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
+        SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha,
+                                                      q + C * e, type, ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv,
+                                                      &zero, sc, CUDA_R_32F, ld_scores, seq_scores, batch_count,
+                                                      compute, CUBLAS_GEMM_DEFAULT));
+      }
+      SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * nb * T, T, ld,
+                                              st_->stream));
+      for (int64_t h = 0; h < H; ++h) {
+        const char* v = base + (2 * C + h * Dh) * e;
+        const char* pr = static_cast<const char*>(probs.raw()) + h * nb * T * ld * pe;
+        // Row-major out_h = probs v, written into head h's Dh columns of each token's row.
+        SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
+                                                      ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), ld_scores,
+                                                      seq_scores, &zero, out_base + h * Dh * e, type, ld_out, seq_out,
+                                                      batch_count, compute, CUBLAS_GEMM_DEFAULT));
+      }
     }
     return ok_status();
   }

@@ -55,6 +55,22 @@ inline RowsLaunch launch_rows(int64_t rows, int64_t row_length, int threads = 25
 // columns are never read (the GEMMs' k and n stop at T).
 inline int64_t attention_scores_ld(int64_t T) { return T <= 0 ? 0 : (T + 7) / 8 * 8; }
 
+// How many of attention's B sequences the cuda backend runs at once: as many as keep their scores
+// and probabilities (H * T * ld elements each of `bytes_per_score`: 4 for f32 scores, 6 with
+// half-precision probabilities beside them) within `cap_bytes`, at least 1 and at most B. The
+// scratch then grows as T^2 per sequence but not with the batch: a ViT at 448 px (T = 785, 12
+// heads) would otherwise take 1.9 GB at batch 64, four times its qkv. B, H, T, ld <= 0: 0.
+inline constexpr size_t kAttentionScratchBytes = size_t{256} << 20;
+inline int64_t attention_sequences_per_chunk(int64_t B, int64_t H, int64_t T, int64_t ld, int64_t bytes_per_score,
+                                             size_t cap_bytes = kAttentionScratchBytes) {
+  if (B <= 0 || H <= 0 || T <= 0 || ld <= 0 || bytes_per_score <= 0) return 0;
+  const double per_sequence = static_cast<double>(H) * static_cast<double>(T) * static_cast<double>(ld) *
+                              static_cast<double>(bytes_per_score);
+  const double fit = static_cast<double>(cap_bytes) / per_sequence;
+  if (fit >= static_cast<double>(B)) return B;
+  return fit < 1.0 ? 1 : static_cast<int64_t>(fit);
+}
+
 // The values a lane holds in registers when a warp's row of `row_length` is cached (the cuda
 // softmax's softmax_forward_warp_cached_kernel): 4, 8 or 16 per lane (rows of up to 128, 256 or
 // 512 values), or 0 for a longer row, read from memory as it goes. A sum over a lane's values adds

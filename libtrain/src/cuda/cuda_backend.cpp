@@ -206,16 +206,30 @@ class CudaCopyEngine final : public CopyEngine {
     return ticket;
   }
 
+  // The host waits without the engine's lock, so that a copy another thread starts or orders
+  // meanwhile does not queue behind this one's completion (the ticket's event is this call's alone
+  // once taken out of pending_).
   Status wait(uint64_t ticket) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(ticket);
-    if (it == pending_.end()) return slide::core::invalid_argument("cuda copy engine: no copy " + std::to_string(ticket));
-    const cudaEvent_t e = it->second;
-    pending_.erase(it);
-    SLIDE_CUDA_CHECK(cudaSetDevice(device_));
-    const cudaError_t r = cudaEventSynchronize(e);
-    spare_.push_back(e);
-    if (r != cudaSuccess) return cuda_status(r, "cudaEventSynchronize (activation offload copy)", SLIDE_CUDA_WHERE);
+    cudaEvent_t e = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(ticket);
+      if (it == pending_.end())
+        return slide::core::invalid_argument("cuda copy engine: no copy " + std::to_string(ticket));
+      e = it->second;
+      pending_.erase(it);
+    }
+    cudaError_t r = cudaSetDevice(device_);
+    const char* call = "cudaSetDevice (activation offload copy)";
+    if (r == cudaSuccess) {
+      r = cudaEventSynchronize(e);
+      call = "cudaEventSynchronize (activation offload copy)";
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      spare_.push_back(e);
+    }
+    if (r != cudaSuccess) return cuda_status(r, call, SLIDE_CUDA_WHERE);
     return ok_status();
   }
 

@@ -217,17 +217,19 @@ int run_main(int argc, char** argv) {
   // One writer per output directory, for the whole run (readers of finished bags need no lock).
   // The backend before anything is written: one that cannot start (no GPU, a build without CUDA)
   // is a usage error.
-  auto opened = slide::apps::open_backend(backend, device, precision);
-  if (!opened.ok()) return fail(opened.status());
-  std::unique_ptr<slide::train::Backend> be = std::move(*opened);
-  // The backend's allocator (the GPU's on cuda): its peak goes into the summary. It lives as long
-  // as the backend, which the encoder keeps.
-  const slide::train::Allocator& backend_alloc = be->allocator();
+  size_t budget_bytes = slide::train::Allocator::kUnlimited;
   if (!budget.empty()) {
     auto b = slide::train::parse_bytes(budget);
     if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    be->allocator().set_budget_bytes(*b);
+    budget_bytes = *b;
   }
+  auto opened = slide::apps::open_backend(backend, device, precision);
+  if (!opened.ok()) return fail(opened.status());
+  std::unique_ptr<slide::train::Backend> be = std::move(*opened);
+  // The backend's allocator (the GPU's on cuda): its peak while embedding goes into the summary.
+  // It lives as long as the backend, which the encoder keeps.
+  slide::train::Allocator& backend_alloc = be->allocator();
+  if (!budget.empty()) backend_alloc.set_budget_bytes(budget_bytes);
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 
@@ -269,6 +271,7 @@ int run_main(int argc, char** argv) {
     encoder = std::move(*extractor);
   }
   loaded.precision = *slide::train::parse_math_precision(precision);  // checked by open_backend
+  backend_alloc.reset_peak();  // from here: the weights the encoder keeps, and the forward passes
   slide::core::log_info("model", {{"model", loaded.model},
                                   {"layer", loaded.layer},
                                   {"precision", slide::train::math_precision_name(loaded.precision)},

@@ -4,6 +4,7 @@
 // randomised batch norm statistics, so that a wrong fold or fusion shows.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>

@@ -731,8 +731,11 @@ TEST_CASE("cuda vs reference: half-precision storage (f16 / bf16 linear, GELU, s
     OK(ref().permute(q, {2, 0, 3, 1, 4}, want_p));
     OK(gpu().permute(up(q), {2, 0, 3, 1, 4}, got_p));
     CHECK(device_values(got_p) == host_values(want_p));
-    // Attention: odd sizes, and ViT-B/16's shape over two sequences.
-    for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{2, 197, 12, 64}}) {
+    // Attention: odd sizes, ViT-B/16's shape over two sequences, and 5 sequences of 4000 tokens whose
+    // scores and half probabilities (96 MB each) run in chunks of 2, 2 and 1.
+    for (auto [B, T, H, Dh] : {std::array<int64_t, 4>{3, 7, 4, 5}, std::array<int64_t, 4>{2, 197, 12, 64},
+                               std::array<int64_t, 4>{5, 4000, 1, 8}}) {
+      CAPTURE(B);
       CAPTURE(T);
       const int64_t C = H * Dh;
       const Tensor qkv = host_half({B * T, 3 * C}, 210, half, -2, 2);

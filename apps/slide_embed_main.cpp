@@ -229,7 +229,7 @@ int run_main(int argc, char** argv) {
   // The backend's allocator (the GPU's on cuda): its peak while embedding goes into the summary.
   // It lives as long as the backend, which the encoder keeps.
   slide::train::Allocator& backend_alloc = be->allocator();
-  if (!budget.empty()) backend_alloc.set_budget_bytes(budget_bytes);
+  backend_alloc.set_budget_bytes(budget_bytes);
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 

@@ -459,7 +459,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   };
 
   // Tiles per forward pass: the batch, or options.micro_batch; halved on out of memory.
-  int64_t micro = opt.micro_batch > 0 ? std::min(opt.micro_batch, opt.batch) : opt.batch;
+  summary.micro_batch = opt.micro_batch > 0 ? std::min(opt.micro_batch, opt.batch) : opt.batch;
   int which = 0;
   launch(bufs[0]);
   while (bufs[which].n > 0) {
@@ -470,8 +470,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       if (!b.statuses[i].ok()) fail_slide(b.items[i].job, b.statuses[i]);
     }
     features.resize(static_cast<size_t>(b.n * D));
-    Status st = extract_in_micro_batches(extractor, b.images.data(), b.n, b.E, b.E, features.data(), &micro,
-                                         &summary.oom_reruns);
+    Status st = extract_in_micro_batches(extractor, b.images.data(), b.n, b.E, b.E, features.data(),
+                                         &summary.micro_batch, &summary.oom_reruns);
     if (!st.ok()) {
       for (const Item& it : b.items) fail_slide(it.job, st);
     }
@@ -546,7 +546,6 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
   }
   SLIDE_RETURN_IF_ERROR_CTX(manifest, "bags.csv");
   summary.seconds = std::chrono::duration<double>(clock::now() - t0).count();
-  summary.micro_batch = micro;
   return summary;
 }
 

@@ -1175,8 +1175,8 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
   // Multi-head attention (backend.h), per chunk of sequences and head h: two cuBLAS strided-batched
-  // GEMMs over the chunk's sequences, whose operands are strided views straight into qkv (no permutes), and between them
-  // one row softmax over every head's and sequence's scores.
+  // GEMMs over the chunk's sequences, whose operands are strided views straight into qkv (no
+  // permutes), and between them one row softmax over every head's and sequence's scores.
   // Row-major X [r, c] with row stride L is, to column-major cuBLAS, X^T [c, r] with ld L:
   //   scores_h^T [T, T] = K_h Q_h^T: A = K_h^T (as stored, ld 3C) transposed, B = Q_h^T (as
   //   stored, ld 3C), m = n = T, k = Dh, alpha = scale, ld L (T rounded up to 8,

@@ -529,9 +529,10 @@ class Backend {
   // that is not finite; out aliasing qkv; layouts, devices), kUnimplemented (dtypes), the
   // allocator's (scratch: the f32 scores of one sequence, [H, T, T]; cuda's holds those of as many
   // sequences as fit in 256 MiB, at least one, rows padded to a multiple of 8, with the
-  // probabilities beside them under f16 / bf16: kernels::attention_sequences_per_chunk). This default composes the ops
-  // above (permute, matmul, scale, softmax_forward) one sequence and head at a time; the cpu
-  // backend overrides it with batched oneDNN matmuls over strided views (no permutes).
+  // probabilities beside them under f16 / bf16: kernels::attention_sequences_per_chunk). This
+  // default composes the ops above (permute, matmul, scale, softmax_forward) one sequence and head
+  // at a time; the cpu backend overrides it with batched oneDNN matmuls over strided views (no
+  // permutes).
   [[nodiscard]] virtual Status attention_forward(const Tensor& qkv, int64_t batch, int64_t heads, double scale,
                                                  Tensor& out);
   // y = alpha x, any shape; y may be x (attention's 1 / sqrt(head dim)).

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "slide/core/log.h"
+#include "slide/train/allocator.h"
 #include "slide/train/backend.h"
 
 namespace slide::apps {
@@ -65,6 +66,16 @@ inline slide::core::Result<std::unique_ptr<slide::train::Backend>> open_backend(
     slide::core::log_info("half-precision activations for inference (ViT trunk, CNN inference graph)",
                           {{"precision", precision}, {"activations", slide::train::dtype_name(act)}});
   return be;
+}
+
+// --memory-budget's value as the bytes of a budget for the backend's allocator (parse_bytes's
+// forms: "8G", "512M", "1.5G", a plain count of bytes); empty (the option not given):
+// Allocator::kUnlimited. Errors: kInvalidArgument naming --memory-budget and what is wrong.
+inline slide::core::Result<size_t> parse_memory_budget(const std::string& value) {
+  if (value.empty()) return slide::train::Allocator::kUnlimited;
+  auto b = slide::train::parse_bytes(value);
+  if (!b.ok()) return b.status().with_context("--memory-budget");
+  return *b;
 }
 
 // slide-train's --channels-last rule (bench/train_step follows it): "on" always, "auto" where the

@@ -217,19 +217,15 @@ int run_main(int argc, char** argv) {
   // One writer per output directory, for the whole run (readers of finished bags need no lock).
   // The backend before anything is written: one that cannot start (no GPU, a build without CUDA)
   // is a usage error.
-  size_t budget_bytes = slide::train::Allocator::kUnlimited;
-  if (!budget.empty()) {
-    auto b = slide::train::parse_bytes(budget);
-    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    budget_bytes = *b;
-  }
+  auto budget_bytes = slide::apps::parse_memory_budget(budget);
+  if (!budget_bytes.ok()) return fail(budget_bytes.status());
   auto opened = slide::apps::open_backend(backend, device, precision);
   if (!opened.ok()) return fail(opened.status());
   std::unique_ptr<slide::train::Backend> be = std::move(*opened);
   // The backend's allocator (the GPU's on cuda): its peak while embedding goes into the summary.
   // It lives as long as the backend, which the encoder keeps.
   slide::train::Allocator& backend_alloc = be->allocator();
-  backend_alloc.set_budget_bytes(budget_bytes);
+  backend_alloc.set_budget_bytes(*budget_bytes);
   auto out_lock = slide::core::DirLock::acquire(opt.out_dir, "output directory");
   if (!out_lock.ok()) return fail(out_lock.status());
 

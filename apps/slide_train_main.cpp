@@ -494,11 +494,9 @@ int run_main(int argc, char** argv) {
        color_jitter[3] > 0.5f))
     return fail(slide::core::invalid_argument("--color-jitter: brightness, contrast and saturation must be >= 0 "
                                               "and hue in [0, 0.5] (torchvision's ColorJitter)"));
-  if (!budget.empty()) {
-    auto b = parse_bytes(budget);
-    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    (*be)->allocator().set_budget_bytes(*b);
-  }
+  auto budget_bytes = slide::apps::parse_memory_budget(budget);
+  if (!budget_bytes.ok()) return fail(budget_bytes.status());
+  (*be)->allocator().set_budget_bytes(*budget_bytes);
   auto stain = slide::train::stain_target_for_options(stain_options.method, stain_options.reference);
   if (!stain.ok()) return fail(stain.status());
   std::vector<std::string> all = data;

@@ -202,11 +202,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   auto be = open_backend(o.backend, -1);
   if (!be.ok()) return fail(be.status());
   Allocator& alloc = (*be)->allocator();  // the host's on cpu and reference, the device's on cuda
-  if (!o.budget.empty()) {
-    auto b = parse_bytes(o.budget);
-    if (!b.ok()) return fail(b.status().with_context("--memory-budget"));
-    alloc.set_budget_bytes(*b);
-  }
+  auto budget_bytes = slide::apps::parse_memory_budget(o.budget);
+  if (!budget_bytes.ok()) return fail(budget_bytes.status());
+  alloc.set_budget_bytes(*budget_bytes);
   auto ds = BagDataset::open(o.features, o.labels_csv);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   std::vector<size_t> train, val;

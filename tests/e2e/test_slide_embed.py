@@ -590,6 +590,9 @@ class TestBadInput(TwoSlides):
         r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--image-size", "224")
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--image-size apply to ViTs", r.stderr)
+        r = self.embed(self.store, out, "--weights", self.weights, "--model", "resnet18", "--memory-budget", "8 GB")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--memory-budget: '8 GB'", r.stderr)
         # A file that is not safetensors.
         bad = os.path.join(self.tmp, "bad.safetensors")
         with open(bad, "wb") as f:

@@ -1357,6 +1357,11 @@ class TestBadInput(Base):
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
         self.assertIn("memory budget of 65536 bytes exceeded", r.stderr)
+        # A budget that is not a size is a usage error naming the option, before any work.
+        r = self.train(os.path.join(self.tmp, "budget-unit"), "--memory-budget", "12Q")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--memory-budget: '12Q': unknown unit 'Q'", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "budget-unit", "checkpoints")))
 
 
 

@@ -22,6 +22,7 @@
 
 #include "cuda/cuda_fence.h"
 #include "dist/communicators.h"
+#include "slide/core/log.h"
 #include "slide/train/device_select.h"
 
 namespace slide::train::dist {
@@ -367,6 +368,14 @@ Status NcclWork::wait() {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+  // The event completes too when the communicator was aborted meanwhile (another work's deadline,
+  // a peer gone, abort_job: ncclCommAbort makes its kernels return early), over a result that may
+  // be partial; NCCL's documentation: after an error nothing can be assumed about the completion
+  // or correctness of enqueued operations.
+  if (comm_->nccl() == nullptr) return comm_->fail(what_, "the NCCL communicator was aborted");
+  if (ncclResult_t st = ncclSuccess;
+      ncclCommGetAsyncError(comm_->nccl(), &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress)
+    return comm_->fail(what_, std::string(ncclGetErrorString(st)) + ": " + ncclGetLastError(comm_->nccl()));
   done_ = true;
   if (host_out_ != nullptr) std::memcpy(host_out_, staging_->host, host_bytes_);
   return slide::core::ok_status();
@@ -384,7 +393,14 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(double timeout_s, s
   SLIDE_ASSIGN_OR_RETURN(const int device,
                          select_device(device_flag, devices, [](const char* var) { return std::getenv(var); }));
   auto comm = std::make_unique<NcclCommunicator>(timeout_s, std::move(bootstrap));
-  SLIDE_RETURN_IF_ERROR(comm->init(device));
+  if (Status s = comm->init(device); !s.ok()) {
+    // A set-up that broke (a deadline, an asynchronous NCCL error, a peer gone) leaves the other
+    // ranks waiting: the communicator's destructor, on the way out of here, takes the job down
+    // (MPI_Abort under mpirun) before the caller could print the reason. Say it first.
+    slide::core::log_error("NCCL communicator set-up failed", {{"rank", comm->rank()}, {"device", device},
+                                                               {"error", s.to_string()}});
+    return s;
+  }
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

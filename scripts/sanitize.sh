@@ -2,8 +2,9 @@
 # A sanitizer build of slidestream (CUDA, fuzz targets and benchmarks off) and ctest on it: MODE
 # `address` (AddressSanitizer + UndefinedBehaviorSanitizer, the default) builds build-asan/, `thread`
 # (ThreadSanitizer) builds build-tsan/. CI runs only a slice of each mode (ctest label `sanitize`,
-# tests/fuzz: libcore, libtile, apps/, cache's bags and slide-tile; tests/sanitize: libtrain,
-# slide-train, slide-embed; see tests/fuzz/README.md); run this before a release and after touching
+# tests/fuzz: libcore, libtile, apps/, cache's bags and slide-tile under ASan + UBSan;
+# tests/sanitize: libtrain, slide-train, slide-embed, and slide-tile under TSan; see
+# tests/fuzz/README.md); run this before a release and after touching
 # threads or memory.
 #   scripts/sanitize.sh [address|thread] [CTEST_ARGS...]     e.g. scripts/sanitize.sh address -L unit
 # Every finding stops its test (halt_on_error) and prints a stack. Leak checking is off: OpenSlide's

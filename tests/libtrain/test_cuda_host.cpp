@@ -264,7 +264,8 @@ TEST_CASE("for_channel: a thread's walk over a channel is the division's, value 
   CHECK(calls == 0);
 }
 
-TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's order, without repeats") {
+TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's order, without repeats; one per "
+          "algorithm and math type") {
   using cuda::AlgoCandidate;
   const std::vector<AlgoCandidate> from_cudnn = {
       {7, true, false, 100},  // fastest, but non-deterministic
@@ -281,6 +282,14 @@ TEST_CASE("order_candidates: deterministic runnable algorithms first, in cuDNN's
   REQUIRE(any.size() == 3);
   CHECK(any[2].algo == 7);
   CHECK(cuda::order_candidates({{3, false, true, 0}}, true).empty());
+  // Under tensor-op math the same algorithm is listed once per math type (CUDNN_TENSOR_OP_MATH = 1,
+  // CUDNN_FMA_MATH = 3): two candidates, each with its own workspace; the same pair twice is one.
+  const std::vector<AlgoCandidate> math_types = {
+      {1, true, true, 8192, 1}, {1, true, true, 1024, 3}, {1, true, true, 8192, 1}};
+  auto both = cuda::order_candidates(math_types, false);
+  REQUIRE(both.size() == 2);
+  CHECK((both[0].math_type == 1 && both[0].workspace_bytes == 8192));
+  CHECK((both[1].math_type == 3 && both[1].workspace_bytes == 1024));
 }
 
 TEST_CASE("choose_candidates: deterministic algorithms only when cuDNN has one, else its non-deterministic ones; "

@@ -115,13 +115,15 @@ struct AlgoCandidate {
 
 // The candidates to try, in order: runnable and deterministic ones in cuDNN's order; then, only
 // when `allow_nondeterministic`, runnable non-deterministic ones. Duplicates (the same algorithm
-// listed twice) are kept once.
+// with the same math type listed twice) are kept once; the same algorithm with another math type
+// (cuDNN's heuristics list one per math type under tensor-op math, each with its own workspace
+// and kernels) is another candidate.
 inline std::vector<AlgoCandidate> order_candidates(const std::vector<AlgoCandidate>& candidates,
                                                    bool allow_nondeterministic) {
   std::vector<AlgoCandidate> out;
   auto add = [&](const AlgoCandidate& c) {
     for (const auto& o : out)
-      if (o.algo == c.algo) return;
+      if (o.algo == c.algo && o.math_type == c.math_type) return;
     out.push_back(c);
   };
   for (const auto& c : candidates)

@@ -187,22 +187,31 @@ class CudaCopyEngine final : public CopyEngine {
     } else {
       SLIDE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     }
-    const uint64_t ticket = ++last_;
-    pending_[ticket] = done;  // destroyed by the destructor should a call below fail
     // The copy stream waits for the compute stream's work so far, or up to the fence
     // (cudaStreamWaitEvent uses the event as recorded at the time of the call, so ready_ can be
-    // recorded again next time).
-    if (fence != nullptr) {
-      SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, fence->event(), 0));
-    } else {
-      SLIDE_CUDA_CHECK(cudaEventRecord(ready_, compute_));
-      SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, ready_, 0));
+    // recorded again next time). Should a call fail, the event goes back to the spares: no
+    // ticket is handed out for it.
+    Status queued = [&]() -> Status {
+      if (fence != nullptr) {
+        SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, fence->event(), 0));
+      } else {
+        SLIDE_CUDA_CHECK(cudaEventRecord(ready_, compute_));
+        SLIDE_CUDA_CHECK(cudaStreamWaitEvent(copy_, ready_, 0));
+      }
+      if (src.bytes() > 0)
+        SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(),
+                                         dir == CopyDirection::kToHost ? cudaMemcpyDeviceToHost
+                                                                       : cudaMemcpyHostToDevice,
+                                         copy_));
+      SLIDE_CUDA_CHECK(cudaEventRecord(done, copy_));
+      return ok_status();
+    }();
+    if (!queued.ok()) {
+      spare_.push_back(done);
+      return queued;
     }
-    if (src.bytes() > 0)
-      SLIDE_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(),
-                                       dir == CopyDirection::kToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
-                                       copy_));
-    SLIDE_CUDA_CHECK(cudaEventRecord(done, copy_));
+    const uint64_t ticket = ++last_;
+    pending_[ticket] = done;
     return ticket;
   }
 
@@ -307,7 +316,13 @@ Result<DeviceState*> device_state(int device) {
   if (it != states.end()) return it->second;
   auto* st = new DeviceState;
   if (Status s = init_device(device, st); !s.ok()) {
-    delete st;  // partially created handles leak on this error path only (no device to free them on)
+    // What was made before the failure, in reverse order (a later call may try again: a failure
+    // is not cached). Their own errors are moot beside the one returned.
+    if (st->cublas != nullptr) (void)cublasDestroy(st->cublas);
+    if (st->cudnn != nullptr) (void)cudnnDestroy(st->cudnn);
+    if (st->stream != nullptr) (void)cudaStreamDestroy(st->stream);
+    (void)cudaGetLastError();
+    delete st;
     return s;
   }
   states[device] = st;
@@ -1602,7 +1617,12 @@ class CudaBackend final : public Backend {
   }
 
   // Runs a convolution with the cached algorithm for `key`, or chooses one: cuDNN's candidates in
-  // conv_plan.h's order, the first whose workspace the budget grants.
+  // conv_plan.h's order, the first whose workspace the budget grants and that runs. A candidate
+  // that cuDNN refuses when called (kUnimplemented: the heuristics are asked for the plain
+  // convolution, and cudnnConvolutionBiasActivationForward or beta = 1 may not be supported by
+  // every algorithm they list) or that runs out of device memory inside cuDNN
+  // (kResourceExhausted) is passed over for the next, as PyTorch's cuDNN convolutions do
+  // (ATen's Conv_v7.cpp, AlgoIterator::try_all); the last such error is returned when none runs.
   //
   // Under tensor-op math (tf32, bf16, fp16) each candidate runs with the math type cuDNN's heuristics
   // reported for it (perf.mathType, set on the descriptor before its workspace is asked for, as
@@ -1639,14 +1659,18 @@ class CudaBackend final : public Backend {
         }
         ws = std::move(*t);
       }
-      SLIDE_RETURN_IF_ERROR(run(c.algo, ws.raw(), bytes));
+      if (Status s = run(c.algo, ws.raw(), bytes); !s.ok()) {
+        if (s.code() != StatusCode::kUnimplemented && s.code() != StatusCode::kResourceExhausted) return s;
+        last = std::move(s);
+        continue;
+      }
       if (!cached) {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos[key] = c;
       }
       return ok_status();
     }
-    if (cached) {  // the cached algorithm's workspace no longer fits: choose again
+    if (cached) {  // the cached algorithm's workspace no longer fits, or it no longer runs: choose again
       {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->algos.erase(key);

@@ -117,7 +117,7 @@ __global__ void unary_kernel(Unary f, const typename S::T* x, typename S::T* y, 
   SLIDE_GRID_STRIDE(i, n) {
     const float v = S::load(x[i]);
     y[i] = S::store(f == Unary::kRelu   ? fm::relu(v)
-                    : f == Unary::kTanh ? tanhf(v)
+                    : f == Unary::kTanh ? fm::tanh_act(v)
                     : f == Unary::kGelu ? (S::kHalf ? fm::gelu_f32(v) : fm::gelu(v))
                                         : fm::sigmoid(v));
   }

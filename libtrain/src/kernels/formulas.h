@@ -115,7 +115,7 @@ SLIDE_HD double squared(T x) {
   return static_cast<double>(x) * static_cast<double>(x);
 }
 
-// --- Activations (backend.h: relu_*, tanh_backward, sigmoid_*) -----------------------------------
+// --- Activations (backend.h: relu_*, tanh_*, sigmoid_*) -------------------------------------------
 // y = max(x, 0); NaN propagates as PyTorch's relu does not (x > 0 is false for NaN: y = 0).
 template <typename T>
 SLIDE_HD T relu(T x) {
@@ -125,6 +125,12 @@ SLIDE_HD T relu(T x) {
 template <typename T>
 SLIDE_HD T relu_grad(T y, T dy) {
   return y > T(0) ? dy : T(0);
+}
+// tanh(x), the C library's (CUDA's tanhf on the device: within 2 ulp, as its math library
+// documents; the host's libm may round the last bit otherwise).
+template <typename T>
+SLIDE_HD T tanh_act(T x) {
+  return std::tanh(x);
 }
 // d tanh(x) / dx = 1 - tanh(x)^2, from the output y = tanh(x).
 template <typename T>

@@ -838,7 +838,7 @@ class ReferenceBackend final : public Backend {
     return dispatch(x.dtype(), [&]<typename T>() {
       const T* xp = x.ptr<T>();
       T* yp = y.ptr<T>();
-      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = std::tanh(xp[i]);
+      for (int64_t i = 0; i < x.numel(); ++i) yp[i] = formulas::tanh_act(xp[i]);
       return ok_status();
     });
   }

@@ -476,6 +476,11 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
   impl->partial = path + ".partial";
   impl->dim = feature_dim;
   impl->options = options;
+  // Chunks of at most kMaxChunkFeatureBytes of features: HDF5 refuses a chunk of 4 GiB or more
+  // (H5Pset_chunk), and the writer buffers one chunk (a 10^6-row chunk of 2560-d features would be
+  // 10 GiB); fewer rows per chunk change nothing that a reader sees.
+  const int64_t elem = options.dtype == FeatureDtype::kFloat16 ? 2 : 4;
+  impl->options.chunk_rows = std::min(options.chunk_rows, std::max<int64_t>(1, kMaxChunkFeatureBytes / (feature_dim * elem)));
   impl->half_type = make_half_type();
 
   // A leftover .partial of a killed run is truncated (H5F_ACC_TRUNC).
@@ -491,7 +496,7 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
     return slide::core::internal_error(msg);
   }
 
-  const hsize_t chunk = static_cast<hsize_t>(options.chunk_rows);
+  const hsize_t chunk = static_cast<hsize_t>(impl->options.chunk_rows);
   const hsize_t udim = static_cast<hsize_t>(feature_dim);
   auto make_dataset = [&](const char* name, hsize_t cols, hid_t type, Hid* out) -> Status {
     hsize_t dims[2] = {0, cols};
@@ -499,7 +504,8 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
     hsize_t chunk_dims[2] = {chunk, cols};
     Hid space(H5Screate_simple(2, dims, maxdims), H5Sclose);
     Hid dcpl = plist(H5P_DATASET_CREATE);
-    H5Pset_chunk(dcpl.get(), 2, chunk_dims);
+    if (H5Pset_chunk(dcpl.get(), 2, chunk_dims) < 0)
+      return hdf5_status(StatusCode::kInternal, std::string("chunk layout of ") + name + " in " + impl->partial);
     if (options.compression == Compression::kGzip) {
       H5Pset_shuffle(dcpl.get());
       H5Pset_deflate(dcpl.get(), static_cast<unsigned>(options.gzip_level));
@@ -563,8 +569,8 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
     Status st = write_attr_string(root, "precision", attributes.precision);
     if (!st.ok()) return cleanup(st);
   }
-  impl->feature_buf.reserve(static_cast<size_t>(options.chunk_rows * feature_dim));
-  impl->coord_buf.reserve(static_cast<size_t>(options.chunk_rows * 2));
+  impl->feature_buf.reserve(static_cast<size_t>(impl->options.chunk_rows * feature_dim));
+  impl->coord_buf.reserve(static_cast<size_t>(impl->options.chunk_rows * 2));
   return std::unique_ptr<BagWriter>(new BagWriter(std::move(impl)));
 }
 

@@ -170,6 +170,28 @@ TEST_CASE("bag round trip: float32, several chunks, appends not aligned with chu
   CHECK((*r)->read_features(0, 2, one).code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("bag writer: chunk_rows past what HDF5 takes (a chunk of 4 GiB or more) is lowered, not an error") {
+  // 2^20 rows of 2560-d float32 features (Virchow2's width) would be a 10 GiB chunk, which HDF5
+  // refuses, and a 10 GiB buffer: the writer keeps chunks to kMaxChunkFeatureBytes.
+  TempDir tmp;
+  for (const FeatureDtype dtype : {FeatureDtype::kFloat32, FeatureDtype::kFloat16}) {
+    std::vector<float> f;
+    std::vector<int64_t> c;
+    BagWriterOptions opt;
+    opt.chunk_rows = int64_t{1} << 20;
+    opt.dtype = dtype;
+    const std::string id = dtype == FeatureDtype::kFloat32 ? "wide-f32" : "wide-f16";
+    const std::string path = write_bag(tmp.path, id, 40, 2560, opt, &f, &c, 16);
+    auto r = BagReader::open(path);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    CHECK((*r)->info().num_tiles == 40);
+    auto bag = (*r)->read_all();
+    REQUIRE(bag.ok());
+    if (dtype == FeatureDtype::kFloat32) CHECK(bag->features == f);
+    for (size_t i = 0; i < c.size(); ++i) REQUIRE(bag->coords[i] == c[i]);
+  }
+}
+
 TEST_CASE("bag round trip: float16 with gzip, with lzf and uncompressed") {
   TempDir tmp;
   for (Compression comp : {Compression::kGzip, Compression::kLzf, Compression::kNone}) {

@@ -112,11 +112,16 @@ struct BagAttributes {
   std::string precision;
 };
 
+// The most bytes of features in one HDF5 chunk (BagWriterOptions::chunk_rows is lowered to fit;
+// HDF5 refuses chunks of 4 GiB or more).
+inline constexpr int64_t kMaxChunkFeatureBytes = int64_t{64} << 20;
+
 struct BagWriterOptions {
   FeatureDtype dtype = FeatureDtype::kFloat32;
   Compression compression = Compression::kNone;
   int gzip_level = 4;        // 1..9, for kGzip
   int64_t chunk_rows = 256;  // rows per HDF5 chunk and per write; the writer buffers at most this
+                             // (fewer where chunk_rows x D features would pass kMaxChunkFeatureBytes)
 };
 
 // Writes one bag, appending rows as tiles are embedded. Memory: one chunk of rows

@@ -290,7 +290,16 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
         const int64_t tile_px = stores[job.store]->meta().tile_size_px;
         const int32_t want_input = resizer_for(tile_px) != nullptr ? static_cast<int32_t>(need) : 0;
         const int32_t had_input = a.encoder_input_px;
-        if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
+        // The store's tiles too: a slide tiled again into another store (another tile size, tissue
+        // threshold or resolution) under the same slide id has other tiles than the bag's rows.
+        const auto want_tiles = static_cast<int64_t>(rec.tile_count);
+        if (info.num_tiles != want_tiles || a.tile_size_px != tile_px) {
+          o.status = slide::core::failed_precondition(
+              "bag " + o.bag_path + " exists but holds " + std::to_string(info.num_tiles) + " tiles of " +
+              std::to_string(a.tile_size_px) + " px, and store " + o.store + " has " + std::to_string(want_tiles) +
+              " tiles of " + std::to_string(tile_px) + " px for this slide (tiled again?): remove the bag or write "
+              "to another --out");
+        } else if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
             info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
             a.stain_normalization != stain_json || a.precision != precision_attr) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };

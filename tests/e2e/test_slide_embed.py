@@ -519,6 +519,27 @@ class TestResume(TwoSlides):
         self.assertIn("exists but was made with", r.stderr)
         self.assertTrue(os.path.exists(os.path.join(out, "TCGA-CR-7395-01A-01-TS1.h5")))
 
+    def test_rerun_on_a_slide_tiled_again_is_refused_not_taken_as_complete(self):
+        """The same slide id tiled again into another store (here at 96 px tiles: other tiles,
+        another count) and embedded into the --out that holds its bag: the old bag is not taken
+        for this store's (its rows are other tiles); the slide fails naming both, the bag stays."""
+        out = os.path.join(self.tmp, "retiled")
+        r = run(self.args(out) + ["--slides", "CMU-1-Small-Region"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        bag = os.path.join(out, "CMU-1-Small-Region.h5")
+        with h5py.File(bag, "r") as f:
+            before = f["features"][:]
+        again = self.tile("retiled-store", os.path.join(SLIDES, "CMU-1-Small-Region.svs"), "--mpp", "1",
+                          "--source-mpp", "0.5", "--tile-size", "96")
+        args = self.args(out)
+        args[args.index(self.store)] = again
+        r = run(args)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("exists but holds %d tiles of 64 px" % len(before), r.stderr)
+        self.assertIn("tiles of 96 px for this slide (tiled again?)", r.stderr)
+        with h5py.File(bag, "r") as f:
+            np.testing.assert_array_equal(f["features"][:], before)
+
 
 class TestMemory(Base):
     """Peak RSS of embedding is flat in the number of tiles: 124 tiles vs 1564 tiles of CMU-1."""

@@ -491,9 +491,10 @@ class Backend {
   // (PyTorch's .half() / .bfloat16()); to f32 exact from f16 / bf16. Formulas:
   // kernels/formulas.h (f32_to_f16, ...). x and y must not share storage unless the dtypes match.
   [[nodiscard]] virtual Status cast(const Tensor& x, Tensor& y) { return unimplemented_op("cast", x, y); }
-  // *out = sum_i x_i^2 over every element of x (any shape; element order does not matter, so any
-  // layout), accumulated in double: the optimizer's check that a gradient is finite (NaN or inf in
-  // x makes *out non-finite). A host number: a device backend waits for its result.
+  // *out = sum_i x_i^2 over every element of x (any shape, in the plain layout as gradients are:
+  // kInvalidArgument for a channels-last or blocked tensor), accumulated in double: the
+  // optimizer's check that a gradient is finite (NaN or inf in x makes *out non-finite). A host
+  // number: a device backend waits for its result.
   [[nodiscard]] virtual Status sum_of_squares(const Tensor& x, double* out) {
     return unimplemented_op("sum_of_squares", x, out);
   }

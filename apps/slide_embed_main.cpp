@@ -128,7 +128,8 @@ int run_main(int argc, char** argv) {
                                    " (CNNs: the fused oneDNN path on cpu, the training engine's inference forward on "
                                    "the others)");
   slide::apps::add_precision_option(app, &precision);
-  app.add_option("--heads", vit_heads, "ViT: attention heads (default: width / 64, as every published ViT)")
+  app.add_option("--heads", vit_heads, "ViT: attention heads (default: as timm's ViTs of the width: 16 for 1280 (ViT-H) and 1664 (ViT-G), "
+                 "else width / 64)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--image-size", vit_image_size,
                  "ViT: run the encoder at this many px (a multiple of its patch size), its positional embedding "

@@ -38,7 +38,7 @@ Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be
                             std::to_string(c.patch_size));
   if (c.width < 1 || c.heads < 1 || c.width % c.heads != 0)
     return invalid_argument("ViT: width " + std::to_string(c.width) + " is not a multiple of " +
-                            std::to_string(c.heads) + " heads (heads default to width / 64; give the count)");
+                            std::to_string(c.heads) + " heads (the count for a width is default_vit_heads's unless given)");
   if (c.depth < 0 || c.mlp_hidden < 1 || c.reg_tokens < 0 || !(c.norm_eps > 0))
     return invalid_argument("ViT: depth, MLP width, register tokens or norm eps out of range");
   if (!c.class_token && c.pool != VitPool::kMean)
@@ -384,6 +384,14 @@ Status VisionTransformer::attentional_pool(const Tensor& x, int64_t N, Tensor& f
   return be_.layer_norm_forward(pooled, ap.ln_w, ap.ln_b, c.pool_eps, features);
 }
 
+int default_vit_heads(int width) {
+  // timm's vision_transformer.py: vit_huge_patch14_* (embed_dim 1280, num_heads 16: Virchow's
+  // trunk) and vit_gigantic_patch14_* (1664, num_heads 16); every other published width has heads
+  // of 64 (ViT-S 384 / 6, ViT-B 768 / 12, ViT-L 1024 / 16, ViT-g 1536 / 24).
+  if (width == 1280 || width == 1664) return 16;
+  return width / 64;
+}
+
 Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
                                    const std::string& path, const std::string& name_prefix, int pool_heads) {
   auto shape = [&](const std::string& name) -> const Shape* {
@@ -434,7 +442,7 @@ Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, i
                std::to_string((*fc2)[1]) + " inputs (GELU MLP) nor twice them (SwiGLU)");
   c.layer_scale = shape("blocks.0.ls1.gamma") != nullptr;
   c.fc_norm = shape("fc_norm.weight") != nullptr && shape("norm.weight") == nullptr;
-  c.heads = heads > 0 ? heads : c.width / 64;  // checked by VisionTransformer::create
+  c.heads = heads > 0 ? heads : default_vit_heads(c.width);  // checked by VisionTransformer::create
   c.pool = pool;
   c.name_prefix = name_prefix;
   if (c.fc_norm && c.pool != VitPool::kMean) c.pool = VitPool::kMean;  // timm: fc_norm comes with avg pooling

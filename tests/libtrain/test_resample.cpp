@@ -223,6 +223,30 @@ std::map<std::string, Shape> giant_shapes(int depth, int patch, int grid, int re
 
 }  // namespace
 
+TEST_CASE("the head count of a timm file without --heads is timm's for its width: ViT-H and ViT-G have 16") {
+  CHECK(default_vit_heads(384) == 6);
+  CHECK(default_vit_heads(768) == 12);
+  CHECK(default_vit_heads(1024) == 16);
+  CHECK(default_vit_heads(1280) == 16);  // vit_huge_patch14: 16 heads of 80, not 20 of 64
+  CHECK(default_vit_heads(1536) == 24);
+  CHECK(default_vit_heads(1664) == 16);  // vit_gigantic_patch14: 16 heads of 104
+  std::map<std::string, Shape> huge;
+  const int64_t D = 1280;
+  huge["cls_token"] = {1, 1, D};
+  huge["pos_embed"] = {1, 16 * 16 + 1, D};
+  huge["patch_embed.proj.weight"] = {D, 3, 14, 14};
+  huge["blocks.0.attn.qkv.weight"] = {3 * D, D};
+  huge["blocks.0.mlp.fc1.weight"] = {5120, D};
+  huge["blocks.0.mlp.fc2.weight"] = {D, 5120};
+  huge["norm.weight"] = {D};
+  auto c = infer_vit_config(huge, 0, VitPool::kToken, "vit_huge.safetensors");
+  OK(c);
+  CHECK(c->heads == 16);
+  auto given = infer_vit_config(huge, 20, VitPool::kToken, "vit_huge.safetensors");
+  OK(given);
+  CHECK(given->heads == 20);  // --heads wins
+}
+
 TEST_CASE("gigapath and hoptimus0: the published architectures pass their preset's check; others are refused, named") {
   // prov-gigapath/prov-gigapath: vit_giant_patch14_dinov2 with patch 16 at 224 px (14 x 14 grid).
   auto giga = infer_vit_config(giant_shapes(40, 16, 14, 0, false), 24, VitPool::kToken, "gigapath.safetensors");

@@ -181,13 +181,16 @@ class VisionTransformer {
 // (mlp.fc2.weight's input), SwiGLU (fc1 twice as wide as fc2's input), register tokens (reg_token), layer scale (ls1.gamma), class token, fc_norm
 // (fc_norm.weight instead of norm.weight), and the image size from pos_embed's length (with or
 // without the prefix tokens, whichever is a square grid: no_embed_class). The head count cannot
-// be read from shapes: `heads` > 0 gives it, else width / 64 (the head width of ViT-S/B/L/g; ViT-H
-// has 16 heads of 80, which its presets set; VisionTransformer::create checks it). `path` names
+// be read from shapes: `heads` > 0 gives it, else default_vit_heads(width) (VisionTransformer::create
+// checks that it divides the width). `path` names
 // the file in errors. With `pool` kAttentional, the pooler's width comes from its query
 // ("<pool_prefix>attn_pool_contrast.query" [1, E]: one query, the contrastive pooler) and its heads
 // from `pool_heads`. Names are read with `name_prefix` before the timm names (the caller detects
 // open_clip's "visual.trunk."). Errors: kInvalidArgument naming the tensor that is missing or does
 // not fit a ViT (or a pooler with another number of queries).
+// The head count of the published ViTs of a width, as timm builds them: 16 for 1280 (ViT-H/14,
+// heads of 80) and 1664 (ViT-G/14, heads of 104), else width / 64 (heads of 64: ViT-S, B, L, g).
+int default_vit_heads(int width);
 [[nodiscard]] Result<VitConfig> infer_vit_config(const std::map<std::string, Shape>& shapes, int heads, VitPool pool,
                                                  const std::string& path, const std::string& name_prefix = "",
                                                  int pool_heads = 8);

@@ -120,6 +120,11 @@ std::vector<NamedTensor> VisionTransformer::named_parameters() const {
 }
 
 Status VisionTransformer::load(const std::string& path) {
+  // New weights: what was derived from the old ones (half-precision copies, layer scale's rows) is
+  // stale from here on, also should this load fail halfway.
+  half_blocks_.clear();
+  half_dtype_ = DType::kF32;
+  ls_rows_.clear();
   const int64_t g0 = config_.source_grid(), g = config_.grid(), D = config_.width, prefix = config_.pos_prefix();
   if (g0 != g) {
     // pos_embed at the file's grid, resampled on the host to ours (timm's resample_abs_pos_embed),
@@ -154,11 +159,7 @@ Status VisionTransformer::load(const std::string& path) {
     SLIDE_RETURN_IF_ERROR(load_safetensors(path, into));
     for (size_t i = 0; i < names.size(); ++i) SLIDE_RETURN_IF_ERROR(be_.upload(host[i], *names[i].second));
   }
-  // New weights: the half-precision copies of the old ones are stale.
-  half_blocks_.clear();
-  half_dtype_ = DType::kF32;
   // Layer scale's gamma repeated over the tokens, so that it is one element-wise product per image.
-  ls_rows_.clear();
   if (config_.layer_scale) {
     const int64_t T = config_.tokens(), D = config_.width;
     for (const Block& b : blocks_)

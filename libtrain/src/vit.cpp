@@ -181,6 +181,18 @@ Status VisionTransformer::layer_scale(const Tensor& rows, Tensor& x2d, int64_t n
   return ok_status();
 }
 
+Status VisionTransformer::add_branch(const Tensor* ls_rows, Tensor& branch, Tensor& scratch32, int64_t n_images,
+                                     Tensor& x) {
+  if (ls_rows == nullptr) return be_.add(x, branch, x);
+  if (branch.dtype() == DType::kF32) {
+    SLIDE_RETURN_IF_ERROR(layer_scale(*ls_rows, branch, n_images));
+    return be_.add(x, branch, x);
+  }
+  SLIDE_RETURN_IF_ERROR(be_.cast(branch, scratch32));
+  SLIDE_RETURN_IF_ERROR(layer_scale(*ls_rows, scratch32, n_images));
+  return be_.add(x, scratch32, x);
+}
+
 Status VisionTransformer::prepare_half(DType half) {
   if (half_dtype_ == half) return ok_status();
   half_blocks_.clear();
@@ -202,10 +214,6 @@ Status VisionTransformer::prepare_half(DType half) {
     SLIDE_RETURN_IF_ERROR(cast(b.fc1_b, &h.fc1_b));
     SLIDE_RETURN_IF_ERROR(cast(b.fc2_w, &h.fc2_w));
     SLIDE_RETURN_IF_ERROR(cast(b.fc2_b, &h.fc2_b));
-    if (config_.layer_scale) {
-      SLIDE_RETURN_IF_ERROR(cast(ls_rows_[2 * i], &h.ls1_rows));
-      SLIDE_RETURN_IF_ERROR(cast(ls_rows_[2 * i + 1], &h.ls2_rows));
-    }
   }
   half_blocks_ = std::move(blocks);
   half_dtype_ = half;
@@ -267,6 +275,11 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
   SLIDE_ASSIGN_OR_RETURN(Tensor qkv, empty_act({N * T, 3 * D}, "qkv"));
   SLIDE_ASSIGN_OR_RETURN(Tensor ctx, empty_act({N * T, D}, "attention context"));
   SLIDE_ASSIGN_OR_RETURN(Tensor branch, empty_act({N * T, D}, "residual branch"));
+  // A half branch widened to f32 for layer scale (add_branch).
+  Tensor branch32;
+  if (half && c.layer_scale) {
+    SLIDE_ASSIGN_OR_RETURN(branch32, empty({N * T, D}, "residual branch in f32 (layer scale)"));
+  }
   SLIDE_ASSIGN_OR_RETURN(Tensor hidden, empty_act({N * T, c.swiglu ? 2 * M : M}, "MLP hidden"));
   // SwiGLU: fc1's output [N*T, 2, M] split into halves [2, N*T, M], then SiLU(a) * b.
   Tensor halves, swiglu_out, gate;
@@ -291,8 +304,7 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
     SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, qkv_w, qkv_b, qkv));
     SLIDE_RETURN_IF_ERROR(be_.attention_forward(qkv, N, c.heads, 1.0 / std::sqrt(static_cast<double>(D / c.heads)), ctx));
     SLIDE_RETURN_IF_ERROR(be_.linear_forward(ctx, proj_w, proj_b, branch));
-    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(hb ? hb->ls1_rows : ls_rows_[2 * i], branch, N));
-    SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
+    SLIDE_RETURN_IF_ERROR(add_branch(c.layer_scale ? &ls_rows_[2 * i] : nullptr, branch, branch32, N, x));
     SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, b.norm2_w, b.norm2_b, c.norm_eps, h));
     if (c.swiglu) {
       SLIDE_RETURN_IF_ERROR(be_.linear_forward(h, fc1_w, fc1_b, hidden));
@@ -308,8 +320,7 @@ Status VisionTransformer::forward(const Tensor& images, Tensor& features) {
       SLIDE_RETURN_IF_ERROR(be_.linear_gelu_forward(h, fc1_w, fc1_b, hidden));
       SLIDE_RETURN_IF_ERROR(be_.linear_forward(hidden, fc2_w, fc2_b, branch));
     }
-    if (c.layer_scale) SLIDE_RETURN_IF_ERROR(layer_scale(hb ? hb->ls2_rows : ls_rows_[2 * i + 1], branch, N));
-    SLIDE_RETURN_IF_ERROR(be_.add(x, branch, x));
+    SLIDE_RETURN_IF_ERROR(add_branch(c.layer_scale ? &ls_rows_[2 * i + 1] : nullptr, branch, branch32, N, x));
   }
   if (!c.fc_norm) SLIDE_RETURN_IF_ERROR(be_.layer_norm_forward(x, norm_w_, norm_b_, c.norm_eps, x));
 

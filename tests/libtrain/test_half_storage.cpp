@@ -251,6 +251,8 @@ TEST_CASE("ViT trunk with f16 / bf16 activations (as torch.autocast runs it) aga
       // The features stay f32 and near the f32 run: within a few roundings of the half type (3
       // blocks, each branch added into the f32 stream; measured 1.2 (f16) and 1.5 (bf16) of them).
       const double err = normalised_error(host_values(fh), host_values(f32));
+      MESSAGE(std::string(c->layer_scale ? "layer scale, " : ""), half_name, " features: ", err / unit_roundoff(half),
+              " u from the f32 run");
       CHECK(err < 4 * unit_roundoff(half));
       // ... and the half path ran: the features are not the f32 ones.
       CHECK(err > 0);

@@ -131,7 +131,8 @@ class VisionTransformer {
   // "Half-precision storage"), as torch.autocast runs a timm ViT: the residual stream (patch
   // embedding, tokens, the sums after each branch), layer norm's statistics and parameters, the
   // final norm and the pooling stay f32; each layer norm writes its output in the half type, and
-  // each branch (attention, MLP, scaled by layer scale) is added into the f32 stream. The half
+  // each branch (attention, MLP) is added into the f32 stream, scaled by layer scale in f32 (a
+  // half branch times timm's f32 gamma promotes to f32 under autocast). The half
   // copies of the weights are made once, on the first such forward after load().
   [[nodiscard]] Status forward(const Tensor& images, Tensor& features);
 
@@ -151,16 +152,21 @@ class VisionTransformer {
   };
   VisionTransformer(Backend& be, VitConfig config) : be_(be), config_(std::move(config)) {}
   Status layer_scale(const Tensor& gamma, Tensor& x2d, int64_t n_images);
+  // x += branch, times layer scale's rows `ls_rows` (f32 [T, D]) first when not null. A half
+  // branch is scaled as torch.autocast scales it (timm's LayerScale: a half tensor times an f32
+  // gamma promotes to f32): widened into `scratch32` (f32, the branch's shape), multiplied there,
+  // then added into the f32 stream.
+  Status add_branch(const Tensor* ls_rows, Tensor& branch, Tensor& scratch32, int64_t n_images, Tensor& x);
   // kAttentional pooling of the final tokens x [N*T, D] into features [N, E].
   Status attentional_pool(const Tensor& x, int64_t n_images, Tensor& features);
   struct AttnPool {
     Tensor query, q_w, k_w, v_w, in_b, out_w, out_b, ln_q_w, ln_q_b, ln_k_w, ln_k_b, ln_w, ln_b;
   };
 
-  // The blocks' linear weights and biases, and the layer-scale rows, in the half type `half_dtype_`
-  // (kF32: none made yet), cast from the f32 parameters (prepare_half).
+  // The blocks' linear weights and biases in the half type `half_dtype_` (kF32: none made yet),
+  // cast from the f32 parameters (prepare_half). Layer scale keeps its f32 rows (add_branch).
   struct HalfBlock {
-    Tensor qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ls1_rows, ls2_rows;
+    Tensor qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b;
   };
   Status prepare_half(DType half);
 

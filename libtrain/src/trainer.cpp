@@ -525,8 +525,12 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
     if (!scored.ok() && scored.status().code() == slide::core::StatusCode::kResourceExhausted && batch_size > 1) {
       // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
       batch_size = (batch_size + 1) / 2;
+      ++st.oom_retries;
       slide::core::log_warn("out of memory in evaluation: batch halved", {{"batch_size", batch_size}});
       if (next.valid()) (void)next.get();  // the prefetched batch of the old size
+      // The failed batch's slot too: released before the trim, else its buffer of the old size
+      // stays (a slot's buffers grow, never shrink) and the halved batches run beside it.
+      if (batch.ok()) *batch = Batch{};
       if (uploader != nullptr) SLIDE_RETURN_IF_ERROR(uploader->trim());  // the idle slots' buffers
       be.allocator().trim_cache();
       end = start;

@@ -262,6 +262,47 @@ TEST_CASE("sim device: out-of-memory recovery on the device gives the run with t
   CHECK(unconstrained.state.size() == tight.state.size());
 }
 
+TEST_CASE("sim device: an evaluation out of memory halves its batch and gives the unconstrained figures") {
+  // Evaluation is per sample: with a budget a batch of 32 exceeds but one of 8 fits, evaluate()
+  // halves the batch (twice) and its probabilities, loss and accuracy are the unconstrained run's,
+  // bit for bit. The batches are prefetched and copied by the batch uploader, whose slots are
+  // trimmed at each halving (the failed batch's released first).
+  auto sim = backend("reference-sim");
+  auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 8, 5, 0.25);
+  REQUIRE(model.ok());
+  REQUIRE(move_to_device(*sim, **model).ok());
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < 96 && i < lung().tiles().size(); ++i) positions.push_back(i);
+  slide::core::ThreadPool pool(2);
+  Allocator& alloc = sim->allocator();
+  std::vector<float> want;
+  auto free_run = evaluate(*sim, **model, lung(), positions, 32, &pool, &want);
+  REQUIRE_MESSAGE(free_run.ok(), free_run.status().to_string());
+  // What a batch of 8 needs at its peak, above what is live (the model).
+  const size_t live = alloc.current_bytes();
+  alloc.reset_peak();
+  std::vector<float> small;
+  auto eight = evaluate(*sim, **model, lung(), positions, 8, &pool, &small);
+  REQUIRE_MESSAGE(eight.ok(), eight.status().to_string());
+  const size_t need8 = alloc.peak_bytes() - live;
+  CHECK(small == want);
+  // ... and what a batch of 32 needs: more, or the budget below would not bite.
+  alloc.reset_peak();
+  REQUIRE(evaluate(*sim, **model, lung(), positions, 32, &pool).ok());
+  const size_t need32 = alloc.peak_bytes() - live;
+  REQUIRE(need32 > need8 + need8 / 4);
+  alloc.set_budget_bytes(live + need8 + need8 / 8);
+  std::vector<float> got;
+  auto tight = evaluate(*sim, **model, lung(), positions, 32, &pool, &got);
+  alloc.set_budget_bytes(Allocator::kUnlimited);
+  REQUIRE_MESSAGE(tight.ok(), tight.status().to_string());
+  CHECK(tight->oom_retries == 2);  // 32 -> 16 -> 8, which fits: no slot kept at an old size
+  CHECK(got == want);
+  CHECK(tight->loss == free_run->loss);
+  CHECK(tight->accuracy == free_run->accuracy);
+  CHECK(tight->samples == free_run->samples);
+}
+
 TEST_CASE("sim device: checkpoints download on save and upload on load; a device tensor needs its backend") {
   auto sim = backend("reference-sim");
   auto model = make_small_cnn(cpu_allocator(), DType::kF32, 3, 3, 4, 9);

@@ -37,7 +37,7 @@ struct EpochStats {
   double seconds = 0;
   double all_reduce_seconds = 0;  // data-parallel: wall time in the gradient all-reduce
   int64_t accumulate = 0;   // micro-batches per step at the end (more than asked after OOM recovery)
-  int64_t oom_retries = 0;  // steps rerun after running out of memory
+  int64_t oom_retries = 0;  // steps rerun after running out of memory (evaluate: batches halved)
   int64_t skipped_steps = 0;  // steps skipped by the loss scaler (an inf/NaN gradient under fp16)
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "slide/core/log.h"
+#include "slide/train/copy_engine.h"
 #include "slide/train/activation_checkpoint.h"
 #include "slide/train/copy_engine.h"
 #include "slide/train/offload.h"
@@ -128,14 +129,23 @@ int offload_refit_candidate(const StrategyPlan& plan, int64_t batch, int64_t mic
 }
 
 Result<double> measure_copy_bandwidth(Backend& be, Allocator& host, size_t bytes) {
-  SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::zeros({static_cast<int64_t>(bytes)}, DType::kU8, host, "copy probe (host)"));
+  // The path activation offload copies on: the device's copy engine from its host memory (pinned
+  // on cuda: 2-3x the bandwidth of the plain uploads from pageable memory), where there is one.
+  CopyEngine* engine = be.copy_engine();
+  Allocator& from = engine != nullptr && engine->host_allocator() != nullptr ? *engine->host_allocator() : host;
+  SLIDE_ASSIGN_OR_RETURN(Tensor h, Tensor::zeros({static_cast<int64_t>(bytes)}, DType::kU8, from, "copy probe (host)"));
   SLIDE_ASSIGN_OR_RETURN(Tensor d, Tensor::empty(h.shape(), DType::kU8, be.allocator(), "copy probe (device)"));
+  auto copy = [&](const Tensor& src, Tensor& dst, CopyDirection dir) -> Status {
+    if (engine == nullptr) return dir == CopyDirection::kToDevice ? be.upload(src, dst) : be.download(src, dst);
+    SLIDE_ASSIGN_OR_RETURN(const uint64_t ticket, engine->start(be, src, dst, dir));
+    return engine->wait(ticket);
+  };
   double seconds = 0;
   for (int round = 0; round < 2; ++round) {
     SLIDE_RETURN_IF_ERROR(be.synchronize());
     const auto start = std::chrono::steady_clock::now();
-    SLIDE_RETURN_IF_ERROR(be.upload(h, d));
-    SLIDE_RETURN_IF_ERROR(be.download(d, h));
+    SLIDE_RETURN_IF_ERROR(copy(h, d, CopyDirection::kToDevice));
+    SLIDE_RETURN_IF_ERROR(copy(d, h, CopyDirection::kToHost));
     SLIDE_RETURN_IF_ERROR(be.synchronize());
     seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }

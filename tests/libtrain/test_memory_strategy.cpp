@@ -94,6 +94,27 @@ TEST_CASE("memory strategy: the step time model and the cheapest candidate") {
   CHECK(candidate(Mechanism::kNone, 8, 8, -1).name() == "micro-batch");
 }
 
+TEST_CASE("measure_copy_bandwidth: the copy engine's path where the device has one, plain transfers else; nothing kept") {
+  for (const char* name : {"reference-sim", "reference"}) {
+    CAPTURE(name);
+    auto be = make_backend(name);
+    REQUIRE_MESSAGE(be.ok(), be.status().to_string());
+    CHECK(((*be)->copy_engine() != nullptr) == (std::string(name) == "reference-sim"));
+    Allocator& dev = (*be)->allocator();
+    const size_t before = dev.current_bytes();
+    auto bw = measure_copy_bandwidth(**be, cpu_allocator(), size_t{1} << 20);
+    REQUIRE_MESSAGE(bw.ok(), bw.status().to_string());
+    CHECK(std::isfinite(*bw));
+    CHECK(*bw > 0);
+    CHECK(dev.current_bytes() == before);
+    // A probe larger than the device's budget fails as the allocation does, not later.
+    dev.set_budget_bytes(before + (size_t{1} << 19));
+    CHECK(measure_copy_bandwidth(**be, cpu_allocator(), size_t{1} << 20).status().code() ==
+          slide::core::StatusCode::kResourceExhausted);
+    dev.set_budget_bytes(Allocator::kUnlimited);
+  }
+}
+
 TEST_CASE("offload_refit_candidate: offload after an out-of-memory step when the plan predicts it cheaper than halving") {
   StrategyPlan plan;
   plan.cost.micro_batch_seconds = 0.05;

@@ -145,8 +145,10 @@ int offload_refit_candidate(const StrategyPlan& plan, int64_t batch, int64_t mic
                                                  double offloaded_bytes_per_sample, double copy_bytes_per_second,
                                                  bool copies_overlap = false);
 
-// Bytes per second of an upload plus a download of `bytes` (device memory from be's allocator,
-// host memory from `host`), the second of two rounds. Errors: the allocators' and the copies'.
+// Bytes per second of an upload plus a download of `bytes`, the second of two rounds, on the path
+// activation offload copies on: be's copy engine with its host memory where it has one (pinned on
+// cuda), else Backend::upload / download with host memory from `host`; device memory from be's
+// allocator. Errors: the allocators' and the copies'.
 [[nodiscard]] Result<double> measure_copy_bandwidth(Backend& be, Allocator& host, size_t bytes);
 
 // Plans every candidate of `request` on `model`, which must not be wrapped already (it is left

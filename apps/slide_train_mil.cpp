@@ -194,6 +194,10 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     std::fprintf(stderr, "slide-train: --out is required\n");
     return kExitUsage;
   }
+  // --batch-size auto (0) sizes tile batches by the memory budget; a MIL step is bags, counted.
+  if (o.batch < 1)
+    return fail(slide::core::invalid_argument("--batch-size " + std::to_string(o.batch) +
+                                              " with --features: give a number of bags per step (auto is for tiles)"));
   // One writer per --out for the whole run; an earlier run there needs --resume or --overwrite.
   auto out_lock = claim_out_dir(o.out, o.resume, o.overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());

@@ -448,6 +448,12 @@ class TestBadInput(Base):
         self.assertIn(self.bags[0][0], r.stderr)
         # Nothing was written for a run refused at the start.
         self.assertFalse(os.path.exists(os.path.join(out, "metrics.jsonl")))
+        # --batch-size auto sizes tile batches; for bags it is a usage error, not a division by 0.
+        for batch in ("auto", "0"):
+            r = run_train("--features", self.bags_dir, "--out", os.path.join(self.tmp, "auto"), "--batch-size", batch,
+                          *MIL_ARGS)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--batch-size 0 with --features: give a number of bags per step", r.stderr)
 
 
 class TestOutputSafety(Base):

@@ -60,13 +60,19 @@ Result<RgbImage> draw_tile_grid(const std::vector<double>& values, const std::ve
     y0 = std::min<int64_t>(y0, coords[2 * i + 1]), y1 = std::max<int64_t>(y1, coords[2 * i + 1]);
   }
   if (tile_l0_px <= 0) tile_l0_px = coords_grid_step(coords);
-  const int64_t cols = (x1 - x0) / tile_l0_px + 1, rows = (y1 - y0) / tile_l0_px + 1;
+  // A tile's cell: its offset in tile sides, rounded to the nearest. The grid's level-0 step is
+  // rarely a whole number (0.2525 um/px tiled at 0.5 um/px, 256 px: 506.93 px, tiles at
+  // llround(col x step)) while tile_l0_px is rounded (507): flooring put column 8 (x = 4055,
+  // 7.998 sides) into column 7's cell, and every later column one to the left.
+  const auto pitch = static_cast<double>(tile_l0_px);
+  auto cell = [&](int64_t offset) { return std::llround(static_cast<double>(offset) / pitch); };
+  const int64_t cols = cell(x1 - x0) + 1, rows = cell(y1 - y0) + 1;
   if (cols * rows > int64_t{1} << 24)
     return invalid_argument(what + ": a tile grid of " + std::to_string(cols) + " x " + std::to_string(rows) +
                             " cells is too large for a heatmap");
   RgbImage img(cols * cell_px, rows * cell_px, 255);
   for (size_t i = 0; i < n; ++i) {
-    const int64_t cx = (coords[2 * i] - x0) / tile_l0_px, cy = (coords[2 * i + 1] - y0) / tile_l0_px;
+    const int64_t cx = cell(coords[2 * i] - x0), cy = cell(coords[2 * i + 1] - y0);
     uint8_t rgb[3];
     slide::tile::jet_colour(values[i], rgb);
     for (int64_t y = cy * cell_px; y < (cy + 1) * cell_px; ++y)

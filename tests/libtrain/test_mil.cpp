@@ -17,8 +17,10 @@
 
 #include "slide/cache/bag.h"
 #include "slide/core/file.h"
+#include "slide/tile/figure.h"
 #include "slide/tile/image.h"
 #include "slide/train/backend.h"
+#include "slide/train/heatmap.h"
 #include "slide/train/mil.h"
 #include "test_util.h"
 
@@ -511,4 +513,31 @@ TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals
   CHECK(cold[2] > 100);
   CHECK(cold[0] < 50);
   CHECK((none[0] == 255 && none[1] == 255 && none[2] == 255));
+}
+
+TEST_CASE("draw_tile_grid: tiles at a fractional level-0 step each get their own cell") {
+  // 0.2525 um/px tiled at 0.5 um/px with 256 px tiles: a step of 506.93 level-0 px, tile side
+  // rounded to 507, tiles at llround(col x 506.93). Column 8 (x = 4055) is 7.998 sides from column
+  // 0: its own cell, not column 7's.
+  std::vector<int32_t> coords;
+  std::vector<double> values;
+  const int cols = 12;
+  for (int c = 0; c < cols; ++c) {
+    coords.push_back(static_cast<int32_t>(std::llround(c * 506.93)));
+    coords.push_back(0);
+    values.push_back(c % 2 == 0 ? 0.0 : 1.0);
+  }
+  auto img = draw_tile_grid(values, coords, 507, "grid", 1);
+  REQUIRE_MESSAGE(img.ok(), img.status().to_string());
+  REQUIRE(img->width == cols);
+  REQUIRE(img->height == 1);
+  uint8_t low[3], high[3];
+  slide::tile::jet_colour(0.0, low);
+  slide::tile::jet_colour(1.0, high);
+  for (int c = 0; c < cols; ++c) {
+    CAPTURE(c);
+    const uint8_t* want = c % 2 == 0 ? low : high;
+    const uint8_t* p = img->row(0) + 3 * c;
+    CHECK((p[0] == want[0] && p[1] == want[1] && p[2] == want[2]));
+  }
 }

@@ -36,7 +36,9 @@ struct HeatmapCanvas {
                                                    int64_t min_long_side_px = 0);
 
 // The tiles drawn as cells of `cell_px` px on a white tile grid spanning their bounding box (tile
-// side `tile_l0_px` level-0 px; 0: coords_grid_step), coloured by value (0..1, jet).
+// side `tile_l0_px` level-0 px; 0: coords_grid_step; a tile's cell is its offset in tile sides
+// rounded to the nearest, as tile positions are rounded from a fractional step), coloured by value
+// (0..1, jet).
 // Errors: kInvalidArgument (sizes disagree, no tiles, a grid over 2^24 cells), naming `what`.
 [[nodiscard]] Result<slide::tile::RgbImage> draw_tile_grid(const std::vector<double>& values,
                                                            const std::vector<int32_t>& coords, int64_t tile_l0_px,

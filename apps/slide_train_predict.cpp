@@ -139,8 +139,11 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
                      : slide::train::predict(**be, logits, **ds, all, o.batch, &pool, &probs);
   if (!st.ok()) return fail(st.status());
   if (auto s = slide::core::make_dirs(o.out); !s.ok()) return fail(s);
-  if (o.overwrite)  // an earlier prediction's per-slide files (slides that are gone must not stay)
-    for (const char* d : {"predictions", "heatmaps"}) {
+  // An earlier prediction's files, all of them before anything is written: its per-slide files
+  // (slides that are gone must not stay), and its tables and metrics, which this run may not write
+  // (an unlabelled run writes no metrics.json or report.html) or, interrupted, may not reach.
+  if (o.overwrite)
+    for (const char* d : {"predictions", "heatmaps", "predictions.csv", "slides.csv", "metrics.json", "report.html"}) {
       std::error_code ec;
       fs::remove_all(o.out + "/" + d, ec);
       if (ec) return fail(slide::core::errno_status(ec.value(), "--overwrite: remove " + o.out + "/" + d));

@@ -976,11 +976,22 @@ class TestPredict(Base):
         self.assertIn("holds an earlier evaluation", r.stderr)
         stale = os.path.join(p, "predictions", "gone.h5")
         open(stale, "w").close()
-        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", self.store, "--out", p, "--overwrite",
+        self.assertTrue(os.path.exists(os.path.join(p, "metrics.json")))
+        # Replaced by an unlabelled prediction (CMU-1 tiled without labels): the labelled run's
+        # metrics and report go too.
+        cmu = os.path.join(self.tmp, "cmu-unlabelled")
+        r = subprocess.run([TILE, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "2",
+                            "--tile-size", "48", "-o", cmu, "-q"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", cmu, "--out", p, "--overwrite",
                             "--no-heatmaps"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertFalse(os.path.exists(stale))
         self.assertFalse(os.path.exists(os.path.join(p, "heatmaps")))
+        self.assertFalse(os.path.exists(os.path.join(p, "metrics.json")))
+        self.assertFalse(os.path.exists(os.path.join(p, "report.html")))
+        with open(os.path.join(p, "slides.csv")) as f:
+            self.assertEqual(len(f.read().splitlines()), 2)  # the header and CMU-1
 
 
 class TestFineTune(Base):

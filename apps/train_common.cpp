@@ -47,7 +47,9 @@ const std::map<std::string, NumberRule>& number_rules() {
       {"mil-dropout", {0, 0.99, false, false, false, "in [0, 0.99]"}},
       {"random-resized-crop", {0.01, 1, false, false, false, "in [0.01, 1]"}},
       {"stain-augment", {0, 0.5, false, false, false, "in [0, 0.5]"}},
-      {"dist-timeout", {0, kInf, true, true, false, "a finite number > 0"}},
+      // At most 1e9 s (31 years): the deadlines are steady_clock nanoseconds in 64 bits, which a
+      // "never" such as 1e10 s overflows (every collective then failed at once).
+      {"dist-timeout", {0, 1e9, true, false, false, "in (0, 1e9] seconds"}},
       {"epochs", {1, kInf, false, true, true, "an integer >= 1"}},
   };
   return rules;

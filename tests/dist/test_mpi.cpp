@@ -76,6 +76,9 @@ TEST_CASE("all-reduce sums and averages f32, f64 and i32 in place") {
   for (size_t k = 0; k < i.size(); ++k) CHECK(i[k] == 10 * p * (p - 1) / 2 + p * static_cast<int32_t>(k));
   CHECK(comm().all_reduce(i.data(), 1, DType::kI32, ReduceOp::kAverage, "i32 mean").code() ==
         slide::core::StatusCode::kInvalidArgument);
+  // A negative count is refused, as the socket and local communicators refuse it.
+  CHECK(comm().all_reduce(f.data(), -1, DType::kF32, ReduceOp::kSum, "negative").code() ==
+        slide::core::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("all-reduce of uneven sizes: every rank the same bits, the sum within rounding (ring and MPI_Iallreduce)") {

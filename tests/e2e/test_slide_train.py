@@ -1405,7 +1405,10 @@ class TestOutputSafety(Base):
                                     ("--warmup-epochs", "-2", "must be a finite number >= 0"),
                                     ("--label-smoothing", "1.5", "must be in [0, 1)"),
                                     ("--val-fraction", "1", "must be in [0, 1)"),
-                                    ("--dropout", "nan", "must be in [0, 0.95]")):
+                                    ("--dropout", "nan", "must be in [0, 0.95]"),
+                                    # "never" as 1e10 s overflowed the 64-bit nanosecond deadlines
+                                    ("--dist-timeout", "1e10", "must be in (0, 1e9] seconds"),
+                                    ("--dist-timeout", "0", "must be in (0, 1e9] seconds")):
             r = self.quick(out, option, value)
             self.assertEqual(r.returncode, 2, (option, value, r.stderr))
             self.assertIn("%s: %s: %s" % (option, value, says), r.stderr)

@@ -178,8 +178,9 @@ Result<int> ranks_on_this_host(Communicator& comm) {
 }
 
 Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s, int device) {
-  if (!(timeout_s > 0))
-    return slide::core::invalid_argument("the collective timeout must be positive, not " + std::to_string(timeout_s));
+  if (!(timeout_s > 0) || timeout_s > 1e9)  // 1e9 s: the deadlines are 64-bit nanoseconds
+    return slide::core::invalid_argument("the collective timeout must be in (0, 1e9] seconds, not " +
+                                         std::to_string(timeout_s));
   SLIDE_ASSIGN_OR_RETURN(LaunchedRank launched, launched_rank());
   std::string k = kind;
   if (k == "auto") k = launched.world_size > 0 ? "socket" : launch_world_size() > 1 ? "mpi" : "local";

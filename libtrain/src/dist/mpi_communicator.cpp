@@ -204,6 +204,8 @@ class MpiCommunicator final : public Communicator {
   Device device() const override { return Device::kCpu; }
 
   Status all_reduce(void* data, int64_t count, DType dtype, ReduceOp op, const std::string& what) override {
+    // (A negative count would skip the loop below and return OK, as no other communicator does.)
+    if (count < 0) return slide::core::invalid_argument(what + ": negative count");
     // MPI counts are int: larger buffers go in pieces.
     const size_t elem = dtype_size(dtype);
     for (int64_t done = 0; done < count || (count == 0 && done == 0);) {

@@ -135,9 +135,9 @@ class Communicator {
 // finalises it when destroyed; it works for a world of one too. "socket" takes the rank, world
 // size and sockets from the environment the launcher set (launched_rank()). "nccl" bootstraps
 // over "socket" in such a rank, else over "mpi", on GPU `device` (--device; -1: the node-local
-// rank's, select_device in device_select.h, as the cuda backend chooses). `timeout_s` > 0 bounds
-// every collective. Errors: kInvalidArgument (unknown kind, timeout_s <= 0, "socket" outside a launched rank or
-// with a malformed environment), kUnimplemented ("mpi" or "nccl" in a build without them),
+// rank's, select_device in device_select.h, as the cuda backend chooses). `timeout_s` in (0, 1e9]
+// bounds every collective. Errors: kInvalidArgument (unknown kind, timeout_s out of that range,
+// "socket" outside a launched rank or with a malformed environment), kUnimplemented ("mpi" or "nccl" in a build without them),
 // kInternal (MPI failed to start).
 [[nodiscard]] Result<std::unique_ptr<Communicator>> make_communicator(const std::string& kind, double timeout_s,
                                                                       int device = -1);

@@ -38,7 +38,7 @@ Result<std::unique_ptr<VisionTransformer>> VisionTransformer::create(Backend& be
                             std::to_string(c.patch_size));
   if (c.width < 1 || c.heads < 1 || c.width % c.heads != 0)
     return invalid_argument("ViT: width " + std::to_string(c.width) + " is not a multiple of " +
-                            std::to_string(c.heads) + " heads (the count for a width is default_vit_heads's unless given)");
+                            std::to_string(c.heads) + " heads (without --heads: 16 for widths 1280 and 1664, else width / 64; give the count)");
   if (c.depth < 0 || c.mlp_hidden < 1 || c.reg_tokens < 0 || !(c.norm_eps > 0))
     return invalid_argument("ViT: depth, MLP width, register tokens or norm eps out of range");
   if (!c.class_token && c.pool != VitPool::kMean)

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "slide/core/csv.h"
+#include "slide/core/durable.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
 
@@ -247,19 +248,6 @@ bool read_attr_scalar(hid_t obj, const char* name, hid_t mem_type, T* out) {
 std::string parent_dir(const std::string& path) {
   auto p = std::filesystem::path(path).parent_path();
   return p.empty() ? std::string(".") : p.string();
-}
-
-Status fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), (directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return slide::core::errno_status(errno, "open " + path);
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  // Directories on some network filesystems refuse fsync: that loses nothing.
-  if (rc != 0 && !(directory && (err == EINVAL || err == EROFS))) {
-    return slide::core::errno_status(err, "fsync " + path);
-  }
-  return slide::core::ok_status();
 }
 
 // File access: HDF5's file locking as configured (HDF5_USE_FILE_LOCKING overrides this), but not
@@ -632,13 +620,13 @@ Status BagWriter::commit() {
   m.coords.reset();
   m.half_type.reset();
   if (!m.file.reset()) return fail(hdf5_status(StatusCode::kInternal, "close " + m.partial));
-  s = fsync_path(m.partial, false);
+  s = slide::core::fsync_path(m.partial, false);
   if (!s.ok()) return fail(s);
   if (::rename(m.partial.c_str(), m.path.c_str()) != 0) {
     return fail(slide::core::errno_status(errno, "rename " + m.partial + " to " + m.path));
   }
   m.done = true;
-  return fsync_path(parent_dir(m.path), true);
+  return slide::core::fsync_path(parent_dir(m.path), true);
 }
 
 void BagWriter::discard() {

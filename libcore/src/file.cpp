@@ -1,5 +1,7 @@
 #include "slide/core/file.h"
 
+#include "slide/core/durable.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,18 +18,32 @@ std::string parent_dir(const std::string& path) {
   return p.empty() ? std::string(".") : p.string();
 }
 
-Status fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno_status(errno, "open directory " + dir);
+}  // namespace
+
+Status fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), (directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return errno_status(errno, std::string("open ") + (directory ? "directory " : "") + path);
   int rc = ::fsync(fd);
   int err = errno;
   ::close(fd);
   // Some filesystems (e.g. certain network mounts) refuse fsync on directories: not data loss.
-  if (rc != 0 && err != EINVAL && err != EROFS) return errno_status(err, "fsync directory " + dir);
+  if (rc != 0 && !(directory && (err == EINVAL || err == EROFS)))
+    return errno_status(err, std::string("fsync ") + (directory ? "directory " : "") + path);
   return ok_status();
 }
 
-}  // namespace
+Status commit_file(const std::string& partial, const std::string& path) {
+  if (Status s = fsync_path(partial, false); !s.ok()) {
+    ::unlink(partial.c_str());
+    return s;
+  }
+  if (::rename(partial.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(partial.c_str());
+    return errno_status(err, "rename " + partial + " to " + path);
+  }
+  return fsync_path(parent_dir(path), true);
+}
 
 Status write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
@@ -58,7 +74,7 @@ Status write_file_atomic(const std::string& path, std::span<const uint8_t> bytes
     ::unlink(tmp.c_str());
     return errno_status(err, "rename " + tmp + " to " + path);
   }
-  return fsync_dir(parent_dir(path));
+  return fsync_path(parent_dir(path), true);
 }
 
 Status write_file_atomic(const std::string& path, std::string_view text) {

@@ -1,5 +1,5 @@
 // HDF5 C API helpers for the files libtrain writes (MIL attention files, predict's per-slide
-// predictions): an owning handle, errors naming the file, and string attributes.
+// predictions): an owning handle, errors naming the file, string attributes, and durable commits.
 #pragma once
 
 #include <hdf5.h>
@@ -8,6 +8,7 @@
 #include <string>
 #include <system_error>
 
+#include "slide/core/durable.h"
 #include "slide/core/status.h"
 
 namespace slide::train::h5 {
@@ -42,12 +43,29 @@ inline slide::core::Status write_string_attr(hid_t loc, const char* name, const 
   return slide::core::ok_status();
 }
 
-// The file written as `partial` (closed) renamed to `path`: a file under that name is complete.
-inline slide::core::Status rename_into_place(const std::string& partial, const std::string& path) {
-  std::error_code ec;
-  std::filesystem::rename(partial, path, ec);
-  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + path);
+// Closes the file `f` now, checked (HDF5 writes what it still buffers at the close: a failed
+// close can lose data). Close every object opened in the file first: with HDF5's default close
+// degree the file stays open until the last of them closes, unchecked.
+inline slide::core::Status close_file(Id& f, const std::string& path) {
+  const hid_t id = f.id;
+  f.id = H5I_INVALID_HID;
+  if (id >= 0 && H5Fclose(id) < 0) return error(path, "close");
   return slide::core::ok_status();
+}
+
+// Writes an HDF5 file through `write(partial)` (which creates `partial`, writes it and closes it,
+// checked) and commits it under `path` (slide::core::commit_file: fsync, rename, fsync of the
+// directory): a file under that name is complete, even after a crash. On any error `partial` is
+// removed and nothing replaces `path`.
+template <typename Write>
+slide::core::Status write_committed(const std::string& path, Write&& write) {
+  const std::string partial = path + ".partial";
+  if (slide::core::Status s = write(partial); !s.ok()) {
+    std::error_code ec;
+    std::filesystem::remove(partial, ec);
+    return s;
+  }
+  return slide::core::commit_file(partial, path);
 }
 
 }  // namespace slide::train::h5

@@ -33,6 +33,15 @@ using slide::core::failed_precondition;
 using slide::core::invalid_argument;
 using slide::core::ok_status;
 
+// splitmix64's output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
+// generators", OOPSLA 2014): nearby inputs to far-apart outputs.
+uint64_t mix_seed(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 Result<Tensor> new_tensor(Backend& be, const Shape& s, DType dt, const char* what) {
   return Tensor::empty(s, dt, be.allocator(), what);
 }
@@ -423,7 +432,10 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
     for (size_t i = start; i < end; ++i) {
       const BagRef& bag = data.bags()[order[i]];
       SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
-      model.set_rng_seed(epoch_seed * 1000003 + i);  // dropout: a function of the bag's place in the order
+      // Dropout: a function of the bag's place in the order. Dropout draws row r's mask from
+      // seed + r (layers.h), and a bag's rows are its tiles: consecutive seeds would give bag i + 1
+      // bag i's masks shifted by one tile, so each bag's seed is hashed apart (splitmix64's finaliser).
+      model.set_rng_seed(mix_seed(epoch_seed * 1000003 + i));
       SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, bag.label, true, options.label_smoothing));
       if (!std::isfinite(sc.loss))  // diverged: stop before it reaches the parameters
         return slide::core::out_of_range("step " + std::to_string(start / B) + " of the epoch (optimizer step " +
@@ -499,8 +511,7 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
   if (coords.size() != 2 * attention.size() || attention.empty())
     return invalid_argument(path + ": " + std::to_string(attention.size()) + " attention weights for " +
                             std::to_string(coords.size() / 2) + " tile coordinates");
-  const std::string partial = path + ".partial";
-  {
+  return h5::write_committed(path, [&](const std::string& partial) -> Status {
     h5::Id file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
     if (!file.ok()) return h5::error(partial, "cannot create the file");
     const auto n = static_cast<hsize_t>(attention.size());
@@ -518,18 +529,21 @@ Status write_attention_h5(const std::string& path, const std::string& slide_id, 
       if (!ds.ok() || H5Dwrite(ds.id, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, coords.data()) < 0)
         return h5::error(partial, "writing /coords");
     }
-    h5::Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "slide_id", slide_id, partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "label", label, partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "predicted", predicted, partial));
-    const auto k = static_cast<hsize_t>(probabilities.size());
-    h5::Id space(H5Screate_simple(1, &k, nullptr), H5Sclose);
-    h5::Id attr(H5Acreate2(root.id, "probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-    if (!attr.ok() || H5Awrite(attr.id, H5T_NATIVE_DOUBLE, probabilities.data()) < 0)
-      return h5::error(partial, "attribute probabilities");
+    {
+      h5::Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
+      if (!root.ok()) return h5::error(partial, "opening /");
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "slide_id", slide_id, partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "label", label, partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "predicted", predicted, partial));
+      const auto k = static_cast<hsize_t>(probabilities.size());
+      h5::Id space(H5Screate_simple(1, &k, nullptr), H5Sclose);
+      h5::Id attr(H5Acreate2(root.id, "probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+      if (!attr.ok() || H5Awrite(attr.id, H5T_NATIVE_DOUBLE, probabilities.data()) < 0)
+        return h5::error(partial, "attribute probabilities");
+    }
     if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5::error(partial, "flush");
-  }
-  return h5::rename_into_place(partial, path);
+    return h5::close_file(file, partial);
+  });
 }
 
 namespace {

@@ -60,8 +60,7 @@ Status write_predictions_h5(const std::string& path, const SlidePredictions& p) 
   const size_t k = p.classes.size(), n = p.coords.size() / 2;
   const std::vector<double> mean = mean_probabilities(p);
   const auto by_mean = static_cast<size_t>(std::max_element(mean.begin(), mean.end()) - mean.begin());
-  const std::string partial = path + ".partial";
-  {
+  return h5::write_committed(path, [&](const std::string& partial) -> Status {
     h5::Id file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
     if (!file.ok()) return h5::error(partial, "cannot create the file");
     SLIDE_RETURN_IF_ERROR(write_2d(file.id, "probs", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, n, k, p.probs.data(), partial));
@@ -72,22 +71,24 @@ Status write_predictions_h5(const std::string& path, const SlidePredictions& p) 
       SLIDE_RETURN_IF_ERROR(write_int_attr(coords.id, "patch_size_level0", p.tile_size_l0_px, partial));
       SLIDE_RETURN_IF_ERROR(write_int_attr(coords.id, "patch_size", p.tile_size_px, partial));
     }
-    h5::Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
-    if (!root.ok()) return h5::error(partial, "opening /");
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "slide_id", p.slide_id, partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "label", p.label, partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "checkpoint", p.checkpoint, partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "classes", nlohmann::json(p.classes).dump(), partial));
-    SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "predicted_by_mean", p.classes[by_mean], partial));
-    const auto kk = static_cast<hsize_t>(k);
-    h5::Id space(H5Screate_simple(1, &kk, nullptr), H5Sclose);
-    h5::Id attr(H5Acreate2(root.id, "mean_probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),
-                H5Aclose);
-    if (!attr.ok() || H5Awrite(attr.id, H5T_NATIVE_DOUBLE, mean.data()) < 0)
-      return h5::error(partial, "attribute mean_probabilities");
+    {
+      h5::Id root(H5Gopen2(file.id, "/", H5P_DEFAULT), H5Gclose);
+      if (!root.ok()) return h5::error(partial, "opening /");
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "slide_id", p.slide_id, partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "label", p.label, partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "checkpoint", p.checkpoint, partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "classes", nlohmann::json(p.classes).dump(), partial));
+      SLIDE_RETURN_IF_ERROR(h5::write_string_attr(root.id, "predicted_by_mean", p.classes[by_mean], partial));
+      const auto kk = static_cast<hsize_t>(k);
+      h5::Id space(H5Screate_simple(1, &kk, nullptr), H5Sclose);
+      h5::Id attr(H5Acreate2(root.id, "mean_probabilities", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),
+                  H5Aclose);
+      if (!attr.ok() || H5Awrite(attr.id, H5T_NATIVE_DOUBLE, mean.data()) < 0)
+        return h5::error(partial, "attribute mean_probabilities");
+    }
     if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return h5::error(partial, "flush");
-  }
-  return h5::rename_into_place(partial, path);
+    return h5::close_file(file, partial);
+  });
 }
 
 Result<std::vector<std::string>> write_class_heatmaps(const std::string& path_prefix, const SlidePredictions& p,

@@ -12,8 +12,10 @@
 
 #include "slide/core/csv.h"
 #include "slide/core/dir_lock.h"
+#include "slide/core/durable.h"
 #include "slide/core/file_name.h"
 #include "slide/core/file.h"
+#include "slide/core/hash.h"
 #include "slide/core/log.h"
 #include "slide/core/status.h"
 #include "slide/core/thread_pool.h"
@@ -103,6 +105,44 @@ TEST_CASE("write_file_atomic into a missing or unwritable directory is a clear e
     std::filesystem::remove_all(dir);
   }
   CHECK(read_file("/nonexistent-dir-slide/x.txt").status().code() == StatusCode::kNotFound);
+}
+
+
+TEST_CASE("commit_file renames a written file over the old one; on error the partial file is gone") {
+  std::string dir = temp_dir("commit");
+  const std::string path = dir + "/out.h5", partial = path + ".partial";
+  REQUIRE(write_file_atomic(path, std::string_view("old")).ok());
+  REQUIRE(write_file_atomic(partial, std::string_view("new and whole")).ok());
+  REQUIRE(commit_file(partial, path).ok());
+  CHECK(*read_file(path) == "new and whole");
+  CHECK_FALSE(std::filesystem::exists(partial));
+  // A target in a directory that is not there: the rename fails, naming both files, and the
+  // partial file is removed (nothing half-written is left to be mistaken for output).
+  REQUIRE(write_file_atomic(partial, std::string_view("x")).ok());
+  Status s = commit_file(partial, dir + "/missing/out.h5");
+  CHECK(s.code() == StatusCode::kNotFound);
+  CHECK(s.message().find("rename " + partial + " to " + dir + "/missing/out.h5") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(partial));
+  CHECK(*read_file(path) == "new and whole");
+  // No partial file at all: the error names it.
+  s = commit_file(partial, path);
+  CHECK(s.code() == StatusCode::kNotFound);
+  CHECK(s.message().find(partial) != std::string::npos);
+  CHECK(fsync_path(dir, true).ok());
+  CHECK(fsync_path(dir + "/nope", true).code() == StatusCode::kNotFound);
+  std::filesystem::remove_all(dir);
+}
+
+
+TEST_CASE("sha256_bytes and sha256_file give FIPS 180-4's digests") {
+  // FIPS 180-4's example "abc" (NIST's SHA-256 example values) and the empty message.
+  CHECK(*sha256_bytes("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(*sha256_bytes("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  std::string dir = temp_dir("sha");
+  REQUIRE(write_file_atomic(dir + "/abc", std::string_view("abc")).ok());
+  CHECK(*sha256_file(dir + "/abc") == *sha256_bytes("abc"));
+  CHECK(sha256_file(dir + "/missing").status().code() == StatusCode::kNotFound);
+  std::filesystem::remove_all(dir);
 }
 
 

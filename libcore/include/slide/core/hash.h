@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "slide/core/status.h"
 
@@ -11,5 +12,8 @@ namespace slide::core {
 // lowercase hex digits, read in 1 MiB blocks (memory flat in the file's size). Errors: kNotFound
 // (no such file), kPermissionDenied (it cannot be opened), kInternal (a read error, or OpenSSL's).
 [[nodiscard]] Result<std::string> sha256_file(const std::string& path);
+
+// The SHA-256 of `bytes` (the same digest and hex form). Errors: kInternal (OpenSSL's).
+[[nodiscard]] Result<std::string> sha256_bytes(std::string_view bytes);
 
 }  // namespace slide::core

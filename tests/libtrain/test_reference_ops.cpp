@@ -219,9 +219,27 @@ TEST_CASE("reference softmax cross-entropy: log C at zero logits, class weights,
       REQUIRE(ref().softmax_cross_entropy_forward(z, *labels, w, smoothing, probs, &l).ok());
       return l;
     };
-    f();
+    const double got = f();
     REQUIRE(ref().softmax_cross_entropy_backward(probs, *labels, w, smoothing, dz).ok());
     check_gradient("xent dlogits", z, dz, f);
+    // PyTorch's CrossEntropyLoss(weight=w, label_smoothing=s) (aten/src/ATen/native/LossNLL.cpp,
+    // cross_entropy_loss_label_smoothing, reduction='mean'): (1 - s) nll_loss(logp, y, w) +
+    // (s / C) sum_n sum_c w[c] (-logp[n, c]) / sum_n w[y_n]. The smoothing term weighs each class by
+    // its own weight, not by the sample's.
+    const double* zp = z.data<double>();
+    const double* wp = w.data<double>();
+    double nll = 0, smooth = 0, wsum = 0;
+    for (int n = 0; n < 4; ++n) {
+      double m = zp[n * 5];
+      for (int c = 1; c < 5; ++c) m = std::max(m, zp[n * 5 + c]);
+      double se = 0;
+      for (int c = 0; c < 5; ++c) se += std::exp(zp[n * 5 + c] - m);
+      const double lse = m + std::log(se);
+      nll += wp[lab[n]] * (lse - zp[n * 5 + lab[n]]);
+      for (int c = 0; c < 5; ++c) smooth += wp[c] * (lse - zp[n * 5 + c]);
+      wsum += wp[lab[n]];
+    }
+    CHECK(got == doctest::Approx((1 - smoothing) * nll / wsum + smoothing / 5 * smooth / wsum).epsilon(1e-12));
   }
   // A large logit does not overflow.
   z.data<double>()[0] = 1000;

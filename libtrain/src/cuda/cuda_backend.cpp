@@ -1390,7 +1390,8 @@ class CudaBackend final : public Backend {
     const char* op = "softmax_cross_entropy_backward";
     SLIDE_ASSIGN_OR_RETURN(const detail::LinearDims d, detail::validate_cross_entropy(op, probs, labels, class_weights,
                                                                                       label_smoothing, dlogits, kDTypes));
-    SLIDE_ASSIGN_OR_RETURN(Tensor wsum, Tensor::empty({1}, DType::kF64, *st_->alloc, "cross-entropy weight sum"));
+    // sum_n w[y_n] and sum_c w[c] (kernels.h).
+    SLIDE_ASSIGN_OR_RETURN(Tensor wsum, Tensor::empty({2}, DType::kF64, *st_->alloc, "cross-entropy weight sums"));
     SLIDE_ASSIGN_OR_RETURN(Tensor bad, Tensor::empty({1}, DType::kI32, *st_->alloc, "label check"));
     SLIDE_CUDA_CHECK(cudaMemsetAsync(bad.raw(), 0x7f, sizeof(int), st_->stream));
     SLIDE_CUDA_CHECK(launch_cross_entropy_backward(f32(probs), labels.ptr<int32_t>(),

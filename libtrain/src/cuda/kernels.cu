@@ -782,16 +782,18 @@ __global__ void cross_entropy_rows_kernel(const float* logits, const int32_t* la
   double local = 0;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += exp(double(z[c]) - m);
   const double lse = m + log(block_sum(local, shared));
+  // The weighted smoothed target (formulas.h): the row's nll is already weighted.
+  const double wn = !valid ? 0.0 : weights != nullptr ? double(weights[label]) : 1.0;
   local = 0;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const float logp = static_cast<float>(double(z[c]) - lse);
-    local -= fm::cross_entropy_target(c, label, smoothing, C) * double(logp);
+    const double wc = weights != nullptr ? double(weights[c]) : 1.0;
+    if (valid) local -= fm::cross_entropy_target(c, label, smoothing, C, wn, wc) * double(logp);
     p[c] = static_cast<float>(exp(double(logp)));
   }
   const double nll = block_sum(local, shared);
   if (threadIdx.x == 0) {
-    const double wn = !valid ? 0.0 : weights != nullptr ? double(weights[label]) : 1.0;
-    row_nll[n] = wn * nll;
+    row_nll[n] = nll;
     row_w[n] = wn;
     if (!valid) atomicMin(bad_label, static_cast<int>(n));
   }
@@ -813,8 +815,9 @@ __global__ void sum_rows_kernel(const double* row_nll, const double* row_w, doub
   }
 }
 
-// One block: *weight_sum = sum_n w[y_n]; out-of-range labels flagged.
-__global__ void label_weight_sum_kernel(const int32_t* labels, const float* weights, double* weight_sum,
+// One block: sums[0] = sum_n w[y_n], sums[1] = sum_c w[c] (C without weights); out-of-range
+// labels flagged.
+__global__ void label_weight_sum_kernel(const int32_t* labels, const float* weights, double* sums,
                                         int* bad_label, int64_t N, int64_t C) {
   __shared__ double shared[kBlock];
   double local = 0;
@@ -827,11 +830,17 @@ __global__ void label_weight_sum_kernel(const int32_t* labels, const float* weig
     local += weights != nullptr ? double(weights[label]) : 1.0;
   }
   const double total = block_sum(local, shared);
-  if (threadIdx.x == 0) *weight_sum = total;
+  local = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) local += weights != nullptr ? double(weights[c]) : 1.0;
+  const double classes_total = block_sum(local, shared);
+  if (threadIdx.x == 0) {
+    sums[0] = total;
+    sums[1] = classes_total;
+  }
 }
 
 __global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* labels, const float* weights,
-                                          double smoothing, const double* weight_sum, float* dlogits, int64_t C,
+                                          double smoothing, const double* sums, float* dlogits, int64_t C,
                                           int64_t n_elems) {
   SLIDE_GRID_STRIDE(i, n_elems) {
     const int64_t n = i / C, c = i % C;
@@ -840,9 +849,12 @@ __global__ void cross_entropy_grad_kernel(const float* probs, const int32_t* lab
       dlogits[i] = 0.0f;
       continue;
     }
-    const double ws = *weight_sum;
-    const double scale = ws > 0 ? (weights != nullptr ? double(weights[label]) : 1.0) / ws : 0.0;
-    dlogits[i] = fm::cross_entropy_grad(probs[i], fm::cross_entropy_target(c, label, smoothing, C), scale);
+    const double ws = sums[0];
+    const double wn = weights != nullptr ? double(weights[label]) : 1.0;
+    const double wc = weights != nullptr ? double(weights[c]) : 1.0;
+    dlogits[i] = fm::cross_entropy_grad(probs[i], fm::cross_entropy_target(c, label, smoothing, C, wn, wc),
+                                        fm::cross_entropy_target_sum(wn, smoothing, C, sums[1]),
+                                        ws > 0 ? 1.0 / ws : 0.0);
   }
 }
 
@@ -1310,11 +1322,11 @@ cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* lab
   return launch_per_block(1, stream, sum_rows_kernel, row_nll, row_w, sums, N);
 }
 cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* labels, const float* weights,
-                                          double smoothing, float* dlogits, double* weight_sum, int* bad_label,
+                                          double smoothing, float* dlogits, double* weight_sums, int* bad_label,
                                           int64_t N, int64_t C, cudaStream_t stream) {
-  cudaError_t e = launch_per_block(1, stream, label_weight_sum_kernel, labels, weights, weight_sum, bad_label, N, C);
+  cudaError_t e = launch_per_block(1, stream, label_weight_sum_kernel, labels, weights, weight_sums, bad_label, N, C);
   if (e != cudaSuccess) return e;
-  return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sum,
+  return launch_grid_stride(N * C, stream, cross_entropy_grad_kernel, probs, labels, weights, smoothing, weight_sums,
                             dlogits, C, N * C);
 }
 cudaError_t launch_cast(const void* x, CastType from, void* y, CastType to, int64_t n, cudaStream_t stream) {

@@ -132,9 +132,10 @@ cudaError_t launch_softmax_forward(const float* x, CastType ty, void* y, int64_t
 cudaError_t launch_softmax_backward(const float* y, const float* dy, float* dx, int64_t R, int64_t C,
                                     cudaStream_t stream);
 
-// Softmax cross-entropy (backend.h). `sums` is device scratch of 2 + 2N doubles (forward: the two
-// totals {sum_n w[y_n] nll_n, sum_n w[y_n]} land in sums[0..1]; the rest is per-row scratch);
-// backward's `weight_sum` is one double. `bad_label` is one int that the caller sets to
+// Softmax cross-entropy (backend.h; the weighted smoothed target of kernels/formulas.h). `sums` is
+// device scratch of 2 + 2N doubles (forward: the two totals {sum_n -sum_c t_nc logp_nc,
+// sum_n w[y_n]} land in sums[0..1]; the rest is per-row scratch); backward's `weight_sums` is two
+// doubles (sum_n w[y_n], sum_c w[c]). `bad_label` is one int that the caller sets to
 // kNoBadLabel before the call: a sample whose label is outside [0, C) lowers it to that sample's
 // index (the first such sample's, with atomicMin). weights may be null (all 1).
 inline constexpr int kNoBadLabel = 0x7f7f7f7f;  // cudaMemsetAsync(bad_label, 0x7f, sizeof(int))
@@ -142,7 +143,7 @@ cudaError_t launch_cross_entropy_forward(const float* logits, const int32_t* lab
                                          double smoothing, float* probs, double* sums, int* bad_label, int64_t N,
                                          int64_t C, cudaStream_t stream);
 cudaError_t launch_cross_entropy_backward(const float* probs, const int32_t* labels, const float* weights,
-                                          double smoothing, float* dlogits, double* weight_sum, int* bad_label,
+                                          double smoothing, float* dlogits, double* weight_sums, int* bad_label,
                                           int64_t N, int64_t C, cudaStream_t stream);
 
 // y = x converted between f32, f16 and bf16 (kernels/formulas.h), n elements; storage as the

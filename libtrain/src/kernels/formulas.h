@@ -233,15 +233,26 @@ SLIDE_HD int64_t max_pool_argmax(X x, int64_t nc, int64_t oh, int64_t ow, int64_
 }
 
 // --- Softmax cross-entropy (backend.h; PyTorch's CrossEntropyLoss, reduction='mean') ---------------
-// The smoothed target of class c for a sample labelled `label` among `classes`:
-// (1 - s) [c == label] + s / classes (Szegedy et al., 2016; torch.nn.CrossEntropyLoss).
-SLIDE_HD double cross_entropy_target(int64_t c, int32_t label, double smoothing, int64_t classes) {
-  return (c == label ? 1.0 - smoothing : 0.0) + smoothing / double(classes);
+// With class weights w and label smoothing s over C classes, PyTorch's loss (aten's
+// cross_entropy_loss_label_smoothing, LossNLL.cpp) is
+//   loss = (1 / W) sum_n [ (1 - s) w[y_n] (-logp[n, y_n]) + (s / C) sum_c w[c] (-logp[n, c]) ],
+// W = sum_n w[y_n]: the smoothing term weighs class c by its own weight, not the sample's. So a
+// sample's weighted target is t_c = (1 - s) w[y] [c == y] + (s / C) w[c]; without weights (w = 1)
+// the familiar (1 - s) one_hot + s / C (Szegedy et al., 2016) and W = N.
+SLIDE_HD double cross_entropy_target(int64_t c, int32_t label, double smoothing, int64_t classes,
+                                     double w_label = 1.0, double w_c = 1.0) {
+  return (c == label ? (1.0 - smoothing) * w_label : 0.0) + smoothing / double(classes) * w_c;
 }
-// d loss / d logit_c = scale (p_c - target_c), scale = w[label] / sum_n w[label_n].
+// sum_c t_c = (1 - s) w[y] + s (sum_c w[c]) / C; `w_classes_sum` is sum_c w[c] (C without weights,
+// which gives exactly 1: (1 - s) + s rounds to 1 for s in [0, 1]).
+SLIDE_HD double cross_entropy_target_sum(double w_label, double smoothing, int64_t classes, double w_classes_sum) {
+  return (1.0 - smoothing) * w_label + smoothing * (w_classes_sum / double(classes));
+}
+// d loss / d logit_c = (target_sum p_c - target_c) / W, from d(-logp_k) / d z_c = p_c - [k == c];
+// `inv_weight_sum` is 1 / W (0 when W is 0).
 template <typename T>
-SLIDE_HD T cross_entropy_grad(T prob, double target, double scale) {
-  return static_cast<T>(scale * (double(prob) - target));
+SLIDE_HD T cross_entropy_grad(T prob, double target, double target_sum, double inv_weight_sum) {
+  return static_cast<T>((target_sum * double(prob) - target) * inv_weight_sum);
 }
 
 // --- Optimizer updates (backend.h: sgd_update, adamw_update; torch.optim semantics) --------------

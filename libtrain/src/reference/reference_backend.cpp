@@ -790,13 +790,18 @@ class ReferenceBackend final : public Backend {
       const T *pp = probs.ptr<T>(), *wp = class_weights.defined() ? class_weights.ptr<T>() : nullptr;
       const int32_t* yp = labels.ptr<int32_t>();
       T* dp = dlogits.ptr<T>();
-      double weight_sum = 0;
+      double weight_sum = 0, classes_sum = 0;
       for (int64_t n = 0; n < N; ++n) weight_sum += wp ? double(wp[yp[n]]) : 1.0;
+      for (int64_t c = 0; c < C; ++c) classes_sum += wp ? double(wp[c]) : 1.0;
+      const double inv_weight_sum = weight_sum > 0 ? 1.0 / weight_sum : 0.0;
       for (int64_t n = 0; n < N; ++n) {
-        const double scale = weight_sum > 0 ? (wp ? double(wp[yp[n]]) : 1.0) / weight_sum : 0.0;
-        for (int64_t c = 0; c < C; ++c)
-          dp[n * C + c] = formulas::cross_entropy_grad(pp[n * C + c],
-                                                       formulas::cross_entropy_target(c, yp[n], label_smoothing, C), scale);
+        const double wn = wp ? double(wp[yp[n]]) : 1.0;
+        const double target_sum = formulas::cross_entropy_target_sum(wn, label_smoothing, C, classes_sum);
+        for (int64_t c = 0; c < C; ++c) {
+          const double target =
+              formulas::cross_entropy_target(c, yp[n], label_smoothing, C, wn, wp ? double(wp[c]) : 1.0);
+          dp[n * C + c] = formulas::cross_entropy_grad(pp[n * C + c], target, target_sum, inv_weight_sum);
+        }
       }
       return ok_status();
     });

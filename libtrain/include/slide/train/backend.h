@@ -401,9 +401,10 @@ class Backend {
 
   // --- Loss --------------------------------------------------------------------------------------
   // Softmax cross-entropy of logits[N,C] against labels[N] (i32 in [0, C)), with optional class
-  // weights[C] (undefined: all 1) and label smoothing s in [0, 1): the target is
-  // (1 - s) one_hot + s / C, and the loss is PyTorch's CrossEntropyLoss(weight, label_smoothing,
-  // reduction='mean'): sum_n w[y_n] * (-sum_c target_nc * log p_nc) / sum_n w[y_n].
+  // weights[C] (undefined: all 1) and label smoothing s in [0, 1): the loss is PyTorch's
+  // CrossEntropyLoss(weight, label_smoothing, reduction='mean'):
+  // sum_n [(1 - s) w[y_n] (-log p_n,y_n) + (s / C) sum_c w[c] (-log p_nc)] / sum_n w[y_n]
+  // (without weights: the target (1 - s) one_hot + s / C, averaged over N; kernels/formulas.h).
   // Writes probs[N,C] (softmax) and *loss. Errors also: kInvalidArgument for a label out of range.
   [[nodiscard]] virtual Status softmax_cross_entropy_forward(const Tensor& logits, const Tensor& labels,
                                                              const Tensor& class_weights, double label_smoothing,

@@ -315,7 +315,9 @@ TileCoverage AnnotationIndex::cover(int64_t x_l0, int64_t y_l0, int64_t side_l0,
     double best = -1;
     for (size_t c = 0; c < m.by_class.size(); ++c) {
       double f = m.covered_area(m.by_class[c], tile, tile_area) / tile_area;
-      if (f >= min_label_overlap && f > best) {  // strict: equal areas keep the class listed first
+      // A class must cover some of the tile, even at min_label_overlap 0 (a tile touched only by a
+      // class-less ROI polygon is unlabelled); strict: equal areas keep the class listed first.
+      if (f > 0 && f >= min_label_overlap && f > best) {
         best = f;
         out.label = static_cast<int>(c);
         out.label_fraction = f;

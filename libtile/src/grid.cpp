@@ -102,24 +102,28 @@ Result<TilePlan> plan_tiles(const SlideProperties& slide, double mpp_um, const T
   }
 
   if (options.max_tiles > 0 && static_cast<int64_t>(plan.tiles.size()) > options.max_tiles) {
-    // A uniform sample without replacement by a partial Fisher-Yates shuffle of the indices, then
-    // back to grid order. The draw is rng() % n rather than std::uniform_int_distribution, whose
-    // algorithm differs between standard libraries: the same seed gives the same tiles everywhere
-    // (the modulo bias is below n / 2^64).
-    const size_t n = plan.tiles.size();
-    const size_t k = static_cast<size_t>(options.max_tiles);
-    std::vector<size_t> idx(n);
-    std::iota(idx.begin(), idx.end(), size_t{0});
-    std::mt19937_64 rng(options.seed);
-    for (size_t i = 0; i < k; ++i) std::swap(idx[i], idx[i + static_cast<size_t>(rng() % (n - i))]);
-    idx.resize(k);
-    std::sort(idx.begin(), idx.end());
     std::vector<TileSpec> kept;
-    kept.reserve(k);
-    for (size_t i : idx) kept.push_back(plan.tiles[i]);
+    for (size_t i : sample_tile_positions(plan.tiles.size(), options.max_tiles, options.seed))
+      kept.push_back(plan.tiles[i]);
     plan.tiles = std::move(kept);
   }
   return plan;
+}
+
+std::vector<size_t> sample_tile_positions(size_t n, int64_t max_tiles, uint64_t seed) {
+  std::vector<size_t> idx(n);
+  std::iota(idx.begin(), idx.end(), size_t{0});
+  if (max_tiles <= 0 || static_cast<uint64_t>(max_tiles) >= n) return idx;
+  // A uniform sample without replacement by a partial Fisher-Yates shuffle of the indices, then
+  // back to grid order. The draw is rng() % n rather than std::uniform_int_distribution, whose
+  // algorithm differs between standard libraries: the same seed gives the same tiles everywhere
+  // (the modulo bias is below n / 2^64).
+  const auto k = static_cast<size_t>(max_tiles);
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < k; ++i) std::swap(idx[i], idx[i + static_cast<size_t>(rng() % (n - i))]);
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+  return idx;
 }
 
 Status read_tile(const SlideReader& slide, const TilePlan& plan, const TileSpec& tile, uint8_t* rgb) {

@@ -337,7 +337,8 @@ Status TilingRun::apply_annotations(const SlideInput& in, SlideRecord* rec_out, 
   size_t dropped_roi = 0;
   for (const TileSpec& t : plan->tiles) {
     TileCoverage c = index->cover(t.x_l0, t.y_l0, side_l0, opt_.min_label_overlap);
-    if (opt_.roi_only && c.roi_fraction < opt_.min_roi_overlap) {
+    // A tile no annotation touches is outside the ROI, even at --min-roi-overlap 0.
+    if (opt_.roi_only && (c.roi_fraction <= 0 || c.roi_fraction < opt_.min_roi_overlap)) {
       ++dropped_roi;
       continue;
     }
@@ -400,12 +401,32 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
                                     {"holes_filled_um2", tissue.holes_filled_px * tissue.downsample_x *
                                                              tissue.downsample_y * mpp * mpp}});
 
-  SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, opt_.grid), "tile plan");
+  // The grid of tissue tiles; --max-tiles-per-slide samples them below, after the annotations have
+  // filtered them (a sample drawn first would leave --roi-only a fraction of it).
+  GridOptions grid = opt_.grid;
+  grid.max_tiles = 0;
+  SLIDE_ASSIGN_OR_RETURN_CTX(TilePlan plan, plan_tiles(props, mpp, &tissue, grid), "tile plan");
   rec->level = plan.level;
   rec->downsample = plan.level_downsample;
   rec->tile_mpp_um = plan.tile_mpp_um;
   rec->candidate_tiles = static_cast<uint64_t>(plan.candidates);
   out->candidates = rec->candidate_tiles;
+
+  // Annotations: filter the plan and label its tiles before anything is written.
+  std::vector<int32_t> tile_labels;
+  SLIDE_RETURN_IF_ERROR(apply_annotations(in, rec, &plan, &tile_labels));
+  // --max-tiles-per-slide: a seeded uniform sample of the tiles kept, in grid order (their labels
+  // with them); plan_tiles' draw, so a slide without annotations keeps the tiles it always did.
+  if (opt_.grid.max_tiles > 0 && plan.tiles.size() > static_cast<size_t>(opt_.grid.max_tiles)) {
+    std::vector<TileSpec> tiles;
+    std::vector<int32_t> labels;
+    for (size_t i : sample_tile_positions(plan.tiles.size(), opt_.grid.max_tiles, opt_.grid.seed)) {
+      tiles.push_back(plan.tiles[i]);
+      if (!tile_labels.empty()) labels.push_back(tile_labels[i]);
+    }
+    plan.tiles = std::move(tiles);
+    if (!tile_labels.empty()) tile_labels = std::move(labels);
+  }
 
   if (!opt_.qc_dir.empty()) {
     // The QC picture at --qc-mpp, its longer side at most kMaxQcPx, read from the slide again (the
@@ -428,10 +449,6 @@ Status TilingRun::tile_wsi(const SlideInput& in, SlideOutcome* out, SlideRecord*
     // A QC picture that cannot be written is worth a warning, not the slide.
     if (!qs.ok()) log_warn("QC picture not written", {{"slide", in.slide_id}, {"error", qs.to_string()}});
   }
-
-  // Annotations: filter the plan and label its tiles before anything is written.
-  std::vector<int32_t> tile_labels;
-  SLIDE_RETURN_IF_ERROR(apply_annotations(in, rec, &plan, &tile_labels));
 
   const bool passthrough = opt_.passthrough && opt_.encoding == TileEncoding::kJpeg &&
                            opt_.stain.method == StainMethod::kNone && can_pass_through(*reader, plan);

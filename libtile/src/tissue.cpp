@@ -286,17 +286,21 @@ std::vector<uint8_t> mean_brightness(const RgbImage& img, int k) {
   return out;
 }
 
-// v on a log scale, 0..255: round(255 ln(1 + v) / ln(256)) (its inverse: log_level_to_linear). A
-// fluorescence signal spans orders of magnitude (sparse tissue a few levels above the glass,
+}  // namespace
+
+// A fluorescence signal spans orders of magnitude (sparse tissue a few levels above the glass,
 // dense nuclei a hundred): on a log scale Otsu splits tissue from glass, not nuclei from the rest.
-uint8_t linear_to_log_level(uint8_t v) {
+uint8_t brightness_log_level(uint8_t v) {
   return static_cast<uint8_t>(std::lround(255.0 * std::log1p(static_cast<double>(v)) / std::log(256.0)));
 }
-int log_level_to_linear(int t) {
-  return static_cast<int>(std::floor(std::expm1(static_cast<double>(t) * std::log(256.0) / 255.0)));
+int brightness_linear_threshold(int t) {
+  // The levels round (not floor), so the inverse is found, not computed: expm1's inverse of t
+  // stopped one level short for 94 of the 256 thresholds, counting background pixels as tissue.
+  int last = -1;
+  for (int v = 0; v < 256; ++v)
+    if (brightness_log_level(static_cast<uint8_t>(v)) <= t) last = v;
+  return last;
 }
-
-}  // namespace
 
 bool looks_like_fluorescence(const RgbImage& thumbnail) {
   if (thumbnail.width < 1 || thumbnail.height < 1 ||
@@ -486,7 +490,7 @@ TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, d
                      (options.stain == TissueStain::kAuto && looks_like_fluorescence(out.thumbnail));
   // Brightfield (CLAM): tissue is saturated (stained) over white glass: the median-filtered
   // saturation, Otsu's threshold. Fluorescence: bright over dark: the local mean brightness, Otsu's
-  // threshold found on its log scale (mean_brightness, linear_to_log_level), applied as the linear
+  // threshold found on its log scale (mean_brightness, brightness_log_level), applied as the linear
   // level it stands for.
   const std::vector<uint8_t> signal = out.fluorescence
                                           ? mean_brightness(out.thumbnail, options.median_px)
@@ -495,9 +499,9 @@ TissueMask detect_tissue_in_thumbnail(RgbImage thumbnail, double downsample_x, d
     out.otsu_threshold = options.threshold;
   } else {
     std::vector<int64_t> hist(256, 0);
-    for (uint8_t v : signal) ++hist[out.fluorescence ? linear_to_log_level(v) : v];
+    for (uint8_t v : signal) ++hist[out.fluorescence ? brightness_log_level(v) : v];
     out.otsu_threshold = out.fluorescence
-                             ? std::max(log_level_to_linear(otsu_threshold(hist)), kMinBrightnessThreshold)
+                             ? std::max(brightness_linear_threshold(otsu_threshold(hist)), kMinBrightnessThreshold)
                              : std::max(otsu_threshold(hist), kMinSaturationThreshold);
   }
   out.mask.resize(signal.size());

@@ -1045,6 +1045,13 @@ class TestAnnotations(Base):
         self.assertEqual(len(want), 12 + 3)  # tumour 16 - 4 in the hole; the triangle's 1 + 2 halves
         self.assertEqual(sorted(got), want)
         self.assertTrue(all(v is None for v in got.values()))  # --roi-only alone labels nothing
+        # --max-tiles-per-slide samples the tiles the ROI keeps (not the grid, then the ROI: that
+        # would keep about 5 x 15 / 70 of them).
+        r, store = self.tile(["--roi-only", "--max-tiles-per-slide", "5", "--seed", "3"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        sampled = sorted(self.positions(store))
+        self.assertEqual(len(sampled), 5)
+        self.assertTrue(set(sampled) <= set(want))
 
         r, store = self.tile(["--roi-only", "--label-from-annotations"])
         self.assertEqual(r.returncode, 0, r.stderr)

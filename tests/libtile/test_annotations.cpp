@@ -52,6 +52,26 @@ TEST_CASE("parse_geojson: bad inputs name the file and the fault") {
   }
 }
 
+TEST_CASE("AnnotationIndex: at overlap 0 a label needs a class that covers some of the tile") {
+  // A class-less ROI polygon (no classification) over [500,1000]^2 and a "tumor" square at the
+  // origin: a tile under the ROI alone has no label, even with min_label_overlap 0.
+  const char* text = R"({"type":"FeatureCollection","features":[
+   {"type":"Feature","properties":{"classification":{"name":"tumor"}},
+    "geometry":{"type":"Polygon","coordinates":[[[0,0],[100,0],[100,100],[0,100],[0,0]]]}},
+   {"type":"Feature","properties":{},
+    "geometry":{"type":"Polygon","coordinates":[[[500,500],[1000,500],[1000,1000],[500,1000],[500,500]]]}}]})";
+  auto a = parse_geojson(text, "roi.geojson");
+  REQUIRE(a.ok());
+  auto idx = AnnotationIndex::build(*a, 1000, 1000);
+  REQUIRE(idx.ok());
+  auto c = (*idx)->cover(600, 600, 100, 0.0);
+  CHECK(c.roi_fraction == doctest::Approx(1.0));
+  CHECK(c.label == -1);
+  c = (*idx)->cover(50, 50, 100, 0.0);  // a quarter of it tumour
+  CHECK(c.label == 0);
+  CHECK(c.label_fraction == doctest::Approx(0.25));
+}
+
 TEST_CASE("AnnotationIndex: coverage, labels, ties and validation") {
   auto a = parse_geojson(kTwoClasses, "two.geojson");
   REQUIRE(a.ok());

@@ -203,6 +203,21 @@ TEST_CASE("test_tissue_grid: the knobs: fixed threshold, filters' counts, option
         "stain=fluorescence threshold=12 median_px=7 close_px=5 min_object_um2=0 min_hole_um2=20000");
 }
 
+TEST_CASE("test_tissue_grid: fluorescence's log-scale threshold applies to linear values exactly") {
+  // Otsu splits {log level <= t} from {log level > t}; the linear threshold must split the same
+  // pixels, for every t and every value (an expm1 inverse of the rounded levels did not for 94 t).
+  for (int t = 0; t < 256; ++t) {
+    const int lin = slide::tile::brightness_linear_threshold(t);
+    for (int v = 0; v < 256; ++v) {
+      CAPTURE(t);
+      CAPTURE(v);
+      CHECK((v > lin) == (slide::tile::brightness_log_level(static_cast<uint8_t>(v)) > t));
+    }
+  }
+  CHECK(slide::tile::brightness_log_level(0) == 0);
+  CHECK(slide::tile::brightness_log_level(255) == 255);
+}
+
 TEST_CASE("test_tissue_grid: fluorescence: sparse bright nuclei over a dark background are tissue where dense") {
   // Camera noise 0..3 everywhere; in the rectangle x 40..160, y 50..150, one blue "nucleus" pixel
   // in four (as in a DAPI image: the tissue between nuclei is as dark as the glass).
@@ -465,6 +480,30 @@ TEST_CASE("test_tissue_grid: plan_tiles with a tissue mask and max_tiles samplin
   auto all = slide::tile::plan_tiles(s.properties(), 0.25, &*m, g6);
   REQUIRE(all.ok());
   CHECK(all->tiles.size() == plan->tiles.size());
+  // sample_tile_positions is plan_tiles' draw (the pipeline samples after the annotations with it).
+  g6.max_tiles = 6;
+  g6.seed = 42;
+  const std::vector<size_t> pos = slide::tile::sample_tile_positions(plan->tiles.size(), 6, 42);
+  REQUIRE(pos.size() == 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    CHECK(plan->tiles[pos[i]].col == a->tiles[i].col);
+    CHECK(plan->tiles[pos[i]].row == a->tiles[i].row);
+  }
+  CHECK(slide::tile::sample_tile_positions(5, 0, 1) == std::vector<size_t>{0, 1, 2, 3, 4});
+  CHECK(slide::tile::sample_tile_positions(5, 5, 1) == std::vector<size_t>{0, 1, 2, 3, 4});
+}
+
+TEST_CASE("test_tissue_grid: tile_size_l0 is the footprint read, after the 2% snap of r") {
+  // 0.25 um/px tiled at 0.5075: s = 2.03, level 1 (d = 2), r = 1.015 snapped to 1: tiles of 100
+  // px read 200 level-0 px and sit 200 apart; T * s would say 203.
+  auto plan = slide::tile::plan_tiles(fake_props(), 0.25, nullptr, grid(0.5075, 100));
+  REQUIRE(plan.ok());
+  CHECK(plan->level == 1);
+  CHECK(plan->scale_level == 1.0);
+  CHECK(plan->scale_l0 == doctest::Approx(2.03));
+  REQUIRE(plan->tiles.size() >= 2u);
+  CHECK(plan->tiles[1].x_l0 - plan->tiles[0].x_l0 == 200);
+  CHECK(plan->tile_size_l0() == 200.0);
 }
 
 TEST_CASE("test_tissue_grid: read_tile matches area resampling of the level") {

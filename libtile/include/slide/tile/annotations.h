@@ -66,7 +66,8 @@ class AnnotationIndex {
 
   // Coverage of the square [x_l0, x_l0 + side_l0) x [y_l0, y_l0 + side_l0).
   // label: the class whose (unioned) polygons cover the largest area of the square among those
-  // covering at least min_label_overlap of it; equal areas: the class listed first in the file.
+  // covering at least min_label_overlap of it, and more than none of it (at 0 too: a square touched
+  // only by class-less polygons has no label); equal areas: the class listed first in the file.
   // Squares whose bounding box misses every polygon are answered from prepared geometries
   // without computing an intersection.
   TileCoverage cover(int64_t x_l0, int64_t y_l0, int64_t side_l0, double min_label_overlap) const;

@@ -52,8 +52,10 @@ struct TilePlan {
   std::vector<TileSpec> tiles;   // kept tiles, row-major order
 
   bool resampled() const { return scale_level != 1.0; }
-  // Level-0 size of one output tile (T * s).
-  double tile_size_l0() const { return tile_size_px * scale_l0; }
+  // Level-0 footprint of one output tile, as read_tile reads it: T * r * d (T * s but for the 2%
+  // snap of r to 1, which leaves s as asked: 0.2527 um/px tiled at 0.5 from a level of
+  // downsample 2 reads 448 level-0 px a tile, not T * s = 443).
+  double tile_size_l0() const { return tile_size_px * scale_level * level_downsample; }
 };
 
 // Plans the grid for a slide whose level-0 mpp is `mpp_um` (> 0). `tissue` may be null (every
@@ -64,6 +66,13 @@ struct TilePlan {
 // (cols x rows; a forged slide size or a tiny stride), before anything is allocated for them.
 [[nodiscard]] Result<TilePlan> plan_tiles(const SlideProperties& slide, double mpp_um, const TissueMask* tissue,
                                           const GridOptions& options);
+
+// The positions (0..n-1, ascending) that max_tiles sampling keeps of n tiles: all when max_tiles
+// is 0 or at least n, else a uniform sample of max_tiles without replacement drawn from `seed` (a
+// partial Fisher-Yates shuffle with rng() % (n - i) on std::mt19937_64: the same tiles with every
+// standard library). plan_tiles samples its tiles so; slide-tile's pipeline samples after the
+// annotations have filtered them (--roi-only), so that the sample is of the tiles kept.
+std::vector<size_t> sample_tile_positions(size_t n, int64_t max_tiles, uint64_t seed);
 
 // Reads output tile `tile` of `plan` into `rgb` (3 * T * T bytes). Bounded memory: one level
 // region of about (T * r + 2)^2 px. Errors: those of SlideReader::read_region.

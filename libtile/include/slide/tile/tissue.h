@@ -91,4 +91,11 @@ std::string tissue_options_text(const TissueOptions& options);
 // {v <= t} and {v > t}. Returns 0 for an empty or constant histogram.
 int otsu_threshold(const std::vector<int64_t>& histogram);
 
+// Fluorescence's brightness on a log scale, 0..255: round(255 ln(1 + v) / ln(256)); Otsu's
+// threshold is found on this scale. brightness_linear_threshold(t): the largest v whose log level
+// is t or less, so that v > brightness_linear_threshold(t) exactly when brightness_log_level(v) > t
+// (the split found on the log scale, applied to linear values); -1 when none is.
+uint8_t brightness_log_level(uint8_t v);
+int brightness_linear_threshold(int t);
+
 }  // namespace slide::tile

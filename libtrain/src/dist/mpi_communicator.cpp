@@ -295,7 +295,13 @@ class MpiCommunicator final : public Communicator {
     return slide::core::ok_status();
   }
 
-  void abort_job(int exit_code) override { MPI_Abort(MPI_COMM_WORLD, exit_code); }
+  // Under the mutex, as every MPI call here (MPI_THREAD_SERIALIZED): the progress thread may be
+  // testing a collective at this moment. The callers (apps' failure paths) hold no lock of ours; the
+  // progress thread holds the mutex only for its non-blocking MPI_Test calls.
+  void abort_job(int exit_code) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+  }
 
   void mark_broken() { broken_ = true; }
   using Communicator::deadline_message;

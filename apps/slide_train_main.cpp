@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <optional>
@@ -163,7 +164,7 @@ int run_main(int argc, char** argv) {
   eval->add_option("--test-fraction", eval_test_fraction,
                    "Only the test set a run with this --test-fraction and --seed held out of these stores")
       ->check(slide::apps::number_option("test-fraction"));
-  eval->add_option("--seed", eval_seed, "The --seed of that run (with --test-fraction)")->capture_default_str();
+  eval->add_option("--seed", eval_seed, "The --seed of that run (with --test-fraction; default: the checkpoint's)");
   // The backend of evaluate (also accepted before `evaluate`, as an option of slide-train).
   slide::apps::add_backend_options(*eval, &backend, &device);
   slide::apps::add_precision_option(*eval, &precision);
@@ -415,7 +416,7 @@ int run_main(int argc, char** argv) {
     ev.batch = batch, ev.threads = threads, ev.backend = backend, ev.device = device, ev.fused = !no_fused;
     ev.precision = precision;
     ev.overwrite = eval_overwrite;
-    ev.test_fraction = eval_test_fraction, ev.seed = eval_seed;
+    ev.test_fraction = eval_test_fraction, ev.seed = eval_seed, ev.seed_given = eval->count("--seed") > 0;
     return slide::apps::run_tile_inference(ev, /*predict=*/false);
   }
   if (predict->parsed() && !mil_pred.features.empty()) {
@@ -758,12 +759,24 @@ int run_main(int argc, char** argv) {
   if (stain->method != slide::train::StainMethod::kNone)
     config["stain_normalization"] = nlohmann::json::parse(slide::train::stain_target_to_json(*stain));
   state["config"] = config;
+  // The slides on each side of the split (held out, validation, training), which --resume must find
+  // again.
+  std::map<uint32_t, std::string> slide_part;
+  for (size_t i : held_out) slide_part[(*ds)->tiles()[i].slide] = "test";
+  for (size_t i : val) slide_part.emplace((*ds)->tiles()[i].slide, "val");
+  for (size_t i : train) slide_part.emplace((*ds)->tiles()[i].slide, "train");
+  std::vector<std::pair<std::string, std::string>> parts;
+  for (const auto& [slide, part] : slide_part) parts.emplace_back((*ds)->slide_ids()[slide], part);
+  auto split_rec = slide::apps::split_record(std::move(parts));
+  if (!split_rec.ok()) return fail(split_rec.status());
+  state["split"] = *split_rec;
   if (resume && writer) {  // read above (not a dry run: that has returned)
     const std::string& latest = resume_from;
     const nlohmann::json& saved = resumed_state;
     if (saved["model"] != model_name || saved["classes"] != state["classes"])
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;
@@ -773,6 +786,7 @@ int run_main(int argc, char** argv) {
     state = saved;
     state["epochs"] = epochs;
     state["config"] = config;
+    state["split"] = *split_rec;
     run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }

@@ -80,11 +80,12 @@ Result<std::map<std::string, std::string>> slide_paths(const std::vector<std::st
 // px), else over the tile grid; titled with the slide id, with a colour bar stating the scale.
 // `grid_fallbacks` counts the known slides that could not be drawn (e.g. patch images).
 Status write_heatmap(const std::string& png, const std::vector<float>& attention, const std::vector<int32_t>& coords,
-                     int64_t tile_l0_px, const std::string& slide_path, const std::string& slide_id,
-                     int64_t* grid_fallbacks) {
-  const std::string title = "attention: " + slide_id;
+                     const slide::cache::BagAttributes& bag, const std::string& slide_path, int64_t* grid_fallbacks) {
+  const std::string title = "attention: " + bag.slide_id;
+  const int64_t tile_l0_px = bag.tile_size_l0_px;
   if (!slide_path.empty()) {
-    auto canvas = slide::train::heatmap_canvas(slide_path, tile_l0_px, 1024);
+    // The slide the bag's tiles were cut from: its level-0 size is the bag's record.
+    auto canvas = slide::train::heatmap_canvas(slide_path, tile_l0_px, 1024, bag.level0_width, bag.level0_height);
     if (canvas.ok())
       return write_attention_overlay(png, attention, coords, tile_l0_px, canvas->thumbnail, canvas->downsample_x,
                                      canvas->downsample_y, title);
@@ -109,7 +110,7 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   const auto& classes = ds.class_names();
   const size_t k = classes.size();
   std::string csv = "slide_id,split,label,tiles";
-  for (const auto& c : classes) csv += ",p_" + c;
+  for (const auto& c : classes) csv += "," + slide::core::csv_quote("p_" + c);
   csv += ",predicted,attention_file,heatmap\n";
   for (size_t i = 0; i < all.size(); ++i) {
     const BagRef& bag = ds.bags()[i];
@@ -122,13 +123,15 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred], std::vector<double>(p, p + k), attention[i], coords));
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
-    SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes.tile_size_l0_px,
-                                        path == paths.end() ? "" : path->second, bag.slide_id, &grid_fallbacks));
-    // The full slide id (quoted as RFC 4180 where needed); file names follow slide_file_stem.
+    SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes,
+                                        path == paths.end() ? "" : path->second, &grid_fallbacks));
+    // The full slide id and the class names (quoted as RFC 4180 where needed: a class may hold a comma);
+    // file names follow slide_file_stem.
     std::string line =
-        slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," + label + "," + std::to_string(bag.tiles);
+        slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," + slide::core::csv_quote(label) + "," +
+        std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + slide::apps::probability_text(p[c]);
-    csv += line + "," + classes[pred] + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
+    csv += line + "," + slide::core::csv_quote(classes[pred]) + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
   if (grid_fallbacks > 0)
@@ -248,6 +251,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     return fail(slide::core::invalid_argument("--cache '" + o.cache + "' is not one of auto, ram, none"));
   auto weights = parse_class_weights(o.class_weights, **ds, train);
   if (!weights.ok()) return fail(weights.status());
+  // A step's loss is divided by the sum of its bags' weights (PyTorch's mean reduction): with one
+  // bag a step, that is the bag's own weight, and the weights cancel.
+  if (weights->defined() && o.batch == 1)
+    slide::core::log_warn("--class-weights change nothing with --batch-size 1: a step's loss is divided by the sum of "
+                          "its bags' weights, its one bag's (PyTorch's mean reduction); give --batch-size 2 or more",
+                          {{"class_weights", o.class_weights}});
 
   // The allocator keeps freed blocks by size for reuse; bags of different sizes would fill that
   // cache with blocks of sizes never seen again, so it is bounded by two bags' worth of
@@ -291,6 +300,13 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                                  {"val_fraction", o.val_fraction}, {"labels", o.labels_csv},
                                  {"best_metric", o.best_metric}};
   state["config"] = config;
+  // The bags on each side of the split, which --resume must find again.
+  std::vector<std::pair<std::string, std::string>> parts;
+  for (size_t i : train) parts.emplace_back((*ds)->bags()[i].slide_id, "train");
+  for (size_t i : val) parts.emplace_back((*ds)->bags()[i].slide_id, "val");
+  auto split_rec = slide::apps::split_record(std::move(parts));
+  if (!split_rec.ok()) return fail(split_rec.status());
+  state["split"] = *split_rec;
   if (o.resume) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
@@ -301,6 +317,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (saved["model"] != "abmil" || saved["classes"] != state["classes"] || saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;
@@ -310,6 +327,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state = saved;
     state["epochs"] = o.epochs;
     state["config"] = config;
+    state["split"] = *split_rec;
     (*opt)->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }

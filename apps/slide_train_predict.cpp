@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -121,8 +122,27 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + o.backend));
   std::vector<size_t> all((*ds)->tiles().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  if (o.test_fraction > 0) {  // the training run's held-out test set, found again
-    (*ds)->hold_out(o.test_fraction, o.seed, &all);
+  // The training run's held-out test set, found again with its fraction and seed (state.json's
+  // config); a metric over every tile of stores that a run split would mix in its training slides.
+  const nlohmann::json run_config = state.contains("config") && state["config"].is_object() ? state["config"]
+                                                                                           : nlohmann::json::object();
+  const double run_test_fraction = run_config.value("test_fraction", 0.0);
+  if (!predict && o.test_fraction <= 0 && run_test_fraction > 0)
+    slide::core::log_warn("the checkpoint's run held out a test set of its stores; without --test-fraction these "
+                          "metrics cover every tile given, its training and validation tiles too where these are "
+                          "its stores",
+                          {{"run_test_fraction", run_test_fraction}});
+  if (o.test_fraction > 0) {
+    uint64_t seed = o.seed;
+    if (!o.seed_given && run_config.contains("seed") && run_config["seed"].is_number_unsigned())
+      seed = run_config["seed"].get<uint64_t>();
+    if (run_test_fraction > 0 && run_test_fraction != o.test_fraction)
+      slide::core::log_warn("--test-fraction is not the run's: these tiles are not the test set it held out",
+                            {{"test_fraction", o.test_fraction}, {"run_test_fraction", run_test_fraction}});
+    if (run_config.contains("seed") && run_config["seed"] != nlohmann::json(seed))
+      slide::core::log_warn("--seed is not the run's: these tiles are not the test set it held out",
+                            {{"seed", seed}, {"run_seed", run_config["seed"].dump()}});
+    (*ds)->hold_out(o.test_fraction, seed, &all);
     if (all.empty()) return fail(slide::core::invalid_argument("--test-fraction " + std::to_string(o.test_fraction) +
                                                               " holds out no slide of these stores"));
   }
@@ -157,7 +177,8 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   const size_t k = classes.size();
   const int64_t S = (*ds)->tile_size_px();
   std::string tiles_csv = "slide_id,x_l0,y_l0,label", slides_csv = "slide_id,label,tiles";
-  for (const auto& c : classes) tiles_csv += ",p_" + c, slides_csv += ",mean_p_" + c;
+  for (const auto& c : classes)  // class names as RFC 4180 fields: a class may hold a comma or a quote
+    tiles_csv += "," + slide::core::csv_quote("p_" + c), slides_csv += "," + slide::core::csv_quote("mean_p_" + c);
   tiles_csv += ",predicted\n";
   slides_csv += predict ? ",predicted_by_mean,predicted_by_majority,predictions_file,heatmaps\n"
                         : ",predicted_by_mean,predicted_by_majority\n";
@@ -180,7 +201,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     std::string line = slide::core::csv_quote((*ds)->slide_ids()[ref.slide]) + "," + std::to_string(h.x_l0) + "," +
                        std::to_string(h.y_l0) + "," + slide::core::csv_quote(class_name(ref.label));
     for (size_t c = 0; c < k; ++c) line += "," + probability_text(p[c]);
-    tiles_csv += line + "," + classes[pred] + "\n";
+    tiles_csv += line + "," + slide::core::csv_quote(classes[pred]) + "\n";
     SlideAgg& a = slides[ref.slide];
     if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
     a.label = ref.label;
@@ -189,6 +210,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     ++a.votes[pred];
   }
   int64_t grid_fallbacks = 0;
+  std::set<std::string> used_stems;  // the per-slide files' stems written so far
   for (uint32_t s = 0; s < slides.size(); ++s) {
     const SlideAgg& a = slides[s];
     if (a.tiles.empty()) continue;
@@ -197,7 +219,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     for (size_t c = 0; c < k; ++c) line += "," + std::to_string(a.sum[c] / static_cast<double>(a.tiles.size()));
     const auto by_mean = static_cast<size_t>(std::max_element(a.sum.begin(), a.sum.end()) - a.sum.begin());
     const auto by_vote = static_cast<size_t>(std::max_element(a.votes.begin(), a.votes.end()) - a.votes.begin());
-    line += "," + classes[by_mean] + "," + classes[by_vote];
+    line += "," + slide::core::csv_quote(classes[by_mean]) + "," + slide::core::csv_quote(classes[by_vote]);
     if (predict) {
       // The slide's own files: its tiles' probabilities and coordinates, and a heatmap per class.
       const slide::tile::SlideRecord& rec = (*ds)->slide_record(s);
@@ -215,13 +237,19 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
       }
       // Slides of different stores may share an id: the second store's files get its index.
       const uint32_t store = (*ds)->slide_store(s);
-      const std::string stem = slide::core::slide_file_stem(rec.slide_id) + (store > 0 ? "@" + std::to_string(store) : "");
+      const std::string base =
+          slide::core::slide_file_stem(rec.slide_id) + (store > 0 ? "@" + std::to_string(store) : "");
+      // Ids can still meet ("a@1" in the first store, "a" in the second): a stem already written
+      // gets "#<slide index>", so that no slide's files replace another's.
+      std::string stem = base;
+      for (int k = 0; !used_stems.insert(stem).second; ++k)
+        stem = base + "#" + std::to_string(s) + (k > 0 ? "." + std::to_string(k) : "");
       const std::string h5 = "predictions/" + stem + ".h5";
       if (auto st2 = write_predictions_h5(o.out + "/" + h5, sp); !st2.ok()) return fail(st2);
       std::string maps;
       if (o.heatmaps) {
         auto canvas = rec.vendor == "patch" ? Result<HeatmapCanvas>(slide::core::invalid_argument("a patch image"))
-                                            : heatmap_canvas(rec.path, sp.tile_size_l0_px, 1024);
+                                            : heatmap_canvas(rec.path, sp.tile_size_l0_px, 1024, rec.width_l0, rec.height_l0);
         if (!canvas.ok()) {
           slide::core::log_debug("heatmap over the tile grid", {{"slide", rec.slide_id}, {"why", canvas.status().to_string()}});
           ++grid_fallbacks;

@@ -37,9 +37,11 @@ struct TileInferenceOptions {
   bool overwrite = false;
   bool heatmaps = true;           // predict: per-class heatmaps
   // > 0: only the tiles slide-train --test-fraction held out of these stores (TileDataset::hold_out
-  // with the same fraction and seed), not every tile.
+  // with the same fraction and seed), not every tile. The seed is the checkpoint's (state.json
+  // config.seed) unless seed_given; another fraction or seed than the run's is warned about.
   double test_fraction = 0;
   uint64_t seed = 0;
+  bool seed_given = false;
 };
 
 // Runs evaluate (`predict` false) or predict; returns the process exit code (0 ok, 1 failed, 2 usage

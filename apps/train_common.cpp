@@ -8,11 +8,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <tuple>
+#include <utility>
 
 #include "report.h"
 #include "slide/core/file.h"
 #include "slide/train/model_registry.h"
 #include "slide/core/file_name.h"
+#include "slide/core/hash.h"
 #include "slide/core/log.h"
 #include "slide/tile/figure.h"
 #include "slide/tile/image.h"
@@ -557,6 +560,40 @@ slide::core::Status check_resume_config(const std::string& checkpoint, const nlo
     slide::core::log_warn("--resume with another --epochs: the schedule's length changes",
                           {{"was", saved.value("epochs", epochs)}, {"now", epochs}});
   return slide::core::ok_status();
+}
+
+slide::core::Result<nlohmann::json> split_record(std::vector<std::pair<std::string, std::string>> split) {
+  std::sort(split.begin(), split.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second, a.first) < std::tie(b.second, b.first);
+  });
+  std::string lines;
+  nlohmann::json record = {{"train", 0}, {"val", 0}, {"test", 0}};
+  for (const auto& [id, part] : split) {
+    lines += part + "\t" + id + "\n";
+    record[part] = record.value(part, 0) + 1;
+  }
+  SLIDE_ASSIGN_OR_RETURN(record["sha256"], slide::core::sha256_bytes(lines));
+  return record;
+}
+
+slide::core::Status check_resume_split(const std::string& checkpoint, const nlohmann::json& saved,
+                                       const nlohmann::json& record) {
+  if (!saved.contains("split")) {
+    slide::core::log_warn("--resume: the checkpoint does not record its data split (made before the record existed); "
+                          "the split is not checked", {{"checkpoint", checkpoint}});
+    return slide::core::ok_status();
+  }
+  const nlohmann::json& was = saved["split"];
+  if (was == record) return slide::core::ok_status();
+  auto counts = [](const nlohmann::json& r) {
+    return std::to_string(r.value("train", 0)) + " train / " + std::to_string(r.value("val", 0)) + " validation / " +
+           std::to_string(r.value("test", 0)) + " test";
+  };
+  return slide::core::invalid_argument(
+      "--resume: " + checkpoint + " was made on another split of the data (" + counts(was) + " slides then, " +
+      counts(record) + " now" + (counts(was) == counts(record) ? ", other slides" : "") +
+      "): stores, bags or labels were added, removed or changed; resumed, the run would validate on slides it "
+      "trained on. Rerun with the run's data, or use a new --out");
 }
 
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,

@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "report.h"
@@ -130,6 +131,21 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // out). A checkpoint without the record (made before it existed) passes. Another `epochs` than saved["epochs"] is allowed, with a warning.
 [[nodiscard]] slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,
                                                       const nlohmann::json& config, long epochs);
+
+// Which slides (or bags) a run trains, validates and tests on: `split` holds one (id, part) per
+// slide, part "train", "val" or "test". Returns {"train": n, "val": n, "test": n, "sha256": the
+// SHA-256 (hash.h) of the sorted lines "<part>\t<id>\n"}, which a run keeps in its state.json
+// ("split"). Errors: sha256_bytes's.
+[[nodiscard]] slide::core::Result<nlohmann::json> split_record(
+    std::vector<std::pair<std::string, std::string>> split);
+
+// --resume's check that the data split is the checkpoint's: `record` (split_record of this run)
+// against saved["split"]. Stores, bags or labels added or removed, or another --val-fraction or
+// --test-fraction would move slides between training and validation, and the resumed run would
+// validate on slides it trained on. Errors: kInvalidArgument naming `checkpoint` and both splits'
+// counts. A checkpoint without the record (made before it existed) passes, with a warning.
+[[nodiscard]] slide::core::Status check_resume_split(const std::string& checkpoint, const nlohmann::json& saved,
+                                                     const nlohmann::json& record);
 
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and

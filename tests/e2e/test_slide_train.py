@@ -206,6 +206,21 @@ class TestResume(Base):
         self.assertIn("was made with other options:", r.stderr)
         self.assertIn(" --lr 0.05 -> 0.2;", r.stderr)
         self.assertIn(" --dropout 0.0 -> 0.1;", r.stderr)
+        # So is a resume on more data: a second store (a copy, its slides under store index 1) moves
+        # slides between training and validation, and the run would validate on slides it trained on.
+        with open(os.path.join(out, "checkpoints", "epoch-6-step-0", "state.json")) as f:
+            split = json.load(f)["split"]
+        self.assertEqual(split["train"] + split["val"], 360)  # the LC25000 subset: 360 patches, a slide each
+        self.assertGreater(split["val"], 0)
+        self.assertEqual(split["test"], 0)
+        copy = os.path.join(self.tmp, "lc-copy")
+        shutil.copytree(self.store, copy)
+        r = subprocess.run([TRAIN, "--data", self.store, copy, "--out", out, "--epochs", "6", "--batch-size", "32",
+                            "--lr", "0.05", "--width", "8", "--threads", "2", "--seed", "3", "--resume"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made on another split of the data (%d train / %d validation / 0 test slides then, "
+                      % (split["train"], split["val"]), r.stderr)
 
     def test_resume_is_exact_with_dropout_colour_jitter_and_random_crops(self):
         extra = ["--dropout", "0.3", "--color-jitter", "0.2,0.2,0.2,0.05", "--random-resized-crop", "0.5"]
@@ -992,6 +1007,26 @@ class TestPredict(Base):
         self.assertFalse(os.path.exists(os.path.join(p, "report.html")))
         with open(os.path.join(p, "slides.csv")) as f:
             self.assertEqual(len(f.read().splitlines()), 2)  # the header and CMU-1
+        # Slide ids whose file stems meet: "cmu@1" in the first store, "cmu" in the second (whose
+        # stem gains "@1"). Each slide keeps its own per-slide file; none replaces the other.
+        stores = []
+        for sid in ("cmu@1", "cmu"):
+            manifest = os.path.join(self.tmp, "meet-%d.csv" % len(stores))
+            with open(manifest, "w") as f:
+                f.write("slide_id,path\n%s,%s\n" % (sid, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs")))
+            stores.append(os.path.join(self.tmp, "meet-store-%d" % len(stores)))
+            r = subprocess.run([TILE, "--manifest", manifest, "--mpp", "4", "--tile-size", "48", "-o", stores[-1], "-q"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+        pm = os.path.join(self.tmp, "p-meet")
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", *stores, "--out", pm, "--no-heatmaps"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(pm, "predictions"))), ["cmu@1#1.h5", "cmu@1.h5"])
+        import csv as csv_module
+        with open(os.path.join(pm, "slides.csv")) as f:
+            files = {row["slide_id"]: row["predictions_file"] for row in csv_module.DictReader(f)}
+        self.assertEqual(files, {"0:cmu@1": "predictions/cmu@1.h5", "1:cmu": "predictions/cmu@1#1.h5"})
 
 
 class TestFineTune(Base):
@@ -1242,16 +1277,29 @@ class TestCrossValidation(Base):
         with open(os.path.join(out, "test", "metrics.json")) as f:
             self.assertEqual(json.load(f)["tiles"], len(test_rows))
         # evaluate finds the same test set again from the run's stores, labels, fraction and seed: the
-        # held-out run's own evaluation, reproduced from its options.
+        # held-out run's own evaluation, reproduced from its options. The seed (3, not the default 0)
+        # is the checkpoint's when --seed is not given.
         with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
-            self.assertEqual(json.load(f)["config"]["test_fraction"], 0.2)
-        ev = os.path.join(self.tmp, "tf-eval")
-        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
-                            self.store, "--labels", labels, "--test-fraction", "0.2", "--seed", "3", "--out", ev],
-                           capture_output=True, text=True)
-        self.assertEqual(r.returncode, 0, r.stderr)
+            config = json.load(f)["config"]
+        self.assertEqual((config["test_fraction"], config["seed"]), (0.2, 3))
+
+        def evaluate(name, *extra):
+            ev = os.path.join(self.tmp, name)
+            r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
+                                self.store, "--labels", labels, "--out", ev, *extra], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            return ev, r.stderr
+
+        ev, err = evaluate("tf-eval", "--test-fraction", "0.2")
+        self.assertNotIn("not the run's", err)
+        self.assertNotIn("without --test-fraction", err)
         with open(os.path.join(out, "test", "predictions.csv")) as f, open(os.path.join(ev, "predictions.csv")) as g:
             self.assertEqual(f.read(), g.read())
+        # Another seed, or no --test-fraction: another set of tiles, and the log says so.
+        _, err = evaluate("tf-eval-seed", "--test-fraction", "0.2", "--seed", "4")
+        self.assertIn("--seed is not the run's: these tiles are not the test set it held out", err)
+        _, err = evaluate("tf-eval-all")
+        self.assertIn("the checkpoint's run held out a test set of its stores; without --test-fraction", err)
         r = self.train(os.path.join(self.tmp, "tf-bad"), "--test-fraction", "0.2", "--test-data", self.store,
                        epochs=1)
         self.assertEqual(r.returncode, 2, r.stderr)

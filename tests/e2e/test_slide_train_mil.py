@@ -372,6 +372,17 @@ class TestResume(Base):
         self.assertIn("--lr 0.001 -> 0.002;", r.stderr)
         self.assertIn("--label_smoothing 0.0 -> 0.1;", r.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
+        # So is a resume on other bags: one bag fewer moves bags between training and validation
+        # (the split is drawn over the bags found), and the run would validate on bags it trained on.
+        with open(os.path.join(cut, "checkpoints", before[-1], "state.json")) as f:
+            split = json.load(f)["split"]
+        self.assertEqual((split["train"], split["val"], split["test"]), (168, 72, 0))  # 240 bags, 0.3 to validation
+        os.remove(os.path.join(bags, "lung_n-03-copy5.h5"))
+        r = run_train("--out", cut, "--resume", *args)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made on another split of the data (168 train / 72 validation / 0 test slides then, "
+                      "167 train / 72 validation / 0 test now)", r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
 
 
 class TestMemoryFlat(Base):
@@ -512,7 +523,8 @@ class TestSlideIdFileNames(unittest.TestCase):
         with open(manifest, "w") as f:
             f.write("slide_id,path\n../../x,%s\n%s,%s\n" % (cmu, long_id, cmu))
         with open(labels, "w") as f:
-            f.write("slide_id,label\n../../x,a\n%s,b\n" % long_id)
+            # Class names that CSV must quote: a comma, a double quote (RFC 4180 in, RFC 4180 out).
+            f.write('slide_id,label\n../../x,"a, grade 1"\n%s,"b ""2"""\n' % long_id)
         store, lc, cnn, bags, out = (os.path.join(work, n) for n in ("store", "lc", "cnn", "bags", "mil"))
         for cmd in ([tile, "--manifest", manifest, "--mpp", "2.0", "--min-tissue", "0", "--tile-size", "64", "-o", store,
                      "-q"],
@@ -541,6 +553,11 @@ class TestSlideIdFileNames(unittest.TestCase):
         self.assertEqual(sorted(rows), sorted(stems))
         for sid, stem in stems.items():
             self.assertEqual((rows[sid]["attention_file"], rows[sid]["heatmap"]), (stem + ".h5", stem + ".png"))
+        classes = {"../../x": "a, grade 1", long_id: 'b "2"'}
+        for sid, row in rows.items():
+            self.assertEqual(row["label"], classes[sid])
+            self.assertIn(row["predicted"], classes.values())
+            self.assertAlmostEqual(float(row["p_a, grade 1"]) + float(row['p_b "2"']), 1.0, places=5)
         # Nothing anywhere else: every file of the temp tree is an input or inside an output directory.
         allowed = tuple(d + os.sep for d in (store, lc, cnn, bags, out))
         for root, _, files in os.walk(tmp):

@@ -541,3 +541,62 @@ TEST_CASE("draw_tile_grid: tiles at a fractional level-0 step each get their own
     CHECK((p[0] == want[0] && p[1] == want[1] && p[2] == want[2]));
   }
 }
+
+TEST_CASE("draw_tile_grid: overlapping tiles (stride half the side) each get their own cell") {
+  // slide-tile --stride 250 with 500 px tiles: tiles half a side apart. In tile sides they would
+  // round into shared cells (0.5 -> 1, 1.0 -> 1) and the later tile would hide the earlier.
+  std::vector<int32_t> coords;
+  std::vector<double> values;
+  const int cols = 9;
+  for (int c = 0; c < cols; ++c) {
+    coords.push_back(c * 250);
+    coords.push_back(0);
+    values.push_back(c % 2 == 0 ? 0.0 : 1.0);
+  }
+  auto img = draw_tile_grid(values, coords, 500, "grid", 1);
+  REQUIRE_MESSAGE(img.ok(), img.status().to_string());
+  REQUIRE(img->width == cols);
+  uint8_t low[3], high[3];
+  slide::tile::jet_colour(0.0, low);
+  slide::tile::jet_colour(1.0, high);
+  for (int c = 0; c < cols; ++c) {
+    CAPTURE(c);
+    const uint8_t* want = c % 2 == 0 ? low : high;
+    const uint8_t* p = img->row(0) + 3 * c;
+    CHECK((p[0] == want[0] && p[1] == want[1] && p[2] == want[2]));
+  }
+}
+
+TEST_CASE("draw_tile_overlay: where tiles overlap, the colour of their mean value, blended once") {
+  // A grey 40 x 10 thumbnail at 1 level-0 px per pixel; two 20 px tiles at x = 0 and x = 10
+  // (stride half the side): values 0 and 1. Pixels 0..9 under the first only, 10..19 under both,
+  // 20..29 under the second only, 30..39 under none.
+  HeatmapCanvas canvas;
+  canvas.thumbnail = slide::tile::RgbImage(40, 10, 128);
+  const std::vector<int32_t> coords = {0, 0, 10, 0};
+  auto img = draw_tile_overlay({0.0, 1.0}, coords, 20, canvas, "overlay");
+  REQUIRE_MESSAGE(img.ok(), img.status().to_string());
+  auto blended = [](double v, int c) {
+    uint8_t rgb[3];
+    slide::tile::jet_colour(v, rgb);
+    return (128 + rgb[c] + 1) / 2;
+  };
+  for (int x : {0, 9, 10, 19, 20, 29, 30, 39}) {
+    CAPTURE(x);
+    const uint8_t* p = img->row(5) + 3 * x;
+    const double v = x < 10 ? 0.0 : x < 20 ? 0.5 : 1.0;
+    for (int c = 0; c < 3; ++c) CHECK(p[c] == (x < 30 ? blended(v, c) : 128));
+  }
+}
+
+TEST_CASE("heatmap_canvas refuses a slide file whose level-0 size is not the tiles' slide's") {
+  const std::string svs = std::string(SLIDE_SAMPLE_DIR) + "/slides/CMU-1-Small-Region.svs";  // 2220 x 2967
+  auto same = heatmap_canvas(svs, 96, 256, 2220, 2967);
+  REQUIRE_MESSAGE(same.ok(), same.status().to_string());
+  CHECK(std::max(same->thumbnail.width, same->thumbnail.height) >= 256);
+  CHECK(heatmap_canvas(svs, 96, 256).ok());  // no record: not checked
+  auto other = heatmap_canvas(svs, 96, 256, 2220, 2968);
+  CHECK(other.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(other.status().message().find("level 0 is 2220 x 2967 px, the tiles were cut from a slide of 2220 x 2968 px") !=
+        std::string::npos);
+}

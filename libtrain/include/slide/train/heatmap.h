@@ -31,21 +31,28 @@ struct HeatmapCanvas {
   slide::tile::RgbImage thumbnail;
   double downsample_x = 1, downsample_y = 1;
 };
-// Errors: those of opening the slide (slide/tile/slide.h) and of make_thumbnail.
+// `expect_width_l0` x `expect_height_l0`: the level-0 size the tiles were cut from (a store's or
+// a bag's record; 0 x 0: not checked). Errors: those of opening the slide (slide/tile/slide.h) and
+// of make_thumbnail; kFailedPrecondition when the file's level-0 size is another (the file at that
+// path was replaced: its thumbnail would not be the tiles' slide), naming both sizes.
 [[nodiscard]] Result<HeatmapCanvas> heatmap_canvas(const std::string& slide_path, int64_t tile_l0_px,
-                                                   int64_t min_long_side_px = 0);
+                                                   int64_t min_long_side_px = 0, int64_t expect_width_l0 = 0,
+                                                   int64_t expect_height_l0 = 0);
 
 // The tiles drawn as cells of `cell_px` px on a white tile grid spanning their bounding box (tile
 // side `tile_l0_px` level-0 px; 0: coords_grid_step; a tile's cell is its offset in tile sides
-// rounded to the nearest, as tile positions are rounded from a fractional step), coloured by value
-// (0..1, jet).
+// rounded to the nearest, as tile positions are rounded from a fractional step; overlapping tiles,
+// whose grid step is under nine tenths of the side, in strides instead), coloured by value (0..1,
+// jet).
 // Errors: kInvalidArgument (sizes disagree, no tiles, a grid over 2^24 cells), naming `what`.
 [[nodiscard]] Result<slide::tile::RgbImage> draw_tile_grid(const std::vector<double>& values,
                                                            const std::vector<int32_t>& coords, int64_t tile_l0_px,
                                                            const std::string& what, int cell_px = 8);
 
 // The tiles over `canvas`: each tile's level-0 rectangle blended half and half with its value's
-// colour (0..1, jet); the rest of the slide as it is. Errors: kInvalidArgument (sizes disagree, no
+// colour (0..1, jet); where tiles overlap, with the colour of the mean of their values (CLAM's
+// overlapping heatmaps average the same way); the rest of the slide as it is. Extra memory: 8 bytes
+// per thumbnail pixel of the tiles' bounding box. Errors: kInvalidArgument (sizes disagree, no
 // tiles, an empty thumbnail), naming `what`.
 [[nodiscard]] Result<slide::tile::RgbImage> draw_tile_overlay(const std::vector<double>& values,
                                                               const std::vector<int32_t>& coords, int64_t tile_l0_px,

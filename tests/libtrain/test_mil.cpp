@@ -515,19 +515,19 @@ TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals
   CHECK((none[0] == 255 && none[1] == 255 && none[2] == 255));
 }
 
-TEST_CASE("draw_tile_grid: tiles at a fractional level-0 step each get their own cell") {
-  // 0.2525 um/px tiled at 0.5 um/px with 256 px tiles: a step of 506.93 level-0 px, tile side
-  // rounded to 507, tiles at llround(col x 506.93). Column 8 (x = 4055) is 7.998 sides from column
-  // 0: its own cell, not column 7's.
+namespace {
+
+// One row of tiles at x = llround(c x step), valued 0, 1, 0, ... drawn with draw_tile_grid at
+// one px a cell: each tile must get its own cell, in order (jet's blue, red, blue, ...).
+void check_one_cell_per_tile(int cols, double step, int64_t tile_l0_px) {
   std::vector<int32_t> coords;
   std::vector<double> values;
-  const int cols = 12;
   for (int c = 0; c < cols; ++c) {
-    coords.push_back(static_cast<int32_t>(std::llround(c * 506.93)));
+    coords.push_back(static_cast<int32_t>(std::llround(c * step)));
     coords.push_back(0);
     values.push_back(c % 2 == 0 ? 0.0 : 1.0);
   }
-  auto img = draw_tile_grid(values, coords, 507, "grid", 1);
+  auto img = draw_tile_grid(values, coords, tile_l0_px, "grid", 1);
   REQUIRE_MESSAGE(img.ok(), img.status().to_string());
   REQUIRE(img->width == cols);
   REQUIRE(img->height == 1);
@@ -542,29 +542,19 @@ TEST_CASE("draw_tile_grid: tiles at a fractional level-0 step each get their own
   }
 }
 
+}  // namespace
+
+TEST_CASE("draw_tile_grid: tiles at a fractional level-0 step each get their own cell") {
+  // 0.2525 um/px tiled at 0.5 um/px with 256 px tiles: a step of 506.93 level-0 px, tile side
+  // rounded to 507, tiles at llround(col x 506.93). Column 8 (x = 4055) is 7.998 sides from column
+  // 0: its own cell, not column 7's.
+  check_one_cell_per_tile(12, 506.93, 507);
+}
+
 TEST_CASE("draw_tile_grid: overlapping tiles (stride half the side) each get their own cell") {
   // slide-tile --stride 250 with 500 px tiles: tiles half a side apart. In tile sides they would
   // round into shared cells (0.5 -> 1, 1.0 -> 1) and the later tile would hide the earlier.
-  std::vector<int32_t> coords;
-  std::vector<double> values;
-  const int cols = 9;
-  for (int c = 0; c < cols; ++c) {
-    coords.push_back(c * 250);
-    coords.push_back(0);
-    values.push_back(c % 2 == 0 ? 0.0 : 1.0);
-  }
-  auto img = draw_tile_grid(values, coords, 500, "grid", 1);
-  REQUIRE_MESSAGE(img.ok(), img.status().to_string());
-  REQUIRE(img->width == cols);
-  uint8_t low[3], high[3];
-  slide::tile::jet_colour(0.0, low);
-  slide::tile::jet_colour(1.0, high);
-  for (int c = 0; c < cols; ++c) {
-    CAPTURE(c);
-    const uint8_t* want = c % 2 == 0 ? low : high;
-    const uint8_t* p = img->row(0) + 3 * c;
-    CHECK((p[0] == want[0] && p[1] == want[1] && p[2] == want[2]));
-  }
+  check_one_cell_per_tile(9, 250, 500);
 }
 
 TEST_CASE("draw_tile_overlay: where tiles overlap, the colour of their mean value, blended once") {

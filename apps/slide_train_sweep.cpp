@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -109,7 +110,7 @@ Status write_results(const std::string& out, const std::vector<Trial>& trials, c
   }
   const nlohmann::json doc = {{"trials", all}, {"best", best.empty() ? nlohmann::json() : nlohmann::json(best)},
                               {"metric", "best_val_balanced_accuracy"}};
-  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/results.json", doc.dump(2) + "\n"));
+  SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/results.json", doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"));
   return slide::core::write_file_atomic(out + "/results.csv", csv);
 }
 
@@ -178,6 +179,18 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
       slide::core::log_error("sweep: --" + key + " is the sweep's to set, not an option for every trial");
       return kExitUsage;
     }
+    // An option given twice would fail every trial (slide-train refuses a repeated option): one
+    // the grid sets per trial, or --memory-budget beside --trial-memory-budget.
+    for (const Trial& t : *trials)
+      for (const auto& kv : t)
+        if (kv.first == key) {
+          slide::core::log_error("sweep: --" + key + " is both a common option and a grid option; give it in one place");
+          return kExitUsage;
+        }
+    if (key == "memory-budget" && !o.trial_memory_budget.empty()) {
+      slide::core::log_error("sweep: --memory-budget among the common options and --trial-memory-budget: give one");
+      return kExitUsage;
+    }
     const bool has_value = eq != std::string::npos || i + 1 < o.common.size();
     const std::string value = eq != std::string::npos ? a.substr(eq + 1) : has_value ? o.common[i + 1] : "";
     if (const std::string why = check_number_option(key, value); has_value && !why.empty()) {
@@ -197,13 +210,42 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     return kExitFailed;
   }
   const size_t n = trials->size();
+  // Trial i's options as given to its slide-train (the common options, then the grid's, then the
+  // trial memory budget), without --out, --resume and --overwrite: what its result.json records.
+  auto trial_args = [&](size_t i) {
+    std::vector<std::string> args(o.common.begin(), o.common.end());
+    bool own_budget = false;
+    for (const auto& [k, v] : (*trials)[i]) {
+      if (v == "false") continue;
+      args.push_back("--" + k);
+      if (v != "true") args.push_back(v);
+      own_budget |= k == "memory-budget";
+    }
+    if (!own_budget && !o.trial_memory_budget.empty()) args.insert(args.end(), {"--memory-budget", o.trial_memory_budget});
+    return args;
+  };
   std::vector<nlohmann::json> records(n);
   std::vector<size_t> todo;
+  std::set<size_t> start_over;  // unfinished trials that ran with other options
   for (size_t i = 0; i < n; ++i) {
     const std::string dir = o.out + "/trials/" + trial_id(i);
     auto prev = slide::core::read_file(dir + "/result.json");
     if (prev.ok()) records[i] = nlohmann::json::parse(*prev, nullptr, false);
     if (!records[i].is_object()) records[i] = nlohmann::json::object();
+    // A finished trial is kept only when it ran with this trial's options: another grid or other
+    // common options (another --folds) would report its numbers against settings it never ran. An
+    // unfinished one with other options starts again (--overwrite), not from their checkpoint.
+    const bool other_args = records[i].contains("args") && records[i]["args"] != nlohmann::json(trial_args(i));
+    if (other_args && records[i].value("status", "") != "ok") {
+      start_over.insert(i);
+    } else if (other_args) {
+      std::string was, now;
+      for (const auto& a : records[i]["args"]) was += (was.empty() ? "" : " ") + (a.is_string() ? a.get<std::string>() : a.dump());
+      for (const auto& a : trial_args(i)) now += (now.empty() ? "" : " ") + a;
+      slide::core::log_error("sweep: " + dir + " ran with other options ('" + was + "'; this sweep gives it '" + now +
+                             "'): the grid or the common options changed; use a new --out");
+      return kExitUsage;
+    }
     if (records[i].value("status", "") == "ok") continue;
     records[i] = {{"trial", trial_id(i)}, {"status", "pending"}};
     todo.push_back(i);
@@ -221,19 +263,11 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     const std::string dir = o.out + "/trials/" + trial_id(i);
     SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
     std::vector<std::string> args{self};
-    args.insert(args.end(), o.common.begin(), o.common.end());
-    bool own_budget = false;
-    for (const auto& [k, v] : (*trials)[i]) {
-      if (v == "false") continue;
-      args.push_back("--" + k);
-      if (v != "true") args.push_back(v);
-      own_budget |= k == "memory-budget";
-    }
-    if (!own_budget && !o.trial_memory_budget.empty()) args.insert(args.end(), {"--memory-budget", o.trial_memory_budget});
+    for (auto& a : trial_args(i)) args.push_back(std::move(a));
     args.insert(args.end(), {"--out", dir});
     // A trial that left a checkpoint continues; one that failed before its first checkpoint (its
     // metrics may be there) starts again, replacing what it left.
-    if (has_checkpoint(dir)) args.push_back("--resume");
+    if (has_checkpoint(dir) && !start_over.count(i)) args.push_back("--resume");
     else if (!earlier_run_files(dir).empty()) args.push_back("--overwrite");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -297,6 +331,7 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     const std::string dir = o.out + "/trials/" + trial_id(i);
     nlohmann::json& r = records[i];
     r["trial"] = trial_id(i);
+    r["args"] = trial_args(i);
     r["options"] = nlohmann::json::object();
     for (const auto& [k, v] : (*trials)[i]) r["options"][k] = v;
     r["seconds"] = seconds;
@@ -316,7 +351,7 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
                        std::to_string(WEXITSTATUS(status)) + ": ") + err;
       }
     }
-    if (auto s = slide::core::write_file_atomic(dir + "/result.json", r.dump(2) + "\n"); !s.ok())
+    if (auto s = slide::core::write_file_atomic(dir + "/result.json", r.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"); !s.ok())
       slide::core::log_error(s.to_string());
     std::error_code ec;
     fs::remove(dir + "/pid", ec);
@@ -356,7 +391,9 @@ int run_cross_validation(const CrossValidationOptions& cv, const std::string& se
   std::vector<Trial> trials;
   for (int k = 0; k < cv.folds; ++k) trials.push_back({{"fold", std::to_string(k)}});
   const int code = run_trials(o, &trials, self, cancel);
-  if (code == kExitUsage || code == kExitInterrupted) return code;
+  // Only a sweep that ran (every fold, or some failed) summarises: not one refused, interrupted, or
+  // stopped by another sweep holding --out (whose results.json is not this run's to write).
+  if (code != kExitOk && code != kExitSomeFailed) return code;
   // Per fold: the validation metrics of its best epoch (by validation balanced accuracy, the
   // epoch its best.safetensors holds by default); then their mean and sample standard deviation.
   nlohmann::json per_fold = nlohmann::json::array();
@@ -404,7 +441,7 @@ int run_cross_validation(const CrossValidationOptions& cv, const std::string& se
                                  {"complete_folds", static_cast<int64_t>(values["val_balanced_accuracy"].size())},
                                  {"split", "by patient when the labels CSV has a patient (or case_id) column, else by slide"},
                                  {"per_fold", per_fold}, {"mean", mean}, {"sd", sd}};
-  if (auto s = slide::core::write_file_atomic(cv.out + "/results.json", results.dump(2) + "\n"); !s.ok()) {
+  if (auto s = slide::core::write_file_atomic(cv.out + "/results.json", results.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"); !s.ok()) {
     slide::core::log_error(s.to_string());
     return kExitFailed;
   }

@@ -267,6 +267,20 @@ class TestSweep(Base):
         self.assertEqual(status["t002"]["status"], "failed")
         with open(os.path.join(out, "trials", "t003", "metrics.jsonl")) as f:
             self.assertEqual(len(f.read().splitlines()), 1)
+        with open(os.path.join(out, "trials", "t001", "result.json")) as f:
+            self.assertIn("--lr", json.load(f)["args"])  # what the trial ran with
+
+        # The grid changed under a finished trial (t001: lr 0.1 -> 0.2): its numbers are not the new
+        # settings', so the rerun is refused before any trial starts, naming both.
+        with open(grid, "w") as f:
+            f.write("lr,width,memory-budget\n0.05,8,\n0.2,8,\n0.05,4,20K\n0.1,4,\n")
+        p = self.sweep(out, grid)
+        _, err = p.communicate(timeout=300)
+        self.assertEqual(p.returncode, 2, err)
+        self.assertIn("t001 ran with other options", err)
+        self.assertIn("--lr 0.1 --width 8", err)
+        self.assertIn("--lr 0.2 --width 8", err)
+        self.assertNotIn("trial started", err)
 
     def test_bad_grid_is_a_usage_error(self):
         grid = os.path.join(self.tmp, "bad.toml")
@@ -276,6 +290,19 @@ class TestSweep(Base):
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("bad.toml:1", r.stderr)
+        # An option both in the grid and among the common options would fail every trial (slide-train
+        # refuses a repeated option): a usage error before any starts.
+        good = os.path.join(self.tmp, "good.toml")
+        with open(good, "w") as f:
+            f.write("lr = [0.1, 0.2]\n")
+        for common, message in ((["--lr", "0.3"], "--lr is both a common option and a grid option"),
+                                (["--memory-budget=1G"], "--memory-budget among the common options and "
+                                                          "--trial-memory-budget")):
+            r = subprocess.run([TRAIN, "sweep", "--grid", good, "--out", os.path.join(self.tmp, "dup"),
+                                "--trial-memory-budget", "2G", "--", "--data", self.store] + common,
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(message, r.stderr)
         # Found by fuzz_sweep_grid: a product of long lists is refused before it fills memory, and
         # a name left with dashes ("----lr") would not be one option on a trial's command line.
         for name, text, message in (

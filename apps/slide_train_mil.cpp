@@ -252,8 +252,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   auto weights = parse_class_weights(o.class_weights, **ds, train);
   if (!weights.ok()) return fail(weights.status());
   // A step's loss is divided by the sum of its bags' weights (PyTorch's mean reduction): with one
-  // bag a step, that is the bag's own weight, and the weights cancel.
-  if (weights->defined() && o.batch == 1)
+  // bag a step, that is the bag's own weight, and the weights cancel (but for label smoothing's term,
+  // which weighs each class by its own weight).
+  if (weights->defined() && o.batch == 1 && o.label_smoothing == 0)
     slide::core::log_warn("--class-weights change nothing with --batch-size 1: a step's loss is divided by the sum of "
                           "its bags' weights, its one bag's (PyTorch's mean reduction); give --batch-size 2 or more",
                           {{"class_weights", o.class_weights}});

@@ -420,6 +420,13 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
   const auto B = static_cast<size_t>(options.batch_size);
   const size_t first = std::min(order.size(), static_cast<size_t>(options.start_step) * B);
   BagPrefetcher prefetch(data, order, options.prefetch, be);
+  Tensor weights;  // the class weights where the backend reads them
+  if (options.class_weights.defined()) {
+    SLIDE_ASSIGN_OR_RETURN(Tensor host, Tensor::empty(options.class_weights.shape(), DType::kF32,
+                                                      host_allocator(be), "class weights"));
+    std::copy_n(options.class_weights.data<float>(), options.class_weights.numel(), host.data<float>());
+    SLIDE_ASSIGN_OR_RETURN(weights, on_backend(be, std::move(host), "class weights"));
+  }
   for (size_t start = first; start < order.size(); start += B) {
     if (options.cancel != nullptr && options.cancel->load()) {
       st.completed = false;
@@ -442,8 +449,11 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
                                          std::to_string(opt.steps() + 1) + "), bag " + bag.path + ": the loss is " +
                                          std::to_string(sc.loss) + "; nothing was updated (lower --lr)");
       SLIDE_ASSIGN_OR_RETURN(Tensor dlogits, Tensor::empty(sc.probs.shape(), sc.probs.dtype(), be.allocator(), "logit gradient"));
+      // With class weights, the op's gradient of this one bag is ((sum_c t_c) p - t) / w[y], t the
+      // weighted smoothed target (formulas.h), and the share below makes it ... / W: PyTorch's. (A
+      // bag of a class weighted 0 contributes nothing, where PyTorch's smoothing term would.)
       SLIDE_RETURN_IF_ERROR(
-          be.softmax_cross_entropy_backward(sc.probs, sc.label, Tensor(), options.label_smoothing, dlogits));
+          be.softmax_cross_entropy_backward(sc.probs, sc.label, weights, options.label_smoothing, dlogits));
       // This bag's share of the step's weighted mean loss (PyTorch's weighted CrossEntropyLoss).
       const double share = weight_sum > 0 ? weight_of(order[i]) / weight_sum : 0.0;
       // On the backend (llm.c's dloss); the share rounded to f32 first, as the f32 loop it replaced.

@@ -590,3 +590,54 @@ TEST_CASE("heatmap_canvas refuses a slide file whose level-0 size is not the til
   CHECK(other.status().message().find("level 0 is 2220 x 2967 px, the tiles were cut from a slide of 2220 x 2968 px") !=
         std::string::npos);
 }
+
+TEST_CASE("MIL with class weights and label smoothing: a step's gradient is PyTorch's over its bags") {
+  // PyTorch's CrossEntropyLoss(weight=w, label_smoothing=s) over the step's bags as one batch:
+  // d loss / d logit_bj = ((sum_c t_bc) p_bj - t_bj) / W, t_bc = (1 - s) w[y_b] [c == y_b] + (s / C) w[c],
+  // W = sum_b w[y_b]. The classifier's bias gradient is its sum over the bags.
+  TempDir dir;
+  for (int i = 0; i < 3; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i == 1 ? "b" : "a", 4, 6);
+  auto ds = BagDataset::open({dir.path});
+  REQUIRE(ds.ok());
+  AbmilConfig c;
+  c.in_features = 6, c.hidden = 8, c.attention = 4, c.classes = 2;
+  auto model = Abmil::make(cpu_allocator(), DType::kF32, c, 3);
+  REQUIRE(model.ok());
+  const std::vector<size_t> all = {0, 1, 2};
+  std::vector<float> probs;
+  REQUIRE(evaluate_mil(cpu(), **model, **ds, all, 0, &probs, nullptr).ok());
+  std::vector<Parameter*> params;
+  std::vector<Buffer*> buffers;
+  (*model)->collect("", &params, &buffers);
+  OptimizerConfig oc;
+  oc.name = "sgd", oc.momentum = 0, oc.weight_decay = 0;
+  auto opt = Optimizer::make(oc, params, cpu_allocator());
+  REQUIRE(opt.ok());
+  Schedule sched;
+  sched.kind = "constant", sched.base_lr = 0.01;
+  MilTrainOptions to;
+  to.batch_size = 3, to.prefetch = 0, to.label_smoothing = 0.1;
+  auto w = Tensor::empty({2}, DType::kF32, cpu_allocator(), "class weights");
+  REQUIRE(w.ok());
+  w->data<float>()[0] = 1.0f, w->data<float>()[1] = 5.0f;
+  to.class_weights = *w;
+  REQUIRE(train_mil_epoch(cpu(), **model, **opt, sched, **ds, all, to, 7).ok());
+  const Parameter* bias = nullptr;
+  for (const Parameter* p : params)
+    if (p->name.find("classifier") != std::string::npos && p->value.numel() == 2 && p->value.shape().size() == 1) bias = p;
+  REQUIRE(bias != nullptr);
+  const double s = 0.1, wc[2] = {1.0, 5.0};
+  double W = 0;
+  for (size_t b : all) W += wc[(*ds)->bags()[b].label];
+  double want[2] = {0, 0};
+  for (size_t b : all) {
+    const int y = (*ds)->bags()[b].label;
+    const double tsum = (1 - s) * wc[y] + s / 2 * (wc[0] + wc[1]);
+    for (int j = 0; j < 2; ++j) {
+      const double t = (j == y ? (1 - s) * wc[y] : 0.0) + s / 2 * wc[j];
+      want[j] += (tsum * probs[2 * b + static_cast<size_t>(j)] - t) / W;
+    }
+  }
+  CHECK(bias->grad.data<float>()[0] == doctest::Approx(want[0]).epsilon(1e-4));
+  CHECK(bias->grad.data<float>()[1] == doctest::Approx(want[1]).epsilon(1e-4));
+}

@@ -152,7 +152,9 @@ struct MilTrainOptions {
 // two small copies besides its features' upload.
 // Trains over `positions` (into data.bags()) in an order shuffled with `epoch_seed`. Each step's
 // gradient is that of PyTorch's CrossEntropyLoss(weight, label_smoothing) over the step's bags
-// as one batch: bag b's gradient is scaled by w[y_b] / sum over the step's bags of w[y]. The last
+// as one batch (with smoothing, each class's term weighted by its own weight, as PyTorch's): bag
+// b's gradient is that of the loss op with the class weights, scaled by w[y_b] / sum over the
+// step's bags of w[y]. The last
 // partial step is used. EpochStats: loss (mean over bags), accuracy, balanced accuracy, recall.
 // Errors: kInvalidArgument (batch_size < 1, prefetch < 0), the data's, model's and backend's
 // (kResourceExhausted over the budget: that step is not applied), kOutOfRange when a bag's loss

@@ -585,9 +585,14 @@ slide::core::Status check_resume_split(const std::string& checkpoint, const nloh
   }
   const nlohmann::json& was = saved["split"];
   if (was == record) return slide::core::ok_status();
+  // The file's record may be anything (a hand-edited or damaged state.json): read its counts
+  // without assuming their types.
   auto counts = [](const nlohmann::json& r) {
-    return std::to_string(r.value("train", 0)) + " train / " + std::to_string(r.value("val", 0)) + " validation / " +
-           std::to_string(r.value("test", 0)) + " test";
+    auto count = [&r](const char* k) {
+      return r.is_object() && r.contains(k) && r[k].is_number_integer() ? std::to_string(r[k].get<int64_t>())
+                                                                          : std::string("?");
+    };
+    return count("train") + " train / " + count("val") + " validation / " + count("test") + " test";
   };
   return slide::core::invalid_argument(
       "--resume: " + checkpoint + " was made on another split of the data (" + counts(was) + " slides then, " +

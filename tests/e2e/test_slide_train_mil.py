@@ -383,6 +383,16 @@ class TestResume(Base):
         self.assertIn("was made on another split of the data (168 train / 72 validation / 0 test slides then, "
                       "167 train / 72 validation / 0 test now)", r.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
+        # A damaged split record (a count of the wrong type) is refused the same way, not a crash.
+        state = os.path.join(cut, "checkpoints", before[-1], "state.json")
+        with open(state) as f:
+            doc = json.load(f)
+        doc["split"]["train"] = "many"
+        with open(state, "w") as f:
+            json.dump(doc, f)
+        r = run_train("--out", cut, "--resume", *args)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made on another split of the data (? train / 72 validation / 0 test slides then", r.stderr)
 
 
 class TestMemoryFlat(Base):

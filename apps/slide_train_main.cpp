@@ -504,6 +504,9 @@ int run_main(int argc, char** argv) {
   all.insert(all.end(), val_data.begin(), val_data.end());
   auto ds = TileDataset::open(all, labels_csv);
   if (!ds.ok()) return fail(ds.status());
+  if ((*ds)->unlabelled_tiles_skipped() > 0)
+    slide::core::log_info("tiles without a label from the annotations left out",
+                          {{"tiles", static_cast<int64_t>((*ds)->unlabelled_tiles_skipped())}});
   if (auto s = (*ds)->set_stain(*stain); !s.ok()) return fail(s);
   if (stain->method != slide::train::StainMethod::kNone)
     slide::core::log_info("stain normalisation", {{"reference", stain_options.reference},

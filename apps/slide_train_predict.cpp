@@ -78,6 +78,9 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   const auto classes = state["classes"].get<std::vector<std::string>>();
   auto ds = TileDataset::open(o.data, o.labels, /*allow_unlabelled=*/predict);
   if (!ds.ok()) return fail(ds.status());
+  if ((*ds)->unlabelled_tiles_skipped() > 0)
+    slide::core::log_info("tiles without a label from the annotations left out",
+                          {{"tiles", static_cast<int64_t>((*ds)->unlabelled_tiles_skipped())}});
   // The stores may list the classes in another order, or only some of them: labels are matched by name.
   if (auto s = (*ds)->remap_classes(classes); !s.ok())
     return fail(s.with_context("--data against the checkpoint's classes " + state["classes"].dump()));

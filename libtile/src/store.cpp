@@ -1153,32 +1153,63 @@ const StoreMeta& StoreReader::meta() const { return impl_->meta; }
 const std::vector<SlideRecord>& StoreReader::slides() const { return impl_->slides; }
 uint64_t StoreReader::tile_count() const { return impl_->tile_count; }
 
+namespace {
+
+// Tile `index`'s record inside the open read transaction `txn` of reader `r`: its header and a view
+// of its payload (valid until the transaction ends). Errors: those of StoreReader::read_tile.
+Status get_tile_in(const StoreReader::Impl& r, MDB_txn* txn, uint64_t index, TileHeader* header,
+                   std::span<const uint8_t>* body) {
+  const auto what = [&] { return "store " + r.dir + ": tile " + std::to_string(index); };
+  auto key = tile_key(index);
+  MDB_val k = as_val(key.data(), key.size()), v;
+  int rc = lmdb_guarded(mdb_get, txn, r.tiles_dbi, &k, &v);
+  if (rc == MDB_NOTFOUND) {
+    if (index < r.tile_count)  // the meta counts it, the B-tree lacks it: damaged, not a caller's mistake
+      return slide::core::data_loss(what() + " is missing although the store holds " + std::to_string(r.tile_count) +
+                                    " tiles: data.mdb is damaged (tile it again into a new store)");
+    return slide::core::out_of_range(what() + " is not in the store (" + std::to_string(r.tile_count) + " tiles)");
+  }
+  if (rc != 0) return lmdb_status(rc, "read").with_context(what());
+  SLIDE_RETURN_IF_ERROR_CTX(
+      decode_tile_record(std::span<const uint8_t>(static_cast<const uint8_t*>(v.mv_data), v.mv_size), header, body),
+      what());
+  return slide::core::ok_status();
+}
+
+}  // namespace
+
 Status StoreReader::read_tile(uint64_t index, TileHeader* header, std::vector<uint8_t>* payload) const {
   const Impl& r = *impl_;
-  const std::string what = "store " + r.dir + ": tile " + std::to_string(index);
   std::shared_lock<std::shared_mutex> lock(r.resize_mu);
   MDB_txn* raw = nullptr;
   int rc = r.begin_read(lock, &raw);
-  if (rc != 0) return lmdb_status(rc, "begin read transaction").with_context(what);
+  if (rc != 0)
+    return lmdb_status(rc, "begin read transaction").with_context("store " + r.dir + ": tile " + std::to_string(index));
   TxnGuard txn(raw);
-  auto key = tile_key(index);
-  MDB_val k = as_val(key.data(), key.size()), v;
-  rc = lmdb_guarded(mdb_get, raw, r.tiles_dbi, &k, &v);
-  if (rc == MDB_NOTFOUND) {
-    if (index < r.tile_count)  // the meta counts it, the B-tree lacks it: damaged, not a caller's mistake
-      return slide::core::data_loss(what + " is missing although the store holds " + std::to_string(r.tile_count) +
-                                    " tiles: data.mdb is damaged (tile it again into a new store)");
-    return slide::core::out_of_range(what + " is not in the store (" + std::to_string(r.tile_count) + " tiles)");
-  }
-  if (rc != 0) return lmdb_status(rc, "read").with_context(what);
   TileHeader h;
   std::span<const uint8_t> body;
-  SLIDE_RETURN_IF_ERROR_CTX(
-      decode_tile_record(std::span<const uint8_t>(static_cast<const uint8_t*>(v.mv_data), v.mv_size), &h, &body),
-      what);
+  SLIDE_RETURN_IF_ERROR(get_tile_in(r, raw, index, &h, &body));
   // Copy while the transaction is open: LMDB's pointer is only valid until it ends.
   payload->assign(body.begin(), body.end());
   *header = h;
+  return slide::core::ok_status();
+}
+
+Status StoreReader::read_tile_headers(uint64_t first, uint64_t count, std::vector<TileHeader>* headers) const {
+  const Impl& r = *impl_;
+  headers->clear();
+  if (count > r.tile_count || first > r.tile_count - count)
+    return slide::core::out_of_range("store " + r.dir + ": tiles " + std::to_string(first) + " + " +
+                                     std::to_string(count) + " are not in the store (" + std::to_string(r.tile_count) +
+                                     " tiles)");
+  std::shared_lock<std::shared_mutex> lock(r.resize_mu);
+  MDB_txn* raw = nullptr;
+  int rc = r.begin_read(lock, &raw);
+  if (rc != 0) return lmdb_status(rc, "begin read transaction").with_context("store " + r.dir);
+  TxnGuard txn(raw);
+  headers->resize(static_cast<size_t>(count));
+  std::span<const uint8_t> body;
+  for (uint64_t i = 0; i < count; ++i) SLIDE_RETURN_IF_ERROR(get_tile_in(r, raw, first + i, &(*headers)[i], &body));
   return slide::core::ok_status();
 }
 

@@ -99,8 +99,48 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       if (inserted) ds->class_names_.push_back(name);
       map_label.push_back(it->second);
     }
+    // A store tiled with --label-from-annotations labels each tile (its header) from the slide's
+    // GeoJSON; without a labels CSV those labels are the ones trained on (the slide's own, from a
+    // manifest, is ignored). A tile no class covered enough (-1) is left out, or kept as kNoLabel
+    // with allow_unlabelled.
+    const bool tile_labels = csv.empty() && meta.annotation_options.find("label_from_annotations=1") != std::string::npos;
+    std::vector<slide::tile::TileHeader> headers;
     for (const auto& rec : reader->slides()) {
       if (rec.tile_count == 0) continue;
+      if (tile_labels) {
+        SLIDE_RETURN_IF_ERROR(reader->read_tile_headers(rec.first_tile_index, rec.tile_count, &headers));
+        std::vector<TileRef> kept;
+        const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
+        for (uint64_t t = 0; t < rec.tile_count; ++t) {
+          const int32_t l = headers[static_cast<size_t>(t)].label;
+          if (headers[static_cast<size_t>(t)].slide_index != rec.index)
+            return slide::core::data_loss("store " + stores[s] + ": tile " + std::to_string(rec.first_tile_index + t) +
+                                          " belongs to slide " +
+                                          std::to_string(headers[static_cast<size_t>(t)].slide_index) +
+                                          ", its record says slide " + std::to_string(rec.index) + " ('" +
+                                          rec.slide_id + "'): data.mdb is damaged");
+          if (l >= 0 && static_cast<size_t>(l) >= map_label.size())
+            return slide::core::data_loss("store " + stores[s] + ": tile " + std::to_string(rec.first_tile_index + t) +
+                                          " has label index " + std::to_string(l) + ", the store names " +
+                                          std::to_string(map_label.size()) + " labels");
+          if (l < 0 && !allow_unlabelled) {
+            ++ds->unlabelled_tiles_skipped_;
+            continue;
+          }
+          kept.push_back(TileRef{static_cast<uint32_t>(s), rec.first_tile_index + t,
+                                 l < 0 ? kNoLabel : map_label[static_cast<size_t>(l)], slide});
+        }
+        if (kept.empty()) continue;
+        ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
+        ds->slide_store_.push_back(static_cast<uint32_t>(s));
+        ds->slide_records_.push_back(rec);
+        ds->slide_group_.push_back(patient_index
+                                       .emplace("\x01slide:" + rec.slide_id,
+                                                static_cast<uint32_t>(patient_index.size()))
+                                       .first->second);
+        ds->tiles_.insert(ds->tiles_.end(), kept.begin(), kept.end());
+        continue;
+      }
       int32_t label = kNoLabel;
       const auto row = csv.find(rec.slide_id);
       if (!csv.empty()) {
@@ -121,7 +161,7 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       ds->slide_records_.push_back(rec);
       // Group: the patient's (numbered by first appearance) when the CSV names one, else the slide's own.
       const std::string patient = row == csv.end() ? "" : row->second.patient;
-      const std::string group_key = patient.empty() ? "\x01slide:" + ds->slide_ids_.back() : "patient:" + patient;
+      const std::string group_key = patient.empty() ? "\x01slide:" + rec.slide_id : "patient:" + patient;
       ds->slide_group_.push_back(
           patient_index.emplace(group_key, static_cast<uint32_t>(patient_index.size())).first->second);
       for (uint64_t t = 0; t < rec.tile_count; ++t)

@@ -1659,6 +1659,74 @@ class TestLabelsCsv(Base):
         self.assertIn("labels.csv:3: slide 'CMU-1-Small-Region' appears twice", r.stderr)
 
 
+class TestAnnotationLabels(Base):
+    def test_tile_labels_from_annotations_are_trained_on(self):
+        """A store tiled with --label-from-annotations: each tile's label is its header's (the
+        GeoJSON's class), tiles no class covers are left out of training and evaluation and kept
+        unlabelled by predict; the slide has no label of its own."""
+        import lmdb
+        import struct
+        annot = os.path.join(self.tmp, "annot.geojson")
+        # CMU-1-Small-Region is 2220 x 2967 level-0 px: "tumor" top left, "stroma" bottom right,
+        # the rest unannotated.
+        rect = lambda x0, y0, x1, y1: [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]
+        with open(annot, "w") as f:
+            json.dump({"type": "FeatureCollection", "features": [
+                {"type": "Feature", "properties": {"classification": {"name": "tumor"}},
+                 "geometry": {"type": "Polygon", "coordinates": rect(0, 0, 1024, 1536)}},
+                {"type": "Feature", "properties": {"classification": {"name": "stroma"}},
+                 "geometry": {"type": "Polygon", "coordinates": rect(1280, 1536, 2220, 2967)}}]}, f)
+        store = os.path.join(self.tmp, "annotated")
+        r = subprocess.run([TILE, os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"), "--mpp", "2",
+                            "--tile-size", "32", "--min-tissue", "0", "--annotations", annot,
+                            "--label-from-annotations", "-o", store, "-q"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        names = json.loads(subprocess.run([TILE, "info", store, "--json"], capture_output=True,
+                                          text=True).stdout)["label_names"]
+        self.assertEqual(names, ["tumor", "stroma"])
+        env = lmdb.open(store, readonly=True, lock=False, max_dbs=4)
+        with env.begin() as txn:
+            headers = [struct.unpack_from("<4sHHIiqqIIBBHI", v) for _, v in txn.cursor(db=env.open_db(b"tiles", txn=txn))]
+        env.close()
+        want = {(h[5], h[6]): names[h[4]] for h in headers if h[4] >= 0}
+        unlabelled = sum(h[4] < 0 for h in headers)
+        counts = {n: sum(v == n for v in want.values()) for n in names}
+        self.assertGreater(counts["tumor"], 10)
+        self.assertGreater(counts["stroma"], 10)
+        self.assertGreater(unlabelled, 10)
+
+        out = os.path.join(self.tmp, "annot-run")
+        r = subprocess.run([TRAIN, "--data", store, "--out", out, "--epochs", "1", "--batch-size", "16", "--width", "4",
+                            "--val-fraction", "0", "--threads", "2"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        left_out = [l for l in r.stderr.splitlines() if "without a label from the annotations left out" in l]
+        self.assertEqual(len(left_out), 1, r.stderr)
+        self.assertIn(str(unlabelled), left_out[0])
+        ckpt = os.path.join(out, "checkpoints", "epoch-1-step-0")
+        with open(os.path.join(ckpt, "state.json")) as f:
+            self.assertEqual(json.load(f)["classes"], names)
+        # evaluate: one row per labelled tile, each with its own tile's label.
+        ev = os.path.join(self.tmp, "annot-ev")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", ckpt, "--data", store, "--out", ev],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(ev, "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f]
+        self.assertEqual(rows[0][:4], ["slide_id", "x_l0", "y_l0", "label"])
+        self.assertEqual({(int(x[1]), int(x[2])): x[3] for x in rows[1:]}, want)
+        self.assertEqual(len(rows) - 1, len(want))
+        # predict: every tile, the unannotated ones without a label.
+        pred = os.path.join(self.tmp, "annot-pred")
+        r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", store, "--out", pred],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(pred, "predictions.csv")) as f:
+            rows = [l.rstrip("\n").split(",") for l in f][1:]
+        self.assertEqual(len(rows), len(headers))
+        self.assertEqual({(int(x[1]), int(x[2])): x[3] for x in rows if x[3]}, want)
+        self.assertEqual(sum(x[3] == "" for x in rows), unlabelled)
+
+
 class TestTorchvision(unittest.TestCase):
     """Numerics against PyTorch: torchvision's resnet18 with its own initial weights, one batch,
     forward in training mode, cross-entropy, backward, one SGD-momentum step; the logits, the

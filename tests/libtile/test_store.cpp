@@ -412,6 +412,22 @@ TEST_CASE("test_store: write two slides, read them back") {
   Status missing = rd.read_tile(9, &h, &payload);
   CHECK(missing.code() == StatusCode::kOutOfRange);
   CHECK(missing.message().find(dir) != std::string::npos);
+  // Headers only, a range in one transaction: slide b's two tiles.
+  std::vector<TileHeader> headers;
+  REQUIRE(rd.read_tile_headers(7, 2, &headers).ok());
+  REQUIRE(headers.size() == 2);
+  for (uint64_t k = 0; k < 2; ++k) {
+    CHECK(headers[k].slide_index == 1);
+    CHECK(headers[k].x_l0 == static_cast<int64_t>(k) * 64);
+    CHECK(headers[k].label == -1);
+    CHECK(headers[k].payload_bytes == make_payload(2000 + k, 100 + k).size());
+  }
+  REQUIRE(rd.read_tile_headers(0, 9, &headers).ok());
+  CHECK(headers.size() == 9);
+  missing = rd.read_tile_headers(8, 2, &headers);
+  CHECK(missing.code() == StatusCode::kOutOfRange);
+  CHECK(missing.message().find(dir) != std::string::npos);
+  CHECK(rd.read_tile_headers(~uint64_t{0}, 2, &headers).code() == StatusCode::kOutOfRange);  // no wrap-around
   }  // the reader is closed before raw LMDB opens the store
 
   // Raw layout: keys are 8-byte big-endian and dense; meta strings as documented.

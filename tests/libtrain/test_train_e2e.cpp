@@ -213,6 +213,33 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("split: a slide id in two stores is one slide (never on both sides of the split)") {
+  // The same 360 patches tiled into two stores (as one slide tiled at two resolutions, or twice):
+  // 360 groups, not 720, and no slide id both trains and validates.
+  const std::string dir = temp_dir();
+  lc16(dir + "/a");
+  lc16(dir + "/b");
+  auto data = TileDataset::open({dir + "/a", dir + "/b"});
+  REQUIRE_MESSAGE(data.ok(), data.status().to_string());
+  CHECK((*data)->tiles().size() == 720);
+  CHECK((*data)->groups() == 360);
+  const auto id = [&](size_t p) { return (*data)->slide_record((*data)->tiles()[p].slide).slide_id; };
+  const auto check_disjoint = [&](const std::vector<size_t>& tr, const std::vector<size_t>& va) {
+    std::set<std::string> train_ids, val_ids;
+    for (size_t p : tr) train_ids.insert(id(p));
+    for (size_t p : va) val_ids.insert(id(p));
+    CHECK(val_ids.size() == va.size() / 2);  // each validation slide with its tiles of both stores
+    for (const auto& v : val_ids) CHECK(train_ids.count(v) == 0);
+  };
+  std::vector<size_t> tr, va;
+  (*data)->split_by_slide(0.25, 7, &tr, &va);
+  CHECK(va.size() == 180);
+  check_disjoint(tr, va);
+  REQUIRE((*data)->split_fold(5, 2, 7, &tr, &va).ok());
+  check_disjoint(tr, va);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("gradient accumulation: 3 micro-batches give the update of one batch (no batch norm)") {
   const std::string dir = temp_dir();
   auto data = lc16(dir + "/lc");

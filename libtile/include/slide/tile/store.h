@@ -234,6 +234,10 @@ class StoreReader {
   // past tile_count()), kDataLoss (bad record, or a tile below tile_count() missing: a damaged
   // data.mdb).
   [[nodiscard]] Status read_tile(uint64_t index, TileHeader* header, std::vector<uint8_t>* payload) const;
+  // The headers of tiles [first, first + count) in one read transaction, payloads not copied
+  // (e.g. the per-tile labels of a store tiled with --label-from-annotations); `headers` gets
+  // `count` entries. Errors: those of read_tile, kOutOfRange for a range past tile_count().
+  [[nodiscard]] Status read_tile_headers(uint64_t first, uint64_t count, std::vector<TileHeader>* headers) const;
 
   struct Impl;
 

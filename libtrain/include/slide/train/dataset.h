@@ -65,16 +65,26 @@ class TileDataset {
   // naming the file and line (missing columns, a duplicate slide id) or the first slide with no
   // row.
   //
+  // A store tiled with --label-from-annotations (its meta's annotation_options) has a label per
+  // tile (TileHeader::label, the class of the slide's GeoJSON covering it): without `labels_csv`
+  // those are the labels, the slide's own is not used; tiles with none (-1: no class covered
+  // enough of them) are left out and counted in unlabelled_tiles_skipped(), and a slide left with
+  // no tile is not listed. Errors also: kDataLoss naming the store and tile for a header whose
+  // slide or label index does not fit the store's records.
+  //
   // With `allow_unlabelled` (prediction on new slides), a slide without a label (in the store, or
-  // without a row in `labels_csv`) is listed with label kNoLabel instead of being an error;
-  // labelled() then tells whether every tile has one. load_batch writes kNoLabel for such tiles:
-  // only label-free uses (trainer.h's predict) may take them.
+  // without a row in `labels_csv`) is listed with label kNoLabel instead of being an error, and so
+  // is a tile without one in a store labelled from annotations; labelled() then tells whether every
+  // tile has one. load_batch writes kNoLabel for such tiles: only label-free uses (trainer.h's
+  // predict) may take them.
   [[nodiscard]] static Result<std::unique_ptr<TileDataset>> open(const std::vector<std::string>& stores,
                                                                  const std::string& labels_csv = "",
                                                                  bool allow_unlabelled = false);
 
   // Whether every tile has a label (always true unless opened with allow_unlabelled).
   bool labelled() const;
+  // Tiles of stores labelled from annotations that open() left out for having no label.
+  uint64_t unlabelled_tiles_skipped() const { return unlabelled_tiles_skipped_; }
 
   const std::vector<std::string>& class_names() const { return class_names_; }
   // Re-indexes the labels onto `names` (a model's class list, e.g. a checkpoint's), matching by
@@ -127,7 +137,8 @@ class TileDataset {
   [[nodiscard]] Status tile_header(size_t position, slide::tile::TileHeader* header) const;
 
   // Tile positions split by slide, or by patient when the labels CSV has a `patient` column (the
-  // slides of one patient stay together): groups shuffled with `seed`, round(val_fraction x
+  // slides of one patient stay together; a slide id found in two stores, e.g. one slide tiled at
+  // two resolutions, is one slide): groups shuffled with `seed`, round(val_fraction x
   // groups) (at least one when val_fraction > 0 and there are two groups or more) go to
   // validation.
   void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
@@ -169,7 +180,7 @@ class TileDataset {
   std::vector<std::string> store_dirs_;
   std::vector<std::unique_ptr<slide::tile::StoreReader>> stores_;
   std::vector<std::string> class_names_, slide_ids_;
-  std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its own
+  std::vector<uint32_t> slide_group_;  // per slide: its patient's index, or its slide id's (across stores)
   std::vector<uint32_t> slide_store_;  // per slide: its store's index
   std::vector<bool> held_out_;         // per group, after hold_out: its tiles are the test set
   std::vector<uint32_t> kept_groups() const;  // the groups not held out, in index order
@@ -182,6 +193,7 @@ class TileDataset {
   // Tile `position` as S x S RGB into `rgb` (from the cache, or read and decoded).
   [[nodiscard]] Status decode_tile(size_t position, uint8_t* rgb) const;
   std::vector<TileRef> tiles_;
+  uint64_t unlabelled_tiles_skipped_ = 0;
   int64_t tile_size_ = 0;
   StainTarget stain_;  // applied by decode_tile after decoding (method kNone: not)
 };

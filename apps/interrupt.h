@@ -1,6 +1,6 @@
-// Ctrl-C and SIGTERM for the command-line tools (only apps/ touch signals): the first signal sets
-// the tool's cancel flag, which its library checks at safe points (a transaction, a step, a bag),
-// and prints what the tool will do; a second one exits 130 at once. Either way nothing complete
+// Ctrl-C, SIGTERM and SIGHUP for the command-line tools (only apps/ touch signals): the first
+// signal sets the tool's cancel flag, which its library checks at safe points (a transaction, a
+// step, a bag), and prints what the tool will do; a second SIGINT or SIGTERM exits 130 at once. Either way nothing complete
 // is lost: outputs are committed atomically (LMDB transactions, files renamed into place).
 //
 // The signals are taken by one thread of their own (sigwait), never by a thread at work: the
@@ -26,12 +26,20 @@ namespace slide::apps {
 
 constexpr int kExitInterruptedCode = 130;
 
-// The signals this file takes: SIGINT and SIGTERM.
+namespace detail {
+// Whether SIGHUP is taken: not when the process started with it ignored (nohup), which it keeps.
+inline std::atomic<bool> g_take_sighup{true};
+}  // namespace detail
+
+// The signals this file takes: SIGINT, SIGTERM, and SIGHUP (a closed terminal, or a supervisor's
+// death: the sweep's trials and the --gpus launcher's ranks get it through PR_SET_PDEATHSIG)
+// unless the process started with SIGHUP ignored.
 inline sigset_t interrupt_signals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
+  if (detail::g_take_sighup.load()) sigaddset(&set, SIGHUP);
   return set;
 }
 
@@ -49,7 +57,10 @@ inline void on_interrupt(int sig) {
   g_last_signal.store(sig);
   g_signal_count.fetch_add(1);
   if (g_count_only.load()) return;
-  if (g_interrupted.exchange(true)) _exit(kExitInterruptedCode);
+  // SIGHUP never stops at once: a supervisor's death can deliver its PR_SET_PDEATHSIG twice (the
+  // child is reparented to another of the dying process's threads first, then to init, and each
+  // reparenting sends it), and that must not cut the checkpoint short.
+  if (g_interrupted.exchange(true) && sig != SIGHUP) _exit(kExitInterruptedCode);
   const char* message = g_interrupt_message.load();
   (void)!::write(STDERR_FILENO, message, std::strlen(message));
 }
@@ -73,12 +84,15 @@ inline void install_interrupt_handlers(const char* message) {
   detail::g_interrupt_message.store(message);
   static std::once_flag once;
   std::call_once(once, [] {
+    struct sigaction old {};
+    if (sigaction(SIGHUP, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) detail::g_take_sighup.store(false);
     struct sigaction sa {};
     sa.sa_handler = detail::on_interrupt;
     sa.sa_flags = SA_RESTART;
     sigfillset(&sa.sa_mask);
     sigaction(SIGINT, &sa, nullptr);
     sigaction(SIGTERM, &sa, nullptr);
+    if (detail::g_take_sighup.load()) sigaction(SIGHUP, &sa, nullptr);
     const sigset_t set = interrupt_signals();
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     std::thread(detail::signal_thread).detach();
@@ -102,7 +116,9 @@ inline void reset_interrupt_signals_in_child() {
   sigemptyset(&dfl.sa_mask);
   ::sigaction(SIGINT, &dfl, nullptr);
   ::sigaction(SIGTERM, &dfl, nullptr);
-  const sigset_t set = interrupt_signals();
+  ::sigaction(SIGHUP, &dfl, nullptr);
+  sigset_t set = interrupt_signals();
+  sigaddset(&set, SIGHUP);
   ::sigprocmask(SIG_UNBLOCK, &set, nullptr);
 }
 

@@ -113,10 +113,10 @@ int run_launcher(const LaunchOptions& o) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // The child: its own process group (a terminal's Ctrl-C reaches only the launcher, which
-      // passes it on once), SIGTERM when the launcher dies, default signal handling and mask, its sockets
+      // passes it on once), SIGHUP when the launcher dies, default signal handling and mask, its sockets
       // kept open across exec.
       ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      ::prctl(PR_SET_PDEATHSIG, SIGHUP);
       if (::getppid() != launcher) ::_exit(kExitFailed);  // the launcher died before prctl
       reset_interrupt_signals_in_child();
       for (int fd : mine) ::fcntl(fd, F_SETFD, 0);

@@ -9,10 +9,11 @@
 //   "socket" communicator); with --backend cuda the ranks use NCCL, its unique id sent over them.
 // - Threads. Unless OMP_NUM_THREADS is set, each child gets the machine's cores divided by N.
 // - Signals. The children run in their own process group, so a Ctrl-C at the terminal reaches
-//   only the launcher, which passes each SIGINT/SIGTERM it gets on to every child once: the first
-//   makes the ranks agree to stop after the current step and write a checkpoint (exit 130), a
-//   second stops them at once, as for one process. If the launcher itself is killed, the kernel
-//   sends each child SIGTERM (PR_SET_PDEATHSIG).
+//   only the launcher, which passes each SIGINT/SIGTERM/SIGHUP it gets on to every child once: the
+//   first makes the ranks agree to stop after the current step and write a checkpoint (exit 130), a
+//   second SIGINT or SIGTERM stops them at once, as for one process. If the launcher itself is
+//   killed, the kernel sends each child SIGHUP (PR_SET_PDEATHSIG; SIGHUP because the kernel may
+//   send it twice, and a second SIGHUP does not cut the checkpoint short, interrupt.h).
 // - Failure. When a child exits with a non-zero code or is killed by a signal (and no stop was
 //   asked for), the launcher names it ("rank R (pid P) exited with code C" or "was killed by
 //   SIGKILL"), sends the others SIGTERM, and SIGKILLs whatever is left after `stop_timeout_s`. Its

@@ -2,11 +2,12 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "interrupt.h"
 #include "slide/core/dir_lock.h"
@@ -25,8 +27,6 @@
 #include "slide/core/log.h"
 #include "sweep_grid.h"
 #include "train_common.h"
-
-extern char** environ;
 
 namespace slide::apps {
 
@@ -123,6 +123,11 @@ CLI::App* add_sweep_command(CLI::App& app, SweepOptions* o) {
       ->required()->check(CLI::ExistingFile);
   sweep->add_option("--out", o->out, "Sweep directory: trials/tNNN/, results.json, results.csv")->required();
   sweep->add_option("--parallel", o->parallel, "Trials at once")->capture_default_str()->check(CLI::PositiveNumber);
+  sweep->add_option("--devices", o->devices_text,
+                    "GPUs to spread the trials over (e.g. 0,1,2,3 with --parallel 4): each trial started gets "
+                    "--device D, D the listed GPU running fewest trials (a GPU listed twice takes two); without it "
+                    "every trial uses its own --device or the default GPU")
+      ->type_name("LIST");
   sweep->add_option("--trial-memory-budget", o->trial_memory_budget,
                     "--memory-budget of every trial that does not set its own (e.g. 2G)");
   sweep->add_option("common", o->common, "slide-train options for every trial, after --");
@@ -136,7 +141,21 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
 
 }  // namespace
 
-int run_sweep(const SweepOptions& o, const std::string& self, const std::atomic<bool>* cancel) {
+int run_sweep(const SweepOptions& options, const std::string& self, const std::atomic<bool>* cancel) {
+  SweepOptions o = options;
+  if (!o.devices_text.empty()) {  // "0,1,2,3"
+    std::stringstream in(o.devices_text);
+    for (std::string item; std::getline(in, item, ',');) {
+      int d = -1;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), d);
+      if (ec != std::errc() || end != item.data() + item.size() || d < 0) {
+        slide::core::log_error("sweep: --devices " + o.devices_text + ": '" + item +
+                               "' is not a GPU number (a comma-separated list such as 0,1,2,3)");
+        return kExitUsage;
+      }
+      o.devices.push_back(d);
+    }
+  }
   auto text = slide::core::read_file(o.grid);
   if (!text.ok()) {
     slide::core::log_error(text.status().to_string());
@@ -187,6 +206,10 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
           slide::core::log_error("sweep: --" + key + " is both a common option and a grid option; give it in one place");
           return kExitUsage;
         }
+    if (key == "device" && !o.devices.empty()) {
+      slide::core::log_error("sweep: --device among the common options and --devices: give one");
+      return kExitUsage;
+    }
     if (key == "memory-budget" && !o.trial_memory_budget.empty()) {
       slide::core::log_error("sweep: --memory-budget among the common options and --trial-memory-budget: give one");
       return kExitUsage;
@@ -198,6 +221,13 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
       return kExitUsage;
     }
   }
+  if (!o.devices.empty())
+    for (const Trial& t : *trials)
+      for (const auto& kv : t)
+        if (kv.first == "device") {
+          slide::core::log_error("sweep: the grid sets --device and --devices assigns it: give one");
+          return kExitUsage;
+        }
   // One sweep per --out; each trial's slide-train locks its own trials/tNNN, so the sweep and
   // its trials never wait on each other.
   auto out_lock = slide::core::DirLock::acquire(o.out, "sweep directory");
@@ -255,10 +285,16 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
   struct Running {
     size_t trial;
     std::chrono::steady_clock::time_point t0;
+    int device_slot;  // its GPU's index in --devices, or -1
   };
   std::map<pid_t, Running> running;
+  std::vector<int> device_use(o.devices.size(), 0);  // running trials per --devices entry
   size_t next = 0;
-  bool interrupted = false, forwarded = false;
+  bool interrupted = false;
+  // Signals are counted, not acted on, from here: the loop passes each on to the running trials
+  // (the first: they checkpoint and exit 130; a second: they stop at once).
+  count_interrupts_only();
+  int forwarded = 0;
   auto launch = [&](size_t i) -> Status {
     const std::string dir = o.out + "/trials/" + trial_id(i);
     SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
@@ -269,44 +305,63 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     // metrics may be there) starts again, replacing what it left.
     if (has_checkpoint(dir) && !start_over.count(i)) args.push_back("--resume");
     else if (!earlier_run_files(dir).empty()) args.push_back("--overwrite");
+    // A GPU from --devices: the listed one running fewest trials.
+    int slot = -1;
+    if (!o.devices.empty()) {
+      slot = 0;
+      for (size_t d = 1; d < o.devices.size(); ++d)
+        if (device_use[d] < device_use[static_cast<size_t>(slot)]) slot = static_cast<int>(d);
+      args.insert(args.end(), {"--device", std::to_string(o.devices[static_cast<size_t>(slot)])});
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
     const std::string log = dir + "/log.txt";
-    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
-    // The trial starts with SIGINT and SIGTERM unblocked and at their defaults, whatever this
-    // process's mask (interrupt.h blocks them in every thread but its signal thread).
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t none;
-    sigemptyset(&none);
-    const sigset_t defaults = interrupt_signals();
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-    pid_t pid = 0;
-    const int rc = posix_spawn(&pid, self.c_str(), &fa, &attr, argv.data(), environ);
-    posix_spawnattr_destroy(&attr);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) return slide::core::errno_status(rc, "start trial " + trial_id(i) + " (" + self + ")");
+    const int log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (log_fd < 0) return slide::core::errno_status(errno, "open " + log);
+    const pid_t sweep_pid = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // The trial: its own process group (a terminal's Ctrl-C reaches only the sweep, which
+      // passes it on once; two would stop a trial before its checkpoint), SIGHUP when the sweep
+      // dies (it checkpoints and stops instead of running on unwatched; SIGHUP, as the kernel may
+      // send it twice, interrupt.h), SIGINT, SIGTERM and SIGHUP at their defaults and unblocked whatever this process's mask, stdout and stderr to log.txt.
+      // Only async-signal-safe calls between fork and exec.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGHUP);
+      if (::getppid() != sweep_pid) ::_exit(kExitFailed);  // the sweep died before prctl
+      reset_interrupt_signals_in_child();
+      if (::dup2(log_fd, STDOUT_FILENO) < 0 || ::dup2(log_fd, STDERR_FILENO) < 0) ::_exit(127);
+      ::execv(self.c_str(), argv.data());
+      const char msg[] = "slide-train sweep: cannot start the trial (execv failed)\n";
+      (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
+      ::_exit(127);
+    }
+    const int fork_errno = errno;
+    ::close(log_fd);
+    if (pid < 0) return slide::core::errno_status(fork_errno, "start trial " + trial_id(i) + " (" + self + ")");
+    ::setpgid(pid, pid);  // also here: no race with a signal passed on before the child ran setpgid
     SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/pid", std::to_string(pid) + "\n"));
     std::string line;
     for (size_t k = 1; k < args.size(); ++k) line += (k > 1 ? " " : "") + args[k];
     slide::core::log_info("trial started", {{"trial", trial_id(i)}, {"pid", static_cast<int64_t>(pid)}, {"args", line}});
-    running[pid] = {i, std::chrono::steady_clock::now()};
+    running[pid] = {i, std::chrono::steady_clock::now(), slot};
+    if (slot >= 0) ++device_use[static_cast<size_t>(slot)];
     records[i]["status"] = "running";
     return slide::core::ok_status();
   };
   while (true) {
-    if (cancel != nullptr && cancel->load()) {
+    if (!interrupted && ((cancel != nullptr && cancel->load()) || signal_count() > 0)) {
       interrupted = true;
-      if (!forwarded) {
-        for (const auto& [pid, r] : running) ::kill(pid, SIGINT);  // each trial checkpoints and exits 130
-        forwarded = true;
-      }
+      slide::core::log_warn("sweep: interrupted: the running trials checkpoint and stop (a second Ctrl-C stops them at "
+                            "once); rerun the sweep to finish",
+                            {{"running", static_cast<int64_t>(running.size())}});
+      if (signal_count() == 0)  // cancelled without a signal: pass on one SIGINT
+        for (const auto& [pid, r] : running) ::kill(pid, SIGINT);
+    }
+    while (forwarded < signal_count()) {
+      ++forwarded;
+      for (const auto& [pid, r] : running) ::kill(pid, last_signal());
     }
     while (!interrupted && next < todo.size() && running.size() < static_cast<size_t>(o.parallel)) {
       if (auto s = launch(todo[next++]); !s.ok()) {
@@ -317,15 +372,21 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     }
     if (running.empty()) break;
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
+    // Polled, so that a signal is passed on at once (the signals are blocked in this thread: a
+    // blocking waitpid would not return for one).
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) {
       slide::core::log_error(std::string("waitpid: ") + std::strerror(errno));
       return kExitFailed;
+    }
+    if (pid <= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
     }
     auto it = running.find(pid);
     if (it == running.end()) continue;
     const size_t i = it->second.trial;
+    if (it->second.device_slot >= 0) --device_use[static_cast<size_t>(it->second.device_slot)];
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.t0).count();
     running.erase(it);
     const std::string dir = o.out + "/trials/" + trial_id(i);

@@ -22,6 +22,14 @@
 // (<out>/writer.lock) while it runs; each trial holds its own trials/tNNN/writer.lock. Option
 // values out of range (train_common.h, check_number_option) in the grid or the common options are
 // a usage error before any trial starts.
+// GPUs: --devices 0,1,2,3 gives each trial it starts `--device D`, D the listed GPU that runs the
+// fewest trials at that moment (with --parallel 4, one trial per GPU); --device in the grid or the
+// common options beside it is a usage error. Without it every trial takes the same default GPU.
+// Signals: each trial runs in its own process group, so a terminal's Ctrl-C reaches the sweep
+// alone; the sweep passes every SIGINT, SIGTERM or SIGHUP it gets on to the running trials (the
+// first: each checkpoints and exits 130; a second SIGINT or SIGTERM: they stop at once) and starts
+// no more. A trial gets SIGHUP when the sweep dies (Linux PR_SET_PDEATHSIG), so none runs on
+// unwatched.
 // Exit codes: 0 every trial ok, 3 some failed, 2 usage (a bad grid), 1 the sweep itself failed,
 // 130 interrupted (running trials were interrupted too; rerun to finish them).
 #pragma once
@@ -37,6 +45,8 @@ namespace slide::apps {
 struct SweepOptions {
   std::string grid, out, trial_memory_budget;
   int parallel = 1;
+  std::string devices_text;         // --devices as given ("0,1,2,3")
+  std::vector<int> devices;         // its GPUs, which run_sweep reads from devices_text (empty: not assigned)
   std::vector<std::string> common;  // slide-train options given to every trial (after --)
 };
 
@@ -44,7 +54,8 @@ struct SweepOptions {
 CLI::App* add_sweep_command(CLI::App& app, SweepOptions* options);
 
 // Runs the sweep with `self` (this slide-train's path) as every trial's program. Returns the exit
-// code above. `cancel` (Ctrl-C) stops launching trials; running ones get SIGINT themselves.
+// code above. `cancel` set (by the caller; signals are handled as above) stops launching trials
+// and sends each running one SIGINT.
 int run_sweep(const SweepOptions& options, const std::string& self, const std::atomic<bool>* cancel);
 
 // slide-train --folds K (without --fold): K-fold cross-validation as a sweep of K trials, trial k

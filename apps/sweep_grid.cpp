@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include "slide/core/csv.h"
+
 namespace slide::apps {
 
 namespace {
@@ -42,6 +44,22 @@ std::vector<std::string> split_list(const std::string& body) {
   return out;
 }
 
+// The line without its '#' comment: from the first '#' outside quotes ("..." or '...').
+std::string strip_comment(const std::string& line) {
+  char quote = 0;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quote) {
+      if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#') {
+      return line.substr(0, i);
+    }
+  }
+  return line;
+}
+
 std::string at(const std::string& path, int line) { return path + ":" + std::to_string(line) + ": "; }
 
 // An option name as slide-train spells it after its dashes: a letter or digit, then letters,
@@ -67,8 +85,7 @@ Result<std::vector<Trial>> read_toml_grid(const std::string& path, const std::st
   size_t product = 1;
   while (std::getline(in, line)) {
     ++n;
-    std::string t = trim(line);
-    if (const auto hash = t.find('#'); hash != std::string::npos && t.find('"') == std::string::npos) t = trim(t.substr(0, hash));
+    const std::string t = trim(strip_comment(line));
     if (t.empty() || (t.front() == '[' && t.find('=') == std::string::npos)) continue;  // [section]
     const auto eq = t.find('=');
     if (eq == std::string::npos) return invalid_argument(at(path, n) + "expected 'option = value' or 'option = [v1, v2]'");
@@ -117,9 +134,8 @@ Result<std::vector<Trial>> read_csv_grid(const std::string& path, const std::str
   int n = 0;
   while (std::getline(in, line)) {
     ++n;
-    if (trim(line).empty() || trim(line).front() == '#') continue;
-    std::vector<std::string> cells = split_list(line);
-    while (cells.size() < header.size() && !line.empty() && line.back() == ',') cells.push_back("");  // trailing empties
+    if (slide::core::csv_line_is_blank(line)) continue;
+    std::vector<std::string> cells = slide::core::split_csv_line(line);
     if (header.empty()) {
       for (auto& c : cells) {
         header.push_back(strip_dashes(c));

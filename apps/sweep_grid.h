@@ -5,8 +5,9 @@
 // TOML (a subset): `option = value` or `option = [v1, v2, ...]` per line (option names with or
 // without the leading dashes; strings quoted or bare; '#' comments outside quotes; [sections]
 // skipped); the lists span a cartesian product in file order, the last line's values fastest.
-// CSV (RFC 4180 without quoted newlines): a header row naming the options, then one row per trial;
-// an empty cell leaves the option out; '#' lines are comments.
+// CSV (slide/core/csv.h's dialect: RFC 4180 double quotes with "" for a quote, no quoted
+// newlines; a single quote is an ordinary character): a header row naming the options, then one
+// row per trial; an empty cell leaves the option out; '#' lines are comments.
 #pragma once
 
 #include <cstddef>

@@ -282,6 +282,125 @@ class TestSweep(Base):
         self.assertIn("--lr 0.2 --width 8", err)
         self.assertNotIn("trial started", err)
 
+    def test_signals_reach_each_trial_once_and_trials_stop_with_the_sweep(self):
+        """A terminal's Ctrl-C (SIGINT to the sweep's whole process group) reaches the trials once,
+        through the sweep: each checkpoints and exits 130. A SIGKILLed sweep's trials get SIGTERM
+        (PR_SET_PDEATHSIG; the kernel sends it once per reparenting, twice here), checkpoint and
+        stop instead of running on unwatched."""
+        grid = os.path.join(self.tmp, "long.csv")
+        with open(grid, "w") as f:
+            f.write("lr\n0.05\n0.1\n")
+        out = os.path.join(self.tmp, "signals")
+
+        def start():
+            return subprocess.Popen([TRAIN, "sweep", "--grid", grid, "--out", out, "--parallel", "2", "--",
+                                     "--data", self.store, "--epochs", "500", "--threads", "1", "--no-augment",
+                                     "--batch-size", "32", "--width", "4"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+
+        def epochs():
+            n = []
+            for t in ("t000", "t001"):
+                m = os.path.join(out, "trials", t, "metrics.jsonl")
+                n.append(len(open(m).read().splitlines()) if os.path.exists(m) else 0)
+            return n
+
+        def wait_for_training(p):
+            # Both trials one epoch further (a line of metrics.jsonl), so both are training.
+            since = epochs()
+            deadline = time.time() + 120
+            while time.time() < deadline and p.poll() is None:
+                if all(k > s for k, s in zip(epochs(), since)):
+                    return
+                time.sleep(0.1)
+            self.fail("the trials never trained")
+
+        def trial_pids():
+            pids = []
+            for t in ("t000", "t001"):
+                with open(os.path.join(out, "trials", t, "pid")) as f:
+                    pids.append(int(f.read()))
+            return pids
+
+        p = start()
+        wait_for_training(p)
+        pids = trial_pids()
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        _, err = p.communicate(timeout=120)
+        self.assertEqual(p.returncode, 130, err)
+        self.assertIn("the running trials checkpoint and stop", err)
+        with open(os.path.join(out, "results.json")) as f:
+            status = {t["trial"]: t for t in json.load(f)["trials"]}
+        for t in ("t000", "t001"):
+            self.assertEqual(status[t]["reason"], "interrupted (exit 130): rerun the sweep to finish it", status[t])
+            with open(os.path.join(out, "trials", t, "log.txt")) as f:
+                log = f.read()
+            # One signal reached it (a second would have stopped it before its checkpoint).
+            self.assertIn("interrupted; checkpoint written", log, log[-2000:])
+
+        # The rerun resumes both; SIGKILL the sweep: its trials are told to stop (SIGHUP) and do.
+        p = start()
+        wait_for_training(p)
+        pids = trial_pids()
+        p.kill()
+        p.communicate(timeout=60)
+        deadline = time.time() + 120
+        alive = list(pids)
+        def running(q):  # not gone, not a zombie
+            try:
+                with open("/proc/%d/stat" % q) as f:
+                    return f.read().split(") ")[-1][0] != "Z"
+            except OSError:
+                return False
+
+        while alive and time.time() < deadline:
+            alive = [q for q in alive if running(q)]
+            time.sleep(0.1)
+        self.assertEqual(alive, [], "trials still running after the sweep was killed")
+        for t in ("t000", "t001"):
+            with open(os.path.join(out, "trials", t, "log.txt")) as f:
+                self.assertIn("interrupted; checkpoint written", f.read().split("resumed")[-1])
+
+    def test_grid_quotes_and_comments(self):
+        # What each trial ran with (result.json "args"); the trials fail at once (no such store).
+        d = os.path.join(self.tmp, "quotes")
+        os.makedirs(d)
+        toml = os.path.join(d, "g.toml")
+        with open(toml, "w") as f:
+            f.write('lr = "0.1"  # a comment after a quoted value\nnote = ["a,b", \'c # d\']  # and a list\n')
+        csv = os.path.join(d, "g.csv")
+        with open(csv, "w") as f:
+            f.write('lr,note\n0.1,"say ""hi"", twice"\n0.2,\'x\'\n')
+        for grid, want in ((toml, [["--lr", "0.1", "--note", "a,b"], ["--lr", "0.1", "--note", "c # d"]]),
+                           (csv, [["--lr", "0.1", "--note", 'say "hi", twice'], ["--lr", "0.2", "--note", "'x'"]])):
+            out = grid + ".out"
+            r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", out, "--", "--data", os.path.join(d, "none")],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 3, r.stderr)
+            for k, args in enumerate(want):
+                with open(os.path.join(out, "trials", "t%03d" % k, "result.json")) as f:
+                    self.assertEqual(json.load(f)["args"], ["--data", os.path.join(d, "none")] + args)
+
+    def test_devices_spread_the_trials(self):
+        # On the cpu backend a trial refuses --device, naming it: which GPU each trial was given.
+        grid = os.path.join(self.tmp, "three.csv")
+        with open(grid, "w") as f:
+            f.write("lr\n0.05\n0.1\n0.2\n")
+        out = os.path.join(self.tmp, "devices")
+        r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", out, "--parallel", "2", "--devices", "3,5", "--",
+                            "--data", self.store, "--epochs", "1"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        with open(os.path.join(out, "results.json")) as f:
+            reasons = {t["trial"]: t["reason"] for t in json.load(f)["trials"]}
+        self.assertIn("--device 3 is for --backend cuda", reasons["t000"])
+        self.assertIn("--device 5 is for --backend cuda", reasons["t001"])
+        self.assertRegex(reasons["t002"], "--device [35] is for --backend cuda")
+        r = subprocess.run([TRAIN, "sweep", "--grid", grid, "--out", out + "2", "--devices", "0,1", "--",
+                            "--data", self.store, "--device", "1"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--device among the common options and --devices", r.stderr)
+
     def test_bad_grid_is_a_usage_error(self):
         grid = os.path.join(self.tmp, "bad.toml")
         with open(grid, "w") as f:

@@ -22,9 +22,10 @@
 #include <mutex>
 #include <thread>
 
+#include "exit_codes.h"
+
 namespace slide::apps {
 
-constexpr int kExitInterruptedCode = 130;
 
 namespace detail {
 // Whether SIGHUP is taken: not when the process started with it ignored (nohup), which it keeps.
@@ -60,7 +61,10 @@ inline void on_interrupt(int sig) {
   // SIGHUP never stops at once: a supervisor's death can deliver its PR_SET_PDEATHSIG twice (the
   // child is reparented to another of the dying process's threads first, then to init, and each
   // reparenting sends it), and that must not cut the checkpoint short.
-  if (g_interrupted.exchange(true) && sig != SIGHUP) _exit(kExitInterruptedCode);
+  if (g_interrupted.exchange(true)) {
+    if (sig != SIGHUP) _exit(kExitInterrupted);
+    return;
+  }
   const char* message = g_interrupt_message.load();
   (void)!::write(STDERR_FILENO, message, std::strlen(message));
 }

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "exit_codes.h"
 #include "interrupt.h"
 #include "slide/core/log.h"
 #include "slide/train/communicator.h"
@@ -25,8 +26,6 @@ namespace slide::apps {
 
 namespace {
 
-constexpr int kExitFailed = 1;
-constexpr int kExitInterrupted = 130;
 
 std::string signal_text(int sig) {
   const char* abbrev = sigabbrev_np(sig);

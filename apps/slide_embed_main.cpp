@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "exit_codes.h"
 #include "backend_options.h"
 #include "log_options.h"
 #include "stain_options.h"
@@ -32,11 +33,11 @@
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
-constexpr int kExitSomeFailed = 3;
-constexpr int kExitInterrupted = 130;
+using slide::apps::kExitFailed;
+using slide::apps::kExitInterrupted;
+using slide::apps::kExitOk;
+using slide::apps::kExitSomeFailed;
+using slide::apps::kExitUsage;
 
 // A second Ctrl-C stops at once: only a .partial bag can be left, which never looks complete.
 std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();

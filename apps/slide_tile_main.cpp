@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "exit_codes.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
 #include "slide/core/log.h"
@@ -38,11 +39,11 @@
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
-constexpr int kExitSomeFailed = 3;
-constexpr int kExitInterrupted = 130;
+using slide::apps::kExitFailed;
+using slide::apps::kExitInterrupted;
+using slide::apps::kExitOk;
+using slide::apps::kExitSomeFailed;
+using slide::apps::kExitUsage;
 
 // A second Ctrl-C stops at once: the store stays consistent (LMDB commits are atomic).
 std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();

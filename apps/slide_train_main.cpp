@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "exit_codes.h"
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
 #include "slide/core/log.h"
@@ -59,10 +60,10 @@ namespace fs = std::filesystem;
 using slide::core::Status;
 using namespace slide::train;
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
-constexpr int kExitInterrupted = 130;
+using slide::apps::kExitFailed;
+using slide::apps::kExitInterrupted;
+using slide::apps::kExitOk;
+using slide::apps::kExitUsage;
 
 std::atomic<bool>& g_cancel = slide::apps::interrupt_flag();
 // The ranks (--dist); set once in main. With several, a failure on one rank takes the job down.

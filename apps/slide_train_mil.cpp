@@ -4,6 +4,7 @@
 // <attention-dir>/<stem>.h5 (HDF5: /attention, /coords, the full slide id as an attribute),
 // <attention-dir>/<stem>.png (heatmap) and predictions.csv (full slide ids, RFC 4180 quoted), where
 // <stem> is slide::core::slide_file_stem(slide id) (cache::bag_file_name's rule).
+#include "exit_codes.h"
 #include "slide_train_mil.h"
 
 #include <CLI/CLI.hpp>
@@ -35,7 +36,6 @@ namespace fs = std::filesystem;
 using slide::core::Status;
 using namespace slide::train;
 
-constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitInterrupted = 130;
 
 int fail(const Status& s) {
   slide::core::log_error(s.to_string());

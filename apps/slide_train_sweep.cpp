@@ -20,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "exit_codes.h"
 #include "interrupt.h"
 #include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
@@ -36,7 +37,6 @@ namespace fs = std::filesystem;
 using slide::core::Result;
 using slide::core::Status;
 
-constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitSomeFailed = 3, kExitInterrupted = 130;
 
 std::string trial_id(size_t i) {
   std::string n = std::to_string(i);

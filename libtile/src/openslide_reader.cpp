@@ -36,6 +36,7 @@
 #include <span>
 #include <utility>
 
+#include "reader_limits.h"
 #include "slide/core/log.h"
 #include "slide/tile/image.h"
 #include "tiff_reader.h"
@@ -44,8 +45,6 @@ namespace slide::tile::detail {
 
 namespace {
 
-// Coordinates beyond this are certainly not a slide's and would risk int64 overflow.
-constexpr int64_t kMaxCoordinate = int64_t{1} << 48;
 // A compressed source tile larger than this is a corrupt byte count, not a tile.
 constexpr uint64_t kMaxRawTileBytes = uint64_t{64} << 20;
 // Self-check tolerance between TurboJPEG's decode of a merged tile and OpenSlide's pixels: both

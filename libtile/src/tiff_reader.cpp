@@ -6,6 +6,7 @@
 // and the last one is cached, so memory is bounded by one decode unit (a single-strip image is
 // decoded whole: that strip is the image).
 #include "tiff_reader.h"
+#include "reader_limits.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -30,8 +31,6 @@ namespace {
 // hostile header must not become a multi-gigabyte allocation (2^28 px = 1 GiB of RGBA).
 constexpr int64_t kMaxUnitPixels = int64_t{1} << 28;
 
-// Coordinates beyond this are certainly not a slide's and would risk int64 overflow below.
-constexpr int64_t kMaxCoordinate = int64_t{1} << 48;
 
 int tiff_error_handler(TIFF*, void* user, const char* module, const char* fmt, va_list ap) {
   char text[512];

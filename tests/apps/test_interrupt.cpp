@@ -69,7 +69,7 @@ TEST_CASE("interrupt: the first signal sets the flag and prints once, a second e
     return 13;
   });
   REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == slide::apps::kExitInterruptedCode);
+  CHECK(WEXITSTATUS(status) == slide::apps::kExitInterrupted);
   CHECK(text == "first\n");
 }
 
@@ -102,6 +102,40 @@ TEST_CASE("interrupt: a child started after reset_interrupt_signals_in_child has
     int st = 0;
     if (::waitpid(pid, &st, 0) != pid) return 42;
     return WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM ? 0 : WIFEXITED(st) ? WEXITSTATUS(st) : 43;
+  });
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(text.empty());
+}
+
+TEST_CASE("interrupt: SIGHUP interrupts like SIGINT, but a second SIGHUP never exits at once") {
+  // A supervisor's death can deliver its PR_SET_PDEATHSIG (SIGHUP) twice: the run must still reach
+  // its checkpoint. A SIGINT after it does exit at once.
+  const auto [status, text] = in_child([] {
+    slide::apps::install_interrupt_handlers("hup\n");
+    if (!blocked_here(SIGHUP)) return 50;
+    ::kill(::getpid(), SIGHUP);
+    if (!wait_for([] { return interrupt_flag().load(); })) return 51;
+    ::kill(::getpid(), SIGHUP);
+    if (!wait_for([] { return slide::apps::signal_count() == 2; })) return 52;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // still here
+    ::kill(::getpid(), SIGINT);
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+    return 53;
+  });
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == slide::apps::kExitInterrupted);
+  CHECK(text == "hup\n");
+}
+
+TEST_CASE("interrupt: a process started with SIGHUP ignored (nohup) keeps ignoring it") {
+  const auto [status, text] = in_child([] {
+    ::signal(SIGHUP, SIG_IGN);
+    slide::apps::install_interrupt_handlers("should not print\n");
+    if (blocked_here(SIGHUP)) return 60;
+    ::kill(::getpid(), SIGHUP);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return interrupt_flag().load() || slide::apps::signal_count() != 0 ? 61 : 0;
   });
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);

@@ -92,11 +92,15 @@ Status save_safetensors(const std::string& path, const std::vector<NamedTensor>&
 namespace {
 
 // A PyTorch file given where safetensors are expected (torch.save's zip archive, "PK\x03\x04", or
-// a bare pickle, protocol 2+ opcode 0x80): kInvalidArgument naming the conversion script.
-// `first` holds the file's first bytes (up to 8). Else ok.
+// a bare pickle: the PROTO opcode 0x80 then protocol 2..5): kInvalidArgument naming the conversion
+// script. `first` holds the file's first bytes (up to 9). A safetensors file starts with its
+// header length, little-endian, whose low byte may well be 0x80 (a header of 640 bytes: 80 02 00
+// ...), then the header's '{' at byte 8: such a file is never taken for PyTorch's. Else ok.
 Status refuse_pytorch_file(const std::string& path, std::string_view first) {
-  const bool zip = first.substr(0, 4) == std::string_view("PK\x03\x04", 4);
-  const bool pickle = !first.empty() && static_cast<uint8_t>(first[0]) == 0x80;
+  const bool safetensors_like = first.size() >= 9 && first[8] == '{' && first.substr(4, 4) == std::string_view("\0\0\0\0", 4);
+  const bool zip = !safetensors_like && first.substr(0, 4) == std::string_view("PK\x03\x04", 4);
+  const bool pickle = !safetensors_like && first.size() >= 2 && static_cast<uint8_t>(first[0]) == 0x80 &&
+                      static_cast<uint8_t>(first[1]) >= 2 && static_cast<uint8_t>(first[1]) <= 5;
   if (!zip && !pickle) return slide::core::ok_status();
   return slide::core::invalid_argument(
       path + ": a PyTorch " + (zip ? "archive (torch.save)" : "pickle") +
@@ -108,7 +112,7 @@ Status refuse_pytorch_file(const std::string& path, std::string_view first) {
 
 Status load_safetensors(const std::string& path, const std::vector<NamedTensor>& into, Backend* device) {
   SLIDE_ASSIGN_OR_RETURN(std::string bytes, slide::core::read_file(path));
-  SLIDE_RETURN_IF_ERROR(refuse_pytorch_file(path, std::string_view(bytes).substr(0, 8)));
+  SLIDE_RETURN_IF_ERROR(refuse_pytorch_file(path, std::string_view(bytes).substr(0, 9)));
   if (bytes.size() < 8) return slide::core::data_loss(path + ": shorter than a safetensors header");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[static_cast<size_t>(i)])} << (8 * i);
@@ -172,13 +176,13 @@ Result<std::map<std::string, Shape>> read_safetensors_shapes(const std::string& 
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) return slide::core::errno_status(errno, "open " + path);
   auto close = [&] { std::fclose(f); };
-  uint8_t len_bytes[8];
-  const size_t first = std::fread(len_bytes, 1, 8, f);
+  uint8_t len_bytes[9];
+  const size_t first = std::fread(len_bytes, 1, 9, f);
   if (auto s = refuse_pytorch_file(path, std::string_view(reinterpret_cast<const char*>(len_bytes), first)); !s.ok()) {
     close();
     return s;
   }
-  if (first != 8) {
+  if (first < 8) {
     close();
     return slide::core::data_loss(path + ": not a safetensors file (shorter than its 8-byte header length)");
   }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../../libtrain/src/kernels/formulas.h"
+#include "slide/core/file.h"
 #include "slide/train/backend.h"
 #include "slide/train/checkpoint.h"
 
@@ -183,5 +184,36 @@ TEST_CASE("safetensors: F16 and BF16 tensors round-trip; a half NaN is refused n
   const Status s = load_safetensors(dir + "/nan.safetensors", {{"a", &*a2}});
   CHECK(s.code() == slide::core::StatusCode::kDataLoss);
   CHECK(s.to_string().find("holds NaN (element 2 of [3])") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("safetensors: a header length whose low byte is 0x80 is not taken for a PyTorch pickle") {
+  // The file starts with the header length, little-endian: a 640-byte header begins 80 02, as a
+  // protocol-2 pickle does. Such files (about 1 in 32 headers) must load; a real pickle is refused.
+  const std::string dir = (std::filesystem::temp_directory_path() / "slide_st_pickle_like").string();
+  std::filesystem::create_directories(dir);
+  auto t = Tensor::zeros({2}, DType::kF32, cpu_allocator());
+  REQUIRE(t.ok());
+  int found = 0;
+  for (size_t k = 1; k < 1200 && found < 2; ++k) {
+    const std::string path = dir + "/t.safetensors", name(k, 'w');
+    REQUIRE(save_safetensors(path, {{name, &*t}}).ok());
+    auto bytes = slide::core::read_file(path);
+    REQUIRE(bytes.ok());
+    const auto b0 = static_cast<uint8_t>((*bytes)[0]), b1 = static_cast<uint8_t>((*bytes)[1]);
+    if (b0 != 0x80 || b1 < 2 || b1 > 5) continue;
+    ++found;
+    CHECK_MESSAGE(load_safetensors(path, {{name, &*t}}).ok(), "header length byte 1 = " << int(b1));
+    auto shapes = read_safetensors_shapes(path);
+    REQUIRE_MESSAGE(shapes.ok(), shapes.status().to_string());
+    CHECK(shapes->at(name) == Shape{2});
+  }
+  CHECK(found == 2);
+  // A protocol-2 pickle is still refused, naming the converter.
+  REQUIRE(slide::core::write_file_atomic(dir + "/p.pt", std::string("\x80\x02}q\x00(X\x01\x00\x00\x00", 12)).ok());
+  const Status s = load_safetensors(dir + "/p.pt", {{"a", &*t}});
+  CHECK(s.code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(s.message().find("convert_torchvision_weights.py") != std::string::npos);
+  CHECK(read_safetensors_shapes(dir + "/p.pt").status().code() == slide::core::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }

@@ -211,11 +211,19 @@ Status write_attr_scalar(hid_t obj, const char* name, hid_t file_type, hid_t mem
   return slide::core::ok_status();
 }
 
-// Reads a string attribute, fixed or variable length; false when absent or not a string.
+// Whether attribute `attr` holds exactly one element (a scalar, or an array of one): H5Aread
+// writes every element, so reading an array of 100 into one value would overrun it.
+bool single_element(hid_t attr) {
+  Hid space(H5Aget_space(attr), H5Sclose);
+  return space.valid() && H5Sget_simple_extent_npoints(space.get()) == 1;
+}
+
+// Reads a string attribute, fixed or variable length; false when absent, not a string or not a
+// single element.
 bool read_attr_string(hid_t obj, const char* name, std::string* out) {
   if (H5Aexists(obj, name) <= 0) return false;
   Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!attr.valid()) return false;
+  if (!attr.valid() || !single_element(attr.get())) return false;
   Hid ftype(H5Aget_type(attr.get()), H5Tclose);
   if (H5Tget_class(ftype.get()) != H5T_STRING) return false;
   if (H5Tis_variable_str(ftype.get()) > 0) {
@@ -237,11 +245,13 @@ bool read_attr_string(hid_t obj, const char* name, std::string* out) {
   return true;
 }
 
+// Reads a numeric attribute of one element into `out` (converted to `mem_type`); false when
+// absent, not convertible or not a single element.
 template <typename T>
 bool read_attr_scalar(hid_t obj, const char* name, hid_t mem_type, T* out) {
   if (H5Aexists(obj, name) <= 0) return false;
   Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!attr.valid()) return false;
+  if (!attr.valid() || !single_element(attr.get())) return false;
   return H5Aread(attr.get(), mem_type, out) >= 0;
 }
 

@@ -915,7 +915,7 @@ int run_main(int argc, char** argv) {
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = writer ? write_metrics(out, state["history"]) : slide::core::ok_status(); !s.ok()) return fail(s);
-    if (record_best_epoch(&state, v, best_metric, epoch + 1)) {
+    if (record_best_epoch(&state, v, best_metric, epoch + 1, !val.empty())) {
       if (auto s = writer ? save_safetensors(out + "/best.safetensors", named(run.params, run.buffers), {{"format", "pt"}},
                                              be->get())
                          : slide::core::ok_status();

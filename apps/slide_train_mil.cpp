@@ -375,7 +375,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["epoch"] = epoch + 1;
     state["step_in_epoch"] = 0;
     if (auto s = write_metrics(o.out, state["history"]); !s.ok()) return fail(s);
-    if (record_best_epoch(&state, v, o.best_metric, epoch + 1)) {
+    if (record_best_epoch(&state, v, o.best_metric, epoch + 1, !val.empty())) {
       if (auto s = save_safetensors(o.out + "/best.safetensors", named(params, buffers), {{"format", "pt"}}, be->get());
           !s.ok())
         return fail(s);

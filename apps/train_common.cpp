@@ -602,12 +602,18 @@ slide::core::Status check_resume_split(const std::string& checkpoint, const nloh
 }
 
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,
-                       long epoch) {
+                       long epoch, bool validated) {
+  (*state)["best_val_balanced_accuracy"] = std::max(state->value("best_val_balanced_accuracy", -1.0), val.balanced_accuracy);
+  if (!validated) {
+    (*state)["best_score"] = 0.0;
+    (*state)["best_metric"] = "last_epoch";
+    (*state)["best_epoch"] = epoch;
+    return true;
+  }
   const double score = metric == "loss" ? -val.loss
                        : metric == "accuracy" ? val.accuracy
                        : metric == "roc_auc" ? val.roc_auc
                                              : val.balanced_accuracy;
-  (*state)["best_val_balanced_accuracy"] = std::max(state->value("best_val_balanced_accuracy", -1.0), val.balanced_accuracy);
   if (state->contains("best_score") && score <= (*state)["best_score"].get<double>()) return false;
   (*state)["best_score"] = score;
   (*state)["best_metric"] = "val_" + metric;

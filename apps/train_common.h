@@ -120,9 +120,11 @@ std::vector<std::filesystem::path> list_checkpoints(const std::string& dir);
 // its validation `metric` (balanced_accuracy | accuracy | roc_auc | loss: the lowest loss, else
 // the highest value) beats every earlier epoch's. Records best_score, best_metric ("val_" +
 // metric) and best_epoch in `state` when it does, and best_val_balanced_accuracy (read by sweeps)
-// always. Returns whether this epoch is the new best.
+// always. Without a validation set (`validated` false: --val-fraction 0) every epoch is the new
+// best, best_metric "last_epoch" and best_score 0, so that best.safetensors (and a --test-fraction
+// evaluation) is the last epoch's, not the first's. Returns whether this epoch is the new best.
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,
-                       long epoch);
+                       long epoch, bool validated = true);
 
 // --resume's check of the options that change the math of a run: `config` (this run's) against
 // the "config" record of `saved` (the checkpoint's state.json). Errors: kInvalidArgument naming

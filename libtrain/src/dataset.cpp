@@ -93,36 +93,53 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
     if (meta.tile_size_px != ds->tile_size_)
       return slide::core::invalid_argument("store " + stores[s] + " has " + std::to_string(meta.tile_size_px) +
                                            "-px tiles, " + stores[0] + " has " + std::to_string(ds->tile_size_));
-    std::vector<int32_t> map_label;
-    for (const std::string& name : csv.empty() ? meta.label_names : std::vector<std::string>{}) {
-      auto [it, inserted] = class_index.emplace(name, static_cast<int32_t>(ds->class_names_.size()));
-      if (inserted) ds->class_names_.push_back(name);
-      map_label.push_back(it->second);
-    }
     // A store tiled with --label-from-annotations labels each tile (its header) from the slide's
     // GeoJSON; without a labels CSV those labels are the ones trained on (the slide's own, from a
     // manifest, is ignored). A tile no class covered enough (-1) is left out, or kept as kNoLabel
-    // with allow_unlabelled.
+    // with allow_unlabelled. Its classes are the label names some tile has: the store's
+    // label_names also hold the manifest's slide labels, which are not classes here.
     const bool tile_labels = csv.empty() && meta.annotation_options.find("label_from_annotations=1") != std::string::npos;
-    std::vector<slide::tile::TileHeader> headers;
-    for (const auto& rec : reader->slides()) {
+    std::vector<std::vector<int32_t>> slide_tile_labels;  // tile-label stores: per slide record, its tiles' labels
+    std::vector<bool> used(meta.label_names.size(), !tile_labels);
+    if (tile_labels) {
+      std::vector<slide::tile::TileHeader> headers;
+      for (const auto& rec : reader->slides()) {
+        slide_tile_labels.emplace_back();
+        if (rec.tile_count == 0) continue;
+        SLIDE_RETURN_IF_ERROR(reader->read_tile_headers(rec.first_tile_index, rec.tile_count, &headers));
+        for (uint64_t t = 0; t < rec.tile_count; ++t) {
+          const slide::tile::TileHeader& h = headers[static_cast<size_t>(t)];
+          const std::string where = "store " + stores[s] + ": tile " + std::to_string(rec.first_tile_index + t);
+          if (h.slide_index != rec.index)
+            return slide::core::data_loss(where + " belongs to slide " + std::to_string(h.slide_index) +
+                                          ", its record says slide " + std::to_string(rec.index) + " ('" +
+                                          rec.slide_id + "'): data.mdb is damaged");
+          if (h.label >= 0 && static_cast<size_t>(h.label) >= used.size())
+            return slide::core::data_loss(where + " has label index " + std::to_string(h.label) +
+                                          ", the store names " + std::to_string(used.size()) + " labels");
+          if (h.label >= 0) used[static_cast<size_t>(h.label)] = true;
+          slide_tile_labels.back().push_back(h.label);
+        }
+      }
+    }
+    std::vector<int32_t> map_label;
+    for (size_t k = 0; k < (csv.empty() ? meta.label_names.size() : 0); ++k) {
+      if (!used[k]) {
+        map_label.push_back(kNoLabel);
+        continue;
+      }
+      auto [it, inserted] = class_index.emplace(meta.label_names[k], static_cast<int32_t>(ds->class_names_.size()));
+      if (inserted) ds->class_names_.push_back(meta.label_names[k]);
+      map_label.push_back(it->second);
+    }
+    for (size_t r = 0; r < reader->slides().size(); ++r) {
+      const auto& rec = reader->slides()[r];
       if (rec.tile_count == 0) continue;
       if (tile_labels) {
-        SLIDE_RETURN_IF_ERROR(reader->read_tile_headers(rec.first_tile_index, rec.tile_count, &headers));
         std::vector<TileRef> kept;
         const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
         for (uint64_t t = 0; t < rec.tile_count; ++t) {
-          const int32_t l = headers[static_cast<size_t>(t)].label;
-          if (headers[static_cast<size_t>(t)].slide_index != rec.index)
-            return slide::core::data_loss("store " + stores[s] + ": tile " + std::to_string(rec.first_tile_index + t) +
-                                          " belongs to slide " +
-                                          std::to_string(headers[static_cast<size_t>(t)].slide_index) +
-                                          ", its record says slide " + std::to_string(rec.index) + " ('" +
-                                          rec.slide_id + "'): data.mdb is damaged");
-          if (l >= 0 && static_cast<size_t>(l) >= map_label.size())
-            return slide::core::data_loss("store " + stores[s] + ": tile " + std::to_string(rec.first_tile_index + t) +
-                                          " has label index " + std::to_string(l) + ", the store names " +
-                                          std::to_string(map_label.size()) + " labels");
+          const int32_t l = slide_tile_labels[r][static_cast<size_t>(t)];
           if (l < 0 && !allow_unlabelled) {
             ++ds->unlabelled_tiles_skipped_;
             continue;

@@ -1726,6 +1726,28 @@ class TestAnnotationLabels(Base):
         self.assertEqual({(int(x[1]), int(x[2])): x[3] for x in rows if x[3]}, want)
         self.assertEqual(sum(x[3] == "" for x in rows), unlabelled)
 
+        # Tiled from a manifest whose label column gives the slide a label too: the store's
+        # label_names then hold "LUAD" as well, which no tile has; it is not made a class.
+        manifest = os.path.join(self.tmp, "annot-manifest.csv")
+        with open(manifest, "w") as f:
+            f.write("slide_id,path,label\ncmu,%s,LUAD\n" % os.path.join(SAMPLE, "slides", "CMU-1-Small-Region.svs"))
+        store2 = os.path.join(self.tmp, "annotated-manifest")
+        r = subprocess.run([TILE, "--manifest", manifest, "--mpp", "2", "--tile-size", "32", "--min-tissue", "0",
+                            "--annotations", annot, "--label-from-annotations", "-o", store2, "-q"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("LUAD", json.loads(subprocess.run([TILE, "info", store2, "--json"], capture_output=True,
+                                                        text=True).stdout)["label_names"])
+        out2 = os.path.join(self.tmp, "annot-run2")
+        r = subprocess.run([TRAIN, "--data", store2, "--out", out2, "--epochs", "2", "--batch-size", "16",
+                            "--width", "4", "--val-fraction", "0", "--threads", "2"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out2, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            state = json.load(f)
+        self.assertEqual(state["classes"], ["tumor", "stroma"])
+        # No validation set: best.safetensors is the last epoch's (it stayed the first's).
+        self.assertEqual((state["best_epoch"], state["best_metric"]), (2, "last_epoch"))
+
 
 class TestTorchvision(unittest.TestCase):
     """Numerics against PyTorch: torchvision's resnet18 with its own initial weights, one batch,

@@ -81,7 +81,7 @@ inline void on_interrupt(int sig) {
 // The flag the first signal sets (the libraries' `cancel`).
 inline std::atomic<bool>& interrupt_flag() { return detail::g_interrupted; }
 
-// Takes SIGINT and SIGTERM as described above; `message` (a string literal, printed as is on the
+// Takes SIGINT, SIGTERM and SIGHUP as described above; `message` (a string literal, printed as is on the
 // first signal) says what happens next. Call it from the main thread before it starts any other
 // (a later call only changes the message).
 inline void install_interrupt_handlers(const char* message) {

@@ -341,13 +341,16 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     ::close(log_fd);
     if (pid < 0) return slide::core::errno_status(fork_errno, "start trial " + trial_id(i) + " (" + self + ")");
     ::setpgid(pid, pid);  // also here: no race with a signal passed on before the child ran setpgid
-    SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/pid", std::to_string(pid) + "\n"));
-    std::string line;
-    for (size_t k = 1; k < args.size(); ++k) line += (k > 1 ? " " : "") + args[k];
-    slide::core::log_info("trial started", {{"trial", trial_id(i)}, {"pid", static_cast<int64_t>(pid)}, {"args", line}});
+    // Tracked from here on, whatever follows: the trial runs (it counts against --parallel and its
+    // GPU, gets the signals passed on, and its end is recorded).
     running[pid] = {i, std::chrono::steady_clock::now(), slot};
     if (slot >= 0) ++device_use[static_cast<size_t>(slot)];
     records[i]["status"] = "running";
+    if (auto s = slide::core::write_file_atomic(dir + "/pid", std::to_string(pid) + "\n"); !s.ok())
+      slide::core::log_warn("sweep: cannot write the trial's pid file (the trial runs on)", {{"error", s.to_string()}});
+    std::string line;
+    for (size_t k = 1; k < args.size(); ++k) line += (k > 1 ? " " : "") + args[k];
+    slide::core::log_info("trial started", {{"trial", trial_id(i)}, {"pid", static_cast<int64_t>(pid)}, {"args", line}});
     return slide::core::ok_status();
   };
   while (true) {

@@ -134,7 +134,7 @@ Result<std::vector<Trial>> read_csv_grid(const std::string& path, const std::str
   int n = 0;
   while (std::getline(in, line)) {
     ++n;
-    if (slide::core::csv_line_is_blank(line)) continue;
+    if (slide::core::csv_line_is_blank(line) || trim(line).front() == '#') continue;  // also an indented comment
     std::vector<std::string> cells = slide::core::split_csv_line(line);
     if (header.empty()) {
       for (auto& c : cells) {

@@ -284,7 +284,7 @@ class TestSweep(Base):
 
     def test_signals_reach_each_trial_once_and_trials_stop_with_the_sweep(self):
         """A terminal's Ctrl-C (SIGINT to the sweep's whole process group) reaches the trials once,
-        through the sweep: each checkpoints and exits 130. A SIGKILLed sweep's trials get SIGTERM
+        through the sweep: each checkpoints and exits 130. A SIGKILLed sweep's trials get SIGHUP
         (PR_SET_PDEATHSIG; the kernel sends it once per reparenting, twice here), checkpoint and
         stop instead of running on unwatched."""
         grid = os.path.join(self.tmp, "long.csv")
@@ -371,7 +371,7 @@ class TestSweep(Base):
             f.write('lr = "0.1"  # a comment after a quoted value\nnote = ["a,b", \'c # d\']  # and a list\n')
         csv = os.path.join(d, "g.csv")
         with open(csv, "w") as f:
-            f.write('lr,note\n0.1,"say ""hi"", twice"\n0.2,\'x\'\n')
+            f.write('lr,note\n  # an indented comment\n0.1,"say ""hi"", twice"\n0.2,\'x\'\n')
         for grid, want in ((toml, [["--lr", "0.1", "--note", "a,b"], ["--lr", "0.1", "--note", "c # d"]]),
                            (csv, [["--lr", "0.1", "--note", 'say "hi", twice'], ["--lr", "0.2", "--note", "'x'"]])):
             out = grid + ".out"

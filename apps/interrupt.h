@@ -15,6 +15,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -124,6 +125,19 @@ inline void reset_interrupt_signals_in_child() {
   sigset_t set = interrupt_signals();
   sigaddset(&set, SIGHUP);
   ::sigprocmask(SIG_UNBLOCK, &set, nullptr);
+}
+
+// For a supervised child (a --gpus rank, a sweep trial) between fork and exec, async-signal-safe:
+// its own process group (a terminal's Ctrl-C reaches only the supervisor, which passes it on once;
+// two would stop the child before its checkpoint), SIGHUP when the supervisor dies (Linux
+// PR_SET_PDEATHSIG; SIGHUP because the kernel may send it twice, and a second SIGHUP does not
+// cut the checkpoint short), and reset_interrupt_signals_in_child. Exits kExitFailed when the
+// supervisor (`supervisor`, its pid taken before fork) died before the prctl.
+inline void prepare_supervised_child(pid_t supervisor) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGHUP);
+  if (::getppid() != supervisor) ::_exit(kExitFailed);
+  reset_interrupt_signals_in_child();
 }
 
 }  // namespace slide::apps

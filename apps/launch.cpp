@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -111,13 +110,8 @@ int run_launcher(const LaunchOptions& o) {
     const std::vector<int>& mine = keep[static_cast<size_t>(r)];
     const pid_t pid = ::fork();
     if (pid == 0) {
-      // The child: its own process group (a terminal's Ctrl-C reaches only the launcher, which
-      // passes it on once), SIGHUP when the launcher dies, default signal handling and mask, its sockets
-      // kept open across exec.
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGHUP);
-      if (::getppid() != launcher) ::_exit(kExitFailed);  // the launcher died before prctl
-      reset_interrupt_signals_in_child();
+      // The rank: supervised (interrupt.h), its sockets kept open across exec.
+      prepare_supervised_child(launcher);
       for (int fd : mine) ::fcntl(fd, F_SETFD, 0);
       ::execve(o.exe.c_str(), argv.data(), envp.data());
       const char msg[] = "slide-train --gpus: cannot start a rank (execve failed)\n";

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -322,15 +321,9 @@ int run_trials(const SweepOptions& o, const std::vector<Trial>* trials, const st
     const pid_t sweep_pid = ::getpid();
     const pid_t pid = ::fork();
     if (pid == 0) {
-      // The trial: its own process group (a terminal's Ctrl-C reaches only the sweep, which
-      // passes it on once; two would stop a trial before its checkpoint), SIGHUP when the sweep
-      // dies (it checkpoints and stops instead of running on unwatched; SIGHUP, as the kernel may
-      // send it twice, interrupt.h), SIGINT, SIGTERM and SIGHUP at their defaults and unblocked whatever this process's mask, stdout and stderr to log.txt.
-      // Only async-signal-safe calls between fork and exec.
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGHUP);
-      if (::getppid() != sweep_pid) ::_exit(kExitFailed);  // the sweep died before prctl
-      reset_interrupt_signals_in_child();
+      // The trial: supervised (interrupt.h: it checkpoints and stops when the sweep dies), stdout
+      // and stderr to log.txt. Only async-signal-safe calls between fork and exec.
+      prepare_supervised_child(sweep_pid);
       if (::dup2(log_fd, STDOUT_FILENO) < 0 || ::dup2(log_fd, STDERR_FILENO) < 0) ::_exit(127);
       ::execv(self.c_str(), argv.data());
       const char msg[] = "slide-train sweep: cannot start the trial (execv failed)\n";

@@ -125,13 +125,18 @@ struct SlideJob {
 // stain-normalised in place (stain.h). With a resizer (S != E: the encoder's input size) the
 // 8-bit tile is then resized to E x E as PIL's Image.resize(BICUBIC) (resample.h), on the calling
 // decode thread.
-Status decode_into(const slide::tile::StoreReader& store, const std::string& store_dir, uint64_t index, int64_t S,
-                   const StainTarget& stain, const BicubicResizer* resizer, const float (*lut)[256], float* dst,
-                   int64_t* xy) {
+// The tile's header must name `slide_index` (the slide record it was listed under): a store whose
+// records and tiles disagree is kDataLoss, as in TileDataset::open.
+Status decode_into(const slide::tile::StoreReader& store, const std::string& store_dir, uint32_t slide_index,
+                   uint64_t index, int64_t S, const StainTarget& stain, const BicubicResizer* resizer,
+                   const float (*lut)[256], float* dst, int64_t* xy) {
   slide::tile::TileHeader hdr;
   std::vector<uint8_t> payload;
   const std::string where = "store " + store_dir + ": tile " + std::to_string(index);
   SLIDE_RETURN_IF_ERROR(store.read_tile(index, &hdr, &payload));  // names the store and the tile
+  if (hdr.slide_index != slide_index)
+    return slide::core::data_loss(where + " belongs to slide " + std::to_string(hdr.slide_index) +
+                                  ", but slide " + std::to_string(slide_index) + "'s record lists it");
   slide::tile::RgbImage img;
   if (hdr.encoding == slide::tile::TileEncoding::kJpeg) {
     SLIDE_ASSIGN_OR_RETURN_CTX(img, slide::tile::decode_jpeg(payload), where);
@@ -333,7 +338,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
 
   // Pass 2: the tiles of every slide to do, in order, in batches that may span slides (a store of
   // small slides or of patches still runs full batches), decoded one batch ahead of the forward
-  // pass. Each slide's bag is created when its first tile is queued and committed after its last
+  // pass. Each slide's bag is created with its first rows and committed after its last
   // row; a tile that fails fails its slide alone (its bag is discarded, its other rows dropped).
   struct Open {
     std::unique_ptr<slide::cache::BagWriter> writer;
@@ -434,7 +439,6 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       const size_t j = todo[cur_slide];
       const int64_t S = stores[jobs[j].store]->meta().tile_size_px;
       if (b.S != 0 && S != b.S) break;  // one tile size per batch
-      if (cur_tile == 0) start_slide(j);
       if (open[j].failed) {
         ++cur_slide, cur_tile = 0;
         continue;
@@ -458,12 +462,21 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       const slide::tile::StoreReader* store = stores[job.store].get();
       const std::string* dir = &opt.stores[job.store];
       const uint64_t index = job.record.first_tile_index + static_cast<uint64_t>(b.items[i].tile);
+      const uint32_t slide_index = job.record.index;
       float* dst = b.images.data() + i * 3 * E * E;
       int64_t* xy = b.coords.data() + 2 * i;
-      b.pending.push_back(pool.submit(
-          [store, dir, index, S, &opt, resizer, &lut, dst, xy] {
-            return decode_into(*store, *dir, index, S, opt.stain, resizer, lut, dst, xy);
-          }));
+      // No exception leaves a task: one reaching future::get would unwind through Drain, whose
+      // wait() would rethrow the other buffer's (std::terminate). It fails the tile's slide instead.
+      b.pending.push_back(pool.submit([store, dir, slide_index, index, S, &opt, resizer, &lut, dst, xy]() -> Status {
+        try {
+          return decode_into(*store, *dir, slide_index, index, S, opt.stain, resizer, lut, dst, xy);
+        } catch (const std::bad_alloc&) {
+          return slide::core::resource_exhausted("store " + *dir + ": tile " + std::to_string(index) +
+                                                 ": out of host memory while decoding");
+        } catch (const std::exception& e) {
+          return slide::core::internal_error("store " + *dir + ": tile " + std::to_string(index) + ": " + e.what());
+        }
+      }));
     }
   };
 
@@ -490,6 +503,10 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
       int64_t k = i;
       while (k < b.n && b.items[k].job == j) ++k;
       Open& op = open[j];
+      // The bag is created with its first rows, not when its first tile is queued: a batch of 600
+      // one-tile slides (a patch store) would otherwise hold 1,200 HDF5 files open (this batch's and
+      // the next's), past a 1,024-descriptor limit.
+      if (!op.failed && !op.writer) start_slide(j);
       if (!op.failed) {
         Status s = op.writer->append(k - i, std::span<const float>(features.data() + i * D, static_cast<size_t>((k - i) * D)),
                                      std::span<const int64_t>(b.coords.data() + 2 * i, static_cast<size_t>((k - i) * 2)));

@@ -204,6 +204,27 @@ class TestStores(Base):
         with h5py.File(os.path.join(out, name), "r") as a, h5py.File(os.path.join(self.bags, name), "r") as b:
             np.testing.assert_array_equal(a["features"][:], b["features"][:])
 
+    def test_tile_header_naming_another_slide(self):
+        """A tile whose header names another slide than the record listing it: slide-embed fails
+        that slide (data loss, naming the store and the tile) and writes no bag for it."""
+        import lmdb
+        store = self.path("store")
+        shutil.copytree(self.store, store)
+        env = lmdb.open(store, max_dbs=4)
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"tiles", txn=txn)
+            key = struct.pack(">Q", 5)
+            v = bytearray(txn.get(key, db=db))
+            struct.pack_into("<I", v, 8, 4)
+            txn.put(key, bytes(v), db=db)
+        env.close()
+        out = self.path("bags")
+        r = self.embed(store, out)
+        self.assertNoCrash(r, "slide-embed")
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("store %s: tile 5 belongs to slide 4" % store, r.stderr)
+        self.assertFalse([n for n in os.listdir(out) if n.endswith(".h5")], os.listdir(out))
+
     def test_flipped_bytes_in_data_mdb(self):
         size = os.path.getsize(os.path.join(self.store, "data.mdb"))
         page = 4096

@@ -251,6 +251,26 @@ class TestEngine(Base):
         self.assertEqual(fields["slides_failed"], str(len(ids)))
         self.assertFalse([n for n in os.listdir(out) if n.endswith(".h5") or n.endswith(".partial")])
 
+    def test_a_patch_store_in_large_batches_keeps_few_files_open(self):
+        """A patch store is one slide per tile: a batch of 100 spans 100 slides. Bags are created
+        with their first rows, so few are open at once: under a 40-descriptor limit the 360-patch
+        store embeds in batches of 100 (creating each slide's bag when its tile was queued held up to
+        200 HDF5 files open, and every slide past the limit failed with EMFILE)."""
+        store = self.tile("lc64fd", "--patches", LC, "--tile-size", "64")
+        _, weights = self.random_weights("resnet18", seed=8)
+        out = os.path.join(self.tmp, "fd_limit")
+
+        def limit():
+            resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+        r = self.embed(store, out, "--weights", weights, "--model", "resnet18", "--backend", "cpu",
+                       "--batch-size", "100", preexec_fn=limit)
+        self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+        bags = [n for n in listing(out) if n.endswith(".h5")]
+        self.assertEqual(len(bags), 360, r.stderr[-2000:])
+        with open(os.path.join(out, "bags.csv")) as f:
+            self.assertEqual(len(list(csv.DictReader(f))), 360)
+
     def test_cuda_without_a_gpu_is_a_usage_error(self):
         store = self.tile("lc64b", "--patches", LC, "--tile-size", "64")
         _, weights = self.random_weights("resnet18", seed=6)
@@ -433,11 +453,15 @@ class TestResume(TwoSlides):
 
     def run_until_first_bag(self, out, sig):
         p = subprocess.Popen(self.args(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Once the first bag is complete and the second is being written (its bag is created with
+        # its first rows).
         first = os.path.join(out, "CMU-1-Small-Region.h5")
+        second = os.path.join(out, "TCGA-CR-7395-01A-01-TS1.h5.partial")
         deadline = time.time() + 120
-        while not os.path.exists(first) and p.poll() is None and time.time() < deadline:
+        while not (os.path.exists(first) and os.path.exists(second)) and p.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         self.assertTrue(os.path.exists(first), "the first bag never appeared")
+        self.assertTrue(os.path.exists(second), "the second bag was never started")
         self.assertIsNone(p.poll(), "the run ended before it could be interrupted")
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)

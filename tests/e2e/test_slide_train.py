@@ -1748,6 +1748,33 @@ class TestAnnotationLabels(Base):
         # No validation set: best.safetensors is the last epoch's (it stayed the first's).
         self.assertEqual((state["best_epoch"], state["best_metric"]), (2, "last_epoch"))
 
+        # A damaged header (its slide index, or a label index past label_names) is a data-loss
+        # error naming the store and the tile, before any training.
+        key = len(headers) // 2
+
+        def patched(name, offset, value):
+            copy = os.path.join(self.tmp, name)
+            shutil.copytree(store, copy)
+            env = lmdb.open(copy, max_dbs=4)
+            with env.begin(write=True) as txn:
+                db = env.open_db(b"tiles", txn=txn)
+                k = struct.pack(">Q", key)
+                v = bytearray(txn.get(k, db=db))
+                struct.pack_into("<i", v, offset, value)
+                txn.put(k, bytes(v), db=db)
+            env.close()
+            return copy
+
+        for name, offset, value, needle in (("bad-slide-index", 8, 3, "belongs to slide 3"),
+                                            ("bad-label-index", 12, 7, "has label index 7")):
+            bad = patched(name, offset, value)
+            r = subprocess.run([TRAIN, "--data", bad, "--out", os.path.join(self.tmp, name + "-run"), "--epochs", "1",
+                                "--batch-size", "16", "--width", "4", "--val-fraction", "0", "--threads", "2"],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("store %s: tile %d %s" % (bad, key, needle), r.stderr)
+            self.assertFalse(os.path.exists(os.path.join(self.tmp, name + "-run", "checkpoints", "epoch-1-step-0")))
+
 
 class TestTorchvision(unittest.TestCase):
     """Numerics against PyTorch: torchvision's resnet18 with its own initial weights, one batch,

@@ -253,6 +253,7 @@ int run_main(int argc, char** argv) {
     loaded.layer = (*vit)->layer();
     loaded.weights_path = weights;
     loaded.weights_sha256 = *sha;
+    loaded.attention_heads = static_cast<int32_t>(c.heads);
     encoder = std::move(*vit);
   } else {
     if (vit_heads > 0 || !vit_pool.empty() || vit_image_size > 0)

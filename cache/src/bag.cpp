@@ -417,7 +417,8 @@ struct BagWriter::Impl {
       Hid fspace(H5Dget_space(ds), H5Sclose);
       hsize_t start[2] = {static_cast<hsize_t>(written), 0};
       hsize_t count[2] = {static_cast<hsize_t>(buffered), cols};
-      H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr);
+      if (!fspace.valid() || H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
+        return hdf5_status(StatusCode::kInternal, "select rows to write in " + partial);
       Hid mspace(H5Screate_simple(2, count, nullptr), H5Sclose);
       if (H5Dwrite(ds, mem_type, mspace.get(), fspace.get(), H5P_DEFAULT, data) < 0) {
         return hdf5_status(StatusCode::kInternal, "write rows to " + partial);
@@ -504,13 +505,17 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
     Hid dcpl = plist(H5P_DATASET_CREATE);
     if (H5Pset_chunk(dcpl.get(), 2, chunk_dims) < 0)
       return hdf5_status(StatusCode::kInternal, std::string("chunk layout of ") + name + " in " + impl->partial);
+    // Shuffle first, then the compressor (the pipeline runs in the order filters are added).
+    bool filters_ok = true;
     if (options.compression == Compression::kGzip) {
-      H5Pset_shuffle(dcpl.get());
-      H5Pset_deflate(dcpl.get(), static_cast<unsigned>(options.gzip_level));
+      filters_ok = H5Pset_shuffle(dcpl.get()) >= 0 &&
+                   H5Pset_deflate(dcpl.get(), static_cast<unsigned>(options.gzip_level)) >= 0;
     } else if (options.compression == Compression::kLzf) {
-      H5Pset_shuffle(dcpl.get());
-      H5Pset_filter(dcpl.get(), kLzfFilterId, H5Z_FLAG_OPTIONAL, 0, nullptr);  // as h5py sets it
+      filters_ok = H5Pset_shuffle(dcpl.get()) >= 0 &&  // as h5py sets it
+                   H5Pset_filter(dcpl.get(), kLzfFilterId, H5Z_FLAG_OPTIONAL, 0, nullptr) >= 0;
     }
+    if (!filters_ok)
+      return hdf5_status(StatusCode::kInternal, std::string("compression filters of ") + name + " in " + impl->partial);
     *out = Hid(H5Dcreate2(impl->file.get(), name, type, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
                H5Dclose);
     if (!out->valid()) return hdf5_status(StatusCode::kInternal, std::string("create ") + name + " in " + impl->partial);
@@ -565,6 +570,10 @@ Result<std::unique_ptr<BagWriter>> BagWriter::create(const std::string& path, in
   }
   if (!attributes.precision.empty()) {
     Status st = write_attr_string(root, "precision", attributes.precision);
+    if (!st.ok()) return cleanup(st);
+  }
+  if (attributes.attention_heads > 0) {
+    Status st = write_attr_scalar(root, "attention_heads", H5T_STD_I32LE, H5T_NATIVE_INT32, attributes.attention_heads);
     if (!st.ok()) return cleanup(st);
   }
   impl->feature_buf.reserve(static_cast<size_t>(impl->options.chunk_rows * feature_dim));
@@ -691,13 +700,23 @@ Result<std::unique_ptr<BagReader>> BagReader::open(const std::string& path) {
     if (H5Sget_simple_extent_ndims(space.get()) != 2) {
       return slide::core::data_loss("bag " + path + ": /" + name + " is not two-dimensional");
     }
-    H5Sget_simple_extent_dims(space.get(), dims, nullptr);
+    if (H5Sget_simple_extent_dims(space.get(), dims, nullptr) < 0)
+      return hdf5_status(StatusCode::kDataLoss, "bag " + path + ": extent of /" + name);
     return slide::core::ok_status();
   };
   hsize_t fdims[2] = {0, 0}, cdims[2] = {0, 0};
   SLIDE_RETURN_IF_ERROR(open_2d("features", &impl->features, fdims));
   SLIDE_RETURN_IF_ERROR(open_2d("coords", &impl->coords, cdims));
   if (cdims[1] != 2) return slide::core::data_loss("bag " + path + ": /coords is N x " + std::to_string(cdims[1]) + ", not N x 2");
+  // A feature row of 1 .. 2^20 values (the largest encoders give a few thousand), and N x D x 4
+  // bytes within int64: the readers size buffers as N * D, which a damaged extent must not wrap.
+  constexpr hsize_t kMaxFeatureDim = hsize_t{1} << 20;
+  if (fdims[1] < 1 || fdims[1] > kMaxFeatureDim)
+    return slide::core::data_loss("bag " + path + ": /features is N x " + std::to_string(fdims[1]) +
+                                  ", the feature dimension must be 1 .. " + std::to_string(kMaxFeatureDim));
+  if (fdims[0] > static_cast<hsize_t>(std::numeric_limits<int64_t>::max()) / (fdims[1] * 4))
+    return slide::core::data_loss("bag " + path + ": /features has " + std::to_string(fdims[0]) +
+                                  " rows, more than any file can hold");
   if (cdims[0] != fdims[0]) {
     return slide::core::data_loss("bag " + path + ": /features has " + std::to_string(fdims[0]) + " rows but /coords " +
                                   std::to_string(cdims[0]));
@@ -739,6 +758,7 @@ Result<std::unique_ptr<BagReader>> BagReader::open(const std::string& path) {
   read_attr_scalar(f, "encoder_input_px", H5T_NATIVE_INT32, &a.encoder_input_px);
   read_attr_string(f, "stain_normalization", &a.stain_normalization);
   read_attr_string(f, "precision", &a.precision);
+  read_attr_scalar(f, "attention_heads", H5T_NATIVE_INT32, &a.attention_heads);
   int32_t version = 0;
   if (read_attr_scalar(f, "format_version", H5T_NATIVE_INT32, &version) && version > kBagFormatVersion) {
     return slide::core::failed_precondition("bag " + path + ": format version " + std::to_string(version) +
@@ -763,7 +783,8 @@ Status read_rows(const std::string& path, const char* name, hid_t ds, int64_t n,
   Hid fspace(H5Dget_space(ds), H5Sclose);
   hsize_t start[2] = {static_cast<hsize_t>(row_begin), 0};
   hsize_t count[2] = {static_cast<hsize_t>(row_count), cols};
-  H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr);
+  if (!fspace.valid() || H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
+    return hdf5_status(StatusCode::kDataLoss, "bag " + path + ": select rows of /" + name);
   Hid mspace(H5Screate_simple(2, count, nullptr), H5Sclose);
   if (H5Dread(ds, mem_type, mspace.get(), fspace.get(), H5P_DEFAULT, out) < 0) {
     return hdf5_status(StatusCode::kDataLoss, "bag " + path + ": read /" + name);

@@ -306,7 +306,9 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
               "to another --out");
         } else if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
             info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
-            a.stain_normalization != stain_json || a.precision != precision_attr) {
+            a.stain_normalization != stain_json || a.precision != precision_attr ||
+            // A bag from before attention_heads was recorded (0) is taken as made with this run's.
+            (a.attention_heads > 0 && a.attention_heads != model.attention_heads)) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
           // ", <label> <value>" (`unset` for an empty one), named only when either side has a value
           // (the message stays as it was for runs without).
@@ -317,12 +319,15 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
           };
           const auto stain = part(a.stain_normalization, stain_json, "stain normalisation", "none");
           const auto precision = part(a.precision, precision_attr, "precision", "fp32");
+          auto heads = [&](int32_t h) {
+            return a.attention_heads > 0 && h > 0 ? ", " + std::to_string(h) + " attention heads" : std::string();
+          };
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +
               slide::cache::feature_dtype_name(info.dtype) + ", weights " + a.weights_sha256.substr(0, 12) +
-              input(had_input) + stain(a.stain_normalization) + precision(a.precision) + " (this run: " +
-              model.model + ", layer " + extractor.layer() + input(want_input) + stain(stain_json) +
-              precision(precision_attr) + "): remove it or write to another --out");
+              input(had_input) + stain(a.stain_normalization) + precision(a.precision) + heads(a.attention_heads) +
+              " (this run: " + model.model + ", layer " + extractor.layer() + input(want_input) + stain(stain_json) +
+              precision(precision_attr) + heads(model.attention_heads) + "): remove it or write to another --out");
         } else {
           o.skipped = true;
           o.tiles = info.num_tiles;
@@ -390,6 +395,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
     if (resizer_for(S) != nullptr) attrs.encoder_input_px = static_cast<int32_t>(need);
     attrs.stain_normalization = stain_json;
     attrs.precision = precision_attr;
+    attrs.attention_heads = model.attention_heads;
     Open& op = open[j];
     op.start = clock::now();
     // Chunks no larger than the bag: a 20-tile bag is not padded to a 256-row chunk on disk.

@@ -370,9 +370,16 @@ class TestBags(Base):
         def zero_bytes(p):
             open(p, "wb").close()
 
+        def no_columns(p):  # N x 0 features
+            with h5py.File(p, "a") as f:
+                n = f["features"].shape[0]
+                del f["features"]
+                f.create_dataset("features", shape=(n, 0), dtype="float32")
+
         cases = {"rows": (rows, "/features has 1 rows but /coords 2"), "rank3": (rank3, "not two-dimensional"),
                  "no_coords": (no_coords, "no /coords"), "narrower": (narrower, "bags.csv is stale"),
-                 "zero_bytes": (zero_bytes, "not an HDF5 file")}
+                 "zero_bytes": (zero_bytes, "not an HDF5 file"),
+                 "no_columns": (no_columns, "the feature dimension must be 1 .. 1048576")}
         for case, (damage, what) in cases.items():
             d = self.path("bags_" + case)
             shutil.copytree(bags, d)

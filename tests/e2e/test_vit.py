@@ -513,9 +513,17 @@ class TestSlideEmbed(unittest.TestCase):
                 self.assertEqual(f.attrs["model"], "vit")
                 self.assertEqual(f.attrs["layer"], "token+mean")
                 self.assertEqual(f.attrs["feature_dim"], 2 * cfg["width"])
+                self.assertEqual(f.attrs["attention_heads"], 4)
                 np.testing.assert_array_equal(f["coords"][()], np.array(coords, np.int32))
             self.assertEqual(got.shape, (len(images), 2 * cfg["width"]))
             self.assertLess(rel_err(got, expected), 1e-4)
+            # A rerun with other heads (other features from the same weights) does not take the
+            # complete bag as its own.
+            r = subprocess.run([embed, store, "-o", out, "--weights", weights, "--model", "vit", "--heads", "2",
+                                "--pool", "token+mean"], capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 3, r.stderr)
+            self.assertIn(", 4 attention heads (this run: vit, layer token+mean, 2 attention heads): remove it",
+                          r.stderr)
             # The same bags through another backend (the op list's reference loops).
             out_ref = os.path.join(tmp, "bags_ref")
             r = subprocess.run([embed, store, "-o", out_ref, "--weights", weights, "--model", "vit", "--heads", "4",

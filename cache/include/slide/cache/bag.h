@@ -31,7 +31,8 @@
 //     format_version  int32    1 (kBagFormatVersion)
 //   and, only when they apply: encoder_input_px (int32, tiles resized to the encoder's input),
 //     stain_normalization (string, JSON of the fitted stain target: slide-embed --stain-normalize)
-//     and precision (string, "tf32", "bf16" or "fp16": the encoder's math precision, slide-embed --precision)
+//     precision (string, "tf32", "bf16" or "fp16": the encoder's math precision, slide-embed --precision)
+//     and attention_heads (int32, a ViT encoder's head count: slide-embed --heads or the preset's)
 //
 // Atomicity: BagWriter writes `<path>.partial` and renames it to `<path>` in commit(): a bag that
 // exists under its final name is complete. A `.partial` file is garbage from a killed run; the
@@ -110,6 +111,9 @@ struct BagAttributes {
   // The math precision of the encoder's products (slide-embed --precision: "tf32", "bf16" or "fp16"), root
   // string attribute precision, written only then; "": fp32 (and bags from before the option).
   std::string precision;
+  // A Vision Transformer encoder's attention heads (root attribute attention_heads, written only for
+  // ViTs); 0: a CNN, or a bag from before the attribute.
+  int32_t attention_heads = 0;
 };
 
 // The most bytes of features in one HDF5 chunk (BagWriterOptions::chunk_rows is lowered to fit;

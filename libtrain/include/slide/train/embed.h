@@ -43,6 +43,9 @@ struct EmbedModel {
   // (attribute precision, only when not fp32); a complete bag made at another precision is not
   // reused.
   MathPrecision precision = MathPrecision::kFp32;
+  // A ViT encoder's attention heads (its config's; slide-embed --heads can change them): recorded in
+  // each bag (attribute attention_heads) and a complete bag made with others is not reused. 0: a CNN.
+  int32_t attention_heads = 0;
 };
 
 // Loads a backbone. `weights` is either a slide-train checkpoint directory (state.json names the

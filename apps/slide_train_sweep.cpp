@@ -59,7 +59,8 @@ double best_metric(const std::string& dir) {
   double best = -1;
   while (std::getline(f, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.contains("val_balanced_accuracy")) best = std::max(best, j["val_balanced_accuracy"].get<double>());
+    if (!j.is_discarded() && j.contains("val_balanced_accuracy") && j["val_balanced_accuracy"].is_number())
+      best = std::max(best, j["val_balanced_accuracy"].get<double>());
   }
   return best;
 }

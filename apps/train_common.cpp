@@ -2,6 +2,8 @@
 // (slide_train_main.cpp) and MIL training (slide_train_mil.cpp). Moved from slide_train_main.cpp.
 #include "train_common.h"
 
+#include <fcntl.h>  // AT_FDCWD; renameat2 and RENAME_EXCHANGE are in <cstdio> (glibc >= 2.28)
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -241,7 +243,8 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
       c.integer(h[i], "epoch", at + ".epoch", 1);
       for (const char* key : {"train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_balanced_accuracy",
                               "val_roc_auc", "lr", "seconds"})
-        c.number(h[i], key, at + "." + key, false, std::string(key) == "val_roc_auc");
+        // Validation metrics may be null (undefined, or not finite: JSON has no NaN).
+        c.number(h[i], key, at + "." + key, false, std::string(key).rfind("val_", 0) == 0);
     }
   }
   c.number(s, "best_val_balanced_accuracy", "best_val_balanced_accuracy", true);
@@ -318,8 +321,12 @@ std::vector<fs::path> list_checkpoints(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     long ep = 0, st = 0;
+    int end = 0;
     const std::string n = e.path().filename().string();
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) == 2 && n.find(".partial") == std::string::npos)
+    // Exactly "epoch-E-step-S" (E, S decimal): not "*.partial", nor the swapped-out "*.old" of a
+    // rewritten checkpoint, nor any other name that merely starts so.
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld%n", &ep, &st, &end) == 2 && static_cast<size_t>(end) == n.size() &&
+        n == "epoch-" + std::to_string(ep) + "-step-" + std::to_string(st))
       found.push_back({{ep, st}, e.path()});
   }
   std::sort(found.begin(), found.end());
@@ -357,9 +364,26 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
                                               ", is kept; free space and rerun with --resume") +
                           ")");
   }
-  fs::remove_all(final_dir, ec);
-  fs::rename(partial, final_dir, ec);
-  if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+  // The same name again (an interrupt with no step done since --resume): the complete copy is
+  // exchanged with the new one in one step (renameat2 RENAME_EXCHANGE), so a second Ctrl-C or a
+  // SIGKILL never leaves the name without a complete checkpoint. Where the file system cannot
+  // exchange, the old one is renamed aside first; list_checkpoints skips "*.old".
+  if (fs::exists(final_dir, ec)) {
+    if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fs::remove_all(partial, ec);  // now the old checkpoint
+    } else {
+      const std::string aside = final_dir + ".old";
+      fs::remove_all(aside, ec);
+      fs::rename(final_dir, aside, ec);
+      if (ec) return slide::core::errno_status(ec.value(), "rename " + final_dir + " to " + aside);
+      fs::rename(partial, final_dir, ec);
+      if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+      fs::remove_all(aside, ec);
+    }
+  } else {
+    fs::rename(partial, final_dir, ec);
+    if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+  }
   // Keep the newest `keep` checkpoints.
   const std::vector<fs::path> all = list_checkpoints(dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
@@ -395,14 +419,20 @@ Status write_metrics(const std::string& out, const nlohmann::json& history) {
   std::string jsonl, csv = "epoch,train_loss,train_accuracy,val_loss,val_accuracy,val_balanced_accuracy,val_roc_auc,lr,seconds\n";
   for (const auto& h : history) {
     jsonl += h.dump() + "\n";
-    char line[256], auc[32] = "";  // an undefined ROC AUC (null) is an empty cell
-    if (h["val_roc_auc"].is_number() && h["val_roc_auc"].get<double>() >= 0)
-      std::snprintf(auc, sizeof auc, "%.6f", h["val_roc_auc"].get<double>());
-    std::snprintf(line, sizeof line, "%ld,%.6f,%.6f,%.6f,%.6f,%.6f,%s,%.6g,%.3f\n", h["epoch"].get<long>(),
-                  h["train_loss"].get<double>(), h["train_accuracy"].get<double>(), h["val_loss"].get<double>(),
-                  h["val_accuracy"].get<double>(), h["val_balanced_accuracy"].get<double>(), auc,
-                  h["lr"].get<double>(), h["seconds"].get<double>());
-    csv += line;
+    // A value that is not a finite number (null: undefined, or NaN / inf, which JSON writes as
+    // null) is an empty cell; so is a negative (undefined) ROC AUC.
+    auto value = [&](const char* key, const char* format, bool signed_ok = true) {
+      char cell[64] = "";
+      if (h.contains(key) && h[key].is_number()) {
+        const double v = h[key].get<double>();
+        if (std::isfinite(v) && (signed_ok || v >= 0)) std::snprintf(cell, sizeof cell, format, v);
+      }
+      return std::string(cell);
+    };
+    csv += std::to_string(h["epoch"].get<long>()) + "," + value("train_loss", "%.6f") + "," +
+           value("train_accuracy", "%.6f") + "," + value("val_loss", "%.6f") + "," + value("val_accuracy", "%.6f") +
+           "," + value("val_balanced_accuracy", "%.6f") + "," + value("val_roc_auc", "%.6f", false) + "," +
+           value("lr", "%.6g") + "," + value("seconds", "%.3f") + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.jsonl", jsonl));
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(out + "/metrics.csv", csv));
@@ -614,6 +644,8 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
                        : metric == "accuracy" ? val.accuracy
                        : metric == "roc_auc" ? val.roc_auc
                                              : val.balanced_accuracy;
+  // An undefined or non-finite score (NaN compares false) never becomes the best.
+  if (!std::isfinite(score)) return false;
   if (state->contains("best_score") && score <= (*state)["best_score"].get<double>()) return false;
   (*state)["best_score"] = score;
   (*state)["best_metric"] = "val_" + metric;

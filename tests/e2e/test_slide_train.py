@@ -1603,6 +1603,38 @@ class TestOutputSafety(Base):
             self.assertEqual(r.returncode, 1, r.stderr)
             self.assertIn("field '%s'" % field, r.stderr)
 
+    def test_resume_edge_cases_of_the_checkpoint_record(self):
+        """A step_in_epoch past the epoch's steps is refused naming state.json; null validation
+        metrics (JSON has no NaN) resume; only directories named exactly epoch-E-step-S are
+        checkpoints (a newer-looking epoch-9-step-0.bak is not resumed from)."""
+        ref = self.run_dir("state-ref")
+        out = os.path.join(self.tmp, "state-edges")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(ref, out)
+        ckpt = os.path.join(out, "checkpoints", "epoch-1-step-0")
+        state_path = os.path.join(ckpt, "state.json")
+        with open(state_path) as f:
+            good = json.load(f)
+        with open(state_path, "w") as f:
+            json.dump(dict(good, step_in_epoch=999), f)
+        r = self.quick(out, "--resume", epochs=2)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertRegex(r.stderr, re.escape(state_path) + r": step_in_epoch 999 is past the epoch's \d+ steps")
+        self.assertFalse(os.path.isdir(os.path.join(out, "checkpoints", "epoch-2-step-0")))
+        # Null validation metrics, and a stray directory that only starts like a checkpoint's name.
+        state = json.loads(json.dumps(good))
+        state["history"][0]["val_loss"] = None
+        state["history"][0]["val_accuracy"] = None
+        with open(state_path, "w") as f:
+            json.dump(state, f)
+        stray = os.path.join(out, "checkpoints", "epoch-9-step-0.bak")
+        shutil.copytree(ckpt, stray)
+        with open(os.path.join(stray, "state.json"), "w") as f:
+            f.write("{")
+        r = self.quick(out, "--resume", epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(os.path.isdir(os.path.join(out, "checkpoints", "epoch-2-step-0")))
+
     def test_nan_weights_are_refused_on_resume_and_evaluate(self):
         ref = self.run_dir("nan-ref")
         out = os.path.join(self.tmp, "nan-weights")

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
@@ -207,7 +208,13 @@ Result<std::map<std::string, Shape>> read_safetensors_shapes(const std::string& 
     for (const auto& [name, entry] : j.items()) {
       if (name == "__metadata__") continue;
       Shape shape;
-      for (const auto& d : entry.at("shape")) shape.push_back(d.get<int64_t>());
+      // Non-negative integers only (a float's conversion to int64 is undefined past its range).
+      for (const auto& d : entry.at("shape")) {
+        if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          return slide::core::data_loss(path + ": safetensors tensor " + name + ": shape entry " + d.dump() +
+                                        " is not a non-negative integer");
+        shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+      }
       out[name] = shape;
     }
   } catch (const nlohmann::json::exception& e) {

@@ -217,3 +217,19 @@ TEST_CASE("safetensors: a header length whose low byte is 0x80 is not taken for 
   CHECK(read_safetensors_shapes(dir + "/p.pt").status().code() == slide::core::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("safetensors: shape entries that are not non-negative integers are data loss") {
+  const std::string dir = (std::filesystem::temp_directory_path() / "slide_shapes_test").string();
+  std::filesystem::create_directories(dir);
+  // 1e300 converted to int64 would be undefined behaviour.
+  for (const std::string dim : {"1e300", "-3", "2.5", "\"4\"", "18446744073709551615"}) {
+    const std::string header = "{\"w\":{\"dtype\":\"F32\",\"shape\":[" + dim + "],\"data_offsets\":[0,0]}}";
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    REQUIRE(slide::core::write_file_atomic(dir + "/bad.safetensors", file + header).ok());
+    const auto r = read_safetensors_shapes(dir + "/bad.safetensors");
+    CHECK_MESSAGE(r.status().code() == slide::core::StatusCode::kDataLoss, dim);
+    CHECK_MESSAGE(r.status().message().find("is not a non-negative integer") != std::string::npos, r.status().message());
+  }
+  std::filesystem::remove_all(dir);
+}

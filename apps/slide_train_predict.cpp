@@ -206,8 +206,10 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     for (size_t c = 0; c < k; ++c) line += "," + probability_text(p[c]);
     tiles_csv += line + "," + slide::core::csv_quote(classes[pred]) + "\n";
     SlideAgg& a = slides[ref.slide];
-    if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0);
-    a.label = ref.label;
+    // The slide's label: its tiles' when they all have the same one (a slide label, or a store
+    // whose tiles are labelled from annotations with one class); none when they differ.
+    if (a.sum.empty()) a.sum.assign(k, 0.0), a.votes.assign(k, 0), a.label = ref.label;
+    else if (a.label != ref.label) a.label = kNoLabel;
     a.tiles.push_back(i);
     for (size_t c = 0; c < k; ++c) a.sum[c] += p[c];
     ++a.votes[pred];

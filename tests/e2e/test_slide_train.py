@@ -4,6 +4,7 @@ slide-tile (run by ctest, one class per test).
 
 Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
 """
+import csv
 import json
 import re
 import os
@@ -1747,6 +1748,10 @@ class TestAnnotationLabels(Base):
         self.assertEqual(rows[0][:4], ["slide_id", "x_l0", "y_l0", "label"])
         self.assertEqual({(int(x[1]), int(x[2])): x[3] for x in rows[1:]}, want)
         self.assertEqual(len(rows) - 1, len(want))
+        # The slide's tiles have two classes: slides.csv gives it no label (it took its last tile's).
+        with open(os.path.join(ev, "slides.csv")) as f:
+            slide_rows = list(csv.DictReader(f))
+        self.assertEqual([(x["label"], int(x["tiles"])) for x in slide_rows], [("", len(want))])
         # predict: every tile, the unannotated ones without a label.
         pred = os.path.join(self.tmp, "annot-pred")
         r = subprocess.run([TRAIN, "predict", "--checkpoint", ckpt, "--data", store, "--out", pred],

@@ -3,5 +3,9 @@
 # configure step, e.g. scripts/build.sh -DSLIDE_WITH_CUDA=OFF.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDE_WARNINGS_AS_ERRORS=ON "$@"
+# -g1 (line tables: file:line in backtraces and sanitizer reports, no variable locations) instead
+# of RelWithDebInfo's -g: the same -O2 code, and slide_train_main.cpp compiles in 35 s instead of
+# 54 s here (2026-11-29). For a debugger's view of locals, configure with -DCMAKE_BUILD_TYPE=Debug.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
+  "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" -DSLIDE_WARNINGS_AS_ERRORS=ON "$@"
 cmake --build build -j"$(nproc)"

@@ -759,9 +759,9 @@ int run_main(int argc, char** argv) {
   if ((*be)->math_precision() != slide::train::MathPrecision::kFp32)
     config["precision"] = slide::train::math_precision_name((*be)->math_precision());
   if (fp16) config["loss_scale"] = loss_scale;
-  // The activations' storage and synchronised batch norm change the math too; recorded when not the
-  // default, so that checkpoints made without them resume as before.
-  if (act != DType::kF32) config["activations"] = slide::train::dtype_name(act);
+  // The activations' storage and synchronised batch norm change the math too; recorded when given
+  // (--activations auto follows the backend: a GPU run's checkpoint still resumes on the CPU).
+  if (activations != "auto") config["activations"] = slide::train::dtype_name(act);
   if (sync_bn) config["sync_bn"] = true;
   // The fitted stain target (stain.h's JSON as an object): evaluate and predict apply it.
   if (stain->method != slide::train::StainMethod::kNone)
@@ -785,6 +785,9 @@ int run_main(int argc, char** argv) {
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_step(latest, saved, (static_cast<int64_t>(train.size()) + batch - 1) / batch);
+        !s.ok())
+      return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(run.params, run.buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;
@@ -837,10 +840,6 @@ int run_main(int argc, char** argv) {
     to.augment.crop_min_scale = crop_min_scale;
     to.augment.stain_sigma = stain_sigma;
     to.start_step = state["step_in_epoch"].get<int64_t>();
-    // A resumed epoch starts at most at its end (a checkpoint written after its last step).
-    if (const auto steps = (static_cast<int64_t>(train.size()) + batch - 1) / batch; to.start_step > steps)
-      return fail(slide::core::data_loss(resume_from + "/state.json: step_in_epoch " + std::to_string(to.start_step) +
-                                         " is past the epoch's " + std::to_string(steps) + " steps"));
     to.cancel = &g_cancel;
     to.refit_on_oom = memory_plan->refit;
     to.loss_scaler = scaler ? &*scaler : nullptr;

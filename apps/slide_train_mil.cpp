@@ -319,6 +319,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_step(latest, saved, steps_per_epoch); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers), be->get()); !s.ok())
       return fail(s);
     std::vector<NamedTensor> opt_state;

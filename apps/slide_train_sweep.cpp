@@ -21,6 +21,7 @@
 
 #include "exit_codes.h"
 #include "interrupt.h"
+#include "train_common.h"
 #include "slide/core/dir_lock.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
@@ -65,14 +66,8 @@ double best_metric(const std::string& dir) {
   return best;
 }
 
-bool has_checkpoint(const std::string& dir) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir + "/checkpoints", ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("epoch-", 0) == 0 && n.find(".partial") == std::string::npos) return true;
-  }
-  return false;
-}
+// Whether a trial's run holds a checkpoint --resume would take (list_checkpoints' names).
+bool has_checkpoint(const std::string& dir) { return !slide::apps::list_checkpoints(dir + "/checkpoints").empty(); }
 
 std::string signal_name(int sig) {
   const char* n = sigabbrev_np(sig);

@@ -325,9 +325,12 @@ std::vector<fs::path> list_checkpoints(const std::string& dir) {
     const std::string n = e.path().filename().string();
     // Exactly "epoch-E-step-S" (E, S decimal): not "*.partial", nor the swapped-out "*.old" of a
     // rewritten checkpoint, nor any other name that merely starts so.
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld%n", &ep, &st, &end) == 2 && static_cast<size_t>(end) == n.size() &&
-        n == "epoch-" + std::to_string(ep) + "-step-" + std::to_string(st))
-      found.push_back({{ep, st}, e.path()});
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld%n", &ep, &st, &end) != 2) continue;
+    const std::string name = "epoch-" + std::to_string(ep) + "-step-" + std::to_string(st);
+    // "<name>.old" without "<name>": save_checkpoint's fallback was stopped between its two renames,
+    // and the old copy is the complete one.
+    const bool aside = n == name + ".old" && !fs::exists(fs::path(dir) / name, ec);
+    if (n == name || aside) found.push_back({{ep, st}, e.path()});
   }
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
@@ -377,7 +380,11 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
       fs::rename(final_dir, aside, ec);
       if (ec) return slide::core::errno_status(ec.value(), "rename " + final_dir + " to " + aside);
       fs::rename(partial, final_dir, ec);
-      if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+      if (ec) {
+        const Status s = slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+        fs::rename(aside, final_dir, ec);  // the complete copy back under its name
+        return s;
+      }
       fs::remove_all(aside, ec);
     }
   } else {
@@ -575,9 +582,16 @@ slide::core::Status check_resume_config(const std::string& checkpoint, const nlo
   if (saved.contains("config")) {
     const nlohmann::json& was = saved["config"];
     std::string diffs;
-    for (const auto& [key, value] : config.items())
+    for (const auto& [key, value] : config.items()) {
+      if (!was.contains(key) && (key == "activations" || key == "sync_bn")) {
+        slide::core::log_warn("--resume: the checkpoint does not record --" + key +
+                                  " (made before it was recorded); resumed with this run's",
+                              {{"checkpoint", checkpoint}, {key, value.dump()}});
+        continue;
+      }
       if (!was.contains(key) || was[key] != value)
         diffs += " --" + key + " " + (was.contains(key) ? was[key].dump() : "(unset)") + " -> " + value.dump() + ";";
+    }
     // An option the run was made with and this one lacks (--freeze, --stain-normalize, ...) changes
     // its math as much; --init only chose the first step's weights, which the checkpoint replaces.
     for (const auto& [key, value] : was.items())
@@ -589,6 +603,16 @@ slide::core::Status check_resume_config(const std::string& checkpoint, const nlo
   if (saved.value("epochs", epochs) != epochs)
     slide::core::log_warn("--resume with another --epochs: the schedule's length changes",
                           {{"was", saved.value("epochs", epochs)}, {"now", epochs}});
+  return slide::core::ok_status();
+}
+
+slide::core::Status check_resume_step(const std::string& checkpoint, const nlohmann::json& saved,
+                                     int64_t steps_per_epoch) {
+  const int64_t step = saved.value("step_in_epoch", int64_t{0});
+  if (step > 0 && step >= steps_per_epoch)
+    return slide::core::data_loss(checkpoint + "/state.json: step_in_epoch " + std::to_string(step) +
+                                  " is past the epoch's " + std::to_string(steps_per_epoch) +
+                                  " steps (an interrupt is taken before a step)");
   return slide::core::ok_status();
 }
 
@@ -644,8 +668,9 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
                        : metric == "accuracy" ? val.accuracy
                        : metric == "roc_auc" ? val.roc_auc
                                              : val.balanced_accuracy;
-  // An undefined or non-finite score (NaN compares false) never becomes the best.
-  if (!std::isfinite(score)) return false;
+  // An undefined (a ROC AUC of -1: one class validated) or non-finite score (NaN compares false)
+  // never becomes the best.
+  if (!std::isfinite(score) || (metric == "roc_auc" && score < 0)) return false;
   if (state->contains("best_score") && score <= (*state)["best_score"].get<double>()) return false;
   (*state)["best_score"] = score;
   (*state)["best_metric"] = "val_" + metric;

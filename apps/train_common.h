@@ -89,7 +89,7 @@ std::string probability_text(float p);
 // optimizer_steps integers >= 0; epochs an integer >= 1; model a string; classes an array of at
 // least two strings; history an array of `epoch` objects whose epoch (integer >= 1), train_loss,
 // train_accuracy, val_loss, val_accuracy, val_balanced_accuracy, val_roc_auc, lr and seconds are
-// numbers; best_val_balanced_accuracy and best_score numbers, best_metric a string and
+// numbers (the val_ ones may be null: undefined or not finite); best_val_balanced_accuracy and best_score numbers, best_metric a string and
 // best_epoch an integer >= 1 when present; config an object when present; tile models: width an
 // integer >= 1 and dropout a number when present; "abmil": mil an object with in_features,
 // hidden, attention integers >= 1 and dropout a number. Errors: kDataLoss naming `file` and the
@@ -131,8 +131,16 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // `checkpoint` and every difference ("--lr 0.1 -> 0.2;"), an option given now and not then or
 // then and not now included ("(unset)"; --init, which only chose the first weights, may be left
 // out). A checkpoint without the record (made before it existed) passes. Another `epochs` than saved["epochs"] is allowed, with a warning.
+// Options recorded only since 2026-11-29 (`activations`, `sync_bn`) given now and absent from the
+// record pass with a warning: the checkpoint may predate them.
 [[nodiscard]] slide::core::Status check_resume_config(const std::string& checkpoint, const nlohmann::json& saved,
                                                       const nlohmann::json& config, long epochs);
+
+// --resume's check of where the checkpoint's epoch stopped: an interrupt is taken before a step,
+// so saved["step_in_epoch"] must be below `steps_per_epoch` (>= 1). Errors: kDataLoss naming
+// `checkpoint`/state.json.
+[[nodiscard]] slide::core::Status check_resume_step(const std::string& checkpoint, const nlohmann::json& saved,
+                                                    int64_t steps_per_epoch);
 
 // Which slides (or bags) a run trains, validates and tests on: `split` holds one (id, part) per
 // slide, part "train", "val" or "test". Returns {"train": n, "val": n, "test": n, "sha256": the

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -115,7 +116,7 @@ def bags_digest(out_dir):
 
 def last_checkpoint(out):
     ckpts = os.path.join(out, "checkpoints")
-    names = [n for n in os.listdir(ckpts) if not n.endswith(".partial")]
+    names = [n for n in os.listdir(ckpts) if re.fullmatch(r"epoch-\d+-step-\d+", n)]
     return sorted(names, key=lambda n: [int(x) for x in n.split("-")[1::2]])[-1]
 
 

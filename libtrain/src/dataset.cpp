@@ -18,7 +18,7 @@ namespace slide::train {
 
 using CsvRow = SlideLabelRow;
 
-Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path) {
+Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path, bool patients_only_ok) {
   SLIDE_ASSIGN_OR_RETURN(std::string text, slide::core::read_file(path));
   std::map<std::string, CsvRow> out;
   std::istringstream in(text);
@@ -34,14 +34,18 @@ Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::st
         if (f[i] == "label") label_col = static_cast<int64_t>(i);
         if (f[i] == "patient" || f[i] == "case_id") patient_col = static_cast<int64_t>(i);  // CLAM's name
       }
-      if (id_col < 0 || label_col < 0)
-        return slide::core::invalid_argument(path + ":" + std::to_string(line_no) +
-                                             ": the header must name a slide_id and a label column");
+      if (id_col < 0 || (label_col < 0 && !(patients_only_ok && patient_col >= 0)))
+        return slide::core::invalid_argument(
+            path + ":" + std::to_string(line_no) +
+            (patients_only_ok ? ": the header must name a slide_id column and a label or patient (case_id) column"
+                              : ": the header must name a slide_id and a label column"));
       continue;
     }
-    if (static_cast<int64_t>(f.size()) <= std::max(id_col, label_col) || f[static_cast<size_t>(label_col)].empty())
-      return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": missing slide_id or label");
-    CsvRow row{f[static_cast<size_t>(label_col)], ""};
+    if (static_cast<int64_t>(f.size()) <= std::max(id_col, label_col) ||
+        (label_col >= 0 && f[static_cast<size_t>(label_col)].empty()))
+      return slide::core::invalid_argument(path + ":" + std::to_string(line_no) +
+                                           (label_col >= 0 ? ": missing slide_id or label" : ": missing slide_id"));
+    CsvRow row{label_col >= 0 ? f[static_cast<size_t>(label_col)] : std::string(), ""};
     if (patient_col >= 0) {
       if (static_cast<int64_t>(f.size()) <= patient_col || f[static_cast<size_t>(patient_col)].empty())
         return slide::core::invalid_argument(path + ":" + std::to_string(line_no) + ": missing patient");
@@ -75,8 +79,15 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
   std::map<std::string, int32_t> class_index;
   std::map<std::string, CsvRow> csv;
   std::map<std::string, uint32_t> patient_index;
+  // A CSV with labels gives the slides' labels; a patients-only one (no label column) only groups
+  // the slides, whose labels stay the stores' (the slide records', or the tiles' headers).
+  bool csv_labels = false;
   if (!labels_csv.empty()) {
-    SLIDE_ASSIGN_OR_RETURN(csv, read_slide_labels_csv(labels_csv));
+    SLIDE_ASSIGN_OR_RETURN(csv, read_slide_labels_csv(labels_csv, /*patients_only_ok=*/true));
+    if (csv.empty()) return slide::core::invalid_argument(labels_csv + ": a header and no rows");
+    csv_labels = !csv.begin()->second.label.empty();
+  }
+  if (csv_labels) {
     std::vector<std::string> names;
     for (const auto& [id, row] : csv) names.push_back(row.label);
     std::sort(names.begin(), names.end());
@@ -94,11 +105,11 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       return slide::core::invalid_argument("store " + stores[s] + " has " + std::to_string(meta.tile_size_px) +
                                            "-px tiles, " + stores[0] + " has " + std::to_string(ds->tile_size_));
     // A store tiled with --label-from-annotations labels each tile (its header) from the slide's
-    // GeoJSON; without a labels CSV those labels are the ones trained on (the slide's own, from a
-    // manifest, is ignored). A tile no class covered enough (-1) is left out, or kept as kNoLabel
+    // GeoJSON; without a labels CSV, or with a patients-only one, those labels are the ones trained
+    // on (the slide's own, from a manifest, is ignored). A tile no class covered enough (-1) is left out, or kept as kNoLabel
     // with allow_unlabelled. Its classes are the label names some tile has: the store's
     // label_names also hold the manifest's slide labels, which are not classes here.
-    const bool tile_labels = csv.empty() && meta.annotation_options.find("label_from_annotations=1") != std::string::npos;
+    const bool tile_labels = !csv_labels && meta.annotation_options.find("label_from_annotations=1") != std::string::npos;
     std::vector<std::vector<int32_t>> slide_tile_labels;  // tile-label stores: per slide record, its tiles' labels
     std::vector<bool> used(meta.label_names.size(), !tile_labels);
     if (tile_labels) {
@@ -123,7 +134,7 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       }
     }
     std::vector<int32_t> map_label;
-    for (size_t k = 0; k < (csv.empty() ? meta.label_names.size() : 0); ++k) {
+    for (size_t k = 0; k < (csv_labels ? 0 : meta.label_names.size()); ++k) {
       if (!used[k]) {
         map_label.push_back(kNoLabel);
         continue;
@@ -135,6 +146,13 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
     for (size_t r = 0; r < reader->slides().size(); ++r) {
       const auto& rec = reader->slides()[r];
       if (rec.tile_count == 0) continue;
+      const auto row = csv.find(rec.slide_id);
+      if (!csv.empty() && row == csv.end() && !allow_unlabelled)
+        return slide::core::invalid_argument(labels_csv + ": no row for slide '" + rec.slide_id + "' of store " +
+                                             stores[s]);
+      // Group: the patient's (numbered by first appearance) when the CSV names one, else the slide's own.
+      const std::string patient = row == csv.end() ? "" : row->second.patient;
+      const std::string group_key = patient.empty() ? "\x01slide:" + rec.slide_id : "patient:" + patient;
       if (tile_labels) {
         std::vector<TileRef> kept;
         const auto slide = static_cast<uint32_t>(ds->slide_ids_.size());
@@ -151,20 +169,14 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
         ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
         ds->slide_store_.push_back(static_cast<uint32_t>(s));
         ds->slide_records_.push_back(rec);
-        ds->slide_group_.push_back(patient_index
-                                       .emplace("\x01slide:" + rec.slide_id,
-                                                static_cast<uint32_t>(patient_index.size()))
-                                       .first->second);
+        ds->slide_group_.push_back(
+            patient_index.emplace(group_key, static_cast<uint32_t>(patient_index.size())).first->second);
         ds->tiles_.insert(ds->tiles_.end(), kept.begin(), kept.end());
         continue;
       }
       int32_t label = kNoLabel;
-      const auto row = csv.find(rec.slide_id);
-      if (!csv.empty()) {
+      if (csv_labels) {
         if (row != csv.end()) label = class_index.at(row->second.label);
-        else if (!allow_unlabelled)
-          return slide::core::invalid_argument(labels_csv + ": no row for slide '" + rec.slide_id + "' of store " +
-                                               stores[s]);
       } else if (rec.label_index >= 0 && static_cast<size_t>(rec.label_index) < map_label.size()) {
         label = map_label[static_cast<size_t>(rec.label_index)];
       } else if (!allow_unlabelled) {
@@ -176,9 +188,6 @@ Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::st
       ds->slide_ids_.push_back(std::to_string(s) + ":" + rec.slide_id);
       ds->slide_store_.push_back(static_cast<uint32_t>(s));
       ds->slide_records_.push_back(rec);
-      // Group: the patient's (numbered by first appearance) when the CSV names one, else the slide's own.
-      const std::string patient = row == csv.end() ? "" : row->second.patient;
-      const std::string group_key = patient.empty() ? "\x01slide:" + rec.slide_id : "patient:" + patient;
       ds->slide_group_.push_back(
           patient_index.emplace(group_key, static_cast<uint32_t>(patient_index.size())).first->second);
       for (uint64_t t = 0; t < rec.tile_count; ++t)

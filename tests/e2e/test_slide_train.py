@@ -1632,9 +1632,13 @@ class TestOutputSafety(Base):
         shutil.copytree(ckpt, stray)
         with open(os.path.join(stray, "state.json"), "w") as f:
             f.write("{")
+        # The copy a stopped fallback rewrite left aside (<name>.old, no <name>) is the checkpoint.
+        os.rename(ckpt, ckpt + ".old")
         r = self.quick(out, "--resume", epochs=2)
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertTrue(os.path.isdir(os.path.join(out, "checkpoints", "epoch-2-step-0")))
+        with open(os.path.join(out, "checkpoints", "epoch-2-step-0", "state.json")) as f:
+            history = json.load(f)["history"]
+        self.assertIsNone(history[0]["val_loss"])  # epoch 1 is the resumed one's (a fresh run's has a number)
 
     def test_nan_weights_are_refused_on_resume_and_evaluate(self):
         ref = self.run_dir("nan-ref")
@@ -1762,6 +1766,20 @@ class TestAnnotationLabels(Base):
         self.assertEqual(len(rows), len(headers))
         self.assertEqual({(int(x[1]), int(x[2])): x[3] for x in rows if x[3]}, want)
         self.assertEqual(sum(x[3] == "" for x in rows), unlabelled)
+
+        # A patients-only labels CSV (no label column) groups the slides and keeps the tile labels
+        # (a CSV with a label column gives slide labels instead).
+        patients = os.path.join(self.tmp, "annot-patients.csv")
+        with open(patients, "w") as f:
+            f.write("slide_id,case_id\nCMU-1-Small-Region,case-1\n")
+        out3 = os.path.join(self.tmp, "annot-run3")
+        r = subprocess.run([TRAIN, "--data", store, "--labels", patients, "--out", out3, "--epochs", "1",
+                            "--batch-size", "16", "--width", "4", "--val-fraction", "0", "--threads", "2"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(str(unlabelled), [l for l in r.stderr.splitlines() if "left out" in l][0])
+        with open(os.path.join(out3, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertEqual(json.load(f)["classes"], names)
 
         # Tiled from a manifest whose label column gives the slide a label too: the store's
         # label_names then hold "LUAD" as well, which no tile has; it is not made a class.

@@ -124,6 +124,27 @@ TEST_CASE("train e2e: a small CNN learns LC25000 lung classes from a slide-tile 
     CHECK(val_patients.size() == 3);
     for (size_t p : val_patients) CHECK(train_patients.count(p) == 0);
 
+    // A patients-only CSV (slide_id, patient; no label column): the same groups, the store's labels.
+    std::string patients = "slide_id,patient\n";
+    for (size_t i = 0; i < (*data)->slide_ids().size(); ++i)
+      patients += (*data)->slide_ids()[i].substr(2) + ",p" + std::to_string(i % 12) + "\n";
+    REQUIRE(slide::core::write_file_atomic(dir + "/patients.csv", patients).ok());
+    auto grouped = TileDataset::open({store}, dir + "/patients.csv");
+    REQUIRE_MESSAGE(grouped.ok(), grouped.status().to_string());
+    CHECK((*grouped)->groups() == 12);
+    CHECK((*grouped)->class_names() == (*data)->class_names());
+    for (size_t i = 0; i < (*data)->tiles().size(); ++i) CHECK((*grouped)->tiles()[i].label == (*data)->tiles()[i].label);
+    std::vector<size_t> gtr, gva;
+    (*grouped)->split_by_slide(0.25, 7, &gtr, &gva);
+    CHECK(gva == va);
+    // A slide missing from it, or a CSV of neither labels nor patients, is an error naming the file.
+    REQUIRE(slide::core::write_file_atomic(dir + "/some.csv", patients.substr(0, patients.rfind('\n', patients.size() - 2) + 1)).ok());
+    auto missing = TileDataset::open({store}, dir + "/some.csv");
+    CHECK(missing.status().message().find(dir + "/some.csv: no row for slide") != std::string::npos);
+    REQUIRE(slide::core::write_file_atomic(dir + "/ids.csv", "slide_id,site\na,b\n").ok());
+    auto neither = TileDataset::open({store}, dir + "/ids.csv");
+    CHECK(neither.status().message().find("must name a slide_id column and a label or patient") != std::string::npos);
+
     // K-fold cross-validation by patient (the CSV's column also read as CLAM's case_id): over the
     // 5 folds every patient is validated exactly once and never trains in its own fold.
     std::string cases = csv;

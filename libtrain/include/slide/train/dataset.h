@@ -26,16 +26,20 @@ namespace slide::train {
 inline constexpr float kImageNetMean[3] = {0.485f, 0.456f, 0.406f};
 inline constexpr float kImageNetStd[3] = {0.229f, 0.224f, 0.225f};
 
-// One row of a slide labels CSV: the slide's label and its patient ("" without a patient column).
+// One row of a slide labels CSV: the slide's label ("" in a patients-only CSV) and its patient (""
+// without a patient column).
 struct SlideLabelRow {
   std::string label, patient;
 };
 // slide_id -> row, from a CSV whose header names `slide_id` and `label` columns, optionally
 // `patient` (or `case_id`, CLAM's name for it; other columns ignored; the manifest dialect,
 // slide/core/csv.h). Shared by tile and
-// bag (MIL) datasets. Errors: kNotFound (no such file), kInvalidArgument naming the file and line
-// (no such header, a missing field, a duplicate slide id).
-[[nodiscard]] Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path);
+// bag (MIL) datasets. With `patients_only_ok`, a CSV of `slide_id` and `patient` (or `case_id`)
+// without a `label` column is taken too (every row's label ""): the patients group the slides and
+// the labels stay the stores' (TileDataset::open). Errors: kNotFound (no such file),
+// kInvalidArgument naming the file and line (no such header, a missing field, a duplicate slide id).
+[[nodiscard]] Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::string& path,
+                                                                                bool patients_only_ok = false);
 
 // The validation split's rule over `groups` groups (slides, or patients): groups shuffled with
 // `seed`, round(val_fraction x groups) (at least one when val_fraction > 0 and groups >= 2) are

@@ -125,7 +125,9 @@ int run_main(int argc, char** argv) {
   app.add_option("--data", data, "Tile stores to train on (labelled: patch folders or a manifest with labels)")
       ->check(CLI::ExistingDirectory);
   std::string labels_csv;
-  app.add_option("--labels", labels_csv, "CSV with slide_id,label columns: slide labels instead of the stores'")
+  app.add_option("--labels", labels_csv,
+                 "CSV with slide_id,label[,patient|case_id] columns: slide labels instead of the stores' (and the "
+                 "split by patient); slide_id,patient alone: the stores' labels, split by patient")
       ->check(CLI::ExistingFile);
   std::vector<std::string> test_data;
   app.add_option("--test-data", test_data,

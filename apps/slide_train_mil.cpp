@@ -55,14 +55,32 @@ Result<Tensor> parse_class_weights(const std::string& text, const BagDataset& ds
   while (std::getline(in, item, ',')) {
     char* end = nullptr;
     const double v = std::strtod(item.c_str(), &end);
-    if (i >= classes || end == item.c_str() || *end != '\0' || !(v >= 0)) break;
+    // Finite, >= 0 and within float (inf or 1e39 made every step's weight share inf / inf = NaN).
+    if (i >= classes || end == item.c_str() || *end != '\0' || !(v >= 0) || !(v <= 3.0e38)) break;
     w.data<float>()[i++] = static_cast<float>(v);
   }
-  if (i != classes || std::count(text.begin(), text.end(), ',') + 1 != classes)
+  double sum = 0;
+  for (int64_t c = 0; c < i; ++c) sum += w.data<float>()[c];
+  if (i != classes || std::count(text.begin(), text.end(), ',') + 1 != classes || !(sum > 0))
     return slide::core::invalid_argument("--class-weights '" + text + "': give " + std::to_string(classes) +
-                                         " non-negative numbers (classes: " + nlohmann::json(ds.class_names()).dump() +
-                                         "), or balanced, or none");
+                                         " finite non-negative numbers, not all 0 (classes: " +
+                                         nlohmann::json(ds.class_names()).dump() + "), or balanced, or none");
   return w;
+}
+
+// The attention files are named as the bags are (bag_file_name): an output directory that is one
+// of the --features directories would replace the bags with them. kInvalidArgument naming both.
+Status refuse_features_dir(const std::string& dir, const std::vector<std::string>& features, const char* option) {
+  std::error_code ec;
+  const std::filesystem::path out = std::filesystem::weakly_canonical(dir, ec);
+  for (const std::string& f : features) {
+    std::error_code ec2;
+    if (!ec && std::filesystem::weakly_canonical(f, ec2) == out && !ec2)
+      return slide::core::invalid_argument(std::string(option) + " " + dir + " is the --features directory " + f +
+                                           ": its attention files would replace the bags (same names); choose "
+                                           "another directory");
+  }
+  return slide::core::ok_status();
 }
 
 // slide id -> slide file, from the slide records of tile stores (the stores the bags came from).
@@ -171,7 +189,10 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                                 "--random-resized-crop", "--stain-augment", "--dist", "--sync-bn", "--bucket-mb",
                                 "--no-overlap", "--dist-timeline", "--checkpoint-activations",
                                 "--offload-activations", "--dry-run",
-                                "--global-batch"}) {
+                                "--global-batch",
+                                // Tile training's split, precision and fine-tuning options: not built for bags.
+                                "--folds", "--fold", "--test-fraction", "--test-data", "--precision", "--activations",
+                                "--channels-last", "--init", "--freeze", "--lr-backbone", "--stain-normalize"}) {
     const CLI::Option* opt = app.get_option_no_throw(tile_only);
     if (opt != nullptr && opt->count() > 0) {
       std::fprintf(stderr, "slide-train: %s does not apply to --features (attention MIL on bags)\n", tile_only);
@@ -190,6 +211,8 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   take("--weight-decay", &o.weight_decay), take("--warmup-epochs", &o.warmup_epochs);
   take("--label-smoothing", &o.label_smoothing), take("--val-fraction", &o.val_fraction), take("--seed", &o.seed);
   take("--nesterov", &o.nesterov), take("--resume", &o.resume), take("--overwrite", &o.overwrite);
+  int device = -1;  // --device (a sweep's --devices gives each trial one)
+  take("--device", &device);
   if (const CLI::Option* mil_dropout = app.get_option_no_throw("--mil-dropout");
       mil_dropout == nullptr || mil_dropout->count() == 0)
     take("--dropout", &o.dropout);  // tile training's --dropout means the same here
@@ -206,7 +229,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   if (!out_lock.ok()) return fail(out_lock.status());
   // Any backend, as the other tools open it (backend_options.h); on a device the model is moved
   // there and the bags are uploaded one at a time (mil.h).
-  auto be = open_backend(o.backend, -1);
+  if (!o.no_attention)
+    if (auto s = refuse_features_dir(o.attention_dir.empty() ? o.out + "/attention" : o.attention_dir, o.features,
+                                     "--attention-dir");
+        !s.ok())
+      return fail(s);
+  auto be = open_backend(o.backend, device);
   if (!be.ok()) return fail(be.status());
   Allocator& alloc = (*be)->allocator();  // the host's on cpu and reference, the device's on cuda
   auto budget_bytes = slide::apps::parse_memory_budget(o.budget);
@@ -422,6 +450,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
   const nlohmann::json& state = ck->state;
   if (state["model"] != "abmil")
     return fail(slide::core::invalid_argument(ck->state_file + ": not a slide-train --features (ABMIL) checkpoint"));
+  if (auto s = refuse_features_dir(out, o.features, "--out"); !s.ok()) return fail(s);
   auto out_lock = claim_eval_dir(out, overwrite);
   if (!out_lock.ok()) return fail(out_lock.status());
   const auto classes = state["classes"].get<std::vector<std::string>>();

@@ -319,6 +319,12 @@ class TestDevice(Base):
             with h5py.File(os.path.join(host, "attention", row[8]), "r") as fa, \
                     h5py.File(os.path.join(ev, row[8]), "r") as fb:
                 self.assertTrue(np.array_equal(fa["attention"][:], fb["attention"][:]), row[0])
+        # Its --out may not be the bags' directory (the attention files take the bags' names).
+        before = snapshot(self.bags_dir)
+        r = run_train("evaluate", "--checkpoint", ckpt, "--features", self.bags_dir, "--out", self.bags_dir)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--out %s is the --features directory" % self.bags_dir, r.stderr)
+        self.assertEqual(snapshot(self.bags_dir), before)
         # A resumed run on the device continues from the checkpoint's state: a third epoch equals
         # the host's third epoch.
         for backend, out in outs.items():
@@ -475,6 +481,26 @@ class TestBadInput(Base):
                           *MIL_ARGS)
             self.assertEqual(r.returncode, 2, r.stderr)
             self.assertIn("--batch-size 0 with --features: give a number of bags per step", r.stderr)
+        # Tile training's folds, test split, precision and fine-tuning are not built for bags: refused,
+        # not silently ignored.
+        for option in (["--folds", "5"], ["--test-fraction", "0.2"], ["--precision", "bf16"], ["--lr-backbone", "0"]):
+            r = run_train("--features", self.bags_dir, "--out", os.path.join(self.tmp, "opt"), *option, *MIL_ARGS)
+            self.assertEqual(r.returncode, 2, (option, r.stderr))
+            self.assertIn("%s does not apply to --features" % option[0], r.stderr)
+        # Class weights must be finite, non-negative and not all 0.
+        for weights in ("inf,1", "1e39,1", "0,0", "-1,1"):
+            r = run_train("--features", self.bags_dir, "--out", os.path.join(self.tmp, "cw"), "--class-weights",
+                          weights, *MIL_ARGS)
+            self.assertEqual(r.returncode, 2, (weights, r.stderr))
+            self.assertIn("finite non-negative numbers, not all 0", r.stderr)
+        # An attention directory that is the bags' own (the attention files take the bags' names)
+        # is refused before anything runs, for training and for evaluate's --out; the bags stay.
+        before = snapshot(self.bags_dir)
+        r = run_train("--features", self.bags_dir, "--out", os.path.join(self.tmp, "att"), "--attention-dir",
+                      self.bags_dir + "/", "--epochs", "1", *MIL_ARGS)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("is the --features directory", r.stderr)
+        self.assertEqual(snapshot(self.bags_dir), before)
 
 
 class TestOutputSafety(Base):

@@ -449,10 +449,26 @@ int run_cross_validation(const CrossValidationOptions& cv, const std::string& se
   if (code != kExitOk && code != kExitSomeFailed) return code;
   // Per fold: the validation metrics of its best epoch (by validation balanced accuracy, the
   // epoch its best.safetensors holds by default); then their mean and sample standard deviation.
+  // Only the folds whose trial finished ("ok" in results.json, which run_trials wrote) count: a fold
+  // that failed or was stopped part way has a metrics.jsonl of its first epochs only.
+  auto doc = slide::core::read_file(cv.out + "/results.json");
+  nlohmann::json results = doc.ok() ? nlohmann::json::parse(*doc, nullptr, false) : nlohmann::json::object();
+  if (!results.is_object()) results = nlohmann::json::object();
+  auto fold_status = [&](int k) -> std::string {
+    if (!results.contains("trials") || !results["trials"].is_array() || results["trials"].size() <= static_cast<size_t>(k))
+      return "unknown";
+    const nlohmann::json& t = results["trials"][static_cast<size_t>(k)];
+    return t.is_object() && t.contains("status") && t["status"].is_string() ? t["status"].get<std::string>() : "unknown";
+  };
   nlohmann::json per_fold = nlohmann::json::array();
   std::map<std::string, std::vector<double>> values;
   const char* keys[] = {"val_balanced_accuracy", "val_accuracy", "val_roc_auc", "val_loss"};
   for (int k = 0; k < cv.folds; ++k) {
+    const std::string status = fold_status(k);
+    if (status != "ok") {
+      per_fold.push_back({{"fold", k}, {"trial", trial_id(static_cast<size_t>(k))}, {"status", status}});
+      continue;
+    }
     std::ifstream f(cv.out + "/trials/" + trial_id(static_cast<size_t>(k)) + "/metrics.jsonl");
     std::string line;
     nlohmann::json best;
@@ -462,7 +478,7 @@ int run_cross_validation(const CrossValidationOptions& cv, const std::string& se
       if (!best.is_object() || j["val_balanced_accuracy"].get<double>() > best["val_balanced_accuracy"].get<double>())
         best = j;
     }
-    nlohmann::json row = {{"fold", k}, {"trial", trial_id(static_cast<size_t>(k))}};
+    nlohmann::json row = {{"fold", k}, {"trial", trial_id(static_cast<size_t>(k))}, {"status", status}};
     if (best.is_object()) {
       row["epoch"] = best["epoch"];
       for (const char* key : keys) {
@@ -487,9 +503,6 @@ int run_cross_validation(const CrossValidationOptions& cv, const std::string& se
     mean[key] = m;
     sd[key] = v.size() > 1 ? nlohmann::json(std::sqrt(ss / static_cast<double>(v.size() - 1))) : nlohmann::json(nullptr);
   }
-  auto doc = slide::core::read_file(cv.out + "/results.json");
-  nlohmann::json results = doc.ok() ? nlohmann::json::parse(*doc, nullptr, false) : nlohmann::json::object();
-  if (!results.is_object()) results = nlohmann::json::object();
   results["cross_validation"] = {{"folds", cv.folds},
                                  {"complete_folds", static_cast<int64_t>(values["val_balanced_accuracy"].size())},
                                  {"split", "by patient when the labels CSV has a patient (or case_id) column, else by slide"},

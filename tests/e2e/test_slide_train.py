@@ -1247,6 +1247,27 @@ class TestCrossValidation(Base):
         r = self.train(out, "--labels", labels, "--folds", "3", epochs=1)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("already_done=3", r.stderr)
+        # A fold that fails is listed with its status and left out of the mean and sd (its
+        # metrics.jsonl would hold only the epochs it finished). Fold 1 is made unfinished (its
+        # result.json says failed) and unable to finish (another process holds its writer.lock);
+        # its metrics.jsonl stays.
+        import fcntl
+        t1 = os.path.join(out, "trials", "t001")
+        with open(os.path.join(t1, "result.json")) as f:
+            rec = json.load(f)
+        with open(os.path.join(t1, "result.json"), "w") as f:
+            json.dump(dict(rec, status="failed"), f)
+        self.assertTrue(os.path.getsize(os.path.join(t1, "metrics.jsonl")) > 0)
+        with open(os.path.join(t1, "writer.lock"), "a+") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            r = self.train(out, "--labels", labels, "--folds", "3", epochs=1)
+        self.assertNotEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "results.json")) as f:
+            cv = json.load(f)["cross_validation"]
+        self.assertEqual(cv["complete_folds"], 2)
+        self.assertNotEqual(cv["per_fold"][1]["status"], "ok")
+        self.assertNotIn("val_balanced_accuracy", cv["per_fold"][1])
+        self.assertAlmostEqual(cv["mean"]["val_balanced_accuracy"], float(np.mean([bal[0], bal[2]])), places=9)
         # Bad combinations are usage errors.
         r = self.train(os.path.join(self.tmp, "cv-bad"), "--fold", "1", epochs=1)
         self.assertEqual(r.returncode, 2, r.stderr)

@@ -488,6 +488,12 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
     const int32_t y = bag.label == kNoLabel ? 0 : bag.label;
     SLIDE_ASSIGN_OR_RETURN(BagScore sc, score_bag(be, model, x, y, false, 0.0));
     SLIDE_ASSIGN_OR_RETURN(const Tensor p, on_host(be, sc.probs, "bag probabilities"));
+    // Finite features can still overflow the layers (values near 1e38): a NaN probability would be
+    // "class 0" by max_element and disorder the ROC AUC. Training refuses such a step; so does this.
+    for (size_t c = 0; c < C; ++c)
+      if (!std::isfinite(p.data<float>()[c]))
+        return slide::core::data_loss("bag " + bag.path + " (slide '" + bag.slide_id +
+                                      "'): the model's probabilities are not finite (features too large for it?)");
     if (bag.label != kNoLabel) {
       tally.add(p, y, sc.loss);
       scored.insert(scored.end(), p.data<float>(), p.data<float>() + C);

@@ -319,6 +319,16 @@ class TestDevice(Base):
             with h5py.File(os.path.join(host, "attention", row[8]), "r") as fa, \
                     h5py.File(os.path.join(ev, row[8]), "r") as fb:
                 self.assertTrue(np.array_equal(fa["attention"][:], fb["attention"][:]), row[0])
+        # A bag whose finite features overflow the model (float32's largest: the first layer's sums pass
+        # float's range) is refused naming it, not predicted as class 0 from NaN probabilities.
+        huge = os.path.join(self.tmp, "huge_bags")
+        os.makedirs(huge, exist_ok=True)
+        with h5py.File(os.path.join(self.bags_dir, self.bags[0][0] + ".h5"), "r") as f:
+            feats, coords = f["features"][:].astype(np.float32), f["coords"][:]
+        write_bag(os.path.join(huge, "huge.h5"), "huge", self.bags[0][1], np.full_like(feats, np.finfo(np.float32).max), coords)
+        r = run_train("evaluate", "--checkpoint", ckpt, "--features", huge, "--out", os.path.join(self.tmp, "huge_ev"))
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("huge.h5 (slide 'huge'): the model's probabilities are not finite", r.stderr)
         # Its --out may not be the bags' directory (the attention files take the bags' names).
         before = snapshot(self.bags_dir)
         r = run_train("evaluate", "--checkpoint", ckpt, "--features", self.bags_dir, "--out", self.bags_dir)

@@ -632,6 +632,16 @@ int run_main(int argc, char** argv) {
       // On another world size the split is the user's to give (ranks x micro-batches).
       if (d.ranks == comm->world_size()) recorded_memory = d;
     }
+    // --batch-size auto: the resumed run's batch, not a new timing (another free memory would give
+    // another micro-batch, and so other batch statistics and another --batch-size than recorded).
+    // (With --global-batch, prepare_memory takes the recorded split instead.)
+    if (batch == 0 && memory.global_batch == 0 && recorded_memory && resumed_state.contains("config") && resumed_state["config"].is_object() &&
+        resumed_state["config"].contains("batch_size") && resumed_state["config"]["batch_size"].is_number_integer() &&
+        resumed_state["config"]["batch_size"].get<int64_t>() >= 1) {
+      batch = resumed_state["config"]["batch_size"].get<int64_t>();
+      slide::core::log_info("--batch-size auto: the resumed run's",
+                            {{"batch_size", batch}, {"accumulate", recorded_memory->accumulate}});
+    }
   }
   auto memory_plan = slide::apps::prepare_memory(memory, **be, *run.model, (*ds)->tile_size_px(), classes, optimizer,
                                                  momentum, backend, static_cast<int64_t>(train.size()), &batch,

@@ -180,6 +180,13 @@ Result<MemoryDecision> prepare_memory(const MemoryOptions& o, Backend& be, Seque
                                                                      : "activation checkpointing and offload",
                           {{"mode", chosen.segments}, {"segments", static_cast<int64_t>(segments)}});
   }
+  if (*batch == 0 && recorded != nullptr && o.global_batch > 0) {
+    // --batch-size auto --global-batch G resumed: the run's split of G, not a new timing (another
+    // free memory would give another micro-batch, and other batch statistics).
+    *batch = o.global_batch;
+    *accumulate = std::max<int64_t>(1, recorded->accumulate);
+    slide::core::log_info("--batch-size auto: the resumed run's", {{"batch_size", *batch}, {"accumulate", *accumulate}});
+  }
   if (*batch == 0) {
     const int64_t upto = std::max<int64_t>(1, o.global_batch > 0 ? std::min(limit, o.global_batch) : limit);
     auto found = auto_micro_batch(be, model, po, budget, upto, [](int64_t n, bool fits) {

@@ -48,8 +48,8 @@ class Base(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def train(self, out, *extra):
-        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", "1", "--lr", "0.05", "--width", "16",
+    def train(self, out, *extra, epochs=1):
+        args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--lr", "0.05", "--width", "16",
                 "--threads", "2", "--seed", "3", "--no-augment", "--cache", "none"] + list(extra)
         return subprocess.run(args, capture_output=True, text=True)
 
@@ -88,6 +88,21 @@ class TestPlan(Base):
         measured = int(re.search(r"peak tensor memory: (\d+) bytes", r.stderr).group(1))
         self.assertLessEqual(measured, 24 * 2**20)
         self.assertNotIn("out of memory in a step", r.stderr)  # auto's choice never needed recovery
+        # A resume with more memory takes the run's batch and split, not a new timing (which would
+        # give a larger micro-batch: other batch statistics, not the run it continues).
+        r = self.train(out, "--model", "small", "--batch-size", "auto", "--global-batch", "64",
+                       "--memory-budget", "96M", "--resume", epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("--batch-size auto: the resumed run's batch_size=64 accumulate=%d" % accumulate, r.stderr)
+        self.assertNotIn("real step", r.stderr)
+        # Without --global-batch too (the timed batch was refused as another --batch-size).
+        out2 = os.path.join(self.tmp, "auto2")
+        r = self.train(out2, "--model", "small", "--batch-size", "auto", "--memory-budget", "24M")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.train(out2, "--model", "small", "--batch-size", "auto", "--memory-budget", "96M", "--resume",
+                       epochs=2)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("--batch-size auto: the resumed run's", r.stderr)
 
     def test_checkpoint_activations_lowers_the_plan(self):
         peaks = {}

@@ -319,8 +319,11 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
           };
           const auto stain = part(a.stain_normalization, stain_json, "stain normalisation", "none");
           const auto precision = part(a.precision, precision_attr, "precision", "fp32");
+          // Named only when they differ (the message stays as it was for the other mismatches).
+          const bool heads_differ = a.attention_heads > 0 && model.attention_heads > 0 &&
+                                    a.attention_heads != model.attention_heads;
           auto heads = [&](int32_t h) {
-            return a.attention_heads > 0 && h > 0 ? ", " + std::to_string(h) + " attention heads" : std::string();
+            return heads_differ ? ", " + std::to_string(h) + " attention heads" : std::string();
           };
           o.status = slide::core::failed_precondition(
               "bag " + o.bag_path + " exists but was made with model " + a.model + ", layer " + a.layer + ", " +

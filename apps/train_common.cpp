@@ -321,11 +321,10 @@ std::vector<fs::path> list_checkpoints(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     long ep = 0, st = 0;
-    int end = 0;
     const std::string n = e.path().filename().string();
-    // Exactly "epoch-E-step-S" (E, S decimal): not "*.partial", nor the swapped-out "*.old" of a
-    // rewritten checkpoint, nor any other name that merely starts so.
-    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld%n", &ep, &st, &end) != 2) continue;
+    // Exactly "epoch-E-step-S" (E, S decimal; the name rebuilt from them must be the name): not
+    // "*.partial", nor any other name that merely starts so.
+    if (std::sscanf(n.c_str(), "epoch-%ld-step-%ld", &ep, &st) != 2) continue;
     const std::string name = "epoch-" + std::to_string(ep) + "-step-" + std::to_string(st);
     // "<name>.old" without "<name>": save_checkpoint's fallback was stopped between its two renames,
     // and the old copy is the complete one.
@@ -370,26 +369,29 @@ Status save_checkpoint(const std::string& dir, const std::vector<Parameter*>& pa
   // The same name again (an interrupt with no step done since --resume): the complete copy is
   // exchanged with the new one in one step (renameat2 RENAME_EXCHANGE), so a second Ctrl-C or a
   // SIGKILL never leaves the name without a complete checkpoint. Where the file system cannot
-  // exchange, the old one is renamed aside first; list_checkpoints skips "*.old".
+  // exchange, the old one is renamed aside to "<name>.old" first (list_checkpoints takes it when
+  // "<name>" is missing).
+  std::string aside;  // the old copy while the new one is renamed in (the fallback only)
+  bool exchanged = false;
   if (fs::exists(final_dir, ec)) {
-    if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    exchanged = ::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0;
+    if (exchanged) {
       fs::remove_all(partial, ec);  // now the old checkpoint
     } else {
-      const std::string aside = final_dir + ".old";
+      aside = final_dir + ".old";
       fs::remove_all(aside, ec);
       fs::rename(final_dir, aside, ec);
       if (ec) return slide::core::errno_status(ec.value(), "rename " + final_dir + " to " + aside);
-      fs::rename(partial, final_dir, ec);
-      if (ec) {
-        const Status s = slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
-        fs::rename(aside, final_dir, ec);  // the complete copy back under its name
-        return s;
-      }
-      fs::remove_all(aside, ec);
     }
-  } else {
+  }
+  if (!exchanged) {  // the new checkpoint is renamed in
     fs::rename(partial, final_dir, ec);
-    if (ec) return slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+    if (ec) {
+      const Status s = slide::core::errno_status(ec.value(), "rename " + partial + " to " + final_dir);
+      if (!aside.empty()) fs::rename(aside, final_dir, ec);  // the complete copy back under its name
+      return s;
+    }
+    if (!aside.empty()) fs::remove_all(aside, ec);
   }
   // Keep the newest `keep` checkpoints.
   const std::vector<fs::path> all = list_checkpoints(dir);

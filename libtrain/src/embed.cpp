@@ -295,6 +295,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
         const int64_t tile_px = stores[job.store]->meta().tile_size_px;
         const int32_t want_input = resizer_for(tile_px) != nullptr ? static_cast<int32_t>(need) : 0;
         const int32_t had_input = a.encoder_input_px;
+        // A bag from before attention_heads was recorded (0) is taken as made with this run's heads.
+        const bool heads_mismatch = a.attention_heads > 0 && a.attention_heads != model.attention_heads;
         // The store's tiles too: a slide tiled again into another store (another tile size, tissue
         // threshold or resolution) under the same slide id has other tiles than the bag's rows.
         const auto want_tiles = static_cast<int64_t>(rec.tile_count);
@@ -306,9 +308,7 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
               "to another --out");
         } else if (a.model != model.model || a.layer != extractor.layer() || a.weights_sha256 != model.weights_sha256 ||
             info.dtype != opt.bag.dtype || info.feature_dim != D || had_input != want_input ||
-            a.stain_normalization != stain_json || a.precision != precision_attr ||
-            // A bag from before attention_heads was recorded (0) is taken as made with this run's.
-            (a.attention_heads > 0 && a.attention_heads != model.attention_heads)) {
+            a.stain_normalization != stain_json || a.precision != precision_attr || heads_mismatch) {
           auto input = [](int32_t px) { return px > 0 ? ", tiles resized to " + std::to_string(px) + " px" : std::string(); };
           // ", <label> <value>" (`unset` for an empty one), named only when either side has a value
           // (the message stays as it was for runs without).
@@ -319,9 +319,8 @@ Result<EmbedSummary> embed_stores(TileEncoder& extractor, const EmbedModel& mode
           };
           const auto stain = part(a.stain_normalization, stain_json, "stain normalisation", "none");
           const auto precision = part(a.precision, precision_attr, "precision", "fp32");
-          // Named only when they differ (the message stays as it was for the other mismatches).
-          const bool heads_differ = a.attention_heads > 0 && model.attention_heads > 0 &&
-                                    a.attention_heads != model.attention_heads;
+          // Named only when both are ViTs' and differ (the message stays as it was for the others).
+          const bool heads_differ = heads_mismatch && model.attention_heads > 0;
           auto heads = [&](int32_t h) {
             return heads_differ ? ", " + std::to_string(h) + " attention heads" : std::string();
           };

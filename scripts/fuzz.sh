@@ -2,7 +2,8 @@
 # Runs every fuzz target (tests/fuzz/) for SECONDS each, one after the other, and prints a table:
 # target, seconds, executions, new corpus units, crashes. The targets are built by
 # scripts/build.sh when a clang++ with libFuzzer is installed (Debian: clang libclang-rt-14-dev),
-# under build/tests/fuzz/build/; BUILD_DIR=<dir> picks another build. Name targets after SECONDS
+# in tests/sanitize's ASan build, under build/tests/sanitize/build-asan/tests/fuzz/; BUILD_DIR=<dir>
+# picks another main build. Name targets after SECONDS
 # to run only those (fuzz_store_mdb and fuzz_bag, which stop at LMDB's and HDF5's own crashes on
 # corrupt files, run only when named). The inputs found go to <build>/tests/fuzz/work/corpus/<target>/
 # (kept between runs); a crash's input to <build>/tests/fuzz/work/artifacts/<target>/ and the exit
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:?usage: scripts/fuzz.sh SECONDS [TARGET...]}
 shift
 build=${BUILD_DIR:-build}
-bin_dir="$build/tests/fuzz/build"
+bin_dir="$build/tests/sanitize/build-asan/tests/fuzz"
 work="$build/tests/fuzz/work"
 targets=("$@")
 if ((${#targets[@]} == 0)); then

@@ -2,10 +2,8 @@
 # A sanitizer build of slidestream (CUDA, fuzz targets and benchmarks off) and ctest on it: MODE
 # `address` (AddressSanitizer + UndefinedBehaviorSanitizer, the default) builds build-asan/, `thread`
 # (ThreadSanitizer) builds build-tsan/. CI runs only a slice of each mode (ctest label `sanitize`,
-# tests/fuzz: libcore, libtile, apps/, cache's bags and slide-tile under ASan + UBSan;
-# tests/sanitize: libtrain, slide-train, slide-embed, and slide-tile under TSan; see
-# tests/fuzz/README.md); run this before a release and after touching
-# threads or memory.
+# tests/sanitize's two builds; see tests/fuzz/README.md); run this before a release and after
+# touching threads or memory.
 #   scripts/sanitize.sh [address|thread] [CTEST_ARGS...]     e.g. scripts/sanitize.sh address -L unit
 # Every finding stops its test (halt_on_error) and prints a stack. Leak checking is off: OpenSlide's
 # glib, HDF5 and Open MPI keep allocations for the process's life. OMP_NUM_THREADS=1 under
@@ -21,7 +19,7 @@ case "$mode" in
   *) echo "usage: scripts/sanitize.sh [address|thread] [CTEST_ARGS...]" >&2; exit 2 ;;
 esac
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDE_WARNINGS_AS_ERRORS=ON \
-  -DSLIDE_SANITIZE="$flags" -DSLIDE_WITH_CUDA=OFF -DSLIDE_FUZZ=OFF -DSLIDE_BUILD_BENCH=OFF
+  -DSLIDE_SANITIZE="$flags" -DSLIDE_WITH_CUDA=OFF -DSLIDE_BUILD_BENCH=OFF
 cmake --build "$dir" -j"$(nproc)"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

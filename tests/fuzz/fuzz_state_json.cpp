@@ -89,19 +89,6 @@ void check_usable(const nlohmann::json& s) {
 
 }  // namespace
 
-// train_common.cpp's make_tile_model names the model builders of libtrain/src/layers.cpp, which this
-// build leaves out (tests/fuzz/CMakeLists.txt, slide_train_state); nothing here builds a model.
-namespace slide::train {
-Result<std::unique_ptr<Sequential>> make_resnet(Allocator&, DType, int, int64_t, uint64_t, double) {
-  std::fprintf(stderr, "fuzz_state_json: make_resnet is not linked in this build\n");
-  std::abort();
-}
-Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator&, DType, int64_t, int64_t, int64_t, uint64_t, double) {
-  std::fprintf(stderr, "fuzz_state_json: make_small_cnn is not linked in this build\n");
-  std::abort();
-}
-}  // namespace slide::train
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string dir = [] {
     const std::string d = slide::fuzz::scratch_dir() + "/checkpoints/epoch-1-step-0";

@@ -1,4 +1,4 @@
-// The sanitizer suite's self-check (ctest sanitize_selfcheck, and tests/sanitize's for its ASan
+// The sanitizer suite's self-check (ctest sanitize_asan_selfcheck, on tests/sanitize's ASan
 // build): a heap-buffer-overflow read, which AddressSanitizer must report; the entry passes only
 // when run_sanitized.sh's output holds that report. If this entry ever fails, the sanitizer
 // suite's other entries prove nothing (instrumentation lost, reports not seen).

@@ -1,5 +1,5 @@
-// The ThreadSanitizer entries' self-check (ctest sanitize_tsan_selfcheck, and tests/sanitize's for
-// its g++ build): two threads increment one plain int with no synchronisation, a data race that
+// The ThreadSanitizer entries' self-check (ctest sanitize_tsan_selfcheck, on tests/sanitize's
+// TSan build): two threads increment one plain int with no synchronisation, a data race that
 // ThreadSanitizer must report; the entry passes only when run_sanitized.sh's output holds that
 // report. If this entry ever fails, the tsan entries prove nothing (instrumentation lost, reports
 // not seen).

@@ -83,6 +83,27 @@ Status refuse_features_dir(const std::string& dir, const std::vector<std::string
   return slide::core::ok_status();
 }
 
+// A checkpoint's record of the encoder its bags came from (state.json "encoder": model, layer,
+// weights_sha256, validate_run_state); null when the bags did not say.
+nlohmann::json encoder_json(const BagEncoder& e) {
+  if (!e.known()) return nullptr;
+  return {{"model", e.model}, {"layer", e.layer}, {"weights_sha256", e.weights_sha256}};
+}
+
+// The bags of `ds` against the encoder a checkpoint's model was trained on (`state`, read from
+// `state_file`): kInvalidArgument naming both when they differ; nothing to check when either side
+// does not say (a checkpoint from before the record, bags written by other tools).
+Status check_bag_encoder(const std::string& state_file, const nlohmann::json& state, const BagDataset& ds) {
+  if (!state.contains("encoder") || !ds.encoder().known()) return slide::core::ok_status();
+  const nlohmann::json& e = state["encoder"];
+  const BagEncoder trained{e["model"].get<std::string>(), e["layer"].get<std::string>(),
+                           e["weights_sha256"].get<std::string>()};
+  if (trained == ds.encoder()) return slide::core::ok_status();
+  return slide::core::invalid_argument(state_file + ": the model was trained on features of " + trained.describe() +
+                                       "; the bags given hold features of " + ds.encoder().describe() +
+                                       " (embed the slides with the checkpoint's encoder)");
+}
+
 // slide id -> slide file, from the slide records of tile stores (the stores the bags came from).
 Result<std::map<std::string, std::string>> slide_paths(const std::vector<std::string>& stores) {
   std::map<std::string, std::string> out;
@@ -329,6 +350,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                                  {"val_fraction", o.val_fraction}, {"labels", o.labels_csv},
                                  {"best_metric", o.best_metric}};
   state["config"] = config;
+  // The encoder of the bags' features: evaluate, predict and --resume refuse bags of another.
+  const nlohmann::json encoder = encoder_json((*ds)->encoder());
+  if (!encoder.is_null()) state["encoder"] = encoder;
   // The bags on each side of the split, which --resume must find again.
   std::vector<std::pair<std::string, std::string>> parts;
   for (size_t i : train) parts.emplace_back((*ds)->bags()[i].slide_id, "train");
@@ -345,6 +369,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     const nlohmann::json& saved = record->state;
     if (saved["model"] != "abmil" || saved["classes"] != state["classes"] || saved["mil"] != mil)
       return fail(slide::core::invalid_argument(latest + ": made with another model, size or class list"));
+    if (auto s = check_bag_encoder(latest + "/state.json", saved, **ds); !s.ok()) return fail(s);
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_step(latest, saved, steps_per_epoch); !s.ok()) return fail(s);
@@ -358,6 +383,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["epochs"] = o.epochs;
     state["config"] = config;
     state["split"] = *split_rec;
+    if (!encoder.is_null()) state["encoder"] = encoder;  // a checkpoint from before the record
     (*opt)->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }
@@ -467,6 +493,7 @@ int run_mil_evaluate(const std::string& checkpoint, const MilEvaluateOptions& o,
     return fail(slide::core::invalid_argument("the bags have " + std::to_string((*ds)->feature_dim()) +
                                               " features per tile, the checkpoint's model takes " +
                                               std::to_string(mc.in_features)));
+  if (auto s = check_bag_encoder(ck->state_file, state, **ds); !s.ok()) return fail(s);
   auto model = Abmil::make(cpu_allocator(), DType::kF32, mc, 0);
   if (!model.ok()) return fail(model.status());
   std::vector<Parameter*> params;

@@ -276,6 +276,10 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
       for (const char* key : {"in_features", "hidden", "attention"}) c.integer(s["mil"], key, std::string("mil.") + key, 1);
       c.number(s["mil"], "dropout", "mil.dropout");
     }
+    // The encoder of the bags it was trained on (optional: not in records from before it).
+    if (c.kind(s, "encoder", "encoder", true, true))
+      for (const char* key : {"model", "layer", "weights_sha256"})
+        c.string(s["encoder"], key, std::string("encoder.") + key);
   } else {
     c.integer(s, "width", "width", 1, true);
     c.number(s, "dropout", "dropout", true);

@@ -166,6 +166,12 @@ void Abmil::release() {
 
 // --- BagDataset -----------------------------------------------------------------------------------
 
+std::string BagEncoder::describe() const {
+  std::string s = (model.empty() ? "an unnamed model" : model) + (layer.empty() ? "" : " " + layer);
+  if (!weights_sha256.empty()) s += ", weights sha256 " + weights_sha256.substr(0, 12) + "...";
+  return s;
+}
+
 Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::string>& dirs,
                                                      const std::string& labels_csv,
                                                      const std::vector<std::string>& class_names,
@@ -178,6 +184,10 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
   struct Found {
     std::string path, slide_id, label;
     int64_t tiles, dim;
+    BagEncoder encoder;  // left unknown for a manifest's bags but its first
+  };
+  auto encoder_of = [](const slide::cache::BagAttributes& a) {
+    return BagEncoder{a.model, a.layer, a.weights_sha256};
   };
   std::vector<Found> found;
   for (const std::string& dir : dirs) {
@@ -186,17 +196,22 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
     const std::string manifest = dir + "/" + slide::cache::kManifestName;
     if (fs::exists(manifest, ec)) {
       SLIDE_ASSIGN_OR_RETURN(auto entries, slide::cache::read_manifest(manifest));
-      for (auto& e : entries) found.push_back({e.path, e.slide_id, e.label, e.num_tiles, e.feature_dim});
+      for (auto& e : entries) found.push_back({e.path, e.slide_id, e.label, e.num_tiles, e.feature_dim, {}});
+      if (!entries.empty()) {
+        SLIDE_ASSIGN_OR_RETURN(auto first, slide::cache::BagReader::open(entries.front().path));
+        found[found.size() - entries.size()].encoder = encoder_of(first->info().attributes);
+      }
     } else {
       SLIDE_ASSIGN_OR_RETURN(auto infos, slide::cache::list_bags(dir));
       for (auto& i : infos)
         found.push_back({i.path, i.attributes.slide_id.empty() ? fs::path(i.path).stem().string() : i.attributes.slide_id,
-                         i.attributes.label, i.num_tiles, i.feature_dim});
+                         i.attributes.label, i.num_tiles, i.feature_dim, encoder_of(i.attributes)});
     }
   }
   if (found.empty()) return invalid_argument("no bags (*.h5) in the bag directories given");
   auto ds = std::unique_ptr<BagDataset>(new BagDataset());
   std::set<std::string> names, seen_ids;
+  std::string encoder_bag;  // the bag whose encoder ds->encoder_ is
   for (Found& f : found) {
     if (!csv.empty()) {
       auto it = csv.find(f.slide_id);
@@ -214,6 +229,17 @@ Result<std::unique_ptr<BagDataset>> BagDataset::open(const std::vector<std::stri
     if (f.dim != ds->feature_dim_)
       return invalid_argument("bag " + f.path + " has " + std::to_string(f.dim) + " features per tile, " +
                               found.front().path + " has " + std::to_string(ds->feature_dim_));
+    if (f.encoder.known()) {
+      if (!ds->encoder_.known()) {
+        ds->encoder_ = f.encoder;
+        encoder_bag = f.path;
+      } else if (!(f.encoder == ds->encoder_)) {
+        return invalid_argument("bag " + f.path + " holds features of " + f.encoder.describe() + ", bag " +
+                                encoder_bag + " of " + ds->encoder_.describe() +
+                                ": one model needs one encoder's features (embed every slide with the same "
+                                "--model, --layer and --weights)");
+      }
+    }
     if (!f.label.empty()) names.insert(f.label);
   }
   if (allow_unlabelled && class_names.empty())

@@ -513,6 +513,52 @@ class TestBadInput(Base):
         self.assertEqual(snapshot(self.bags_dir), before)
 
 
+    def test_bags_of_another_encoder_are_refused(self):
+        """Bags whose features another encoder made (their model / layer / weights_sha256
+        attributes) are refused, naming both encoders: mixed into one training run, and against a
+        checkpoint trained on another encoder's features (evaluate; state.json records it)."""
+        other = os.path.join(self.tmp, "other_encoder")
+        shutil.copytree(self.bags_dir, other)
+        for n in os.listdir(other):
+            with h5py.File(os.path.join(other, n), "r+") as f:
+                f.attrs["model"] = "uni"
+                f.attrs["layer"] = "fc"
+                f.attrs["weights_sha256"] = "ab" * 32
+        # The same feature width (768) and labels: only the attributes tell them apart.
+        mixed = os.path.join(self.tmp, "mixed_encoders")
+        shutil.copytree(self.bags_dir, mixed)
+        shutil.copy(os.path.join(other, "lung_n-03.h5"), os.path.join(mixed, "lung_n-03.h5"))
+        out = os.path.join(self.tmp, "mixed_out")
+        r = run_train("--features", mixed, "--out", out, "--epochs", "1", *MIL_ARGS)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("lung_n-03.h5 holds features of uni fc, weights sha256 abababababab...", r.stderr)
+        self.assertIn("of rgb_block_means 16x16: one model needs one encoder's features", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(out, "metrics.jsonl")))
+        # A second directory of another encoder's bag (of a slide of its own): the same.
+        third = os.path.join(self.tmp, "third_encoder")
+        os.makedirs(third)
+        shutil.copy(os.path.join(other, "lung_n-03.h5"), os.path.join(third, "extra-00.h5"))
+        with h5py.File(os.path.join(third, "extra-00.h5"), "r+") as f:
+            f.attrs["slide_id"] = "extra-00"
+        r = run_train("--features", self.bags_dir, third, "--out", out, "--epochs", "1", *MIL_ARGS)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("extra-00.h5 holds features of uni fc", r.stderr)
+        # Trained on one encoder's bags, evaluated on the other's.
+        out = os.path.join(self.tmp, "encoder_run")
+        r = run_train("--features", self.bags_dir, "--out", out, "--epochs", "1", *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        ck = os.path.join(out, "checkpoints", "epoch-1-step-0")
+        with open(os.path.join(ck, "state.json")) as f:
+            self.assertEqual(json.load(f)["encoder"], {"model": "rgb_block_means", "layer": "16x16", "weights_sha256": ""})
+        r = run_train("evaluate", "--checkpoint", ck, "--features", other, "--out", os.path.join(self.tmp, "encoder_ev"))
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("the model was trained on features of rgb_block_means 16x16; the bags given hold features of uni fc",
+                      r.stderr)
+        r = run_train("evaluate", "--checkpoint", ck, "--features", self.bags_dir, "--out",
+                      os.path.join(self.tmp, "encoder_ev_same"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+
 class TestOutputSafety(Base):
     """Issue 20 for --features: one writer per --out, an earlier run kept unless --resume or
     --overwrite, evaluate's --out the same; refusals change nothing."""

@@ -9,7 +9,8 @@
 //   - a record it accepts can be used as slide-train uses it after the check without throwing:
 //     epoch, step_in_epoch, optimizer_steps >= 0 and epochs >= 1 as int64; classes as >= 2
 //     strings; history one object per completed epoch with epoch >= 1 and numbers (val_roc_auc
-//     may be null); "abmil": mil's sizes >= 1 and dropout a number; tile models: width >= 1;
+//     may be null); "abmil": mil's sizes >= 1 and dropout a number, the encoder's fields
+//     strings when it is there; tile models: width >= 1;
 //     memory (when present): strategy micro-batch|checkpoint|offload, segments a string,
 //     accumulate and ranks >= 1; loss_scaler (when present): scale a finite number > 0,
 //     growth_tracker >= 0;
@@ -82,6 +83,8 @@ void check_usable(const nlohmann::json& s) {
   if (s["model"] == "abmil") {
     for (const char* key : {"in_features", "hidden", "attention"}) SLIDE_FUZZ_CHECK(as_int(s["mil"][key]) >= 1);
     (void)s["mil"]["dropout"].get<double>();
+    if (s.contains("encoder"))  // read by evaluate, predict and --resume (check_bag_encoder)
+      for (const char* key : {"model", "layer", "weights_sha256"}) (void)s["encoder"][key].get<std::string>();
   } else if (s.contains("width")) {
     SLIDE_FUZZ_CHECK(as_int(s["width"]) >= 1);
   }

@@ -309,8 +309,11 @@ namespace {
 
 // A bag written with the cache writer: n tiles of `dim` features (tile t's features are
 // label * 0.5 + t * 0.01 in every column), a coords grid of 4 columns.
-void write_test_bag(const std::string& dir, const std::string& id, const std::string& label, int64_t n, int64_t dim) {
+// `model`: its encoder's attributes (model, layer "layer3", weights_sha256 from the name), or none.
+void write_test_bag(const std::string& dir, const std::string& id, const std::string& label, int64_t n, int64_t dim,
+                    const std::string& model = "") {
   slide::cache::BagAttributes attrs;
+  if (!model.empty()) attrs.model = model, attrs.layer = "layer3", attrs.weights_sha256 = model + "0123456789abcdef";
   attrs.slide_id = id;
   attrs.label = label;
   attrs.tile_size_px = 224;
@@ -400,6 +403,42 @@ TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals s
   CHECK(BagDataset::open({one.path}, "", {"a", "c"}).status().message().find("not one of the model's") !=
         std::string::npos);
   CHECK(BagDataset::open({dir.path + "/nope"}).status().code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("BagDataset: bags of two encoders are refused, naming both; bags that do not say are taken") {
+  TempDir a, b, plain;
+  for (int i = 0; i < 2; ++i) write_test_bag(a.path, "a" + std::to_string(i), i ? "b" : "a", 3, 4, "resnet50");
+  write_test_bag(b.path, "u0", "a", 3, 4, "uni");
+  write_test_bag(plain.path, "p0", "b", 3, 4);
+  auto one = BagDataset::open({a.path});
+  REQUIRE_MESSAGE(one.ok(), one.status().to_string());
+  CHECK((*one)->encoder() == BagEncoder{"resnet50", "layer3", "resnet500123456789abcdef"});
+  CHECK((*one)->encoder().describe() == "resnet50 layer3, weights sha256 resnet500123...");
+  // Across directories, with and without a manifest (whose first bag speaks for it).
+  for (bool manifest : {false, true}) {
+    CAPTURE(manifest);
+    if (manifest) {
+      auto listed = slide::cache::list_bags(b.path);
+      REQUIRE(listed.ok());
+      REQUIRE(slide::cache::write_manifest(b.path, *listed).ok());
+    }
+    auto two = BagDataset::open({a.path, b.path});
+    CHECK(two.status().code() == StatusCode::kInvalidArgument);
+    CHECK(two.status().message().find("u0.h5 holds features of uni layer3, weights sha256 uni012345678...") !=
+          std::string::npos);
+    CHECK(two.status().message().find("a0.h5 of resnet50 layer3") != std::string::npos);
+  }
+  // Within one directory too.
+  write_test_bag(a.path, "u1", "a", 3, 4, "uni");
+  CHECK(BagDataset::open({a.path}).status().code() == StatusCode::kInvalidArgument);
+  fs::remove(a.path + "/" + slide::cache::bag_file_name("u1"));
+  // A bag without encoder attributes (another tool's) cannot be told apart: taken.
+  auto with_plain = BagDataset::open({a.path, plain.path});
+  REQUIRE_MESSAGE(with_plain.ok(), with_plain.status().to_string());
+  CHECK((*with_plain)->encoder().model == "resnet50");
+  auto only_plain = BagDataset::open({plain.path}, "", {"a", "b"});
+  REQUIRE(only_plain.ok());
+  CHECK_FALSE((*only_plain)->encoder().known());
 }
 
 TEST_CASE("MIL training stops at a non-finite loss before any update (issue 20)") {

@@ -80,6 +80,17 @@ struct BagRef {
   int64_t tiles = 0;     // N
 };
 
+// The encoder a bag's features came from: the bag's root attributes model, layer and
+// weights_sha256 (slide/cache/bag.h). All empty when the bag does not say (bags written by other
+// tools, e.g. CLAM's own .h5 files).
+struct BagEncoder {
+  std::string model, layer, weights_sha256;
+  bool known() const { return !model.empty() || !layer.empty() || !weights_sha256.empty(); }
+  bool operator==(const BagEncoder&) const = default;
+  // For messages: "resnet50 layer3, weights sha256 1a2b3c4d5e6f..." (the hash's first 12 digits).
+  std::string describe() const;
+};
+
 // Labelled bags from directories written by slide-embed: `<dir>/bags.csv` (the bag manifest) when
 // present, else every `*.h5` of the directory (slide/cache/bag.h, list_bags). Labels are the bags'
 // own `label` attribute, or, with a labels CSV (a header naming `slide_id` and `label`,
@@ -88,9 +99,13 @@ struct BagRef {
 // labels are matched by name, and the bags may hold only some of the classes).
 class BagDataset {
  public:
+  // Every bag that records its encoder must record the same one (features of two encoders, even of
+  // one width, e.g. ResNet-50's layer3 and UNI's 1024, mean different things to one model); in a
+  // directory with a manifest (one slide-embed run, which never mixes encoders in its output) its
+  // first bag speaks for the others.
   // Errors: kNotFound (a directory or the CSV missing), kDataLoss (a bag that does not open, named
-  // by path), kInvalidArgument (no bags; bags of different feature dimensions, naming one of
-  // each; a bag with no label and no CSV row, naming it; a CSV without slide_id/label columns or
+  // by path), kInvalidArgument (no bags; bags of different feature dimensions or encoders, naming
+  // one of each; a bag with no label and no CSV row, naming it; a CSV without slide_id/label columns or
   // with a duplicate slide id, naming file and line; without `class_names`, fewer than two
   // classes; with them, a label that is not one of them, naming the bag).
   // With `allow_unlabelled` (slide-train predict: a checkpoint on new slides; needs
@@ -106,6 +121,8 @@ class BagDataset {
   const std::vector<std::string>& class_names() const { return class_names_; }
   const std::vector<BagRef>& bags() const { return bags_; }
   int64_t feature_dim() const { return feature_dim_; }
+  // The encoder of the bags that record one (not known() when none does).
+  const BagEncoder& encoder() const { return encoder_; }
   // Bytes of every bag's features as f32 (sum of N x D x 4): what cache_in_ram would take.
   size_t feature_bytes() const;
   // Tiles of the largest bag.
@@ -134,6 +151,7 @@ class BagDataset {
   std::vector<BagRef> bags_;
   std::vector<std::string> class_names_;
   int64_t feature_dim_ = 0;
+  BagEncoder encoder_;
   std::vector<Tensor> cache_;
 };
 

@@ -557,6 +557,17 @@ class TestBadInput(Base):
         r = run_train("evaluate", "--checkpoint", ck, "--features", self.bags_dir, "--out",
                       os.path.join(self.tmp, "encoder_ev_same"))
         self.assertEqual(r.returncode, 0, r.stderr)
+        # A damaged record (a field of another type) is a clear error naming it, not a crash.
+        state = os.path.join(ck, "state.json")
+        with open(state) as f:
+            record = json.load(f)
+        record["encoder"]["model"] = 5
+        with open(state, "w") as f:
+            json.dump(record, f)
+        r = run_train("evaluate", "--checkpoint", ck, "--features", self.bags_dir, "--out",
+                      os.path.join(self.tmp, "encoder_ev_bad"))
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn(state + ": field 'encoder.model' is 5, expected a string", r.stderr)
 
 
 class TestOutputSafety(Base):

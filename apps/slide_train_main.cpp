@@ -790,6 +790,12 @@ int run_main(int argc, char** argv) {
   auto split_rec = slide::apps::split_record(std::move(parts));
   if (!split_rec.ok()) return fail(split_rec.status());
   state["split"] = *split_rec;
+  // Every tile's (slide, class), counted: --resume refuses other labels under the same slides.
+  std::map<std::pair<std::string, std::string>, int64_t> label_counts;
+  for (const auto& t : (*ds)->tiles()) ++label_counts[{(*ds)->slide_ids()[t.slide], (*ds)->class_names()[t.label]}];
+  auto labels_rec = slide::apps::labels_record(label_counts);
+  if (!labels_rec.ok()) return fail(labels_rec.status());
+  state["labels"] = *labels_rec;
   if (resume && writer) {  // read above (not a dry run: that has returned)
     const std::string& latest = resume_from;
     const nlohmann::json& saved = resumed_state;
@@ -797,6 +803,7 @@ int run_main(int argc, char** argv) {
       return fail(slide::core::invalid_argument(latest + ": made with another model or class list"));
     if (auto s = slide::apps::check_resume_config(latest, saved, config, epochs); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_labels(latest, saved, *labels_rec); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_step(latest, saved, (static_cast<int64_t>(train.size()) + batch - 1) / batch);
         !s.ok())
       return fail(s);
@@ -810,6 +817,7 @@ int run_main(int argc, char** argv) {
     state["epochs"] = epochs;
     state["config"] = config;
     state["split"] = *split_rec;
+    state["labels"] = *labels_rec;
     run.opt->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});
   }

@@ -360,6 +360,12 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   auto split_rec = slide::apps::split_record(std::move(parts));
   if (!split_rec.ok()) return fail(split_rec.status());
   state["split"] = *split_rec;
+  // Every bag's (slide, class): --resume refuses other labels under the same slides.
+  std::map<std::pair<std::string, std::string>, int64_t> label_counts;
+  for (const auto& b : (*ds)->bags()) ++label_counts[{b.slide_id, (*ds)->class_names()[b.label]}];
+  auto labels_rec = slide::apps::labels_record(label_counts);
+  if (!labels_rec.ok()) return fail(labels_rec.status());
+  state["labels"] = *labels_rec;
   if (o.resume) {
     const std::vector<fs::path> checkpoints = list_checkpoints(ckpt_dir);
     if (checkpoints.empty()) return fail(slide::core::not_found("--resume: no complete checkpoint in " + ckpt_dir));
@@ -372,6 +378,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     if (auto s = check_bag_encoder(latest + "/state.json", saved, **ds); !s.ok()) return fail(s);
     if (auto s = check_resume_config(latest, saved, config, o.epochs); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_split(latest, saved, *split_rec); !s.ok()) return fail(s);
+    if (auto s = slide::apps::check_resume_labels(latest, saved, *labels_rec); !s.ok()) return fail(s);
     if (auto s = slide::apps::check_resume_step(latest, saved, steps_per_epoch); !s.ok()) return fail(s);
     if (auto s = load_safetensors(latest + "/model.safetensors", named(params, buffers), be->get()); !s.ok())
       return fail(s);
@@ -383,6 +390,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
     state["epochs"] = o.epochs;
     state["config"] = config;
     state["split"] = *split_rec;
+    state["labels"] = *labels_rec;
     if (!encoder.is_null()) state["encoder"] = encoder;  // a checkpoint from before the record
     (*opt)->set_steps(state["optimizer_steps"].get<int64_t>());
     slide::core::log_info("resumed", {{"checkpoint", latest}});

@@ -252,6 +252,13 @@ Status validate_run_state(const std::string& file, const nlohmann::json& s) {
   c.string(s, "best_metric", "best_metric", true);
   c.integer(s, "best_epoch", "best_epoch", 1, true);
   c.kind(s, "config", "config", true, true);
+  // The labels it was trained on (labels_record; optional: not in records from before it).
+  if (c.kind(s, "labels", "labels", true, true)) {
+    c.string(s["labels"], "sha256", "labels.sha256");
+    if (c.kind(s["labels"], "per_class", "labels.per_class", true))
+      for (const auto& [name, n] : s["labels"]["per_class"].items())
+        c.integer(s["labels"]["per_class"], name, "labels.per_class." + name, 0);
+  }
   // How the steps fit the memory budget (slide_train_memory.h's MemoryDecision); optional.
   if (c.kind(s, "memory", "memory", true, true)) {
     const nlohmann::json& m = s["memory"];
@@ -659,6 +666,43 @@ slide::core::Status check_resume_split(const std::string& checkpoint, const nloh
       counts(record) + " now" + (counts(was) == counts(record) ? ", other slides" : "") +
       "): stores, bags or labels were added, removed or changed; resumed, the run would validate on slides it "
       "trained on. Rerun with the run's data, or use a new --out");
+}
+
+slide::core::Result<nlohmann::json> labels_record(const std::map<std::pair<std::string, std::string>, int64_t>& counts) {
+  std::string lines;
+  nlohmann::json per_class = nlohmann::json::object();
+  for (const auto& [key, n] : counts) {
+    lines += key.first + "\t" + key.second + "\t" + std::to_string(n) + "\n";
+    per_class[key.second] = per_class.value(key.second, int64_t{0}) + n;
+  }
+  nlohmann::json record = {{"per_class", per_class}};
+  SLIDE_ASSIGN_OR_RETURN(record["sha256"], slide::core::sha256_bytes(lines));
+  return record;
+}
+
+slide::core::Status check_resume_labels(const std::string& checkpoint, const nlohmann::json& saved,
+                                        const nlohmann::json& record) {
+  if (!saved.contains("labels")) {
+    slide::core::log_warn("--resume: the checkpoint does not record its labels (made before the record existed); "
+                          "the labels are not checked", {{"checkpoint", checkpoint}});
+    return slide::core::ok_status();
+  }
+  const nlohmann::json& was = saved["labels"];
+  if (was == record) return slide::core::ok_status();
+  // The file's record may be anything (validate_run_state checks its types, not its counts').
+  auto counts = [](const nlohmann::json& r) {
+    if (!r.is_object() || !r.contains("per_class") || !r["per_class"].is_object()) return std::string("?");
+    std::string out;
+    for (const auto& [name, n] : r["per_class"].items())
+      out += (out.empty() ? "" : ", ") + name + " " + (n.is_number_integer() ? std::to_string(n.get<int64_t>()) : "?");
+    return out;
+  };
+  const bool same_counts = counts(was) == counts(record);
+  return slide::core::invalid_argument(
+      "--resume: " + checkpoint + " was made with other labels (per class then: " + counts(was) + "; now: " +
+      counts(record) + (same_counts ? "; the same counts, on other slides" : "") +
+      "): the labels CSV or the stores' labels changed; resumed, the run would train the checkpoint's weights "
+      "towards other targets. Rerun with the run's labels, or use a new --out");
 }
 
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,

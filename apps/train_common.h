@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -156,6 +157,23 @@ bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& va
 // counts. A checkpoint without the record (made before it existed) passes, with a warning.
 [[nodiscard]] slide::core::Status check_resume_split(const std::string& checkpoint, const nlohmann::json& saved,
                                                      const nlohmann::json& record);
+
+// Which labels a run trains on: `counts` maps (slide id, class name) to how many of the slide's
+// tiles (or bags: 1) carry that class. Returns {"sha256": the SHA-256 (hash.h) of the lines
+// "<slide id>\t<class>\t<count>\n" in the map's order, "per_class": {class: count summed over
+// slides}}, which a run keeps in its state.json ("labels"). The split record (split_record) names
+// only the slides on each side; this one changes when a slide is relabelled in the labels CSV (or
+// re-tiled with other annotations) under the same file names. Errors: sha256_bytes's.
+[[nodiscard]] slide::core::Result<nlohmann::json> labels_record(
+    const std::map<std::pair<std::string, std::string>, int64_t>& counts);
+
+// --resume's check that the labels are the checkpoint's: `record` (labels_record of this run)
+// against saved["labels"]. A labels CSV edited in place (or stores re-tiled with other labels) would
+// go on training the checkpoint's weights towards other targets, its history and best epoch
+// measured against the old ones. Errors: kInvalidArgument naming `checkpoint` and both records'
+// counts per class. A checkpoint without the record (made before it existed) passes, with a warning.
+[[nodiscard]] slide::core::Status check_resume_labels(const std::string& checkpoint, const nlohmann::json& saved,
+                                                      const nlohmann::json& record);
 
 // Writes <dir>/epoch-E-step-S (E, S: state["epoch"], state["step_in_epoch"]): model.safetensors
 // (parameters and buffers), optimizer.safetensors (the optimizer's state, when it has any) and

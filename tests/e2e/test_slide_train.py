@@ -1700,6 +1700,19 @@ class TestLabelsCsv(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
             self.assertEqual(json.load(f)["classes"], ["dapi", "he"])
+        # The CSV edited in place (two slides relabelled, the same slides and patients: the same
+        # split): --resume refuses to go on training the checkpoint towards other labels, naming
+        # the counts per class, and leaves the checkpoints as they were.
+        with open(labels, "w") as f:
+            f.write("patient,slide_id,label\np1,CMU-1-Small-Region,dapi\np2,TCGA-CR-7395-01A-01-TS1,he\n"
+                    "p3,test3-DAPI-2-387,he\n")
+        before = sorted(os.listdir(os.path.join(out, "checkpoints")))
+        r = subprocess.run([TRAIN, "--data", store, "--labels", labels, "--out", out, "--epochs", "2",
+                            "--width", "4", "--val-fraction", "0.34", "--resume"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made with other labels (per class then: dapi ", r.stderr)
+        self.assertIn("the labels CSV or the stores' labels changed", r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))), before)
         # Without labels the store cannot train; a slide missing from the CSV or a duplicate row is
         # named, with the file (and line).
         r = subprocess.run([TRAIN, "--data", store, "--out", out + "2"], capture_output=True, text=True)

@@ -388,6 +388,17 @@ class TestResume(Base):
         self.assertIn("--lr 0.001 -> 0.002;", r.stderr)
         self.assertIn("--label_smoothing 0.0 -> 0.1;", r.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
+        # So is a resume on relabelled bags (one bag's label attribute changed: the same bags, the
+        # same split), which would train the checkpoint towards other targets.
+        import h5py
+        relabelled = os.path.join(bags, "lung_n-03-copy5.h5")
+        with h5py.File(relabelled, "a") as f:
+            f.attrs["label"] = "lung_scc"
+        r = run_train("--out", cut, "--resume", *args)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("was made with other labels (per class then: lung_aca 80, lung_n 80, lung_scc 80; "
+                      "now: lung_aca 80, lung_n 79, lung_scc 81)", r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
         # So is a resume on other bags: one bag fewer moves bags between training and validation
         # (the split is drawn over the bags found), and the run would validate on bags it trained on.
         with open(os.path.join(cut, "checkpoints", before[-1], "state.json")) as f:

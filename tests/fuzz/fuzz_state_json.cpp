@@ -14,6 +14,9 @@
 //     memory (when present): strategy micro-batch|checkpoint|offload, segments a string,
 //     accumulate and ranks >= 1; loss_scaler (when present): scale a finite number > 0,
 //     growth_tracker >= 0;
+//   - labels (when present): sha256 a string, per_class's counts integers >= 0; check_resume_labels
+//     passes with the record's own labels and refuses other ones (kInvalidArgument naming the
+//     checkpoint, in valid UTF-8);
 //   - check_resume_config with the record's own config (and epochs) passes; with no config at all
 //     it fails (kInvalidArgument naming the checkpoint) exactly when the record's config names an
 //     option other than init.
@@ -80,6 +83,10 @@ void check_usable(const nlohmann::json& s) {
     const double scale = s["loss_scaler"]["scale"].get<double>();
     SLIDE_FUZZ_CHECK(scale > 0 && std::isfinite(scale) && as_int(s["loss_scaler"]["growth_tracker"]) >= 0);
   }
+  if (s.contains("labels")) {  // read by --resume (check_resume_labels)
+    (void)s["labels"]["sha256"].get<std::string>();
+    for (const auto& [name, n] : s["labels"]["per_class"].items()) SLIDE_FUZZ_CHECK(as_int(n) >= 0);
+  }
   if (s["model"] == "abmil") {
     for (const char* key : {"in_features", "hidden", "attention"}) SLIDE_FUZZ_CHECK(as_int(s["mil"][key]) >= 1);
     (void)s["mil"]["dropout"].get<double>();
@@ -129,6 +136,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     SLIDE_FUZZ_CHECK(none.code() == StatusCode::kInvalidArgument);
     SLIDE_FUZZ_CHECK(none.message().find(dir) != std::string::npos);
     SLIDE_FUZZ_CHECK(valid_utf8(none.message()));
+  }
+  // --resume's labels check: the record's own labels pass; other labels (or a record without them
+  // against one with them) fail naming the checkpoint, in valid UTF-8.
+  if (s.contains("labels")) {
+    SLIDE_FUZZ_CHECK(slide::apps::check_resume_labels(dir, s, s["labels"]).ok());
+    auto other = slide::apps::labels_record({{{"slide", "class"}, 1}});
+    SLIDE_FUZZ_CHECK(other.ok());
+    const auto refused = slide::apps::check_resume_labels(dir, s, *other);
+    SLIDE_FUZZ_CHECK(refused.ok() == (s["labels"] == *other));
+    if (!refused.ok()) {
+      SLIDE_FUZZ_CHECK(refused.code() == StatusCode::kInvalidArgument);
+      SLIDE_FUZZ_CHECK(refused.message().find(dir) != std::string::npos);
+      SLIDE_FUZZ_CHECK(valid_utf8(refused.message()));
+    }
   }
   return 0;
 }

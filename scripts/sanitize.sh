@@ -9,6 +9,8 @@
 # glib, HDF5 and Open MPI keep allocations for the process's life. OMP_NUM_THREADS=1 under
 # ThreadSanitizer: libgomp is not instrumented, and its barriers read as races. scripts/tsan.supp
 # holds the reports inside other uninstrumented libraries (OpenSlide, Open MPI), each with its reason.
+# A thread build's libtrain_tests leaves out the suite's files that start no thread of ours
+# (tests/CMakeLists.txt, slide_libtrain_threadless_tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-address}

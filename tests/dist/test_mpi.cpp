@@ -2,7 +2,6 @@
 // mpirun with 2 and 3 ranks (tests/CMakeLists.txt); every rank runs every test case, in order.
 // The deadline case is skipped unless asked for (--no-skip --test-case='*deadline*'): it takes
 // the job down on purpose.
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <algorithm>

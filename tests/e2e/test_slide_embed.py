@@ -451,6 +451,16 @@ class TestResume(TwoSlides):
         return [EMBED, self.store, "-o", out, "--weights", self.weights, "--model", "resnet18", "--layer", "layer2",
                 "--batch-size", "8", "--threads", "2"]
 
+    def reference(self):
+        """The uninterrupted run's directory, made once for the class's tests that compare with it."""
+        if getattr(type(self), "_reference", None) is None:
+            ref = os.path.join(self.tmp, "ref")
+            shutil.rmtree(ref, ignore_errors=True)
+            r = run(self.args(ref))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            type(self)._reference = ref
+        return type(self)._reference
+
     def run_until_first_bag(self, out, sig):
         p = subprocess.Popen(self.args(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         # Once the first bag is complete and the second is being written (its bag is created with
@@ -468,9 +478,7 @@ class TestResume(TwoSlides):
         return p.returncode, err
 
     def test_kill_and_rerun_equals_uninterrupted(self):
-        ref = os.path.join(self.tmp, "ref")
-        r = run(self.args(ref))
-        self.assertEqual(r.returncode, 0, r.stderr)
+        ref = self.reference()
         out = os.path.join(self.tmp, "killed")
         rc, _ = self.run_until_first_bag(out, signal.SIGKILL)
         self.assertEqual(rc, -signal.SIGKILL)
@@ -493,9 +501,7 @@ class TestResume(TwoSlides):
         # Issue 17 item 4: a file-size limit makes the second bag's writes fail (EFBIG) the way a
         # full disk does (ENOSPC). The first bag stays complete, the failing one never looks
         # complete, the error names the file, and a rerun without the limit finishes the same bags.
-        ref = os.path.join(self.tmp, "ref-full")
-        r = run(self.args(ref))
-        self.assertEqual(r.returncode, 0, r.stderr)
+        ref = self.reference()
         first, second = (os.path.getsize(os.path.join(ref, n)) for n in
                          ("CMU-1-Small-Region.h5", "TCGA-CR-7395-01A-01-TS1.h5"))
         cap = first + 64 * 1024

@@ -7,7 +7,6 @@
 // Tolerances: 1e-5 for our own kernels (f32 storage, double accumulation: the CPU's arithmetic
 // apart from summation order and FMA contraction); 1e-4 for cuDNN convolutions and cuBLAS GEMMs
 // (their algorithms, e.g. Winograd or FFT, reorder and transform the sums).
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <algorithm>

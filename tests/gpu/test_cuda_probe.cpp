@@ -1,5 +1,4 @@
 // gpu-labelled: runs one kernel on device 0; exits 77 (ctest's skip code) without a device.
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>

@@ -1,6 +1,5 @@
 // gpu-labelled: the "nccl" communicator on this node's devices, one rank per device (run directly
 // for one rank, or under mpirun -np N). Exits 77 (ctest's skip code) without a device.
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <cuda_runtime.h>
 #include <doctest/doctest.h>
 

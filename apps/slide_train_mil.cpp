@@ -162,15 +162,24 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred], std::vector<double>(p, p + k), attention[i], coords));
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
-    SLIDE_RETURN_IF_ERROR(write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes,
-                                        path == paths.end() ? "" : path->second, &grid_fallbacks));
+    std::string heatmap = png;
+    if (Status s = write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes,
+                                 path == paths.end() ? "" : path->second, &grid_fallbacks);
+        !s.ok()) {
+      // A bag whose tiles cannot be drawn (kInvalidArgument: a tile grid over 2^24 cells, from
+      // coordinates spread over a huge span) keeps its attention file and its row, without a
+      // heatmap; writing errors (a full disk) end the run.
+      if (s.code() != slide::core::StatusCode::kInvalidArgument) return s;
+      slide::core::log_warn("no heatmap for this slide", {{"slide", bag.slide_id}, {"why", s.message()}});
+      heatmap.clear();
+    }
     // The full slide id and the class names (quoted as RFC 4180 where needed: a class may hold a comma);
     // file names follow slide_file_stem.
     std::string line =
         slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," + slide::core::csv_quote(label) + "," +
         std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + slide::apps::probability_text(p[c]);
-    csv += line + "," + slide::core::csv_quote(classes[pred]) + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(png) + "\n";
+    csv += line + "," + slide::core::csv_quote(classes[pred]) + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(heatmap) + "\n";
   }
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
   if (grid_fallbacks > 0)

@@ -48,7 +48,7 @@ Result<HeatmapCanvas> heatmap_canvas(const std::string& slide_path, int64_t tile
   const auto longest = static_cast<double>(std::max(l0.width, l0.height));
   double ds = static_cast<double>(tile_l0_px) / 8.0;
   if (min_long_side_px > 0) ds = std::min(ds, longest / static_cast<double>(min_long_side_px));
-  ds = std::max({1.0, ds, longest / 4096.0});
+  ds = std::max({1.0, ds, longest / static_cast<double>(kMaxHeatmapSidePx)});
   HeatmapCanvas c;
   SLIDE_ASSIGN_OR_RETURN(c.thumbnail, slide::tile::make_thumbnail(*slide, ds, &c.downsample_x, &c.downsample_y));
   return c;
@@ -85,6 +85,10 @@ Result<RgbImage> draw_tile_grid(const std::vector<double>& values, const std::ve
   if (cols * rows > int64_t{1} << 24)
     return invalid_argument(what + ": a tile grid of " + std::to_string(cols) + " x " + std::to_string(rows) +
                             " cells is too large for a heatmap");
+  // Cells shrink (down to 1 px) so that the figure's longer side stays within 4096 px where the
+  // grid allows it, as heatmap_canvas bounds a thumbnail: 8 px cells over a 2^12-cell side would
+  // be a 32768 px, 3 GiB image.
+  cell_px = static_cast<int>(std::clamp<int64_t>(kMaxHeatmapSidePx / std::max(cols, rows), 1, cell_px));
   RgbImage img(cols * cell_px, rows * cell_px, 255);
   for (size_t i = 0; i < n; ++i) {
     const int64_t cx = cell(coords[2 * i] - x0), cy = cell(coords[2 * i + 1] - y0);

@@ -473,6 +473,29 @@ class TestMemoryFlat(Base):
 
 
 class TestBadInput(Base):
+    def test_a_bag_whose_tiles_cannot_be_drawn_keeps_its_attention_without_a_heatmap(self):
+        # Two tiles 4999 tile sides apart on both axes: a 5000 x 5000 tile grid (over 2^24 cells)
+        # that no heatmap is drawn for. The run ends well; the bag keeps its attention file and
+        # its predictions row, with an empty heatmap column, and a warning names it.
+        bags = os.path.join(self.tmp, "sparse_bags")
+        shutil.copytree(self.bags_dir, bags)
+        feats = class_features()["lung_aca"][:2]
+        write_bag(os.path.join(bags, "sparse.h5"), "sparse", "lung_aca", feats,
+                  np.array([[0, 0], [4999 * 224, 4999 * 224]]))
+        out = os.path.join(self.tmp, "sparse_run")
+        r = run_train("--features", bags, "--out", out, "--epochs", 1, *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("no heatmap for this slide", r.stderr)
+        self.assertIn("a tile grid of 5000 x 5000 cells is too large for a heatmap", r.stderr)
+        att = os.path.join(out, "attention")
+        with open(os.path.join(att, "predictions.csv")) as f:
+            rows = {row[0]: row for row in (l.rstrip("\n").split(",") for l in list(f)[1:])}
+        self.assertEqual(len(rows), 31)
+        self.assertEqual(rows["sparse"][-1], "")
+        self.assertTrue(os.path.exists(os.path.join(att, "sparse.h5")))
+        self.assertFalse(os.path.exists(os.path.join(att, "sparse.png")))
+        self.assertTrue(os.path.exists(os.path.join(att, rows["lung_n-03"][-1])))
+
     def test_errors_name_the_problem(self):
         out = os.path.join(self.tmp, "bad")
         # Tile-only options are refused with --features.

@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "slide/cache/bag.h"
@@ -594,6 +595,25 @@ TEST_CASE("draw_tile_grid: overlapping tiles (stride half the side) each get the
   // slide-tile --stride 250 with 500 px tiles: tiles half a side apart. In tile sides they would
   // round into shared cells (0.5 -> 1, 1.0 -> 1) and the later tile would hide the earlier.
   check_one_cell_per_tile(9, 250, 500);
+}
+
+TEST_CASE("draw_tile_grid: cells shrink to keep the figure within 4096 px; a grid over 2^24 cells is refused") {
+  // Two 256 px tiles 1000 and 5000 tiles apart along x: 8 px cells would make 8008 and 40008 px
+  // wide images; the cells shrink to 4 px and to 1 px (the grid is wider than 4096 cells).
+  for (const auto& [span, want_cell] : {std::pair<int32_t, int64_t>{1000, 4}, {5000, 1}}) {
+    CAPTURE(span);
+    const std::vector<int32_t> coords = {0, 0, span * 256, 0};
+    auto img = draw_tile_grid({0.0, 1.0}, coords, 256, "grid");
+    REQUIRE_MESSAGE(img.ok(), img.status().to_string());
+    CHECK(img->width == (span + 1) * want_cell);
+    CHECK(img->height == want_cell);
+  }
+  // 5000 x 5000 cells (2.5e7 > 2^24): kInvalidArgument naming the grid (slide-train's MIL and
+  // predict then leave that slide without a heatmap, and go on).
+  auto refused = draw_tile_grid({0.0, 1.0}, {0, 0, 4999 * 256, 4999 * 256}, 256, "huge");
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == slide::core::StatusCode::kInvalidArgument);
+  CHECK(refused.status().message() == "huge: a tile grid of 5000 x 5000 cells is too large for a heatmap");
 }
 
 TEST_CASE("draw_tile_overlay: where tiles overlap, the colour of their mean value, blended once") {

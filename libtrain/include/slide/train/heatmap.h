@@ -43,8 +43,11 @@ struct HeatmapCanvas {
 // side `tile_l0_px` level-0 px; 0: coords_grid_step; a tile's cell is its offset in tile sides
 // rounded to the nearest, as tile positions are rounded from a fractional step; overlapping tiles,
 // whose grid step is under nine tenths of the side, in strides instead), coloured by value (0..1,
-// jet).
+// jet). Cells are `cell_px` px, fewer (down to 1) where the grid's longer side in cells times
+// cell_px would pass kMaxHeatmapSidePx: the image is at most 4096 px on its longer side unless the
+// grid has more cells than that on it (then 1 px per cell; 48 MiB at 2^24 cells).
 // Errors: kInvalidArgument (sizes disagree, no tiles, a grid over 2^24 cells), naming `what`.
+inline constexpr int64_t kMaxHeatmapSidePx = 4096;
 [[nodiscard]] Result<slide::tile::RgbImage> draw_tile_grid(const std::vector<double>& values,
                                                            const std::vector<int32_t>& coords, int64_t tile_l0_px,
                                                            const std::string& what, int cell_px = 8);

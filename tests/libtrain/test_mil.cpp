@@ -600,7 +600,10 @@ TEST_CASE("draw_tile_grid: overlapping tiles (stride half the side) each get the
 TEST_CASE("draw_tile_grid: cells shrink to keep the figure within 4096 px; a grid over 2^24 cells is refused") {
   // Two 256 px tiles 1000 and 5000 tiles apart along x: 8 px cells would make 8008 and 40008 px
   // wide images; the cells shrink to 4 px and to 1 px (the grid is wider than 4096 cells).
-  for (const auto& [span, want_cell] : {std::pair<int32_t, int64_t>{1000, 4}, {5000, 1}}) {
+  // (Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.)
+  for (const std::pair<int32_t, int64_t>& c : {std::pair<int32_t, int64_t>{1000, 4}, {5000, 1}}) {
+    const int32_t span = c.first;
+    const int64_t want_cell = c.second;
     CAPTURE(span);
     const std::vector<int32_t> coords = {0, 0, span * 256, 0};
     auto img = draw_tile_grid({0.0, 1.0}, coords, 256, "grid");

@@ -420,6 +420,14 @@ class TestResume(Base):
         r = run_train("--out", cut, "--resume", *args)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("was made on another split of the data (? train / 72 validation / 0 test slides then", r.stderr)
+        # A damaged labels record (a count of the wrong type) is refused naming the file and the field.
+        doc["labels"]["per_class"]["lung_n"] = "many"
+        with open(state, "w") as f:
+            json.dump(doc, f)
+        r = run_train("--out", cut, "--resume", *args)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("state.json: field 'labels.per_class.lung_n' is \"many\", expected an integer >= 0", r.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(cut, "checkpoints"))), before)
 
 
 class TestMemoryFlat(Base):

@@ -11,6 +11,10 @@
 
 #include "interrupt.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace apps_test_interrupt {
+
 namespace {
 
 using slide::apps::interrupt_flag;
@@ -141,3 +145,5 @@ TEST_CASE("interrupt: a process started with SIGHUP ignored (nohup) keeps ignori
   CHECK(WEXITSTATUS(status) == 0);
   CHECK(text.empty());
 }
+
+}  // namespace apps_test_interrupt

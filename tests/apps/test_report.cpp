@@ -5,6 +5,10 @@
 
 #include "report.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace apps_test_report {
+
 using slide::apps::base64;
 using slide::apps::html_escape;
 using slide::apps::HtmlReport;
@@ -47,3 +51,5 @@ TEST_CASE("report: a page with a title, tables and an inline image, every text e
   CHECK(h.find("<script") == std::string::npos);
   CHECK(h.find("http") == std::string::npos);  // nothing fetched
 }
+
+}  // namespace apps_test_report

@@ -18,6 +18,10 @@
 #include "slide/cache/bag.h"
 #include "slide/core/file.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace cache_test_bag {
+
 using namespace slide::cache;
 using slide::core::Status;
 using slide::core::StatusCode;
@@ -473,3 +477,5 @@ TEST_CASE("bag reader: read-only files, HDF5_USE_FILE_LOCKING=FALSE, and several
   }
   fs::permissions(tmp.path, fs::perms::owner_all);
 }
+
+}  // namespace cache_test_bag

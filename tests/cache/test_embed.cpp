@@ -14,6 +14,10 @@
 #include "slide/train/embed.h"
 #include "../libtrain/test_fixtures.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace cache_test_embed {
+
 using namespace slide::train;
 
 namespace {
@@ -234,3 +238,5 @@ TEST_CASE("extract_in_micro_batches: one image that does not fit, and other erro
   CHECK(extract_in_micro_batches(enc, x.data(), 0, 2, 2, f.data(), &micro).code() ==
         slide::core::StatusCode::kInvalidArgument);
 }
+
+}  // namespace cache_test_embed

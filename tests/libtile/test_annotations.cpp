@@ -6,6 +6,10 @@
 
 #include "slide/tile/annotations.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_annotations {
+
 using slide::core::StatusCode;
 using slide::tile::AnnotationIndex;
 using slide::tile::parse_geojson;
@@ -122,3 +126,5 @@ TEST_CASE("AnnotationIndex: self-intersection and coordinates outside the slide"
   REQUIRE_FALSE(out.ok());
   CHECK(out.status().message().find("outside the slide") != std::string::npos);
 }
+
+}  // namespace libtile_test_annotations

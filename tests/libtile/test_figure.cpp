@@ -8,6 +8,10 @@
 
 #include "slide/tile/figure.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_figure {
+
 namespace {
 
 using slide::core::StatusCode;
@@ -140,3 +144,5 @@ TEST_CASE("line charts: panels side by side, each series' colour in its panel on
   bad.series[0].y.pop_back();
   CHECK(slide::tile::draw_line_charts("x", {bad}).status().code() == StatusCode::kInvalidArgument);
 }
+
+}  // namespace libtile_test_figure

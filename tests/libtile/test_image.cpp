@@ -11,6 +11,10 @@
 #include "slide/core/file.h"
 #include "slide/tile/image.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_image {
+
 namespace {
 
 using slide::core::StatusCode;
@@ -286,3 +290,5 @@ TEST_CASE("read_image_size: the header's size for TIFF, JPEG and PNG, as read_im
   std::remove(p.c_str());
   std::remove(bad.c_str());
 }
+
+}  // namespace libtile_test_image

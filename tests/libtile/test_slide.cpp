@@ -22,6 +22,10 @@
 #include "slide/tile/image.h"
 #include "slide/tile/slide.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_slide {
+
 namespace {
 
 using slide::core::StatusCode;
@@ -520,3 +524,5 @@ TEST_CASE("open_slide: a directory is kInvalidArgument") {
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().code() == StatusCode::kInvalidArgument);
 }
+
+}  // namespace libtile_test_slide

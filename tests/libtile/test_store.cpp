@@ -17,6 +17,10 @@
 
 #include "slide/tile/store.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_store {
+
 namespace fs = std::filesystem;
 using slide::core::StatusCode;
 using namespace slide::tile;
@@ -791,3 +795,5 @@ TEST_CASE("test_store: concurrent reads from four threads") {
   CHECK(bad.load() == 0);
   CHECK(read.load() == 4 * 3 * kTiles);
 }
+
+}  // namespace libtile_test_store

@@ -17,6 +17,10 @@
 #include "slide/tile/slide.h"
 #include "slide/tile/tissue.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtile_test_tissue_grid {
+
 namespace {
 
 using slide::core::Status;
@@ -705,3 +709,5 @@ TEST_CASE("test_tissue_grid: CMU-1-Small-Region pass-through tiles decode to rea
     CHECK(dec->pixels == rgb);
   }
 }
+
+}  // namespace libtile_test_tissue_grid

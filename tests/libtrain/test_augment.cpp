@@ -15,6 +15,10 @@
 #include "test_util.h"
 #include "../../libtrain/src/kernels/formulas.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_augment {
+
 using namespace slide::train;
 using slide::train::testing::dot_f64;
 using slide::train::testing::random_f64;
@@ -245,3 +249,5 @@ TEST_CASE("Dropout: identity in inference, mask from the seed, gradient in doubl
   Dropout bad(1.0);
   CHECK(bad.forward(be, x, true).status().code() == slide::core::StatusCode::kInvalidArgument);
 }
+
+}  // namespace libtrain_test_augment

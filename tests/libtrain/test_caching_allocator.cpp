@@ -10,6 +10,10 @@
 
 #include "slide/train/caching_allocator.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_caching_allocator {
+
 using namespace slide::train;
 
 namespace {
@@ -142,3 +146,5 @@ TEST_CASE("CachingDeviceAllocator: blocks are reused only within their size clas
   CHECK(live.count(*same) == 1);
   a.deallocate(*same, 5100);
 }
+
+}  // namespace libtrain_test_caching_allocator

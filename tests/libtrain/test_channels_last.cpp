@@ -13,6 +13,10 @@
 #include "slide/train/backend.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_channels_last {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 
@@ -231,3 +235,5 @@ TEST_CASE("synchronised batch norm's pieces on channels-last tensors: the plain 
     CHECK(ref().batch_norm_backward_elemt(xl, dy, gamma, sm, si, st, su, bad).code() == StatusCode::kInvalidArgument);
   }
 }
+
+}  // namespace libtrain_test_channels_last

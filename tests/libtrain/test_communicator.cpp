@@ -22,6 +22,10 @@
 #include "slide/train/communicator.h"
 #include "slide/train/data_parallel.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_communicator {
+
 using namespace slide::train;
 
 TEST_CASE("shard_range: ranks tile the batch in order, sizes differ by at most one") {
@@ -544,3 +548,5 @@ TEST_CASE("launched_rank: the variables slide-train --gpus sets, and malformed o
   unsetenv(kLaunchWorldSizeEnv), unsetenv(kLaunchRankEnv), unsetenv(kLaunchFdsEnv);
   CHECK(make_socket_communicator(0, 3, {5}, 5).status().message().find("needs 2 socket(s), not 1") != std::string::npos);
 }
+
+}  // namespace libtrain_test_communicator

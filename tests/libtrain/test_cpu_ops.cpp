@@ -15,6 +15,10 @@
 #include "slide/train/layers.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_cpu_ops {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 
@@ -370,3 +374,6 @@ TEST_CASE("cpu: fused inference convolution on blocked activations, in place ove
   CHECK(ref.fused_conv2d_inference(x.d, **pd, cp, true, &bad.d, y.d).code() == StatusCode::kInvalidArgument);
   CHECK(cpu.prepare_fused_conv2d(b.f, b.f).status().code() == StatusCode::kInvalidArgument);
 }
+
+}  // namespace libtrain_test_cpu_ops
+#undef BOTH

@@ -21,6 +21,10 @@
 #include "slide/train/device_select.h"
 #include "slide/train/loss_scaler.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_cuda_host {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 
@@ -533,3 +537,5 @@ TEST_CASE("select_device: --device, else the launcher's node-local rank, else 0;
   CHECK(garbage.status().code() == StatusCode::kInvalidArgument);
   CHECK(garbage.status().message().find("LOCAL_RANK='x1'") != std::string::npos);
 }
+
+}  // namespace libtrain_test_cuda_host

@@ -18,6 +18,10 @@
 #include "slide/train/trainer.h"
 #include "test_fixtures.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_fused_eval {
+
 using namespace slide::train;
 
 namespace {
@@ -102,3 +106,5 @@ TEST_CASE("evaluate with a logits function: logits of the wrong shape are an err
 }
 
 TEST_SUITE_END();
+
+}  // namespace libtrain_test_fused_eval

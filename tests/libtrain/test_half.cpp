@@ -22,6 +22,10 @@
 #include "slide/train/backend.h"
 #include "slide/train/checkpoint.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_half {
+
 using namespace slide::train;
 namespace fm = slide::train::formulas;
 
@@ -233,3 +237,5 @@ TEST_CASE("safetensors: shape entries that are not non-negative integers are dat
   }
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace libtrain_test_half

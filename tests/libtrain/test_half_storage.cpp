@@ -22,6 +22,10 @@
 #include "test_fixtures.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_half_storage {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 
@@ -317,3 +321,5 @@ TEST_CASE("CNN inference graph with f16 / bf16 activations (ResNet-18 cut at lay
         StatusCode::kInvalidArgument);
   OK(ref().fused_conv2d_inference(x16, **prepared32, Conv2dParams{1, 1}, true, nullptr, y16));
 }
+
+}  // namespace libtrain_test_half_storage

@@ -19,6 +19,10 @@
 #include "slide/train/planner.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_half_training {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 
@@ -454,3 +458,5 @@ TEST_CASE("channels-last training (enable_half_activations with nhwc, enable_cha
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
   CHECK(plan->peak_bytes > 0);
 }
+
+}  // namespace libtrain_test_half_training

@@ -14,6 +14,10 @@
 #include "slide/train/model_registry.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_layers {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 
@@ -301,3 +305,5 @@ TEST_CASE("model registry: every CNN family builds by name, with its default cut
   CHECK(bad.status().code() == slide::core::StatusCode::kInvalidArgument);
   CHECK(bad.status().message().find("small, resnet18, resnet34, resnet50") != std::string::npos);
 }
+
+}  // namespace libtrain_test_layers

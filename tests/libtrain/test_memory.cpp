@@ -17,6 +17,10 @@
 #include "slide/train/trainer.h"
 #include "test_fixtures.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_memory {
+
 using namespace slide::train;
 
 TEST_SUITE_BEGIN("memory");
@@ -416,3 +420,5 @@ TEST_CASE("activation checkpointing: identical gradients and running statistics,
 }
 
 TEST_SUITE_END();
+
+}  // namespace libtrain_test_memory

@@ -17,6 +17,10 @@
 #include "slide/train/planner.h"
 #include "slide/train/trainer.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_memory_strategy {
+
 using namespace slide::train;
 
 TEST_SUITE_BEGIN("memory");
@@ -358,3 +362,5 @@ TEST_CASE("memory strategy on the simulated device: ResNet-18, a budget that fit
 }
 
 TEST_SUITE_END();
+
+}  // namespace libtrain_test_memory_strategy

@@ -25,6 +25,10 @@
 #include "slide/train/mil.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_mil {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 namespace fs = std::filesystem;
@@ -703,3 +707,6 @@ TEST_CASE("MIL with class weights and label smoothing: a step's gradient is PyTo
   CHECK(bias->grad.data<float>()[0] == doctest::Approx(want[0]).epsilon(1e-4));
   CHECK(bias->grad.data<float>()[1] == doctest::Approx(want[1]).epsilon(1e-4));
 }
+
+}  // namespace libtrain_test_mil
+#undef BOTH

@@ -21,6 +21,10 @@
 #include "slide/train/trainer.h"
 #include "test_fixtures.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_offload {
+
 using namespace slide::train;
 
 TEST_SUITE_BEGIN("memory");
@@ -432,3 +436,5 @@ TEST_CASE("planner: a micro-batch past cuDNN's tensor limit fits no budget, and 
 }
 
 TEST_SUITE_END();
+
+}  // namespace libtrain_test_offload

@@ -17,6 +17,10 @@
 #include "slide/train/trainer.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_optimizer {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 
@@ -318,3 +322,5 @@ TEST_CASE("fine-tuning: initial weights by name, the classifier replaced for ano
   CHECK(fine_tune_options(model, pb, "fc", "fc", 1).status().code() == StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace libtrain_test_optimizer

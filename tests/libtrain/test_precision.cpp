@@ -19,6 +19,10 @@
 #include "slide/train/backend.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_precision {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 
@@ -314,3 +318,5 @@ TEST_CASE("cpu under bf16: operands rounded as the reference rounds them where t
     }
   }
 }
+
+}  // namespace libtrain_test_precision

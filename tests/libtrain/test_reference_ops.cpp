@@ -13,6 +13,10 @@
 #include "slide/train/backend.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_reference_ops {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 
@@ -268,3 +272,5 @@ TEST_CASE("make_backend: unknown names list what is built") {
   if (!c.ok())
     CHECK((c.status().code() == StatusCode::kUnavailable || c.status().code() == StatusCode::kNotFound));
 }
+
+}  // namespace libtrain_test_reference_ops

@@ -26,22 +26,15 @@
 #include "slide/tile/image.h"
 #include "slide/train/resample.h"
 #include "slide/train/vit.h"
+#include "test_util.h"
+
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_resample {
 
 using namespace slide::train;
 
 namespace {
-
-slide::core::Status status_of(const slide::core::Status& s) { return s; }
-template <typename T>
-slide::core::Status status_of(const slide::core::Result<T>& r) {
-  return r.status();
-}
-
-#define OK(expr)                                                   \
-  do {                                                             \
-    const slide::core::Status s_ = status_of(expr);                \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string());                      \
-  } while (0)
 
 // A real H&E tile: the first LC25000 patch of sample_data (224 x 224 JPEG), decoded.
 slide::tile::RgbImage real_tile() {
@@ -409,3 +402,5 @@ TEST_CASE("resample: jobs from the e2e test" * doctest::test_suite("resample_io"
     }
   }
 }
+
+}  // namespace libtrain_test_resample

@@ -26,6 +26,10 @@
 #include "slide/train/trainer.h"
 #include "test_fixtures.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_sim_device {
+
 using namespace slide::train;
 
 TEST_SUITE_BEGIN("sim_device");
@@ -492,3 +496,5 @@ TEST_CASE("batch uploader: input batches copied on a copy thread, double buffere
 }
 
 TEST_SUITE_END();
+
+}  // namespace libtrain_test_sim_device

@@ -20,6 +20,10 @@
 #include "slide/tile/image.h"
 #include "slide/train/stain.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_stain {
+
 using namespace slide::train;
 
 namespace {
@@ -456,3 +460,6 @@ TEST_CASE("stain: jobs from the e2e test" * doctest::test_suite("stain_io")) {
     }
   }
 }
+
+}  // namespace libtrain_test_stain
+#undef OK_STAIN

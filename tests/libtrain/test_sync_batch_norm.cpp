@@ -20,6 +20,10 @@
 #include "slide/train/communicator.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_sync_batch_norm {
+
 using namespace slide::train;
 using slide::train::testing::must_make;
 
@@ -284,3 +288,5 @@ TEST_CASE("sync batch norm pieces refuse bad shapes and dtypes by name") {
   CHECK(s.code() == slide::core::StatusCode::kInvalidArgument);
   CHECK(s.to_string().find("f64") != std::string::npos);
 }
+
+}  // namespace libtrain_test_sync_batch_norm

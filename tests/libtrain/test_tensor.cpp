@@ -5,6 +5,10 @@
 #include "slide/train/allocator.h"
 #include "slide/train/tensor.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_tensor {
+
 using slide::core::StatusCode;
 using namespace slide::train;
 
@@ -93,3 +97,5 @@ TEST_CASE("tensor: view is a window of another tensor's storage; out-of-range vi
   flat = Tensor::zeros({1}, DType::kF32, cpu_allocator(), "other");  // the storage lives on in `keep`
   CHECK(keep.data<float>()[0] == 0.0f);
 }
+
+}  // namespace libtrain_test_tensor

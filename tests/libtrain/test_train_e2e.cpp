@@ -17,6 +17,10 @@
 #include "slide/train/layers.h"
 #include "slide/train/trainer.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_train_e2e {
+
 using namespace slide::train;
 
 namespace {
@@ -406,3 +410,5 @@ TEST_CASE("loss scaling: a power-of-two scale at fp32 changes no bit; under fp16
   CHECK(fp16.optimizer_steps == 2);
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace libtrain_test_train_e2e

@@ -13,14 +13,21 @@
 
 #include "slide/train/backend.h"
 
-// OK(expr): the Status `expr` must be ok; the test stops with its message otherwise.
-#define OK(expr)                              \
-  do {                                        \
-    ::slide::core::Status s_ = (expr);        \
-    REQUIRE_MESSAGE(s_.ok(), s_.to_string()); \
+// OK(expr): the Status (or the Result's status) `expr` must be ok; the test stops with its message
+// otherwise.
+#define OK(expr)                                                                 \
+  do {                                                                           \
+    const ::slide::core::Status s_ = ::slide::train::testing::status_of(expr); \
+    REQUIRE_MESSAGE(s_.ok(), s_.to_string());                                    \
   } while (0)
 
 namespace slide::train::testing {
+
+inline slide::core::Status status_of(const slide::core::Status& s) { return s; }
+template <typename T>
+slide::core::Status status_of(const slide::core::Result<T>& r) {
+  return r.status();
+}
 
 // A backend by name; the test fails if it is not built.
 inline std::unique_ptr<Backend> must_make(const char* name) {

@@ -9,6 +9,10 @@
 #include "slide/train/backend.h"
 #include "test_util.h"
 
+// This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
+// each file's helpers would otherwise meet the other files'.
+namespace libtrain_test_vit_ops {
+
 using namespace slide::train;
 using slide::core::StatusCode;
 using testing::compare;
@@ -169,3 +173,5 @@ TEST_CASE("linear_gelu_forward: GELU(x w^T + b), cpu's fused post-op against the
     CHECK(y.d.data<double>()[2 * 40 + 3] == doctest::Approx(0.5 * pre * (1 + std::erf(pre / std::sqrt(2.0)))).epsilon(1e-12));
   }
 }
+
+}  // namespace libtrain_test_vit_ops

@@ -97,9 +97,12 @@ TEST_CASE("one inference graph on every backend: reference and the simulated dev
   REQUIRE(model.ok());
   randomise_bn(**model, 3);
   auto ref = backend("reference");
+  // Two cuts per backend, an early one and the whole network (the cuts themselves are the case
+  // above's; on the reference backend's loops every image costs: 54 s under ASan with five cuts at
+  // 40 x 48, 2026-11-29).
   for (const char* graph : {"reference", "reference-sim"}) {
     CAPTURE(graph);
-    for (const char* layer : {"relu", "maxpool", "layer2", "layer4", "fc"}) check_cut(*ref, **model, layer, 2, 40, 48, 1e-4, graph);
+    for (const char* layer : {"maxpool", "fc"}) check_cut(*ref, **model, layer, 2, 32, 40, 1e-4, graph);
   }
   // The same graph on the reference backend and on the simulated device gives the same bits (the
   // same ops; the device only adds the uploads and downloads).

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -643,17 +644,30 @@ slide::core::Result<nlohmann::json> split_record(std::vector<std::pair<std::stri
   return record;
 }
 
-slide::core::Status check_resume_split(const std::string& checkpoint, const nlohmann::json& saved,
-                                       const nlohmann::json& record) {
-  if (!saved.contains("split")) {
-    slide::core::log_warn("--resume: the checkpoint does not record its data split (made before the record existed); "
-                          "the split is not checked", {{"checkpoint", checkpoint}});
+namespace {
+
+// What check_resume_split and check_resume_labels share: a checkpoint without saved[key] (made
+// before the record existed) passes with a warning; one whose record equals `record` passes; any
+// other gets `refusal(saved[key])`. The saved record may be anything (a hand-edited or damaged
+// state.json; validate_run_state checks its types, not its counts), which `refusal` reads
+// without assuming.
+slide::core::Status check_resume_record(const std::string& checkpoint, const nlohmann::json& saved, const char* key,
+                                        const char* what, const nlohmann::json& record,
+                                        const std::function<slide::core::Status(const nlohmann::json&)>& refusal) {
+  if (!saved.contains(key)) {
+    slide::core::log_warn(std::string("--resume: the checkpoint does not record its ") + what +
+                              " (made before the record existed); not checked",
+                          {{"checkpoint", checkpoint}});
     return slide::core::ok_status();
   }
-  const nlohmann::json& was = saved["split"];
-  if (was == record) return slide::core::ok_status();
-  // The file's record may be anything (a hand-edited or damaged state.json): read its counts
-  // without assuming their types.
+  if (saved[key] == record) return slide::core::ok_status();
+  return refusal(saved[key]);
+}
+
+}  // namespace
+
+slide::core::Status check_resume_split(const std::string& checkpoint, const nlohmann::json& saved,
+                                       const nlohmann::json& record) {
   auto counts = [](const nlohmann::json& r) {
     auto count = [&r](const char* k) {
       return r.is_object() && r.contains(k) && r[k].is_number_integer() ? std::to_string(r[k].get<int64_t>())
@@ -661,11 +675,13 @@ slide::core::Status check_resume_split(const std::string& checkpoint, const nloh
     };
     return count("train") + " train / " + count("val") + " validation / " + count("test") + " test";
   };
-  return slide::core::invalid_argument(
-      "--resume: " + checkpoint + " was made on another split of the data (" + counts(was) + " slides then, " +
-      counts(record) + " now" + (counts(was) == counts(record) ? ", other slides" : "") +
-      "): stores, bags or labels were added, removed or changed; resumed, the run would validate on slides it "
-      "trained on. Rerun with the run's data, or use a new --out");
+  return check_resume_record(checkpoint, saved, "split", "data split", record, [&](const nlohmann::json& was) {
+    return slide::core::invalid_argument(
+        "--resume: " + checkpoint + " was made on another split of the data (" + counts(was) + " slides then, " +
+        counts(record) + " now" + (counts(was) == counts(record) ? ", other slides" : "") +
+        "): stores, bags or labels were added, removed or changed; resumed, the run would validate on slides it "
+        "trained on. Rerun with the run's data, or use a new --out");
+  });
 }
 
 slide::core::Result<nlohmann::json> labels_record(const std::map<std::pair<std::string, std::string>, int64_t>& counts) {
@@ -682,14 +698,6 @@ slide::core::Result<nlohmann::json> labels_record(const std::map<std::pair<std::
 
 slide::core::Status check_resume_labels(const std::string& checkpoint, const nlohmann::json& saved,
                                         const nlohmann::json& record) {
-  if (!saved.contains("labels")) {
-    slide::core::log_warn("--resume: the checkpoint does not record its labels (made before the record existed); "
-                          "the labels are not checked", {{"checkpoint", checkpoint}});
-    return slide::core::ok_status();
-  }
-  const nlohmann::json& was = saved["labels"];
-  if (was == record) return slide::core::ok_status();
-  // The file's record may be anything (validate_run_state checks its types, not its counts').
   auto counts = [](const nlohmann::json& r) {
     if (!r.is_object() || !r.contains("per_class") || !r["per_class"].is_object()) return std::string("?");
     std::string out;
@@ -697,12 +705,13 @@ slide::core::Status check_resume_labels(const std::string& checkpoint, const nlo
       out += (out.empty() ? "" : ", ") + name + " " + (n.is_number_integer() ? std::to_string(n.get<int64_t>()) : "?");
     return out;
   };
-  const bool same_counts = counts(was) == counts(record);
-  return slide::core::invalid_argument(
-      "--resume: " + checkpoint + " was made with other labels (per class then: " + counts(was) + "; now: " +
-      counts(record) + (same_counts ? "; the same counts, on other slides" : "") +
-      "): the labels CSV or the stores' labels changed; resumed, the run would train the checkpoint's weights "
-      "towards other targets. Rerun with the run's labels, or use a new --out");
+  return check_resume_record(checkpoint, saved, "labels", "labels", record, [&](const nlohmann::json& was) {
+    return slide::core::invalid_argument(
+        "--resume: " + checkpoint + " was made with other labels (per class then: " + counts(was) + "; now: " +
+        counts(record) + (counts(was) == counts(record) ? "; the same counts, on other slides" : "") +
+        "): the labels CSV or the stores' labels changed; resumed, the run would train the checkpoint's weights "
+        "towards other targets. Rerun with the run's labels, or use a new --out");
+  });
 }
 
 bool record_best_epoch(nlohmann::json* state, const slide::train::EpochStats& val, const std::string& metric,

@@ -1713,6 +1713,18 @@ class TestLabelsCsv(Base):
         self.assertIn("was made with other labels (per class then: dapi ", r.stderr)
         self.assertIn("the labels CSV or the stores' labels changed", r.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))), before)
+        # A checkpoint from before the record (state.json without "labels") resumes, with a warning.
+        state_path = os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")
+        with open(state_path) as f:
+            state = json.load(f)
+        del state["labels"]
+        with open(state_path, "w") as f:
+            json.dump(state, f)
+        r = subprocess.run([TRAIN, "--data", store, "--labels", labels, "--out", out, "--epochs", "2",
+                            "--width", "4", "--val-fraction", "0.34", "--resume"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("the checkpoint does not record its labels (made before the record existed); not checked",
+                      r.stderr)
         # Without labels the store cannot train; a slide missing from the CSV or a duplicate row is
         # named, with the file (and line).
         r = subprocess.run([TRAIN, "--data", store, "--out", out + "2"], capture_output=True, text=True)

@@ -134,7 +134,8 @@ Status write_heatmap(const std::string& png, const std::vector<float>& attention
   return write_attention_heatmap(png, attention, coords, tile_l0_px, 8, title);
 }
 
-// The final model over every bag: per-bag attention file and heatmap, and predictions.csv.
+// The final model over every bag: per-bag attention file and heatmap, written as each bag is scored
+// (one bag's attention held at a time, whatever the cohort), and predictions.csv at the end.
 Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagDataset& ds,
                                            const std::vector<std::string>& split, const std::string& dir, int prefetch,
                                            const std::vector<std::string>& slide_stores) {
@@ -143,27 +144,24 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   SLIDE_RETURN_IF_ERROR(slide::core::make_dirs(dir));
   std::vector<size_t> all(ds.bags().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  std::vector<float> probs;
-  std::vector<std::vector<float>> attention;
-  SLIDE_ASSIGN_OR_RETURN(EpochStats st, evaluate_mil(be, model, ds, all, prefetch, &probs, &attention));
   const auto& classes = ds.class_names();
   const size_t k = classes.size();
   std::string csv = "slide_id,split,label,tiles";
   for (const auto& c : classes) csv += "," + slide::core::csv_quote("p_" + c);
   csv += ",predicted,attention_file,heatmap\n";
-  for (size_t i = 0; i < all.size(); ++i) {
+  auto write_bag = [&](size_t i, const float* p, const std::vector<float>& attention) -> Status {
     const BagRef& bag = ds.bags()[i];
-    const float* p = probs.data() + i * k;
     const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
     SLIDE_ASSIGN_OR_RETURN(std::vector<int32_t> coords, ds.coords(i));
     const std::string h5 = slide::cache::bag_file_name(bag.slide_id);
     const std::string png = fs::path(h5).stem().string() + ".png";
     const std::string label = bag.label == kNoLabel ? "" : classes[static_cast<size_t>(bag.label)];
-    SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred], std::vector<double>(p, p + k), attention[i], coords));
+    SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred],
+                                             std::vector<double>(p, p + k), attention, coords));
     SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
     std::string heatmap = png;
-    if (Status s = write_heatmap(dir + "/" + png, attention[i], coords, reader->info().attributes,
+    if (Status s = write_heatmap(dir + "/" + png, attention, coords, reader->info().attributes,
                                  path == paths.end() ? "" : path->second, &grid_fallbacks);
         !s.ok()) {
       // A bag whose tiles cannot be drawn (kInvalidArgument: a tile grid over 2^24 cells, from
@@ -179,8 +177,11 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
         slide::core::csv_quote(bag.slide_id) + "," + split[i] + "," + slide::core::csv_quote(label) + "," +
         std::to_string(bag.tiles);
     for (size_t c = 0; c < k; ++c) line += "," + slide::apps::probability_text(p[c]);
-    csv += line + "," + slide::core::csv_quote(classes[pred]) + "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(heatmap) + "\n";
-  }
+    csv += line + "," + slide::core::csv_quote(classes[pred]) + "," + slide::core::csv_quote(h5) + "," +
+           slide::core::csv_quote(heatmap) + "\n";
+    return slide::core::ok_status();
+  };
+  SLIDE_ASSIGN_OR_RETURN(EpochStats st, evaluate_mil(be, model, ds, all, prefetch, nullptr, write_bag));
   SLIDE_RETURN_IF_ERROR(slide::core::write_file_atomic(dir + "/predictions.csv", csv));
   if (grid_fallbacks > 0)
     slide::core::log_warn("some slides could not be opened for their thumbnail: heatmaps over the tile grid instead "

@@ -497,15 +497,14 @@ Result<EpochStats> train_mil_epoch(Backend& be, Abmil& model, Optimizer& opt, co
 }
 
 Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& data, const std::vector<size_t>& positions,
-                                int prefetch_depth, std::vector<float>* probs_out,
-                                std::vector<std::vector<float>>* attention_out) {
+                                int prefetch_depth, std::vector<float>* probs_out, const BagOutputs& on_bag) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto C = static_cast<size_t>(data.class_names().size());
   std::vector<float> probs, scored;  // every bag's; the labelled bags'
   std::vector<int32_t> labels;
   Tally tally;
   BagPrefetcher prefetch(data, positions, prefetch_depth, be);
-  if (attention_out) attention_out->clear();
+  std::vector<float> attention;  // the bag's, for on_bag
   for (size_t i = 0; i < positions.size(); ++i) {
     const BagRef& bag = data.bags()[positions[i]];
     SLIDE_ASSIGN_OR_RETURN_CTX(Tensor x, prefetch.get(i), "bag " + bag.path);
@@ -526,9 +525,10 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
       labels.push_back(y);
     }
     probs.insert(probs.end(), p.data<float>(), p.data<float>() + C);
-    if (attention_out) {
+    if (on_bag) {
       SLIDE_ASSIGN_OR_RETURN(const Tensor a, on_host(be, model.attention(), "bag attention"));
-      attention_out->emplace_back(a.data<float>(), a.data<float>() + a.numel());
+      attention.assign(a.data<float>(), a.data<float>() + a.numel());
+      SLIDE_RETURN_IF_ERROR(on_bag(i, p.data<float>(), attention));
     }
   }
   EpochStats st;

@@ -519,13 +519,31 @@ TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals
     CHECK(losses.back() < 0.5 * losses.front());
     for (auto* p : params) weights->insert(weights->end(), p->value.data<float>(), p->value.data<float>() + p->value.numel());
     std::vector<float> probs;
-    std::vector<std::vector<float>> attention;
-    auto ev = evaluate_mil(cpu(), **model, **ds, all, prefetch, &probs, &attention);
+    std::vector<std::vector<float>> attention;  // what on_bag is given, bag by bag, in order
+    std::vector<float> probs_seen;
+    auto ev = evaluate_mil(cpu(), **model, **ds, all, prefetch, &probs,
+                           [&](size_t i, const float* p, const std::vector<float>& a) {
+                             CHECK(i == attention.size());
+                             attention.push_back(a);
+                             probs_seen.insert(probs_seen.end(), p, p + 2);
+                             return slide::core::ok_status();
+                           });
     REQUIRE(ev.ok());
     CHECK(ev->accuracy == 1.0);
     CHECK(ev->roc_auc == 1.0);
-    CHECK(attention.size() == 8);
+    CHECK(probs_seen == probs);
+    REQUIRE(attention.size() == 8);
     CHECK(attention[2].size() == 4 + 2 % 3);
+    for (const auto& a : attention) CHECK(std::accumulate(a.begin(), a.end(), 0.0) == doctest::Approx(1.0));
+    // An error from on_bag ends the evaluation and is returned.
+    size_t calls = 0;
+    auto stopped = evaluate_mil(cpu(), **model, **ds, all, prefetch, nullptr,
+                                [&](size_t i, const float*, const std::vector<float>&) {
+                                  ++calls;
+                                  return i == 3 ? slide::core::data_loss("disk full") : slide::core::ok_status();
+                                });
+    CHECK(stopped.status().code() == StatusCode::kDataLoss);
+    CHECK(calls == 4);
   };
   std::vector<float> a, b, c;
   train(true, 0, &a);

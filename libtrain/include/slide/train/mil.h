@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -185,12 +186,17 @@ struct MilTrainOptions {
 // Inference over `positions` in order: loss, accuracy, balanced accuracy, recall, macro ROC AUC
 // (over the bags that have a label; with none of them, samples = 0 and ROC AUC NaN: bags without a
 // label, kNoLabel, get probabilities and attention only).
-// With `probs_out`, the softmax probabilities (positions.size() x classes, row-major); with
-// `attention_out`, each bag's attention weights (N values, summing to 1).
+// With `probs_out`, the softmax probabilities (positions.size() x classes, row-major). With
+// `on_bag`, each bag's outputs as it is scored, in order, so that a caller writes them bag by bag
+// and holds one bag's attention at a time whatever the cohort: its index i into `positions`, its
+// probabilities (`classes` values) and its attention weights (`attention`: N values, N the bag's
+// tiles, summing to 1; valid during the call). An error from `on_bag` ends the evaluation and is
+// returned.
+using BagOutputs = std::function<Status(size_t i, const float* probs, const std::vector<float>& attention)>;
 [[nodiscard]] Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& data,
                                               const std::vector<size_t>& positions, int prefetch = 2,
                                               std::vector<float>* probs_out = nullptr,
-                                              std::vector<std::vector<float>>* attention_out = nullptr);
+                                              const BagOutputs& on_bag = nullptr);
 
 // sklearn's class_weight="balanced" over the bags at `positions`: n / (classes x n_c), 0 for a
 // class with no bags. Errors: the allocator's.

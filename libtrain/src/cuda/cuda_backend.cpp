@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "conv_plan.h"
+#include "cublas_api.h"
 #include "cuda_fence.h"
 #include "slide/core/log.h"
 #include "slide/train/copy_engine.h"
@@ -273,6 +274,7 @@ struct DeviceState {
   int device = 0;
   cudaStream_t stream = nullptr;
   cudnnHandle_t cudnn = nullptr;
+  const CublasApi* blas = nullptr;  // cuBLAS, opened on the first device's creation (cublas_api.h)
   cublasHandle_t cublas = nullptr;
   std::unique_ptr<CachingDeviceAllocator> alloc;
   std::unique_ptr<CudaCopyEngine> copy;  // made on first use (CudaBackend::copy_engine)
@@ -296,12 +298,13 @@ Status init_device(int device, DeviceState* st) {
   SLIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
   SLIDE_CUDNN_CHECK(cudnnCreate(&st->cudnn));
   SLIDE_CUDNN_CHECK(cudnnSetStream(st->cudnn, st->stream));
-  SLIDE_CUBLAS_CHECK(cublasCreate(&st->cublas));
-  SLIDE_CUBLAS_CHECK(cublasSetStream(st->cublas, st->stream));
+  SLIDE_ASSIGN_OR_RETURN(st->blas, cublas_api());
+  SLIDE_CUBLAS_CHECK(st->blas->cublasCreate(&st->cublas));
+  SLIDE_CUBLAS_CHECK(st->blas->cublasSetStream(st->cublas, st->stream));
   // Split-K partial sums of a GEMM with half-precision output in the f32 compute type, not the
   // output's (the flag's documented meaning): each output element is rounded once, as backend.h
   // promises (cuBLAS may otherwise add the partials in f16 / bf16).
-  SLIDE_CUBLAS_CHECK(cublasSetMathMode(
+  SLIDE_CUBLAS_CHECK(st->blas->cublasSetMathMode(
       st->cublas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   st->alloc = std::make_unique<CachingDeviceAllocator>(std::make_unique<CudaDeviceMemory>(device, st->stream));
   return ok_status();
@@ -318,7 +321,7 @@ Result<DeviceState*> device_state(int device) {
   if (Status s = init_device(device, st); !s.ok()) {
     // What was made before the failure, in reverse order (a later call may try again: a failure
     // is not cached). Their own errors are moot beside the one returned.
-    if (st->cublas != nullptr) (void)cublasDestroy(st->cublas);
+    if (st->cublas != nullptr) (void)st->blas->cublasDestroy(st->cublas);
     if (st->cudnn != nullptr) (void)cudnnDestroy(st->cudnn);
     if (st->stream != nullptr) (void)cudaStreamDestroy(st->stream);
     (void)cudaGetLastError();
@@ -1248,10 +1251,9 @@ class CudaBackend final : public Backend {
         const char* q = base + h * Dh * e;  // the chunk's first sequence's head h: q, then k at +C, v at +2C
         float* sc = f32(scores) + h * nb * T * ld;
         // Column-major: sc^T = (k^T)^T q^T per sequence, i.e. row-major sc = q k^T.
-        SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha,
-                                                      q + C * e, type, ld_qkv, seq_qkv, q, type, ld_qkv, seq_qkv,
-                                                      &zero, sc, CUDA_R_32F, ld_scores, seq_scores, batch_count,
-                                                      compute, CUBLAS_GEMM_DEFAULT));
+        SLIDE_CUBLAS_CHECK(st_->blas->cublasGemmStridedBatchedEx(
+            st_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, t, t, dh, &alpha, q + C * e, type, ld_qkv, seq_qkv, q, type, ld_qkv,
+            seq_qkv, &zero, sc, CUDA_R_32F, ld_scores, seq_scores, batch_count, compute, CUBLAS_GEMM_DEFAULT));
       }
       SLIDE_CUDA_CHECK(launch_softmax_forward(f32(scores), storage(probs.dtype()), probs.raw(), H * nb * T, T, ld,
                                               st_->stream));
@@ -1259,10 +1261,10 @@ class CudaBackend final : public Backend {
         const char* v = base + (2 * C + h * Dh) * e;
         const char* pr = static_cast<const char*>(probs.raw()) + h * nb * T * ld * pe;
         // Row-major out_h = probs v, written into head h's Dh columns of each token's row.
-        SLIDE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type,
-                                                      ld_qkv, seq_qkv, pr, cublas_type(probs.dtype()), ld_scores,
-                                                      seq_scores, &zero, out_base + h * Dh * e, type, ld_out, seq_out,
-                                                      batch_count, compute, CUBLAS_GEMM_DEFAULT));
+        SLIDE_CUBLAS_CHECK(st_->blas->cublasGemmStridedBatchedEx(
+            st_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dh, t, t, &one, v, type, ld_qkv, seq_qkv, pr,
+            cublas_type(probs.dtype()), ld_scores, seq_scores, &zero, out_base + h * Dh * e, type, ld_out, seq_out,
+            batch_count, compute, CUBLAS_GEMM_DEFAULT));
       }
     }
     return ok_status();
@@ -1466,9 +1468,10 @@ class CudaBackend final : public Backend {
       if (beta == 0.0f) SLIDE_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<size_t>(m * n) * elem, st_->stream));
       return ok_status();
     }
-    SLIDE_CUBLAS_CHECK(cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                    &alpha, A, ab_type, static_cast<int>(lda), B, ab_type, static_cast<int>(ldb), &beta,
-                                    C, c_type, static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
+    SLIDE_CUBLAS_CHECK(st_->blas->cublasGemmEx(st_->cublas, ta, tb, static_cast<int>(m), static_cast<int>(n),
+                                               static_cast<int>(k), &alpha, A, ab_type, static_cast<int>(lda), B,
+                                               ab_type, static_cast<int>(ldb), &beta, C, c_type,
+                                               static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
     return ok_status();
   }
 

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "cublas_api.h"
+
 namespace slide::train::cuda {
 namespace {
 
@@ -73,7 +75,11 @@ Status cublas_status(cublasStatus_t error, const char* call, const char* where) 
     case CUBLAS_STATUS_NOT_INITIALIZED: code = StatusCode::kUnavailable; break;
     default: break;
   }
-  return make(code, "cuBLAS", call, where, cublasGetStatusString(error), nullptr);
+  // The status's name from cuBLAS itself: loaded by then, as a cuBLAS call returned it.
+  auto blas = cublas_api();
+  const std::string name = blas.ok() ? (*blas)->cublasGetStatusString(error)
+                                     : "cuBLAS status " + std::to_string(static_cast<int>(error));
+  return make(code, "cuBLAS", call, where, name.c_str(), nullptr);
 }
 
 }  // namespace slide::train::cuda

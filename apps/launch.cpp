@@ -6,12 +6,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "exit_codes.h"
@@ -161,34 +163,51 @@ int run_launcher(const LaunchOptions& o) {
       stop_others(SIGKILL);
       kill_at = Clock::time_point::max();
     }
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno != EINTR && errno != ECHILD) {
-      slide::core::log_error(std::string("slide-train --gpus: waitpid: ") + std::strerror(errno));
-      stop_others(SIGKILL);
-      return kExitFailed;
+    // Every rank that has ended by now, taken together: a rank killed by a signal makes its peers
+    // exit with an error within milliseconds (their sockets close), and the polls are 20 ms apart,
+    // so the killed rank and its peers are often reaped in the same poll; waitpid returns them
+    // oldest child first, i.e. rank 0 first. The signalled ones are taken first, so that the first
+    // failure logged (the one "stopping the other ranks") is the cause, not its echo.
+    std::vector<std::pair<pid_t, int>> ended;
+    for (;;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid > 0) {
+        ended.emplace_back(pid, status);
+        continue;
+      }
+      if (pid < 0 && errno != EINTR && errno != ECHILD) {
+        slide::core::log_error(std::string("slide-train --gpus: waitpid: ") + std::strerror(errno));
+        stop_others(SIGKILL);
+        return kExitFailed;
+      }
+      break;
     }
-    if (pid <= 0) {
+    if (ended.empty()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
-    for (size_t r = 0; r < children.size(); ++r) {
-      Child& c = children[r];
-      if (c.pid != pid || !c.running) continue;
-      c.running = false, c.status = status;
-      --left;
-      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (ok || forwarded > 0) break;
-      slide::core::log_error("slide-train --gpus: rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") " +
-                             (WIFSIGNALED(status) ? "was killed by " + signal_text(WTERMSIG(status))
-                                                  : "exited with code " + std::to_string(WEXITSTATUS(status))) +
-                             (failures.empty() ? "; stopping the other ranks" : ""));
-      failures.push_back({static_cast<int>(r), status, Clock::now()});
-      if (failures.size() == 1) {
-        stop_others(SIGTERM);
-        kill_at = Clock::now() + stop_timeout;
+    std::stable_partition(ended.begin(), ended.end(), [](const auto& e) { return WIFSIGNALED(e.second); });
+    for (const auto& [pid, status] : ended) {
+      for (size_t r = 0; r < children.size(); ++r) {
+        Child& c = children[r];
+        if (c.pid != pid || !c.running) continue;
+        c.running = false, c.status = status;
+        --left;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (ok || forwarded > 0) break;
+        slide::core::log_error("slide-train --gpus: rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                               ") " +
+                               (WIFSIGNALED(status) ? "was killed by " + signal_text(WTERMSIG(status))
+                                                    : "exited with code " + std::to_string(WEXITSTATUS(status))) +
+                               (failures.empty() ? "; stopping the other ranks" : ""));
+        failures.push_back({static_cast<int>(r), status, Clock::now()});
+        if (failures.size() == 1) {
+          stop_others(SIGTERM);
+          kill_at = Clock::now() + stop_timeout;
+        }
+        break;
       }
-      break;
     }
   }
   if (started < n) return kExitFailed;

@@ -164,12 +164,8 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
     if (Status s = write_heatmap(dir + "/" + png, attention, coords, reader->info().attributes,
                                  path == paths.end() ? "" : path->second, &grid_fallbacks);
         !s.ok()) {
-      // A bag whose tiles cannot be drawn (kInvalidArgument: a tile grid over 2^24 cells, from
-      // coordinates spread over a huge span) keeps its attention file and its row, without a
-      // heatmap; writing errors (a full disk) end the run.
-      if (s.code() != slide::core::StatusCode::kInvalidArgument) return s;
-      slide::core::log_warn("no heatmap for this slide", {{"slide", bag.slide_id}, {"why", s.message()}});
-      heatmap.clear();
+      SLIDE_RETURN_IF_ERROR(slide::apps::skip_undrawable_heatmap(s, bag.slide_id, "no heatmap for this slide"));
+      heatmap.clear();  // its row's heatmap column stays empty
     }
     // The full slide id and the class names (quoted as RFC 4180 where needed: a class may hold a comma);
     // file names follow slide_file_stem.

@@ -262,12 +262,10 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
         auto files = write_class_heatmaps(o.out + "/heatmaps/" + stem, sp, canvas.ok() ? &*canvas : nullptr);
         if (files.ok()) {
           for (const auto& f : *files) maps += (maps.empty() ? "" : ";") + ("heatmaps/" + f);
-        } else if (files.status().code() == slide::core::StatusCode::kInvalidArgument) {
-          // Tiles that cannot be drawn (a tile grid over 2^24 cells): the slide keeps its
-          // predictions file and its row, without heatmaps; writing errors end the run.
-          slide::core::log_warn("no heatmaps for this slide", {{"slide", rec.slide_id}, {"why", files.status().message()}});
-        } else {
-          return fail(files.status());
+        } else if (auto s = slide::apps::skip_undrawable_heatmap(files.status(), rec.slide_id,
+                                                                 "no heatmaps for this slide");
+                   !s.ok()) {
+          return fail(s);
         }
       }
       line += "," + slide::core::csv_quote(h5) + "," + slide::core::csv_quote(maps);

@@ -151,6 +151,13 @@ std::string probability_text(float p) {
   return std::string(buf, r.ptr);
 }
 
+slide::core::Status skip_undrawable_heatmap(const slide::core::Status& error, const std::string& slide_id,
+                                            const char* warning) {
+  if (error.code() != slide::core::StatusCode::kInvalidArgument) return error;
+  slide::core::log_warn(warning, {{"slide", slide_id}, {"why", error.message()}});
+  return slide::core::ok_status();
+}
+
 Status remove_earlier_run(const std::string& out) {
   std::vector<std::string> paths;
   for (const char* d : kRunDirs) paths.push_back(out + "/" + d);

@@ -83,6 +83,12 @@ nlohmann::json metrics_or_null(const std::vector<double>& values);
 // A probability for a CSV: clamped to [0, 1] (a softmax's float rounding can exceed 1 by an ulp),
 // in the shortest text that reads back to the same float (std::to_chars).
 std::string probability_text(float p);
+// A heatmap that could not be drawn, at the end of a run's per-slide outputs: kInvalidArgument
+// (draw_tile_grid's refusal of a tile grid over 2^24 cells, from tiles spread over a huge span) is
+// skipped with the warning `warning`, naming the slide and why, and OK is returned (the slide keeps
+// its other files and its row); any other error (writing: a full disk) is returned, to end the run.
+[[nodiscard]] slide::core::Status skip_undrawable_heatmap(const slide::core::Status& error, const std::string& slide_id,
+                                                         const char* warning);
 
 // --- Checkpoint records -----------------------------------------------------------------------
 // Checks a checkpoint's state.json (already parsed; `file` names it in messages) against the

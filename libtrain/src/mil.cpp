@@ -524,7 +524,7 @@ Result<EpochStats> evaluate_mil(Backend& be, Abmil& model, const BagDataset& dat
       scored.insert(scored.end(), p.data<float>(), p.data<float>() + C);
       labels.push_back(y);
     }
-    probs.insert(probs.end(), p.data<float>(), p.data<float>() + C);
+    if (probs_out) probs.insert(probs.end(), p.data<float>(), p.data<float>() + C);
     if (on_bag) {
       SLIDE_ASSIGN_OR_RETURN(const Tensor a, on_host(be, model.attention(), "bag attention"));
       attention.assign(a.data<float>(), a.data<float>() + a.numel());

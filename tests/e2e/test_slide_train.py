@@ -1700,6 +1700,10 @@ class TestLabelsCsv(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
             self.assertEqual(json.load(f)["classes"], ["dapi", "he"])
+        # Seed 0's split by slide holds out the one dapi slide: each side lacks a class, and the
+        # log says so before training (the run goes on: a user may mean it).
+        self.assertIn("a class has no training tile after the split class=dapi", r.stderr)
+        self.assertIn("a class has no validation tile after the split class=he", r.stderr)
         # The CSV edited in place (two slides relabelled, the same slides and patients: the same
         # split): --resume refuses to go on training the checkpoint towards other labels, naming
         # the counts per class, and leaves the checkpoints as they were.

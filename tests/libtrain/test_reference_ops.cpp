@@ -89,6 +89,72 @@ TEST_CASE("reference conv2d: f32 agrees with f64; shape errors name the op") {
   CHECK(ref().conv2d_forward(x, to_f32(w), Tensor(), {1, 1}, y).code() == StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("reference conv2d: each sum in the textbook loop's order, bit for bit (odd shapes, f64)") {
+  // The reference's convolution loops run over the valid (output, kernel offset) ranges with the
+  // output planes innermost (reference_backend.cpp); the textbook loops below, one output (or one
+  // weight) at a time testing every offset, fix the order of each sum's terms that those loops
+  // keep. In f64 a change of order shows in the last bits.
+  struct Case {
+    int64_t N, C, H, W, K, R, S;
+    Conv2dParams p;
+  };
+  for (const Case& t : {Case{2, 3, 7, 6, 5, 3, 3, {1, 1}}, Case{1, 2, 9, 8, 3, 7, 7, {2, 3}},
+                        Case{3, 4, 5, 5, 2, 1, 1, {2, 0}}, Case{2, 5, 1, 1, 3, 3, 3, {1, 1}},
+                        Case{1, 2, 4, 3, 2, 2, 2, {1, 2}}, Case{1, 1, 6, 7, 1, 3, 2, {3, 1}}}) {
+    CAPTURE(t.H);
+    CAPTURE(t.R);
+    CAPTURE(t.p.stride);
+    CAPTURE(t.p.pad);
+    const int64_t P = conv_out_extent(t.H, t.R, t.p.stride, t.p.pad), Q = conv_out_extent(t.W, t.S, t.p.stride, t.p.pad);
+    const int64_t N = t.N, C = t.C, H = t.H, W = t.W, K = t.K, R = t.R, S = t.S;
+    const int stride = t.p.stride, pad = t.p.pad;
+    Tensor x = random({N, C, H, W}, 11), w = random({K, C, R, S}, 12), b = random({K}, 13), dy = random({N, K, P, Q}, 14);
+    Tensor y = make({N, K, P, Q}), dx = make(x.shape()), dw = make(w.shape()), db = make(b.shape());
+    REQUIRE(ref().conv2d_forward(x, w, b, t.p, y).ok());
+    REQUIRE(ref().conv2d_backward_data(dy, w, t.p, dx).ok());
+    REQUIRE(ref().conv2d_backward_weights(x, dy, t.p, dw, db).ok());
+    const double *xp = x.data<double>(), *wp = w.data<double>(), *bp = b.data<double>(), *dyp = dy.data<double>();
+    auto xi = [&](int64_t n, int64_t c, int64_t h, int64_t v) { return ((n * C + c) * H + h) * W + v; };
+    auto wi = [&](int64_t k, int64_t c, int64_t r, int64_t s) { return ((k * C + c) * R + r) * S + s; };
+    auto yi = [&](int64_t n, int64_t k, int64_t h, int64_t v) { return ((n * K + k) * P + h) * Q + v; };
+    std::vector<double> want_dx(static_cast<size_t>(x.numel()), 0.0);
+    int64_t y_equal = 0, dx_equal = 0, dw_equal = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t oh = 0; oh < P; ++oh)
+          for (int64_t ow = 0; ow < Q; ++ow) {
+            double acc = bp[k];
+            for (int64_t c = 0; c < C; ++c)
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t s = 0; s < S; ++s) {
+                  const int64_t ih = oh * stride - pad + r, iw = ow * stride - pad + s;
+                  if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                  acc += xp[xi(n, c, ih, iw)] * wp[wi(k, c, r, s)];
+                  want_dx[static_cast<size_t>(xi(n, c, ih, iw))] += dyp[yi(n, k, oh, ow)] * wp[wi(k, c, r, s)];
+                }
+            y_equal += y.data<double>()[yi(n, k, oh, ow)] == acc;
+          }
+    for (int64_t i = 0; i < x.numel(); ++i) dx_equal += dx.data<double>()[i] == want_dx[static_cast<size_t>(i)];
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t s = 0; s < S; ++s) {
+            double acc = 0;
+            for (int64_t n = 0; n < N; ++n)
+              for (int64_t oh = 0; oh < P; ++oh)
+                for (int64_t ow = 0; ow < Q; ++ow) {
+                  const int64_t ih = oh * stride - pad + r, iw = ow * stride - pad + s;
+                  if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                  acc += xp[xi(n, c, ih, iw)] * dyp[yi(n, k, oh, ow)];
+                }
+            dw_equal += dw.data<double>()[wi(k, c, r, s)] == 0.0 + acc;  // dw was zero: += acc
+          }
+    CHECK(y_equal == y.numel());
+    CHECK(dx_equal == x.numel());
+    CHECK(dw_equal == w.numel());
+  }
+}
+
 TEST_CASE("reference linear: gradients of x, w, b") {
   Tensor x = random({3, 5}, 7), w = random({4, 5}, 8), b = random({4}, 9), y = make({3, 4}), r = random({3, 4}, 10);
   auto loss = [&] {

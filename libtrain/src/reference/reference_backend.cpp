@@ -66,6 +66,27 @@ Status dispatch_product(DType dtype, MathPrecision precision, F&& f) {
   });
 }
 
+// The outputs o in [0, O) of a convolution's axis whose input index o * stride - pad + t (t a
+// kernel offset) lies in [0, I): [first, second), empty when first >= second. The convolution
+// loops below run over these ranges instead of testing every (output, offset) pair, and visit the
+// terms of each output's sum in the order the textbook loop does (their comments say which), so
+// the results are the same bit for bit, only sooner.
+std::pair<int64_t, int64_t> conv_valid_outputs(int64_t O, int64_t I, int64_t stride, int64_t pad, int64_t t) {
+  const int64_t low = pad - t;  // o * stride >= pad - t
+  const int64_t first = low <= 0 ? 0 : (low + stride - 1) / stride;
+  const int64_t top = I - 1 + pad - t;  // o * stride <= I - 1 + pad - t
+  const int64_t last = top < 0 ? -1 : top / stride;
+  return {std::min(first, O), std::min(last + 1, O)};
+}
+// conv_valid_outputs for every kernel offset t in [0, T), once per call of an op. The loops read
+// it and their accumulators through raw pointers: the sanitizer builds' -O1 calls operator[] and
+// copies each pair, which doubled the ASan suite's ResNet-18 cases.
+std::vector<std::pair<int64_t, int64_t>> conv_valid_ranges(int64_t O, int64_t I, int64_t T, int64_t stride, int64_t pad) {
+  std::vector<std::pair<int64_t, int64_t>> ranges(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) ranges[static_cast<size_t>(t)] = conv_valid_outputs(O, I, stride, pad, t);
+  return ranges;
+}
+
 // Channel c of a plain x [N, C, HW], visited in (n, hw) order. The one-rank batch norm ops and
 // the synchronised pieces are made of the helpers below, so that they sum in the same order and
 // agree bit for bit.
@@ -198,23 +219,38 @@ class ReferenceBackend final : public Backend {
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *wp = w.ptr<T>(), *bp = b.defined() ? b.ptr<T>() : nullptr;
       T* yp = y.ptr<T>();
+      // y[n, k, oh, ow] = b[k] + sum over (c, r, s) in that order of x[n, c, ih, iw] w[k, c, r, s],
+      // ih = oh * stride - pad + r, iw = ow * stride - pad + s, the terms outside x left out.
+      // Each output plane is summed in f64 with (c, r, s) outermost: every output still receives its
+      // terms in (c, r, s) order, and the innermost loop runs along a row of outputs.
+      std::vector<double> acc(static_cast<size_t>(P * Q));
+      const auto row_ranges = conv_valid_ranges(P, H, R, p.stride, p.pad);
+      const auto col_ranges = conv_valid_ranges(Q, W, S, p.stride, p.pad);
+      const std::pair<int64_t, int64_t>*rows = row_ranges.data(), *cols = col_ranges.data();
       for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t oh = 0; oh < P; ++oh)
-            for (int64_t ow = 0; ow < Q; ++ow) {
-              double acc = bp ? double(bp[k]) : 0.0;
-              for (int64_t c = 0; c < C; ++c)
-                for (int64_t r = 0; r < R; ++r) {
-                  const int64_t ih = oh * p.stride - p.pad + r;
-                  if (ih < 0 || ih >= H) continue;
-                  for (int64_t s = 0; s < S; ++s) {
-                    const int64_t iw = ow * p.stride - p.pad + s;
-                    if (iw < 0 || iw >= W) continue;
-                    acc += q(xp[((n * C + c) * H + ih) * W + iw]) * q(wp[((k * C + c) * R + r) * S + s]);
-                  }
+        for (int64_t k = 0; k < K; ++k) {
+          std::fill(acc.begin(), acc.end(), bp ? double(bp[k]) : 0.0);
+          for (int64_t c = 0; c < C; ++c) {
+            const T* xc = xp + (n * C + c) * H * W;
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t oh0 = rows[r].first, oh1 = rows[r].second;
+              if (oh0 >= oh1) continue;
+              for (int64_t s = 0; s < S; ++s) {
+                const int64_t ow0 = cols[s].first, ow1 = cols[s].second;
+                if (ow0 >= ow1) continue;
+                const double wv = q(wp[((k * C + c) * R + r) * S + s]);
+                const int64_t iw0 = s - p.pad;  // iw = ow * stride + iw0
+                for (int64_t oh = oh0; oh < oh1; ++oh) {
+                  const T* xrow = xc + (oh * p.stride - p.pad + r) * W;
+                  double* arow = acc.data() + oh * Q;
+                  for (int64_t ow = ow0; ow < ow1; ++ow) arow[ow] += q(xrow[ow * p.stride + iw0]) * wv;
                 }
-              yp[((n * K + k) * P + oh) * Q + ow] = static_cast<T>(acc);
+              }
             }
+          }
+          T* yk = yp + (n * K + k) * P * Q;
+          for (int64_t i = 0; i < P * Q; ++i) yk[i] = static_cast<T>(acc.data()[i]);
+        }
       return ok_status();
     });
   }
@@ -234,25 +270,38 @@ class ReferenceBackend final : public Backend {
     const int64_t N = d.N, C = d.C, H = d.H, W = d.W, K = d.K, R = d.R, S = d.S, P = d.P, Q = d.Q;
     return dispatch_product(dy.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *dyp = dy.ptr<T>(), *wp = w.ptr<T>();
+      // dx[n, c, ih, iw] = sum over k, then oh, then ow (ascending) of dy[n, k, oh, ow] w[k, c, r, s]
+      // for the (oh, ow) that reach (ih, iw) through r = ih + pad - oh * stride and s likewise. For a
+      // fixed input position oh rises as r falls, so running r and s downwards with (oh, ow) inside
+      // gives every input its terms in that same order.
       std::vector<double> acc(static_cast<size_t>(dx.numel()), 0.0);
+      const auto row_ranges = conv_valid_ranges(P, H, R, p.stride, p.pad);
+      const auto col_ranges = conv_valid_ranges(Q, W, S, p.stride, p.pad);
+      const std::pair<int64_t, int64_t>*rows = row_ranges.data(), *cols = col_ranges.data();
       for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t oh = 0; oh < P; ++oh)
-            for (int64_t ow = 0; ow < Q; ++ow) {
-              const double g = q(dyp[((n * K + k) * P + oh) * Q + ow]);
-              for (int64_t c = 0; c < C; ++c)
-                for (int64_t r = 0; r < R; ++r) {
-                  const int64_t ih = oh * p.stride - p.pad + r;
-                  if (ih < 0 || ih >= H) continue;
-                  for (int64_t s = 0; s < S; ++s) {
-                    const int64_t iw = ow * p.stride - p.pad + s;
-                    if (iw < 0 || iw >= W) continue;
-                    acc[static_cast<size_t>(((n * C + c) * H + ih) * W + iw)] += g * q(wp[((k * C + c) * R + r) * S + s]);
-                  }
+        for (int64_t k = 0; k < K; ++k) {
+          const T* dyk = dyp + (n * K + k) * P * Q;
+          for (int64_t c = 0; c < C; ++c) {
+            double* ac = acc.data() + (n * C + c) * H * W;
+            for (int64_t r = R - 1; r >= 0; --r) {
+              const int64_t oh0 = rows[r].first, oh1 = rows[r].second;
+              if (oh0 >= oh1) continue;
+              for (int64_t s = S - 1; s >= 0; --s) {
+                const int64_t ow0 = cols[s].first, ow1 = cols[s].second;
+                if (ow0 >= ow1) continue;
+                const double wv = q(wp[((k * C + c) * R + r) * S + s]);
+                const int64_t iw0 = s - p.pad;
+                for (int64_t oh = oh0; oh < oh1; ++oh) {
+                  double* arow = ac + (oh * p.stride - p.pad + r) * W;
+                  const T* grow = dyk + oh * Q;
+                  for (int64_t ow = ow0; ow < ow1; ++ow) arow[ow * p.stride + iw0] += q(grow[ow]) * wv;
                 }
+              }
             }
+          }
+        }
       T* dxp = dx.ptr<T>();
-      for (size_t i = 0; i < acc.size(); ++i) dxp[i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < dx.numel(); ++i) dxp[i] = static_cast<T>(acc.data()[i]);
       return ok_status();
     });
   }
@@ -275,23 +324,36 @@ class ReferenceBackend final : public Backend {
     return dispatch_product(x.dtype(), math_precision_, [&]<typename T>(auto q) {
       const T *xp = x.ptr<T>(), *dyp = dy.ptr<T>();
       T* dwp = dw.ptr<T>();
+      // dw[k, c, r, s] += sum over (n, oh, ow) in that order of x[n, c, ih, iw] dy[n, k, oh, ow]. The
+      // R x S sums of one (k, c) are carried together through one sweep of (n, oh), each still
+      // taking its terms in (n, oh, ow) order.
+      std::vector<double> acc(static_cast<size_t>(R * S));
+      double* accp = acc.data();
+      const auto col_ranges = conv_valid_ranges(Q, W, S, p.stride, p.pad);
+      const std::pair<int64_t, int64_t>* cols = col_ranges.data();
       for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = 0; c < C; ++c)
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t s = 0; s < S; ++s) {
-              double acc = 0;
-              for (int64_t n = 0; n < N; ++n)
-                for (int64_t oh = 0; oh < P; ++oh) {
-                  const int64_t ih = oh * p.stride - p.pad + r;
-                  if (ih < 0 || ih >= H) continue;
-                  for (int64_t ow = 0; ow < Q; ++ow) {
-                    const int64_t iw = ow * p.stride - p.pad + s;
-                    if (iw < 0 || iw >= W) continue;
-                    acc += q(xp[((n * C + c) * H + ih) * W + iw]) * q(dyp[((n * K + k) * P + oh) * Q + ow]);
-                  }
+        for (int64_t c = 0; c < C; ++c) {
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int64_t n = 0; n < N; ++n) {
+            const T* xc = xp + (n * C + c) * H * W;
+            const T* dyk = dyp + (n * K + k) * P * Q;
+            for (int64_t oh = 0; oh < P; ++oh)
+              for (int64_t r = 0; r < R; ++r) {
+                const int64_t ih = oh * p.stride - p.pad + r;
+                if (ih < 0 || ih >= H) continue;
+                const T* grow = dyk + oh * Q;
+                for (int64_t s = 0; s < S; ++s) {
+                  const int64_t ow0 = cols[s].first, ow1 = cols[s].second;
+                  const T* xrow = xc + ih * W;
+                  const int64_t iw0 = s - p.pad;
+                  double a = accp[r * S + s];
+                  for (int64_t ow = ow0; ow < ow1; ++ow) a += q(xrow[ow * p.stride + iw0]) * q(grow[ow]);
+                  accp[r * S + s] = a;
                 }
-              dwp[((k * C + c) * R + r) * S + s] += static_cast<T>(acc);
-            }
+              }
+          }
+          for (int64_t i = 0; i < R * S; ++i) dwp[(k * C + c) * R * S + i] += static_cast<T>(accp[i]);
+        }
       if (db.defined()) {
         T* dbp = db.ptr<T>();
         for (int64_t k = 0; k < K; ++k) {

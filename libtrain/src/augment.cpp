@@ -1,6 +1,7 @@
 #include "slide/train/augment.h"
 
 #include "kernels/formulas.h"
+#include "slide/train/random.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +14,7 @@ using formulas::clamp01;
 using formulas::gray;
 
 float uniform(std::mt19937_64& rng, float lo, float hi) {
-  return std::uniform_real_distribution<float>(lo, hi)(rng);
+  return uniform_real(rng, lo, hi);
 }
 
 }  // namespace
@@ -52,7 +53,7 @@ CropBox draw_crop(int64_t size, float min_scale, std::mt19937_64& rng) {
   const double log_lo = std::log(3.0 / 4.0), log_hi = std::log(4.0 / 3.0);
   for (int attempt = 0; attempt < 10; ++attempt) {
     const double target = area * uniform(rng, std::clamp(min_scale, 1e-3f, 1.0f), 1.0f);
-    const double aspect = std::exp(std::uniform_real_distribution<double>(log_lo, log_hi)(rng));
+    const double aspect = std::exp(uniform_real(rng, log_lo, log_hi));
     const auto w = static_cast<int64_t>(std::llround(std::sqrt(target * aspect)));
     const auto h = static_cast<int64_t>(std::llround(std::sqrt(target / aspect)));
     if (w > 0 && w <= size && h > 0 && h <= size) {

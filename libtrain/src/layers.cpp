@@ -6,6 +6,7 @@
 
 #include "dist/sync_batch_norm.h"
 #include "op_checks.h"
+#include "slide/train/random.h"
 
 namespace slide::train {
 
@@ -86,7 +87,7 @@ Result<std::unique_ptr<Conv2d>> Conv2d::make(Allocator& alloc, DType dtype, int6
   SLIDE_ASSIGN_OR_RETURN(c->weight, make_parameter(alloc, {out, in, kernel, kernel}, dtype, "weight"));
   // torchvision ResNet: kaiming_normal_(mode="fan_out", nonlinearity="relu"): std = sqrt(2 / fan_out).
   const double stddev = std::sqrt(2.0 / static_cast<double>(out * kernel * kernel));
-  std::normal_distribution<double> normal(0.0, stddev);
+  NormalSampler normal(0.0, stddev);
   fill(c->weight.value, [&] { return normal(rng); });
   if (bias) {
     SLIDE_ASSIGN_OR_RETURN(c->bias, make_parameter(alloc, {out}, dtype, "bias"));
@@ -283,9 +284,8 @@ Result<std::unique_ptr<Linear>> Linear::make(Allocator& alloc, DType dtype, int6
   // PyTorch's Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
   // and the bias from the same bound.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  std::uniform_real_distribution<double> u(-bound, bound);
-  fill(l->weight.value, [&] { return u(rng); });
-  fill(l->bias.value, [&] { return u(rng); });
+  fill(l->weight.value, [&] { return uniform_real(rng, -bound, bound); });
+  fill(l->bias.value, [&] { return uniform_real(rng, -bound, bound); });
   return l;
 }
 
@@ -478,13 +478,12 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   // Half-precision x takes the f32 mask rounded to its type on the backend (0 and 1 / (1 - p)).
   const DType mask_dtype = detail::is_half(x.dtype()) ? DType::kF32 : x.dtype();
   SLIDE_ASSIGN_OR_RETURN(Tensor host_mask, Tensor::empty(x.shape(), mask_dtype, host_alloc, "dropout mask"));
-  std::bernoulli_distribution keep(1.0 - p_);
   const double scale = 1.0 / (1.0 - p_);
   const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;
   for (int64_t r = 0; r < rows; ++r) {
     std::mt19937_64 rng((seed_ + static_cast<uint64_t>(r)) * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
     for (int64_t i = r * per_row; i < (r + 1) * per_row; ++i) {
-      const double m = keep(rng) ? scale : 0.0;
+      const double m = bernoulli(rng, 1.0 - p_) ? scale : 0.0;
       if (x.dtype() == DType::kF64) host_mask.data<double>()[i] = m;
       else host_mask.data<float>()[i] = static_cast<float>(m);
     }

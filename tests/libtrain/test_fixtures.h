@@ -13,6 +13,7 @@
 
 #include "slide/train/dataset.h"
 #include "slide/train/layers.h"
+#include "slide/train/random.h"
 
 namespace slide::train::testing {
 
@@ -45,9 +46,8 @@ inline void randomise_bn(Sequential& model, uint64_t seed) {
   std::vector<Buffer*> buffers;
   model.collect("", &params, &buffers);
   std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(0.f, 1.f);
   auto fill = [&](Tensor& t, float lo, float hi) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = lo + (hi - lo) * u(g);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = lo + (hi - lo) * slide::train::uniform_real(g, 0.f, 1.f);
   };
   int running = 0;
   for (Buffer* b : buffers) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "slide/train/backend.h"
+#include "slide/train/random.h"
 
 // OK(expr): the Status (or the Result's status) `expr` must be ok; the test stops with its message
 // otherwise.
@@ -47,8 +48,7 @@ inline Tensor random_f64(const Shape& s, uint64_t seed, double lo = -1, double h
   auto t = Tensor::empty(s, DType::kF64, cpu_allocator());
   REQUIRE(t.ok());
   std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < t->numel(); ++i) t->data<double>()[i] = u(g);
+  for (int64_t i = 0; i < t->numel(); ++i) t->data<double>()[i] = slide::train::uniform_real(g, lo, hi);
   return *t;
 }
 
@@ -103,9 +103,8 @@ struct Pair {
 inline Pair make_pair(const Shape& s, uint64_t seed = 0, double lo = -1, double hi = 1, double fill = 0) {
   Pair p{*Tensor::empty(s, DType::kF64, cpu_allocator()), *Tensor::empty(s, DType::kF32, cpu_allocator())};
   std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
   for (int64_t i = 0; i < p.d.numel(); ++i) {
-    const double v = seed ? static_cast<float>(u(g)) : fill;
+    const double v = seed ? static_cast<float>(slide::train::uniform_real(g, lo, hi)) : fill;
     p.d.data<double>()[i] = v;
     p.f.data<float>()[i] = static_cast<float>(v);
   }
@@ -157,8 +156,7 @@ inline double normalised_error(const std::vector<float>& got, const std::vector<
 inline Tensor random_f32(const Shape& s, uint64_t seed, double lo = -1, double hi = 1) {
   Tensor t = *Tensor::empty(s, DType::kF32, cpu_allocator());
   std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(u(g));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(slide::train::uniform_real(g, lo, hi));
   return t;
 }
 // random_f32's values rounded to `half` and widened back: f32 values that the half type holds

@@ -96,8 +96,10 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
                           {{"method", slide::train::stain_method_name(stain->method)}});
   }
   warn_on_other_tiles(state, **ds);
+  // Without an initialisation: load_safetensors below overwrites every parameter and buffer (it
+  // fails on a missing one).
   auto model = make_tile_model(state["model"].get<std::string>(), static_cast<int64_t>(classes.size()),
-                               state.value("width", int64_t{16}), 0);
+                               state.value("width", int64_t{16}), std::nullopt);
   if (!model.ok()) return fail(model.status());
   std::vector<Parameter*> params;
   std::vector<Buffer*> buffers;

@@ -132,7 +132,8 @@ slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const 
 
 slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(const std::string& name,
                                                                              int64_t classes, int64_t width,
-                                                                             uint64_t seed, double dropout) {
+                                                                             std::optional<uint64_t> seed,
+                                                                             double dropout) {
   return slide::train::make_cnn(name, classes, width, seed, dropout);  // the families: model_registry.h
 }
 

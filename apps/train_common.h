@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,10 +71,11 @@ std::vector<std::string> earlier_run_files(const std::string& out);
 [[nodiscard]] slide::core::Status remove_earlier_run(const std::string& out);
 
 // The tile classifier `name` (small | resnet18 | resnet34 | resnet50; train/layers.h) with
-// `classes` outputs, built and initialised (from `seed`) on the host. `width`: the small CNN's
-// first-stage channels. Errors: kInvalidArgument for another name.
+// `classes` outputs, built and initialised (from `seed`; without one, for a model whose weights a
+// checkpoint is about to overwrite, left zero: layers.h InitRng) on the host. `width`: the small
+// CNN's first-stage channels. Errors: kInvalidArgument for another name.
 [[nodiscard]] slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(
-    const std::string& name, int64_t classes, int64_t width, uint64_t seed, double dropout = 0);
+    const std::string& name, int64_t classes, int64_t width, std::optional<uint64_t> seed, double dropout = 0);
 
 // --- Metric values -----------------------------------------------------------------------
 // A metric that may be undefined (ROC AUC without both classes, a class's recall without samples;

@@ -89,7 +89,9 @@ Result<EmbedModel> load_embed_model(const std::string& weights, const std::strin
   }
   Result<std::unique_ptr<Sequential>> net = invalid_argument("model '" + out.model + "' is not one of " +
                                                              cnn_family_names() + " (or a ViT: " + vit_preset_list() + ")");
-  if (find_cnn_family(out.model) != nullptr) net = make_cnn(out.model, classes, width, 0);
+  // Without an initialisation (InitRng::none): the layers up to the cut are loaded below (a
+  // missing tensor is an error), those after it never run.
+  if (find_cnn_family(out.model) != nullptr) net = make_cnn(out.model, classes, width, std::nullopt);
   if (!net.ok()) return net.status();
   out.net = std::move(*net);
   out.layer = layer.empty() ? default_layer(out.model) : layer;

@@ -22,10 +22,13 @@ Result<Tensor> new_tensor(Backend& be, const Shape& s, DType dt, const char* wha
 // Fills t (f32 or f64) from gen(), in order.
 template <typename Gen>
 void fill(Tensor& t, Gen gen) {
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double v = gen();
-    if (t.dtype() == DType::kF64) t.data<double>()[i] = v;
-    else t.data<float>()[i] = static_cast<float>(v);
+  const int64_t n = t.numel();
+  if (t.dtype() == DType::kF64) {
+    double* p = t.data<double>();
+    for (int64_t i = 0; i < n; ++i) p[i] = gen();
+  } else {
+    float* p = t.data<float>();
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(gen());
   }
 }
 
@@ -88,7 +91,7 @@ Result<std::unique_ptr<Conv2d>> Conv2d::make(Allocator& alloc, DType dtype, int6
   // torchvision ResNet: kaiming_normal_(mode="fan_out", nonlinearity="relu"): std = sqrt(2 / fan_out).
   const double stddev = std::sqrt(2.0 / static_cast<double>(out * kernel * kernel));
   NormalSampler normal(0.0, stddev);
-  fill(c->weight.value, [&] { return normal(rng); });
+  if (rng.draws()) fill(c->weight.value, [&] { return normal(rng); });
   if (bias) {
     SLIDE_ASSIGN_OR_RETURN(c->bias, make_parameter(alloc, {out}, dtype, "bias"));
   }
@@ -284,8 +287,10 @@ Result<std::unique_ptr<Linear>> Linear::make(Allocator& alloc, DType dtype, int6
   // PyTorch's Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
   // and the bias from the same bound.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  fill(l->weight.value, [&] { return uniform_real(rng, -bound, bound); });
-  fill(l->bias.value, [&] { return uniform_real(rng, -bound, bound); });
+  if (rng.draws()) {
+    fill(l->weight.value, [&] { return uniform_real(rng, -bound, bound); });
+    fill(l->bias.value, [&] { return uniform_real(rng, -bound, bound); });
+  }
   return l;
 }
 
@@ -602,14 +607,14 @@ Result<std::unique_ptr<Bottleneck>> Bottleneck::make(Allocator& alloc, DType dty
 
 
 Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth, int64_t classes,
-                                                uint64_t seed, double dropout) {
+                                                std::optional<uint64_t> seed, double dropout) {
   if (!(dropout >= 0 && dropout < 1)) return invalid_argument("dropout " + std::to_string(dropout) + " is not in [0, 1)");
   std::vector<int> blocks;
   if (depth == 18) blocks = {2, 2, 2, 2};
   else if (depth == 34 || depth == 50) blocks = {3, 4, 6, 3};
   else return invalid_argument("ResNet depth " + std::to_string(depth) + " is not one of 18, 34, 50");
   const bool bottleneck = depth == 50;
-  InitRng rng(seed);
+  InitRng rng = InitRng::from(seed);
   auto net = std::make_unique<Sequential>();
   SLIDE_ASSIGN_OR_RETURN(auto conv1, Conv2d::make(alloc, dtype, 3, 64, 7, {2, 3}, false, rng));
   SLIDE_ASSIGN_OR_RETURN(auto bn1, BatchNorm2d::make(alloc, dtype, 64));
@@ -644,9 +649,9 @@ Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, i
 
 // ---------------------------------------------------------------------------------------------
 Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels, int64_t classes,
-                                                   int64_t width, uint64_t seed, double dropout) {
+                                                   int64_t width, std::optional<uint64_t> seed, double dropout) {
   if (!(dropout >= 0 && dropout < 1)) return invalid_argument("dropout " + std::to_string(dropout) + " is not in [0, 1)");
-  InitRng rng(seed);
+  InitRng rng = InitRng::from(seed);
   auto net = std::make_unique<Sequential>();
   int64_t c = in_channels;
   for (int stage = 0; stage < 3; ++stage) {

@@ -6,11 +6,13 @@ namespace slide::train {
 namespace {
 
 template <int Depth>
-Result<std::unique_ptr<Sequential>> resnet(int64_t classes, int64_t /*width*/, uint64_t seed, double dropout) {
+Result<std::unique_ptr<Sequential>> resnet(int64_t classes, int64_t /*width*/, std::optional<uint64_t> seed,
+                                           double dropout) {
   return make_resnet(cpu_allocator(), DType::kF32, Depth, classes, seed, dropout);
 }
 
-Result<std::unique_ptr<Sequential>> small(int64_t classes, int64_t width, uint64_t seed, double dropout) {
+Result<std::unique_ptr<Sequential>> small(int64_t classes, int64_t width, std::optional<uint64_t> seed,
+                                          double dropout) {
   return make_small_cnn(cpu_allocator(), DType::kF32, 3, classes, width, seed, dropout);
 }
 
@@ -38,8 +40,8 @@ std::string cnn_family_names() {
   return out;
 }
 
-Result<std::unique_ptr<Sequential>> make_cnn(const std::string& name, int64_t classes, int64_t width, uint64_t seed,
-                                             double dropout) {
+Result<std::unique_ptr<Sequential>> make_cnn(const std::string& name, int64_t classes, int64_t width,
+                                             std::optional<uint64_t> seed, double dropout) {
   const CnnFamily* f = find_cnn_family(name);
   if (f == nullptr)
     return slide::core::invalid_argument("model '" + name + "' is not one of " + cnn_family_names() +

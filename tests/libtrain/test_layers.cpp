@@ -306,4 +306,45 @@ TEST_CASE("model registry: every CNN family builds by name, with its default cut
   CHECK(bad.status().message().find("small, resnet18, resnet34, resnet50") != std::string::npos);
 }
 
+TEST_CASE("a model built without a seed draws nothing: the same layers and names, convolutions and fc zero") {
+  // What evaluate, predict and slide-embed build before loading every weight from a file.
+  for (const char* name : {"small", "resnet18"}) {
+    CAPTURE(name);
+    auto seeded = make_cnn(name, 5, 8, 3);
+    auto bare = make_cnn(name, 5, 8, std::nullopt);
+    REQUIRE(seeded.ok());
+    REQUIRE(bare.ok());
+    std::vector<Parameter*> ps, pb;
+    std::vector<Buffer*> bs, bb;
+    (*seeded)->collect("", &ps, &bs);
+    (*bare)->collect("", &pb, &bb);
+    REQUIRE(ps.size() == pb.size());
+    REQUIRE(bs.size() == bb.size());
+    int drawn = 0;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      CAPTURE(ps[i]->name);
+      CHECK(ps[i]->name == pb[i]->name);
+      REQUIRE(ps[i]->value.shape() == pb[i]->value.shape());
+      const float* a = ps[i]->value.data<float>();
+      const float* b = pb[i]->value.data<float>();
+      const bool batch_norm = ps[i]->value.rank() == 1 && ps[i]->name.find("fc") == std::string::npos;
+      int64_t differ = 0, nonzero = 0;
+      for (int64_t j = 0; j < ps[i]->value.numel(); ++j) {
+        differ += a[j] != b[j] ? 1 : 0;
+        nonzero += b[j] != 0.0f ? 1 : 0;
+      }
+      if (batch_norm) CHECK(differ == 0);  // batch norm's weight 1 and bias 0 either way
+      else CHECK(nonzero == 0);
+      drawn += differ > 0 ? 1 : 0;
+    }
+    CHECK(drawn > 0);  // the seeded model's convolutions and fc were drawn
+    for (size_t i = 0; i < bs.size(); ++i) CHECK(testing::host_values(bs[i]->value) == testing::host_values(bb[i]->value));
+  }
+  // An unseeded generator draws nothing in Conv2d::make; a seeded one the same as before.
+  InitRng none = InitRng::none(), seeded = InitRng::from(7), plain(7);
+  CHECK_FALSE(none.draws());
+  CHECK(seeded.draws());
+  CHECK(seeded() == plain());
+}
+
 }  // namespace libtrain_test_layers

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -79,8 +80,27 @@ class Layer {
 // -> "layer1.0.conv1"); an empty prefix or name is transparent.
 std::string join_name(const std::string& prefix, const std::string& name);
 
-// Deterministic initialisation (torchvision's): a seeded generator per model.
-using InitRng = std::mt19937_64;
+// Deterministic initialisation (torchvision's): a seeded generator per model, drawn through
+// slide/train/random.h. Or none (InitRng::none(), a model built without a seed): the layers'
+// parameters then stay zero, for a model whose every parameter a weight file is about to
+// overwrite (evaluate, predict, slide-embed), where a ResNet-50's 25 M normal draws would be
+// wasted work.
+class InitRng : public std::mt19937_64 {
+ public:
+  explicit InitRng(uint64_t seed) : std::mt19937_64(seed) {}
+  // A model's: seeded, or none without a seed.
+  static InitRng from(std::optional<uint64_t> seed) {
+    InitRng rng(seed.value_or(0));
+    rng.draws_ = seed.has_value();
+    return rng;
+  }
+  static InitRng none() { return from(std::nullopt); }
+  // Whether the layers draw their initial parameters (else they leave them zero).
+  bool draws() const { return draws_; }
+
+ private:
+  bool draws_ = true;
+};
 
 // Conv2d(in, out, kernel, stride, pad, bias) with PyTorch's weight layout [out, in, k, k].
 // Init: Kaiming normal, fan_out, gain sqrt(2) (torchvision ResNet); bias zero.
@@ -318,11 +338,13 @@ class Bottleneck final : public ResidualBlock {
 
 // torchvision's resnet18 / resnet34 / resnet50 (He et al., 2016), same architecture and parameter
 // names ("conv1.weight", "layer1.0.bn1.running_mean", "fc.bias"), `classes` outputs, initialised
-// as torchvision does from `seed`. Any input size of at least 32 px. With `dropout` > 0, a Dropout
-// named "dropout" (no parameters, so the names are unchanged) comes before fc. Errors:
-// kInvalidArgument for another depth or a dropout outside [0, 1), the allocator's.
+// as torchvision does from `seed` (without one, the convolutions' and fc's parameters stay zero:
+// InitRng::none). Any input size of at least 32 px. With `dropout` > 0, a Dropout named "dropout"
+// (no parameters, so the names are unchanged) comes before fc. Errors: kInvalidArgument for
+// another depth or a dropout outside [0, 1), the allocator's.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_resnet(Allocator& alloc, DType dtype, int depth,
-                                                              int64_t classes, uint64_t seed, double dropout = 0);
+                                                              int64_t classes, std::optional<uint64_t> seed,
+                                                              double dropout = 0);
 
 // Half-precision activations for training and inference (issue 11's mixed precision, as
 // torch.autocast with GradScaler runs a CNN): puts Cast(dtype) first in `model` (named "cast_in")
@@ -361,9 +383,9 @@ DType half_activation_dtype(Sequential& model);
 [[nodiscard]] Status move_to_device(Backend& be, Layer& model);
 
 // A small CNN for tests and small patches: 3 x [conv3x3 -> bn -> relu -> maxpool 2], then global
-// average pool and a linear classifier. Widths w, 2w, 4w. `dropout` as in make_resnet.
+// average pool and a linear classifier. Widths w, 2w, 4w. `seed` and `dropout` as in make_resnet.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_small_cnn(Allocator& alloc, DType dtype, int64_t in_channels,
-                                                                 int64_t classes, int64_t width, uint64_t seed,
-                                                                 double dropout = 0);
+                                                                 int64_t classes, int64_t width,
+                                                                 std::optional<uint64_t> seed, double dropout = 0);
 
 }  // namespace slide::train

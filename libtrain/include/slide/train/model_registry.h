@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,10 @@ struct CnnFamily {
   const char* description;  // one line, for messages and --help
   // Builds it on cpu_allocator() in f32 (then moved to a device by move_to_device): `classes`
   // outputs; `width` the first stage's channels (the small CNN; the ResNets ignore it); `seed`
-  // its initialisation; `dropout` before the classifier (layers.h). Errors: the builder's.
-  Result<std::unique_ptr<Sequential>> (*build)(int64_t classes, int64_t width, uint64_t seed, double dropout);
+  // its initialisation (none: the parameters a weight file will overwrite stay zero, InitRng);
+  // `dropout` before the classifier (layers.h). Errors: the builder's.
+  Result<std::unique_ptr<Sequential>> (*build)(int64_t classes, int64_t width, std::optional<uint64_t> seed,
+                                               double dropout);
 };
 
 // The families, in the order messages list them: small, resnet18, resnet34, resnet50.
@@ -35,6 +38,6 @@ std::string cnn_family_names();
 // find_cnn_family(name)->build(...). Errors: kInvalidArgument naming `name` and listing the
 // families (and the ViT presets, which are built elsewhere: vit.h), the builder's.
 [[nodiscard]] Result<std::unique_ptr<Sequential>> make_cnn(const std::string& name, int64_t classes, int64_t width,
-                                                           uint64_t seed, double dropout = 0);
+                                                           std::optional<uint64_t> seed, double dropout = 0);
 
 }  // namespace slide::train

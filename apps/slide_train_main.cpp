@@ -534,21 +534,10 @@ int run_main(int argc, char** argv) {
   if (train.empty()) return fail(slide::core::invalid_argument("no training tiles after the split"));
   const auto classes = static_cast<int64_t>((*ds)->class_names().size());
   if (classes < 2) return fail(slide::core::invalid_argument("the stores hold fewer than two classes"));
-  // A class with no tile on one side of the split (few slides, split by slide or patient): never
-  // learnt, or its recall undefined. Said before the first epoch rather than found in the metrics.
-  for (const auto& [side, indices] : {std::pair<const char*, const std::vector<size_t>*>{"training", &train},
-                                      {"validation", &val}}) {
-    if (indices->empty()) continue;  // no validation set: nothing to say
-    std::vector<int64_t> per_class(static_cast<size_t>(classes), 0);
-    for (size_t i : *indices) {
-      const int32_t label = (*ds)->tiles()[i].label;
-      if (label >= 0 && label < classes) ++per_class[static_cast<size_t>(label)];
-    }
-    for (int64_t c = 0; c < classes; ++c)
-      if (per_class[static_cast<size_t>(c)] == 0)
-        slide::core::log_warn(std::string("a class has no ") + side + " tile after the split",
-                              {{"class", (*ds)->class_names()[static_cast<size_t>(c)]}, {"seed", seed}});
-  }
+  // A class with no tile on one side of the split: said before the first epoch rather than found in
+  // the metrics.
+  slide::apps::warn_classes_missing_from_split((*ds)->class_names(), train, val,
+                                               [&](size_t i) { return (*ds)->tiles()[i].label; }, "tile", seed);
 
   Run run;
   auto model = make_tile_model(model_name, classes, width, seed, dropout);

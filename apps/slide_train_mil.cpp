@@ -273,6 +273,9 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   (*ds)->split(o.val_fraction, o.seed, &train, &val);
   if (train.empty()) return fail(slide::core::invalid_argument("no training bags after the split"));
   const auto classes = static_cast<int64_t>((*ds)->class_names().size());
+  // As tile training's: a class with no bag on one side of the split by slide or patient.
+  slide::apps::warn_classes_missing_from_split((*ds)->class_names(), train, val,
+                                               [&](size_t i) { return (*ds)->bags()[i].label; }, "bag", o.seed);
 
   AbmilConfig mc;
   mc.in_features = (*ds)->feature_dim();

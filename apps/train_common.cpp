@@ -130,6 +130,25 @@ slide::core::Result<std::unique_ptr<slide::core::DirLock>> claim_eval_dir(const 
   return lock;
 }
 
+void warn_classes_missing_from_split(const std::vector<std::string>& class_names, const std::vector<size_t>& train,
+                                     const std::vector<size_t>& val, const std::function<int32_t(size_t)>& label_of,
+                                     const std::string& unit, uint64_t seed) {
+  const auto classes = static_cast<int32_t>(class_names.size());
+  for (const auto& [side, indices] : {std::pair<const char*, const std::vector<size_t>*>{"training", &train},
+                                      {"validation", &val}}) {
+    if (indices->empty()) continue;
+    std::vector<int64_t> per_class(class_names.size(), 0);
+    for (size_t i : *indices) {
+      const int32_t label = label_of(i);
+      if (label >= 0 && label < classes) ++per_class[static_cast<size_t>(label)];
+    }
+    for (size_t c = 0; c < class_names.size(); ++c)
+      if (per_class[c] == 0)
+        slide::core::log_warn(std::string("a class has no ") + side + " " + unit + " after the split",
+                              {{"class", class_names[c]}, {"seed", seed}});
+  }
+}
+
 slide::core::Result<std::unique_ptr<slide::train::Sequential>> make_tile_model(const std::string& name,
                                                                              int64_t classes, int64_t width,
                                                                              std::optional<uint64_t> seed,

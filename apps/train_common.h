@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -69,6 +70,16 @@ std::vector<std::string> earlier_run_files(const std::string& out);
 // alone: its files are replaced as they are written). Errors: kInternal / kPermissionDenied
 // naming the path.
 [[nodiscard]] slide::core::Status remove_earlier_run(const std::string& out);
+
+// Before training: a warning for each class with nothing on one side of the split ("a class has no
+// training <unit> after the split", likewise "validation", with the class and `seed`). The splits
+// by slide or patient are not stratified: with few slides a class can land on one side only,
+// never learnt or its recall undefined; the run goes on (a user may mean it). A side left empty
+// (no validation set) says nothing. `label_of(i)`: the class index of position i of `train` and
+// `val`; one outside [0, class_names.size()) counts for no class.
+void warn_classes_missing_from_split(const std::vector<std::string>& class_names, const std::vector<size_t>& train,
+                                     const std::vector<size_t>& val, const std::function<int32_t(size_t)>& label_of,
+                                     const std::string& unit, uint64_t seed);
 
 // The tile classifier `name` (small | resnet18 | resnet34 | resnet50; train/layers.h) with
 // `classes` outputs, built and initialised (from `seed`; without one, for a model whose weights a

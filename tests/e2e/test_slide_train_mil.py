@@ -773,6 +773,24 @@ class TestLabelsCsvPatients(Base):
             self.assertEqual(split[self.bags[i][0]], split[self.bags[i + 1][0]])
         self.assertEqual(sum(v == "val" for v in split.values()), 10)  # round(0.3 x 15 patients) x 2
 
+    def test_a_class_on_one_side_of_the_split_is_warned(self):
+        # One bag relabelled "rare": the split by slide puts it on one side, and the log says, before
+        # training, that the other side has no bag of that class (as tile training says it of tiles).
+        csv = os.path.join(self.tmp, "rare.csv")
+        with open(csv, "w") as f:
+            f.write("slide_id,label\n")
+            for i, (s, c) in enumerate(self.bags):
+                f.write(f"{s},{'rare' if i == 0 else c}\n")
+        out = os.path.join(self.tmp, "rare")
+        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *MIL_ARGS)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "attention", "predictions.csv")) as f:
+            side = {l.split(",")[0]: l.split(",")[1] for l in f.read().splitlines()[1:]}[self.bags[0][0]]
+        other = "validation" if side == "train" else "training"
+        self.assertIn(f"a class has no {other} bag after the split class=rare seed=1", r.stderr)
+        self.assertNotIn("a class has no training bag after the split class=lung", r.stderr)
+        self.assertNotIn("a class has no validation bag after the split class=lung", r.stderr)
+
 
 class TestPipeline(unittest.TestCase):
     """The real pipeline: slide-tile (the LC25000 patches and the CMU-1 slide), slide-train (a small

@@ -756,19 +756,22 @@ class TestSlideIdFileNames(unittest.TestCase):
 
 
 class TestLabelsCsvPatients(Base):
-    def test_patient_column_keeps_a_patients_bags_on_one_side(self):
-        # Two bags per "patient" (consecutive bags of a class); labels from the CSV, not the bags.
-        csv = os.path.join(self.tmp, "patients.csv")
+    def train_with_labels(self, name, rows):
+        """One epoch on the bags with a labels CSV of `rows` (its header first); the run and each
+        bag's side of the split, from attention/predictions.csv."""
+        csv = os.path.join(self.tmp, name + ".csv")
         with open(csv, "w") as f:
-            f.write("slide_id,label,patient\n")
-            for i, (s, c) in enumerate(self.bags):
-                f.write(f"{s},{c},p{i // 2}\n")
-        out = os.path.join(self.tmp, "patients")
+            f.write("".join(",".join(row) + "\n" for row in rows))
+        out = os.path.join(self.tmp, name)
         r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *MIL_ARGS)
         self.assertEqual(r.returncode, 0, r.stderr)
         with open(os.path.join(out, "attention", "predictions.csv")) as f:
-            rows = [l.split(",") for l in f.read().splitlines()[1:]]
-        split = {r[0]: r[1] for r in rows}
+            return r, {l.split(",")[0]: l.split(",")[1] for l in f.read().splitlines()[1:]}
+
+    def test_patient_column_keeps_a_patients_bags_on_one_side(self):
+        # Two bags per "patient" (consecutive bags of a class); labels from the CSV, not the bags.
+        _, split = self.train_with_labels("patients", [("slide_id", "label", "patient")] +
+                                          [(s, c, f"p{i // 2}") for i, (s, c) in enumerate(self.bags)])
         for i in range(0, len(self.bags), 2):
             self.assertEqual(split[self.bags[i][0]], split[self.bags[i + 1][0]])
         self.assertEqual(sum(v == "val" for v in split.values()), 10)  # round(0.3 x 15 patients) x 2
@@ -776,17 +779,9 @@ class TestLabelsCsvPatients(Base):
     def test_a_class_on_one_side_of_the_split_is_warned(self):
         # One bag relabelled "rare": the split by slide puts it on one side, and the log says, before
         # training, that the other side has no bag of that class (as tile training says it of tiles).
-        csv = os.path.join(self.tmp, "rare.csv")
-        with open(csv, "w") as f:
-            f.write("slide_id,label\n")
-            for i, (s, c) in enumerate(self.bags):
-                f.write(f"{s},{'rare' if i == 0 else c}\n")
-        out = os.path.join(self.tmp, "rare")
-        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *MIL_ARGS)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        with open(os.path.join(out, "attention", "predictions.csv")) as f:
-            side = {l.split(",")[0]: l.split(",")[1] for l in f.read().splitlines()[1:]}[self.bags[0][0]]
-        other = "validation" if side == "train" else "training"
+        r, split = self.train_with_labels("rare", [("slide_id", "label")] +
+                                          [(s, "rare" if i == 0 else c) for i, (s, c) in enumerate(self.bags)])
+        other = "validation" if split[self.bags[0][0]] == "train" else "training"
         self.assertIn(f"a class has no {other} bag after the split class=rare seed=1", r.stderr)
         self.assertNotIn("a class has no training bag after the split class=lung", r.stderr)
         self.assertNotIn("a class has no validation bag after the split class=lung", r.stderr)

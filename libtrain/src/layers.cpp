@@ -483,12 +483,12 @@ Result<Tensor> Dropout::forward(Backend& be, const Tensor& x, bool training) {
   // Half-precision x takes the f32 mask rounded to its type on the backend (0 and 1 / (1 - p)).
   const DType mask_dtype = detail::is_half(x.dtype()) ? DType::kF32 : x.dtype();
   SLIDE_ASSIGN_OR_RETURN(Tensor host_mask, Tensor::empty(x.shape(), mask_dtype, host_alloc, "dropout mask"));
-  const double scale = 1.0 / (1.0 - p_);
+  const double keep = 1.0 - p_, scale = 1.0 / keep;
   const int64_t rows = x.rank() > 0 ? x.dim(0) : 1, per_row = rows > 0 ? x.numel() / rows : 0;
   for (int64_t r = 0; r < rows; ++r) {
     std::mt19937_64 rng((seed_ + static_cast<uint64_t>(r)) * 0x9E3779B97F4A7C15ull ^ (salt_ + 0x632BE59BD9B4E019ull));
     for (int64_t i = r * per_row; i < (r + 1) * per_row; ++i) {
-      const double m = bernoulli(rng, 1.0 - p_) ? scale : 0.0;
+      const double m = bernoulli(rng, keep) ? scale : 0.0;
       if (x.dtype() == DType::kF64) host_mask.data<double>()[i] = m;
       else host_mask.data<float>()[i] = static_cast<float>(m);
     }

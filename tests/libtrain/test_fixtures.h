@@ -47,7 +47,7 @@ inline void randomise_bn(Sequential& model, uint64_t seed) {
   model.collect("", &params, &buffers);
   std::mt19937_64 g(seed);
   auto fill = [&](Tensor& t, float lo, float hi) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = lo + (hi - lo) * slide::train::uniform_real(g, 0.f, 1.f);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = slide::train::uniform_real(g, lo, hi);
   };
   int running = 0;
   for (Buffer* b : buffers) {

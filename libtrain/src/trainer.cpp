@@ -526,7 +526,8 @@ Result<EpochStats> score_positions(Backend& be, const LogitsFn& logits, const Ti
       // Inference is per sample: a smaller batch gives the same figures. Retry this batch halved.
       batch_size = (batch_size + 1) / 2;
       ++st.oom_retries;
-      slide::core::log_warn("out of memory in evaluation: batch halved", {{"batch_size", batch_size}});
+      slide::core::log_warn("out of memory in evaluation: batch halved",
+                            {{"batch_size", batch_size}, {"error", scored.status().to_string()}});
       if (next.valid()) (void)next.get();  // the prefetched batch of the old size
       // The failed batch's slot too: released before the trim, else its buffer of the old size
       // stays (a slot's buffers grow, never shrink) and the halved batches run beside it.

@@ -237,6 +237,7 @@ TEST_CASE("DirLock: one writer per directory; released on destruction and on pro
   ::kill(pid, SIGKILL);
   ::waitpid(pid, &status, 0);
   CHECK(DirLock::acquire(dir, "store").ok());
+  std::filesystem::remove_all(std::filesystem::path(dir).parent_path());
 }
 
 TEST_CASE("slide_file_stem: ordinary ids unchanged; separators, dots, control bytes replaced; long ids shortened; unique") {

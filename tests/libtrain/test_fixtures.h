@@ -14,16 +14,21 @@
 #include "slide/train/dataset.h"
 #include "slide/train/layers.h"
 #include "slide/train/random.h"
+#include "test_util.h"
 
 namespace slide::train::testing {
 
 // The LC25000 lung subset in sample_data (360 patches, 3 classes) tiled by libtile at
-// `tile_px` into a store under a new temporary directory, opened as a TileDataset. Needs
+// `tile_px` into a store under a new temporary directory (a ScratchDir removed when the process
+// exits, after the datasets that function-local statics hold), opened as a TileDataset. Needs
 // SLIDE_SAMPLE_DIR and libtile's pipeline (include "slide/tile/pipeline.h" first).
 #ifdef SLIDE_SAMPLE_DIR
 inline std::unique_ptr<TileDataset> tile_lc25000(int64_t tile_px, const std::string& tag) {
-  std::string dir = (std::filesystem::temp_directory_path() / ("slide_" + tag + "_XXXXXX")).string();
-  REQUIRE(mkdtemp(dir.data()) != nullptr);
+  // Constructed on the first call, before any static that keeps this call's dataset: destroyed
+  // after it.
+  static std::vector<std::unique_ptr<ScratchDir>> stores;
+  stores.push_back(std::make_unique<ScratchDir>(tag));
+  const std::string dir = stores.back()->path();
   auto inputs = slide::tile::collect_inputs({}, {}, {std::string(SLIDE_SAMPLE_DIR) + "/patches/lc25000-lung-subset"});
   REQUIRE_MESSAGE(inputs.ok(), inputs.status().to_string());
   slide::tile::TileJobOptions topt;

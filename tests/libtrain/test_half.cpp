@@ -21,6 +21,7 @@
 #include "slide/core/file.h"
 #include "slide/train/backend.h"
 #include "slide/train/checkpoint.h"
+#include "test_util.h"
 
 // This file's own namespace: the suite compiles in unity batches (tests/CMakeLists.txt), where
 // each file's helpers would otherwise meet the other files'.
@@ -167,8 +168,8 @@ TEST_CASE("cast op: f32 <-> f16 / bf16 on every host backend and the simulated d
 }
 
 TEST_CASE("safetensors: F16 and BF16 tensors round-trip; a half NaN is refused naming the element") {
-  const std::string dir = (std::filesystem::temp_directory_path() / "slide_half_st").string();
-  std::filesystem::create_directories(dir);
+  const testing::ScratchDir scratch("half_st");
+  const std::string& dir = scratch.path();
   auto a = Tensor::empty({3}, DType::kF16, cpu_allocator());
   auto b = Tensor::empty({2}, DType::kBF16, cpu_allocator());
   REQUIRE(a.ok());
@@ -188,14 +189,13 @@ TEST_CASE("safetensors: F16 and BF16 tensors round-trip; a half NaN is refused n
   const Status s = load_safetensors(dir + "/nan.safetensors", {{"a", &*a2}});
   CHECK(s.code() == slide::core::StatusCode::kDataLoss);
   CHECK(s.to_string().find("holds NaN (element 2 of [3])") != std::string::npos);
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("safetensors: a header length whose low byte is 0x80 is not taken for a PyTorch pickle") {
   // The file starts with the header length, little-endian: a 640-byte header begins 80 02, as a
   // protocol-2 pickle does. Such files (about 1 in 32 headers) must load; a real pickle is refused.
-  const std::string dir = (std::filesystem::temp_directory_path() / "slide_st_pickle_like").string();
-  std::filesystem::create_directories(dir);
+  const testing::ScratchDir scratch("st_pickle_like");
+  const std::string& dir = scratch.path();
   auto t = Tensor::zeros({2}, DType::kF32, cpu_allocator());
   REQUIRE(t.ok());
   int found = 0;
@@ -219,12 +219,11 @@ TEST_CASE("safetensors: a header length whose low byte is 0x80 is not taken for 
   CHECK(s.code() == slide::core::StatusCode::kInvalidArgument);
   CHECK(s.message().find("convert_torchvision_weights.py") != std::string::npos);
   CHECK(read_safetensors_shapes(dir + "/p.pt").status().code() == slide::core::StatusCode::kInvalidArgument);
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("safetensors: shape entries that are not non-negative integers are data loss") {
-  const std::string dir = (std::filesystem::temp_directory_path() / "slide_shapes_test").string();
-  std::filesystem::create_directories(dir);
+  const testing::ScratchDir scratch("shapes_test");
+  const std::string& dir = scratch.path();
   // 1e300 converted to int64 would be undefined behaviour.
   for (const std::string dim : {"1e300", "-3", "2.5", "\"4\"", "18446744073709551615"}) {
     const std::string header = "{\"w\":{\"dtype\":\"F32\",\"shape\":[" + dim + "],\"data_offsets\":[0,0]}}";
@@ -235,7 +234,6 @@ TEST_CASE("safetensors: shape entries that are not non-negative integers are dat
     CHECK_MESSAGE(r.status().code() == slide::core::StatusCode::kDataLoss, dim);
     CHECK_MESSAGE(r.status().message().find("is not a non-negative integer") != std::string::npos, r.status().message());
   }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace libtrain_test_half

@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "slide/train/backend.h"
@@ -23,6 +26,32 @@
   } while (0)
 
 namespace slide::train::testing {
+
+// A new directory "slide_<tag>_XXXXXX" under the system's temporary directory, removed with all it
+// holds when the object goes. mkdtemp makes the name unique: the plain suite and the sanitizer
+// builds' suites run the same cases at once under `ctest -j2`, and a fixed name would let one
+// process's files (or its clean-up) meet the other's, or a killed run's leftovers the next run.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& tag) : path_(make(tag)) {}
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& path() const { return path_; }
+  // The path of `name` inside the directory.
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  static std::string make(const std::string& tag) {
+    std::string dir = (std::filesystem::temp_directory_path() / ("slide_" + tag + "_XXXXXX")).string();
+    REQUIRE_MESSAGE(mkdtemp(dir.data()) != nullptr, dir);
+    return dir;
+  }
+  std::string path_;
+};
 
 inline slide::core::Status status_of(const slide::core::Status& s) { return s; }
 template <typename T>

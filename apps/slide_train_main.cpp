@@ -241,6 +241,10 @@ int run_main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--val-fraction", val_fraction, "Fraction of slides held out for validation, in [0, 1)")
       ->capture_default_str()->check(number_option("val-fraction"));
+  bool stratify = false;
+  app.add_flag("--stratify", stratify,
+               "Split within each class (the validation split, --test-fraction, --folds; MIL's too): every class "
+               "with two slides (patients) or more on both sides, each side near its share of every class");
   app.add_option("--seed", seed, "Seed of initialisation, split and shuffling")->capture_default_str();
   int folds = 0, fold = -1;
   app.add_option("--folds", folds,
@@ -437,6 +441,8 @@ int run_main(int argc, char** argv) {
     return fail(slide::core::invalid_argument("--fold needs --folds K (the number of folds)"));
   if (folds > 0 && !val_data.empty())
     return fail(slide::core::invalid_argument("--folds splits --data into folds; --val-data is a fixed split"));
+  if (stratify && !val_data.empty())
+    return fail(slide::core::invalid_argument("--stratify splits --data; --val-data is a fixed split"));
   if (folds > 0 && fold >= folds)
     return fail(slide::core::invalid_argument("--fold " + std::to_string(fold) + " of --folds " + std::to_string(folds)));
   if (folds > 0 && fold < 0 && !memory.dry_run) {
@@ -519,14 +525,14 @@ int run_main(int argc, char** argv) {
     if (!val_data.empty() || !test_data.empty())
       return fail(slide::core::invalid_argument("--test-fraction holds out part of --data; not with --val-data or "
                                                 "--test-data"));
-    (*ds)->hold_out(test_fraction, seed, &held_out);
+    (*ds)->hold_out(test_fraction, seed, &held_out, stratify);
     if (held_out.empty()) return fail(slide::core::invalid_argument("--test-fraction holds out no slide"));
     slide::core::log_info("test set held out", {{"tiles", static_cast<int64_t>(held_out.size())}});
   }
   if (folds > 0) {
-    if (auto s = (*ds)->split_fold(folds, std::max(fold, 0), seed, &train, &val); !s.ok()) return fail(s);
+    if (auto s = (*ds)->split_fold(folds, std::max(fold, 0), seed, &train, &val, stratify); !s.ok()) return fail(s);
   } else if (val_data.empty()) {
-    (*ds)->split_by_slide(val_fraction, seed, &train, &val);
+    (*ds)->split_by_slide(val_fraction, seed, &train, &val, stratify);
   } else {
     for (size_t i = 0; i < (*ds)->tiles().size(); ++i)
       ((*ds)->tiles()[i].store < data.size() ? train : val).push_back(i);
@@ -769,6 +775,7 @@ int run_main(int argc, char** argv) {
   if (folds > 0) config["folds"] = folds, config["fold"] = std::max(fold, 0);
   if (stain_sigma > 0) config["stain_augment"] = stain_sigma;
   if (test_fraction > 0) config["test_fraction"] = test_fraction;
+  if (stratify) config["stratify"] = true;  // the split, and evaluate's test set
   if (lr_backbone >= 0) config["lr_backbone"] = lr_backbone;
   // The products' math precision, recorded when not fp32: a resume at another precision is refused.
   const bool fp16 = (*be)->math_precision() == slide::train::MathPrecision::kFp16;

@@ -238,6 +238,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   take("--weight-decay", &o.weight_decay), take("--warmup-epochs", &o.warmup_epochs);
   take("--label-smoothing", &o.label_smoothing), take("--val-fraction", &o.val_fraction), take("--seed", &o.seed);
   take("--nesterov", &o.nesterov), take("--resume", &o.resume), take("--overwrite", &o.overwrite);
+  take("--stratify", &o.stratify);
   int device = -1;  // --device (a sweep's --devices gives each trial one)
   take("--device", &device);
   if (const CLI::Option* mil_dropout = app.get_option_no_throw("--mil-dropout");
@@ -270,7 +271,7 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
   auto ds = BagDataset::open(o.features, o.labels_csv);
   if (!ds.ok()) return fail(ds.status().with_context("--features"));
   std::vector<size_t> train, val;
-  (*ds)->split(o.val_fraction, o.seed, &train, &val);
+  (*ds)->split(o.val_fraction, o.seed, &train, &val, o.stratify);
   if (train.empty()) return fail(slide::core::invalid_argument("no training bags after the split"));
   const auto classes = static_cast<int64_t>((*ds)->class_names().size());
   // As tile training's: a class with no bag on one side of the split by slide or patient.
@@ -352,12 +353,13 @@ int run_mil_training(const CLI::App& app, MilOptions o, const std::atomic<bool>*
                           {"mil", mil}, {"classes", (*ds)->class_names()}, {"history", nlohmann::json::array()},
                           {"best_val_balanced_accuracy", -1.0}, {"epochs", o.epochs}};
   // What changes the math of a run (the model's sizes are "mil"): --resume refuses other values.
-  const nlohmann::json config = {{"optimizer", o.optimizer}, {"lr", o.lr}, {"momentum", o.momentum},
+  nlohmann::json config = {{"optimizer", o.optimizer}, {"lr", o.lr}, {"momentum", o.momentum},
                                  {"nesterov", o.nesterov}, {"weight_decay", o.weight_decay}, {"schedule", o.schedule},
                                  {"warmup_epochs", o.warmup_epochs}, {"label_smoothing", o.label_smoothing},
                                  {"batch_size", o.batch}, {"seed", o.seed}, {"class_weights", o.class_weights},
                                  {"val_fraction", o.val_fraction}, {"labels", o.labels_csv},
                                  {"best_metric", o.best_metric}};
+  if (o.stratify) config["stratify"] = true;  // recorded when given: an earlier run's config stays as it was
   state["config"] = config;
   // The encoder of the bags' features: evaluate, predict and --resume refuse bags of another.
   const nlohmann::json encoder = encoder_json((*ds)->encoder());

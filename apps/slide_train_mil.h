@@ -24,7 +24,7 @@ struct MilOptions {
   int64_t batch = 1;
   double lr = 2e-4, momentum = 0.9, weight_decay = 1e-5, warmup_epochs = 0, label_smoothing = 0, val_fraction = 0.2;
   uint64_t seed = 0;
-  bool nesterov = false, resume = false, overwrite = false;
+  bool nesterov = false, resume = false, overwrite = false, stratify = false;
   // Registered by add_mil_options.
   std::vector<std::string> features;  // bag directories (slide-embed output)
   int64_t hidden = 512, attention = 256;

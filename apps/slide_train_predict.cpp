@@ -127,8 +127,8 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
   if (auto s = move_to_device(**be, **model); !s.ok()) return fail(s.with_context("model to " + o.backend));
   std::vector<size_t> all((*ds)->tiles().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  // The training run's held-out test set, found again with its fraction and seed (state.json's
-  // config); a metric over every tile of stores that a run split would mix in its training slides.
+  // The training run's held-out test set, found again with its fraction, seed and stratification
+  // (state.json's config); a metric over every tile of stores that a run split would mix in its training slides.
   const nlohmann::json run_config = state.contains("config") && state["config"].is_object() ? state["config"]
                                                                                            : nlohmann::json::object();
   const double run_test_fraction = run_config.value("test_fraction", 0.0);
@@ -147,7 +147,7 @@ int run_tile_inference(const TileInferenceOptions& o, bool predict) {
     if (run_config.contains("seed") && run_config["seed"] != nlohmann::json(seed))
       slide::core::log_warn("--seed is not the run's: these tiles are not the test set it held out",
                             {{"seed", seed}, {"run_seed", run_config["seed"].dump()}});
-    (*ds)->hold_out(o.test_fraction, seed, &all);
+    (*ds)->hold_out(o.test_fraction, seed, &all, run_config.value("stratify", false));
     if (all.empty()) return fail(slide::core::invalid_argument("--test-fraction " + std::to_string(o.test_fraction) +
                                                               " holds out no slide of these stores"));
   }

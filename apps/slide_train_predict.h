@@ -37,8 +37,9 @@ struct TileInferenceOptions {
   bool overwrite = false;
   bool heatmaps = true;           // predict: per-class heatmaps
   // > 0: only the tiles slide-train --test-fraction held out of these stores (TileDataset::hold_out
-  // with the same fraction and seed), not every tile. The seed is the checkpoint's (state.json
-  // config.seed) unless seed_given; another fraction or seed than the run's is warned about.
+  // with the same fraction and seed, stratified when the run was: config.stratify), not every
+  // tile. The seed is the checkpoint's (state.json config.seed) unless seed_given; another
+  // fraction or seed than the run's is warned about.
   double test_fraction = 0;
   uint64_t seed = 0;
   bool seed_given = false;

@@ -72,6 +72,66 @@ std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t se
   return is_val;
 }
 
+namespace {
+
+// The groups of each class of group_class: classes ascending, each class's groups ascending.
+std::map<int32_t, std::vector<uint32_t>> groups_by_class(const std::vector<int32_t>& group_class) {
+  std::map<int32_t, std::vector<uint32_t>> by_class;
+  for (size_t g = 0; g < group_class.size(); ++g) by_class[group_class[g]].push_back(static_cast<uint32_t>(g));
+  return by_class;
+}
+
+}  // namespace
+
+std::vector<bool> split_groups_stratified(const std::vector<int32_t>& group_class, double val_fraction,
+                                          uint64_t seed) {
+  std::vector<bool> is_val(group_class.size(), false);
+  std::mt19937_64 rng(seed);
+  for (auto& [c, members] : groups_by_class(group_class)) {
+    std::shuffle(members.begin(), members.end(), rng);
+    const size_t n = members.size();
+    size_t n_val = 0;
+    if (val_fraction > 0 && n >= 2)
+      n_val = std::clamp<size_t>(static_cast<size_t>(std::llround(val_fraction * static_cast<double>(n))), 1, n - 1);
+    for (size_t i = 0; i < n_val; ++i) is_val[members[i]] = true;
+  }
+  return is_val;
+}
+
+std::vector<int> fold_groups(uint32_t groups, int folds, uint64_t seed) {
+  std::vector<uint32_t> order(groups);
+  std::iota(order.begin(), order.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int> fold_of(groups, 0);
+  for (uint32_t k = 0; k < groups; ++k) fold_of[order[k]] = static_cast<int>(k % static_cast<uint32_t>(folds));
+  return fold_of;
+}
+
+std::vector<int> fold_groups_stratified(const std::vector<int32_t>& group_class, int folds, uint64_t seed) {
+  std::vector<int> fold_of(group_class.size(), 0);
+  std::mt19937_64 rng(seed);
+  size_t dealt = 0;  // across classes: the next class starts at the fold after the last one dealt
+  for (auto& [c, members] : groups_by_class(group_class)) {
+    std::shuffle(members.begin(), members.end(), rng);
+    for (uint32_t g : members) fold_of[g] = static_cast<int>(dealt++ % static_cast<size_t>(folds));
+  }
+  return fold_of;
+}
+
+std::vector<int32_t> group_classes(const std::vector<uint32_t>& item_group, const std::vector<int32_t>& labels,
+                                   uint32_t groups) {
+  std::vector<std::map<int32_t, size_t>> counts(groups);
+  for (size_t i = 0; i < item_group.size(); ++i) ++counts.at(item_group[i])[labels.at(i)];
+  std::vector<int32_t> out(groups, -1);
+  for (uint32_t g = 0; g < groups; ++g) {
+    size_t best = 0;
+    for (const auto& [label, n] : counts[g])  // ascending labels: a tie keeps the lowest
+      if (n > best) best = n, out[g] = label;
+  }
+  return out;
+}
+
 Result<std::unique_ptr<TileDataset>> TileDataset::open(const std::vector<std::string>& stores,
                                                        const std::string& labels_csv, bool allow_unlabelled) {
   if (stores.empty()) return slide::core::invalid_argument("no tile stores given");
@@ -355,11 +415,32 @@ std::vector<uint32_t> TileDataset::kept_groups() const {
   return kept;
 }
 
+std::vector<int32_t> TileDataset::tile_group_classes() const {
+  std::vector<uint32_t> item_group(tiles_.size());
+  std::vector<int32_t> labels(tiles_.size());
+  for (size_t i = 0; i < tiles_.size(); ++i) item_group[i] = slide_group_[tiles_[i].slide], labels[i] = tiles_[i].label;
+  return group_classes(item_group, labels, groups());
+}
+
+namespace {
+
+// The classes of the groups `kept`, in its order.
+std::vector<int32_t> classes_of(const std::vector<int32_t>& group_class, const std::vector<uint32_t>& kept) {
+  std::vector<int32_t> out;
+  out.reserve(kept.size());
+  for (uint32_t g : kept) out.push_back(group_class[g]);
+  return out;
+}
+
+}  // namespace
+
 void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train,
-                                 std::vector<size_t>* val) const {
+                                 std::vector<size_t>* val, bool stratify) const {
   // Over the groups not held out (all of them without hold_out: the split it always was).
   const std::vector<uint32_t> kept = kept_groups();
-  const std::vector<bool> kept_is_val = split_groups(static_cast<uint32_t>(kept.size()), val_fraction, seed);
+  const std::vector<bool> kept_is_val =
+      stratify ? split_groups_stratified(classes_of(tile_group_classes(), kept), val_fraction, seed)
+               : split_groups(static_cast<uint32_t>(kept.size()), val_fraction, seed);
   std::vector<int> role(groups(), -1);  // -1 held out, 0 train, 1 validation
   for (size_t k = 0; k < kept.size(); ++k) role[kept[k]] = kept_is_val[k] ? 1 : 0;
   train->clear();
@@ -370,10 +451,12 @@ void TileDataset::split_by_slide(double val_fraction, uint64_t seed, std::vector
   }
 }
 
-void TileDataset::hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test) {
+void TileDataset::hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test, bool stratify) {
   // A stream of its own (seed salted), so that the held-out groups do not follow the validation
   // split's draw.
-  held_out_ = split_groups(groups(), test_fraction, seed ^ 0x7E57F00Dull);
+  const uint64_t test_seed = seed ^ 0x7E57F00Dull;
+  held_out_ = stratify ? split_groups_stratified(tile_group_classes(), test_fraction, test_seed)
+                       : split_groups(groups(), test_fraction, test_seed);
   test->clear();
   for (size_t i = 0; i < tiles_.size(); ++i)
     if (held_out_[slide_group_[tiles_[i].slide]]) test->push_back(i);
@@ -386,7 +469,7 @@ uint32_t TileDataset::groups() const {
 }
 
 Status TileDataset::split_fold(int folds, int fold, uint64_t seed, std::vector<size_t>* train,
-                               std::vector<size_t>* val) const {
+                               std::vector<size_t>* val, bool stratify) const {
   const std::vector<uint32_t> kept = kept_groups();
   const auto n = static_cast<uint32_t>(kept.size());
   if (folds < 2 || fold < 0 || fold >= folds)
@@ -395,12 +478,10 @@ Status TileDataset::split_fold(int folds, int fold, uint64_t seed, std::vector<s
   if (n < static_cast<uint32_t>(folds))
     return slide::core::invalid_argument(std::to_string(folds) + " folds over " + std::to_string(n) +
                                          " groups (patients or slides): at least one group per fold");
-  std::vector<uint32_t> order(n);
-  std::iota(order.begin(), order.end(), 0u);
-  std::mt19937_64 rng(seed);
-  std::shuffle(order.begin(), order.end(), rng);
+  const std::vector<int> kept_fold = stratify ? fold_groups_stratified(classes_of(tile_group_classes(), kept), folds, seed)
+                                              : fold_groups(n, folds, seed);
   std::vector<int> fold_of(groups(), -1);  // -1: held out
-  for (uint32_t k = 0; k < n; ++k) fold_of[kept[order[k]]] = static_cast<int>(k % static_cast<uint32_t>(folds));
+  for (uint32_t k = 0; k < n; ++k) fold_of[kept[k]] = kept_fold[k];
   train->clear();
   val->clear();
   for (size_t i = 0; i < tiles_.size(); ++i) {

@@ -289,10 +289,18 @@ int64_t BagDataset::max_tiles() const {
   return m;
 }
 
-void BagDataset::split(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const {
+void BagDataset::split(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val,
+                       bool stratify) const {
   uint32_t groups = 0;
-  for (const BagRef& b : bags_) groups = std::max(groups, b.group + 1);
-  const std::vector<bool> is_val = split_groups(groups, val_fraction, seed);
+  std::vector<uint32_t> bag_group;
+  std::vector<int32_t> labels;
+  for (const BagRef& b : bags_) {
+    groups = std::max(groups, b.group + 1);
+    bag_group.push_back(b.group), labels.push_back(b.label);
+  }
+  const std::vector<bool> is_val = stratify
+                                       ? split_groups_stratified(group_classes(bag_group, labels, groups), val_fraction, seed)
+                                       : split_groups(groups, val_fraction, seed);
   train->clear();
   val->clear();
   for (size_t i = 0; i < bags_.size(); ++i) (is_val[bags_[i].group] ? val : train)->push_back(i);

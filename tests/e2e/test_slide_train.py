@@ -4,6 +4,7 @@ slide-tile (run by ctest, one class per test).
 
 Environment: SLIDE_TILE, SLIDE_TRAIN (the binaries), SLIDE_SAMPLE_DIR (sample_data/).
 """
+import collections
 import csv
 import json
 import re
@@ -1325,6 +1326,39 @@ class TestCrossValidation(Base):
         r = self.train(os.path.join(self.tmp, "tf-bad"), "--test-fraction", "0.2", "--test-data", self.store,
                        epochs=1)
         self.assertEqual(r.returncode, 2, r.stderr)
+
+    def test_stratify_splits_each_class_in_its_share_and_evaluate_finds_the_test_set(self):
+        # 30 cases of 4 patches per class. --stratify holds out round(0.2 x 30) = 6 cases of each
+        # class as the test set, then validates round(0.2 x 24) = 5 of each class's other 24.
+        classes = {"lung_aca": "lungaca", "lung_n": "lungn", "lung_scc": "lungscc"}
+        rows = ["slide_id,label,case_id"] + ["%s/%s%d,%s,%s-%d" % (c, stem, i, c, c, (i - 1) // 4)
+                                             for c, stem in classes.items() for i in range(1, 121)]
+        labels = os.path.join(self.tmp, "cases-strat.csv")
+        with open(labels, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        out = os.path.join(self.tmp, "stratified")
+        r = self.train(out, "--labels", labels, "--test-fraction", "0.2", "--stratify", epochs=1)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "test", "predictions.csv")) as f:
+            test_ids = [l.split(",")[0].split(":", 1)[1] for l in f.read().splitlines()[1:]]
+        self.assertEqual(collections.Counter(i.split("/")[0] for i in test_ids), {c: 24 for c in classes})
+        trained = [l for l in r.stderr.splitlines() if "train_tiles=" in l][0]
+        self.assertIn("train_tiles=228", trained)
+        self.assertIn("val_tiles=60", trained)
+        with open(os.path.join(out, "checkpoints", "epoch-1-step-0", "state.json")) as f:
+            self.assertIs(json.load(f)["config"]["stratify"], True)
+        # evaluate's --test-fraction finds the stratified test set again (the run's config says so).
+        ev = os.path.join(self.tmp, "stratified-eval")
+        r = subprocess.run([TRAIN, "evaluate", "--checkpoint", os.path.join(out, "best.safetensors"), "--data",
+                            self.store, "--labels", labels, "--out", ev, "--test-fraction", "0.2"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(out, "test", "predictions.csv")) as f, open(os.path.join(ev, "predictions.csv")) as g:
+            self.assertEqual(f.read(), g.read())
+        # A fixed validation set has nothing to stratify.
+        r = self.train(os.path.join(self.tmp, "stratified-bad"), "--val-data", self.store, "--stratify", epochs=1)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--stratify splits --data; --val-data is a fixed split", r.stderr)
 
     def test_held_out_test_data_is_evaluated_with_the_best_weights(self):
         out = os.path.join(self.tmp, "with-test")

@@ -13,6 +13,7 @@ runs the real pipeline instead: slide-tile, slide-train (a small CNN), slide-emb
 
 Environment: SLIDE_TRAIN, SLIDE_TILE, SLIDE_EMBED (binaries), SLIDE_SAMPLE_DIR (sample_data/).
 """
+import collections
 import json
 import os
 import shutil
@@ -756,14 +757,15 @@ class TestSlideIdFileNames(unittest.TestCase):
 
 
 class TestLabelsCsvPatients(Base):
-    def train_with_labels(self, name, rows):
-        """One epoch on the bags with a labels CSV of `rows` (its header first); the run and each
-        bag's side of the split, from attention/predictions.csv."""
+    def train_with_labels(self, name, rows, *extra, seed="1"):
+        """One epoch on the bags with a labels CSV of `rows` (its header first), `extra` options and
+        `seed`; the run and each bag's side of the split, from attention/predictions.csv."""
         csv = os.path.join(self.tmp, name + ".csv")
         with open(csv, "w") as f:
             f.write("".join(",".join(row) + "\n" for row in rows))
         out = os.path.join(self.tmp, name)
-        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *MIL_ARGS)
+        args = MIL_ARGS[:MIL_ARGS.index("--seed")] + ["--seed", seed] + MIL_ARGS[MIL_ARGS.index("--seed") + 2:]
+        r = run_train("--features", self.bags_dir, "--out", out, "--labels", csv, "--epochs", 1, *args, *extra)
         self.assertEqual(r.returncode, 0, r.stderr)
         with open(os.path.join(out, "attention", "predictions.csv")) as f:
             return r, {l.split(",")[0]: l.split(",")[1] for l in f.read().splitlines()[1:]}
@@ -785,6 +787,19 @@ class TestLabelsCsvPatients(Base):
         self.assertIn(f"a class has no {other} bag after the split class=rare seed=1", r.stderr)
         self.assertNotIn("a class has no training bag after the split class=lung", r.stderr)
         self.assertNotIn("a class has no validation bag after the split class=lung", r.stderr)
+
+    def test_stratify_puts_every_class_on_both_sides_in_its_share(self):
+        # Three bags relabelled "rare": --stratify validates round(0.3 x 3) = 1 of them and
+        # round(0.3 x n) of each other class's n bags, whatever the seed; no class is missing from
+        # either side. (Without it, seed 1 here leaves "rare" on one side: the case above.)
+        rows = [("slide_id", "label")] + [(s, "rare" if i in (0, 10, 20) else c) for i, (s, c) in enumerate(self.bags)]
+        counts = collections.Counter(label for _, label in rows[1:])
+        for seed in ("1", "2"):
+            r, split = self.train_with_labels("stratified-" + seed, rows, "--stratify", seed=seed)
+            self.assertNotIn("a class has no", r.stderr)
+            label = dict(rows[1:])
+            val = collections.Counter(label[s] for s, side in split.items() if side == "val")
+            self.assertEqual(val, {c: round(0.3 * n) for c, n in counts.items()}, seed)
 
 
 class TestPipeline(unittest.TestCase):

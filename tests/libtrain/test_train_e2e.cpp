@@ -5,6 +5,7 @@
 // engine learns real images, it is not a benchmark.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -262,6 +263,95 @@ TEST_CASE("split: a slide id in two stores is one slide (never on both sides of 
   check_disjoint(tr, va);
   REQUIRE((*data)->split_fold(5, 2, 7, &tr, &va).ok());
   check_disjoint(tr, va);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("split: stratified by class (--stratify), each class's groups on both sides in its share") {
+  // 16 groups of four classes, interleaved: 10 of class 2, 3 of class 0, 2 of class 3, 1 of class 1.
+  const std::vector<int32_t> cls = {2, 0, 2, 3, 2, 2, 0, 1, 2, 2, 3, 2, 0, 2, 2, 2};
+  std::map<int32_t, size_t> want_val = {{2, 2}, {0, 1}, {3, 1}, {1, 0}};  // round(0.2 n), in [1, n - 1]; a lone group trains
+  std::set<std::vector<bool>> seen;
+  for (uint64_t seed = 0; seed < 40; ++seed) {
+    const std::vector<bool> is_val = split_groups_stratified(cls, 0.2, seed);
+    REQUIRE(is_val.size() == cls.size());
+    std::map<int32_t, size_t> got;
+    for (size_t g = 0; g < cls.size(); ++g) got[cls[g]] += is_val[g] ? 1 : 0;
+    for (const auto& want : want_val)  // (no structured binding: clang 14 will not capture one in CHECK_MESSAGE)
+      CHECK_MESSAGE(got[want.first] == want.second, "class " << want.first << " seed " << seed);
+    CHECK(split_groups_stratified(cls, 0.2, seed) == is_val);  // the seed decides
+    seen.insert(is_val);
+  }
+  CHECK(seen.size() > 20);  // and does decide: the draws differ between seeds
+  // Bounds: nothing at 0; at 0.9 a class of two keeps one group to train, a class of ten one too.
+  CHECK(split_groups_stratified(cls, 0, 3) == std::vector<bool>(cls.size(), false));
+  const std::vector<bool> most = split_groups_stratified(cls, 0.9, 3);
+  std::map<int32_t, size_t> trains;
+  for (size_t g = 0; g < cls.size(); ++g) trains[cls[g]] += most[g] ? 0 : 1;
+  CHECK(trains == std::map<int32_t, size_t>{{0, 1}, {1, 1}, {2, 1}, {3, 1}});
+  // One class: the plain split's shuffle and count (the same groups for the same seed).
+  for (uint64_t seed : {1u, 7u, 99u}) CHECK(split_groups_stratified(std::vector<int32_t>(12, 4), 0.25, seed) ==
+                                            split_groups(12, 0.25, seed));
+
+  // Folds: every fold holds each class's share to one group, and fold sizes differ by one at most.
+  for (uint64_t seed = 0; seed < 10; ++seed) {
+    const std::vector<int> fold = fold_groups_stratified(cls, 3, seed);
+    std::map<std::pair<int32_t, int>, int> per;
+    std::vector<int> size(3, 0);
+    for (size_t g = 0; g < cls.size(); ++g) {
+      REQUIRE((fold[g] >= 0 && fold[g] < 3));
+      ++per[{cls[g], fold[g]}], ++size[static_cast<size_t>(fold[g])];
+    }
+    for (int32_t c : {0, 1, 2, 3}) {
+      int lo = 1 << 30, hi = 0;
+      for (int f = 0; f < 3; ++f) lo = std::min(lo, per[{c, f}]), hi = std::max(hi, per[{c, f}]);
+      CHECK_MESSAGE(hi - lo <= 1, "class " << c << " seed " << seed);
+    }
+    CHECK(*std::max_element(size.begin(), size.end()) - *std::min_element(size.begin(), size.end()) <= 1);
+  }
+  // The plain folds: dealt round-robin after one shuffle.
+  const std::vector<int> plain = fold_groups(7, 3, 5);
+  CHECK(std::count(plain.begin(), plain.end(), 0) == 3);
+  CHECK(std::count(plain.begin(), plain.end(), 2) == 2);
+
+  // A group's class: its items' most frequent label, the lowest on a tie; an empty group -1.
+  CHECK(group_classes({0, 0, 0, 1, 1, 2, 2, 2, 2}, {1, 2, 2, 3, 0, -1, -1, 5, 1}, 4) ==
+        std::vector<int32_t>{2, 0, -1, -1});
+}
+
+TEST_CASE("split: --stratify on a store: each class's slides split in its share, the test set and folds too") {
+  const std::string dir = temp_dir();
+  lc16(dir + "/lc");  // 360 slides of one tile, 120 of each class
+  auto data = TileDataset::open({dir + "/lc"});
+  REQUIRE_MESSAGE(data.ok(), data.status().to_string());
+  const auto per_class = [&](const std::vector<size_t>& positions) {
+    std::vector<size_t> n((*data)->class_names().size(), 0);
+    for (size_t p : positions) ++n[static_cast<size_t>((*data)->tiles()[p].label)];
+    return n;
+  };
+  std::vector<size_t> tr, va, test;
+  bool plain_uneven = false;
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    (*data)->split_by_slide(0.25, seed, &tr, &va, /*stratify=*/true);
+    CHECK(per_class(va) == std::vector<size_t>{30, 30, 30});
+    CHECK(per_class(tr) == std::vector<size_t>{90, 90, 90});
+    (*data)->split_by_slide(0.25, seed, &tr, &va);
+    CHECK(va.size() == 90);
+    plain_uneven = plain_uneven || per_class(va) != std::vector<size_t>{30, 30, 30};
+  }
+  CHECK(plain_uneven);  // what stratifying changes
+  // A stratified test set (30 of each class), then stratified folds of the rest: 18 of each class
+  // validated in each of 5 folds, every slide once, none of the test set.
+  (*data)->hold_out(0.25, 7, &test, /*stratify=*/true);
+  CHECK(per_class(test) == std::vector<size_t>{30, 30, 30});
+  const std::set<size_t> test_set(test.begin(), test.end());
+  std::set<size_t> validated;
+  for (int k = 0; k < 5; ++k) {
+    REQUIRE((*data)->split_fold(5, k, 7, &tr, &va, /*stratify=*/true).ok());
+    CHECK(per_class(va) == std::vector<size_t>{18, 18, 18});
+    CHECK(tr.size() == 216);
+    for (size_t p : va) CHECK((test_set.count(p) == 0 && validated.insert(p).second));
+  }
+  CHECK(validated.size() == 270);
   std::filesystem::remove_all(dir);
 }
 

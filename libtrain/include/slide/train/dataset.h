@@ -46,6 +46,33 @@ struct SlideLabelRow {
 // validation. Returns is_val per group.
 std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed);
 
+// The same split stratified by class (--stratify): group g's class is group_class[g] (its tiles'
+// or bags' most frequent label, the lowest on a tie: group_classes). Each class's groups, in index
+// order, are shuffled (the classes in ascending order, one generator seeded with `seed` for all),
+// and round(val_fraction x n_c) of its n_c groups are validation, kept within [1, n_c - 1] when
+// val_fraction > 0 and n_c >= 2: every class with two groups or more is on both sides; a class of
+// one group trains. The total can differ from split_groups' round(val_fraction x groups) by the
+// roundings (scikit-learn's StratifiedShuffleSplit rounds per class likewise). Returns is_val per
+// group.
+std::vector<bool> split_groups_stratified(const std::vector<int32_t>& group_class, double val_fraction,
+                                          uint64_t seed);
+
+// K-fold assignment of `groups` groups (--folds): shuffled with `seed` and dealt round-robin, so
+// fold sizes differ by one at most. Returns the fold (0..folds-1) of each group. folds >= 1.
+std::vector<int> fold_groups(uint32_t groups, int folds, uint64_t seed);
+
+// The same stratified by class (--folds with --stratify): each class's groups (the classes in
+// ascending order, one generator seeded with `seed`) shuffled and dealt round-robin, the dealing
+// going on from where the previous class's ended, so that every fold has each class's share (to
+// one group) and fold sizes still differ by one at most (scikit-learn's StratifiedKFold's aim).
+std::vector<int> fold_groups_stratified(const std::vector<int32_t>& group_class, int folds, uint64_t seed);
+
+// Each group's class for the stratified splits: the most frequent of `labels` over the items
+// (tiles, or bags) of that group (item_group[i] < groups), the lowest label on a tie; kNoLabel's
+// value (-1) counts like any other. Groups without an item get -1.
+std::vector<int32_t> group_classes(const std::vector<uint32_t>& item_group, const std::vector<int32_t>& labels,
+                                   uint32_t groups);
+
 // TileRef::label of a tile without one (TileDataset::open with allow_unlabelled).
 inline constexpr int32_t kNoLabel = -1;
 
@@ -144,23 +171,27 @@ class TileDataset {
   // slides of one patient stay together; a slide id found in two stores, e.g. one slide tiled at
   // two resolutions, is one slide): groups shuffled with `seed`, round(val_fraction x
   // groups) (at least one when val_fraction > 0 and there are two groups or more) go to
-  // validation.
-  void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
+  // validation (split_groups). With `stratify`, within each class (split_groups_stratified; a
+  // group's class is its tiles' most frequent label).
+  void split_by_slide(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val,
+                      bool stratify = false) const;
 
   // K-fold cross-validation over the same groups (patients when the labels CSV names them, else
-  // slides): the groups shuffled with `seed` and dealt round-robin into `folds` folds; fold `fold`
-  // is validation, the rest training. Over fold = 0..folds-1 every group is validated exactly
-  // once. Errors: kInvalidArgument (folds < 2, fold outside [0, folds), fewer groups than folds).
+  // slides): the groups shuffled with `seed` and dealt round-robin into `folds` folds (fold_groups;
+  // with `stratify`, each class's in turn: fold_groups_stratified); fold `fold` is validation, the
+  // rest training. Over fold = 0..folds-1 every group is validated exactly once. Errors:
+  // kInvalidArgument (folds < 2, fold outside [0, folds), fewer groups than folds).
   [[nodiscard]] Status split_fold(int folds, int fold, uint64_t seed, std::vector<size_t>* train,
-                                  std::vector<size_t>* val) const;
+                                  std::vector<size_t>* val, bool stratify = false) const;
   // The number of split groups (patients, or slides).
   uint32_t groups() const;
 
   // A held-out test set (--test-fraction): round(test_fraction x groups) groups (at least one when
-  // test_fraction > 0 and there are two groups or more), drawn from `seed` on a stream of their own;
-  // their tiles go to *test, and split_by_slide and split_fold leave them out from then on. The
-  // same stores, labels, fraction and seed give the same test set (evaluate finds it again).
-  void hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test);
+  // test_fraction > 0 and there are two groups or more; with `stratify`, per class as
+  // split_groups_stratified), drawn from `seed` on a stream of their own; their tiles go to *test,
+  // and split_by_slide and split_fold leave them out from then on. The same stores, labels,
+  // fraction, seed and `stratify` give the same test set (evaluate finds it again).
+  void hold_out(double test_fraction, uint64_t seed, std::vector<size_t>* test, bool stratify = false);
 
   // Decodes tiles `positions` (into tiles()) into images [N, 3, S, S] f32, channels normalised
   // with ImageNet's mean and std (torchvision's), and labels [N] i32, both from `alloc`. Each image
@@ -188,6 +219,7 @@ class TileDataset {
   std::vector<uint32_t> slide_store_;  // per slide: its store's index
   std::vector<bool> held_out_;         // per group, after hold_out: its tiles are the test set
   std::vector<uint32_t> kept_groups() const;  // the groups not held out, in index order
+  std::vector<int32_t> tile_group_classes() const;  // per group: group_classes over the tiles
   std::vector<slide::tile::SlideRecord> slide_records_;  // per slide: its store's record
   // Tiles first .. first + count - 1 decoded (on `pool`) into out, count x S x S x 3 bytes.
   Status decode_range(slide::core::ThreadPool* pool, int64_t first, int64_t count, uint8_t* out) const;

@@ -132,8 +132,10 @@ class BagDataset {
   // Positions (into bags()) split by slide, or by patient when the labels CSV has a `patient`
   // column, the rule of TileDataset::split_by_slide: groups shuffled with `seed`,
   // round(val_fraction x groups) (at least one when val_fraction > 0 and there are two groups or
-  // more) go to validation.
-  void split(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val) const;
+  // more) go to validation. With `stratify`, within each class (split_groups_stratified; a
+  // patient's class is its bags' most frequent label).
+  void split(double val_fraction, uint64_t seed, std::vector<size_t>* train, std::vector<size_t>* val,
+             bool stratify = false) const;
 
   // Reads every bag once into tensors from `alloc` (the dataset-pinning idea: train from RAM).
   // Errors: kResourceExhausted when they do not fit the budget (what was read is dropped, the

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "cli_checks.h"
 #include "slide/core/log.h"
 #include "slide/train/allocator.h"
 #include "slide/train/backend.h"
@@ -24,7 +25,7 @@ inline void add_backend_options(CLI::App& app, std::string* backend, int* device
   app.add_option("--device", *device,
                  "The GPU for --backend cuda (default: the launcher's node-local rank, from mpirun's or srun's "
                  "environment, else 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
 }
 
 // Adds --precision (into *precision, its default "fp32" kept): the math precision of the

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_checks.h"
 #include "exit_codes.h"
 #include "slide/core/file.h"
 #include "slide/core/file_name.h"
@@ -239,11 +240,11 @@ int run_main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   app.add_option("-o,--out", out_store, "Output store directory (created, or resumed when it exists)");
   auto* mpp_opt = app.add_option("--mpp", mpp, "Target resolution, micrometres per pixel (e.g. 0.5 ~ 20x)")
-                      ->check(CLI::PositiveNumber);
+                      ->check(slide::apps::positive_number());
   app.add_option("--magnification", magnification, "Target magnification (converted as mpp = 10 / magnification: 20x -> 0.5 um/px)")
-      ->check(CLI::PositiveNumber)
+      ->check(slide::apps::positive_number())
       ->excludes(mpp_opt);
-  app.add_option("--source-mpp", source_mpp, "Level-0 um/px for slides whose metadata has none")->check(CLI::PositiveNumber);
+  app.add_option("--source-mpp", source_mpp, "Level-0 um/px for slides whose metadata has none")->check(slide::apps::positive_number());
   auto* tile_size_opt = app.add_option("--tile-size", opt.grid.tile_size_px,
                                        "Tile side, pixels at the target resolution (patch folders alone: the patches' "
                                        "own size when they all share one)")
@@ -255,7 +256,7 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--max-tiles-per-slide", max_tiles, "Keep at most N tiles per slide (seeded uniform sample, grid order); 0 = all")
-      ->check(CLI::NonNegativeNumber);
+      ->check(slide::apps::non_negative_number());
   app.add_option("--seed", opt.grid.seed, "Seed for --max-tiles-per-slide sampling")->capture_default_str();
   app.add_option("--encoding", encoding, "Tile payload: jpeg or raw (RGB bytes)")
       ->capture_default_str()
@@ -272,14 +273,14 @@ int run_main(int argc, char** argv) {
                  "Write a QC PNG per slide here: the slide at --qc-mpp with the tissue mask (green) and the kept "
                  "tiles (blue), a title, a legend and a scale bar");
   app.add_option("--qc-mpp", opt.qc_mpp_um, "Resolution of the QC pictures, um/px (the longer side at most 2048 px)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(slide::apps::positive_number());
   app.add_option("--txn-tiles", opt.tiles_per_txn, "Tiles per LMDB write transaction")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
   opt.tissue.thumbnail_mpp_um = 0;  // auto
   app.add_option("--thumbnail-mpp", opt.tissue.thumbnail_mpp_um,
                  "Resolution of the tissue-detection thumbnail, um/px (default: tile size x --mpp / 8, within 2..16)")
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
   // Tissue detection's knobs (CLAM's segmentTissue parameters; tissue.h).
   std::string stain = "auto", tissue_threshold = "otsu";
   app.add_option("--stain", stain,
@@ -303,9 +304,9 @@ int run_main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(1, 101));
   app.add_option("--min-tissue-area", opt.tissue.min_object_um2,
                  "Tissue pieces smaller than this are dropped, um^2 (0: keep all)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(slide::apps::non_negative_number());
   app.add_option("--min-hole-area", opt.tissue.min_hole_um2, "Holes in tissue smaller than this are filled, um^2 (0: none)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(slide::apps::non_negative_number());
   app.add_option("--annotations", opt.annotations_path,
                  "GeoJSON (QuPath export, level-0 px): a file for every slide, or a directory of <slide stem>.geojson|.json");
   app.add_flag("--roi-only", opt.roi_only, "Keep only tiles covered by the annotations (see --min-roi-overlap)");

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_checks.h"
 #include "exit_codes.h"
 #include "slide/core/csv.h"
 #include "slide/core/file.h"
@@ -191,10 +192,10 @@ int run_main(int argc, char** argv) {
   predict->add_option("--labels", pred.labels, "CSV with slide_id,label columns (optional: adds metrics)")
       ->check(CLI::ExistingFile);
   predict->add_option("--batch-size", pred.batch, "Tiles per forward pass")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
   predict->add_option("--decode-threads,--threads", pred.threads,
                       "Threads decoding the tiles (JPEG) one batch ahead of compute (--threads: the old name)")
-      ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
+      ->capture_default_str()->check(slide::apps::positive_number())->take_last();
   predict->add_flag("--overwrite", pred.overwrite,
                     "Replace an earlier prediction in --out (its CSVs, metrics.json, predictions/ and heatmaps/)");
   bool predict_no_fused = false, no_heatmaps = false;
@@ -207,14 +208,14 @@ int run_main(int argc, char** argv) {
   slide::apps::add_mil_evaluate_options(*predict, &mil_pred);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
   app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
-  app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(slide::apps::positive_number());
   app.add_option("--batch-size", batch,
                  "Samples per optimizer step, or auto: the largest micro-batch that fits the memory budget")
       ->capture_default_str()
       ->transform([](const std::string& v) { return v == "auto" ? std::string("0") : v; })  // 0: auto
-      ->check(CLI::NonNegativeNumber);
+      ->check(slide::apps::non_negative_number());
   app.add_option("--accumulate", accumulate, "Micro-batches per step (gradient accumulation)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
   using slide::apps::number_option;
   app.add_option("--lr", lr, "Peak learning rate (finite, >= 0)")->capture_default_str()->check(number_option("lr"));
   app.add_option("--optimizer", optimizer, "sgd | adamw")->capture_default_str();
@@ -253,12 +254,12 @@ int run_main(int argc, char** argv) {
                  "metrics to OUT/results.json; with --fold, trains that fold")
       ->check(CLI::Range(2, 1000));
   app.add_option("--fold", fold, "With --folds K: the fold (0..K-1) that is validation; the others train")
-      ->check(CLI::NonNegativeNumber);
+      ->check(slide::apps::non_negative_number());
   CLI::Option* decode_threads_opt =
       app.add_option("--decode-threads,--threads", threads,
                      "Threads decoding (JPEG) and augmenting the tiles of the next batches (--threads: the old name; "
                      "the last one given counts; default: the cores, divided among the ranks on one host)")
-          ->capture_default_str()->check(CLI::PositiveNumber)->take_last();
+          ->capture_default_str()->check(slide::apps::positive_number())->take_last();
   int compute_threads = 0;
   app.add_option("--compute-threads", compute_threads,
                  "Compute threads of the cpu backend (oneDNN's OpenMP threads); 0: OMP_NUM_THREADS, else every core")
@@ -290,7 +291,7 @@ int run_main(int argc, char** argv) {
   app.add_option("--memory-budget", budget,
                  "Memory budget for tensors on the backend's device, e.g. 8G (host memory on cpu; GPU memory on "
                  "cuda); exceeding it is an error, recovered by smaller micro-batches");
-  app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--keep", keep, "Checkpoints to keep")->capture_default_str()->check(slide::apps::positive_number());
   app.add_flag("--resume", resume, "Continue from the newest checkpoint in --out");
   bool overwrite = false;
   app.add_flag("--overwrite", overwrite,

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_checks.h"
 #include "slide/core/log.h"
 #include "slide/train/memory_strategy.h"
 #include "slide/train/planner.h"
@@ -42,7 +43,7 @@ void add_memory_options(CLI::App& app, MemoryOptions* o) {
                "Print the memory plan (bytes per layer and the peak for the micro-batch) and exit");
   app.add_option("--global-batch", o->global_batch,
                  "With --batch-size auto: samples per optimizer step; the accumulation steps follow")
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
 }
 
 namespace {

@@ -4,6 +4,7 @@
 // <attention-dir>/<stem>.h5 (HDF5: /attention, /coords, the full slide id as an attribute),
 // <attention-dir>/<stem>.png (heatmap) and predictions.csv (full slide ids, RFC 4180 quoted), where
 // <stem> is slide::core::slide_file_stem(slide id) (cache::bag_file_name's rule).
+#include "cli_checks.h"
 #include "exit_codes.h"
 #include "slide_train_mil.h"
 
@@ -195,13 +196,13 @@ void add_mil_options(CLI::App& app, MilOptions* o) {
                  "(ABMIL, gated) on slide labels instead of a tile CNN")
       ->check(CLI::ExistingDirectory);
   app.add_option("--mil-hidden", o->hidden, "ABMIL: width of the first fully connected layer")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
   app.add_option("--mil-attention", o->attention, "ABMIL: width of the gated attention")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(slide::apps::positive_number());
   app.add_option("--mil-dropout", o->dropout, "ABMIL: dropout after the first layer in training (CLAM uses 0.25)")
       ->capture_default_str()->check(number_option("mil-dropout"));
   app.add_option("--prefetch", o->prefetch, "MIL: bags read ahead of the one in compute when streaming")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(slide::apps::non_negative_number());
   app.add_option("--attention-dir", o->attention_dir,
                  "MIL: where the per-slide attention (.h5) and heatmaps (.png) go (default: OUT/attention)");
   app.add_flag("--no-attention", o->no_attention, "MIL: do not write attention files and heatmaps at the end");

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli_checks.h"
 #include "exit_codes.h"
 #include "interrupt.h"
 #include "train_common.h"
@@ -117,7 +118,7 @@ CLI::App* add_sweep_command(CLI::App& app, SweepOptions* o) {
   sweep->add_option("--grid", o->grid, "Trials: a TOML file of 'option = [values]' (their product) or a CSV of rows")
       ->required()->check(CLI::ExistingFile);
   sweep->add_option("--out", o->out, "Sweep directory: trials/tNNN/, results.json, results.csv")->required();
-  sweep->add_option("--parallel", o->parallel, "Trials at once")->capture_default_str()->check(CLI::PositiveNumber);
+  sweep->add_option("--parallel", o->parallel, "Trials at once")->capture_default_str()->check(slide::apps::positive_number());
   sweep->add_option("--devices", o->devices_text,
                     "GPUs to spread the trials over (e.g. 0,1,2,3 with --parallel 4): each trial started gets "
                     "--device D, D the listed GPU running fewest trials (a GPU listed twice takes two); without it "

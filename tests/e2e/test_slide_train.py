@@ -1477,6 +1477,15 @@ class TestBadInput(Base):
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--memory-budget: '12Q': unknown unit 'Q'", r.stderr)
         self.assertFalse(os.path.exists(os.path.join(self.tmp, "budget-unit", "checkpoints")))
+        # A count that must be positive says so (CLI11's own check printed its bounds as doubles:
+        # "Value 0 not in range 0.000000 to 1797693...").
+        r = self.train(out, epochs=0)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--epochs: must be a number above 0, not 0", r.stderr)
+        self.assertNotIn("1797693", r.stderr)
+        r = subprocess.run([TRAIN, "--data", self.store, "--out", out, "--device", "-1"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--device: must be a number >= 0, not -1", r.stderr)
 
 
 

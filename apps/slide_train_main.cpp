@@ -207,7 +207,7 @@ int run_main(int argc, char** argv) {
   slide::apps::MilEvaluateOptions mil_pred;  // predict --features: an ABMIL checkpoint on bags of new slides
   slide::apps::add_mil_evaluate_options(*predict, &mil_pred);
   app.add_option("--model", model_name, "small | resnet18 | resnet34 | resnet50")->capture_default_str();
-  app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str();
+  app.add_option("--width", width, "Channels of the small CNN's first stage")->capture_default_str()->check(slide::apps::positive_number());
   app.add_option("--epochs", epochs, "Epochs")->capture_default_str()->check(slide::apps::positive_number());
   app.add_option("--batch-size", batch,
                  "Samples per optimizer step, or auto: the largest micro-batch that fits the memory budget")

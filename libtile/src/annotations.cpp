@@ -128,9 +128,14 @@ Result<Annotations> load_geojson(const std::string& path) {
 
 // A union's disjoint parts, each prepared, behind an STR tree on their bounding boxes: a tile
 // query touches only the parts whose boxes it meets, never the whole union (a union of 1000
-// polygons intersected with every boundary tile took a minute for 100k tiles).
+// polygons intersected with every boundary tile took a minute for 100k tiles). A part of more
+// than kMaxPieceVertices vertices is cut into pieces (Impl::subdivide): a boundary tile's
+// intersection then costs its pieces' vertices, not the whole outline's (one 100,000-vertex
+// outline over 2,012 boundary tiles of 256 px: 22 s, bench/annotation_bench.cpp).
+constexpr int kMaxPieceVertices = 256;
+
 struct Layer {
-  std::vector<GEOSGeometry*> parts;  // owned clones of the union's components
+  std::vector<GEOSGeometry*> parts;  // owned: the union's components, or pieces of them
   std::vector<const GEOSPreparedGeometry*> prepared;
   GEOSSTRtree* tree = nullptr;
 };
@@ -153,6 +158,65 @@ struct AnnotationIndex::Impl {
     GEOS_finish_r(ctx);
   }
 
+  // Appends the polygons of `g` (a Polygon, or the polygons of a MultiPolygon or collection; lines
+  // and points, which an intersection can leave along a cut, have no area and are dropped) to
+  // *out as owned clones. False when GEOS fails.
+  bool polygons_of(const GEOSGeometry* g, std::vector<GEOSGeometry*>* out) const {
+    const int type = GEOSGeomTypeId_r(ctx, g);
+    if (type == GEOS_POLYGON) {
+      if (GEOSisEmpty_r(ctx, g) == 1) return true;
+      GEOSGeometry* c = GEOSGeom_clone_r(ctx, g);
+      if (!c) return false;
+      out->push_back(c);
+      return true;
+    }
+    if (type != GEOS_MULTIPOLYGON && type != GEOS_GEOMETRYCOLLECTION) return type >= 0;
+    const int n = GEOSGetNumGeometries_r(ctx, g);
+    if (n < 0) return false;
+    for (int i = 0; i < n; ++i)
+      if (!polygons_of(GEOSGetGeometryN_r(ctx, g, i), out)) return false;
+    return true;
+  }
+
+  // Cuts `part` (a polygon, owned) into pieces of at most kMaxPieceVertices vertices, appended to
+  // *out (owned): its bounding box halved across its longer side at an integer coordinate, each
+  // half intersected with it (GEOSIntersection_r, robust; GEOSClipByRect_r may return invalid
+  // polygons), recursively: PostGIS's ST_Subdivide. The pieces are disjoint but for the cuts and
+  // their union is the part, so their areas inside a tile add to the part's; level-0 tiles have
+  // integer corners, and a cut at an integer coordinate through a tile inside the part splits it
+  // into rectangles whose areas add exactly. O(V log V) for V vertices. False when GEOS fails.
+  bool subdivide(GEOSGeometry* part, int depth, std::vector<GEOSGeometry*>* out) const {
+    const int vertices = GEOSGetNumCoordinates_r(ctx, part);
+    double x0 = 0, y0 = 0, x1 = 0, y1 = 0;
+    const bool box_ok = GEOSGeom_getXMin_r(ctx, part, &x0) == 1 && GEOSGeom_getYMin_r(ctx, part, &y0) == 1 &&
+                        GEOSGeom_getXMax_r(ctx, part, &x1) == 1 && GEOSGeom_getYMax_r(ctx, part, &y1) == 1;
+    const bool across_x = x1 - x0 >= y1 - y0;
+    const double lo = across_x ? x0 : y0, hi = across_x ? x1 : y1;
+    const double cut = std::floor((lo + hi) / 2);
+    // Small enough, too deep, or too narrow to cut at an integer inside it: kept whole.
+    if (vertices < 0 || !box_ok || vertices <= kMaxPieceVertices || depth >= 40 || cut <= lo || cut >= hi) {
+      out->push_back(part);
+      return vertices >= 0 && box_ok;
+    }
+    bool ok = true;
+    for (int side = 0; ok && side < 2; ++side) {
+      // The half-boxes reach 1 px past the part's box, so no vertex lies on their outer edges.
+      GEOSGeometry* half = across_x ? (side == 0 ? box(x0 - 1, y0 - 1, cut, y1 + 1) : box(cut, y0 - 1, x1 + 1, y1 + 1))
+                                    : (side == 0 ? box(x0 - 1, y0 - 1, x1 + 1, cut) : box(x0 - 1, cut, x1 + 1, y1 + 1));
+      GEOSGeometry* inter = half ? GEOSIntersection_r(ctx, part, half) : nullptr;
+      if (half) GEOSGeom_destroy_r(ctx, half);
+      std::vector<GEOSGeometry*> pieces;
+      ok = inter != nullptr && polygons_of(inter, &pieces);
+      if (inter) GEOSGeom_destroy_r(ctx, inter);
+      for (GEOSGeometry* piece : pieces) {
+        if (ok) ok = subdivide(piece, depth + 1, out);
+        else GEOSGeom_destroy_r(ctx, piece);
+      }
+    }
+    GEOSGeom_destroy_r(ctx, part);
+    return ok;
+  }
+
   // Takes ownership of `u` (a union). False when GEOS fails.
   bool make_layer(GEOSGeometry* u, Layer* l) {
     const int n = GEOSGetNumGeometries_r(ctx, u);
@@ -160,10 +224,15 @@ struct AnnotationIndex::Impl {
     l->tree = GEOSSTRtree_create_r(ctx, 10);
     bool ok = l->tree != nullptr;
     for (int i = 0; ok && i < n; ++i) {
-      GEOSGeometry* part = GEOSGeom_clone_r(ctx, GEOSGetGeometryN_r(ctx, u, i));
-      if (!part) { ok = false; break; }
-      l->parts.push_back(part);
-      const GEOSPreparedGeometry* prep = GEOSPrepare_r(ctx, part);
+      std::vector<GEOSGeometry*> polygons;
+      ok = polygons_of(GEOSGetGeometryN_r(ctx, u, i), &polygons);
+      for (GEOSGeometry* polygon : polygons) {
+        if (ok) ok = subdivide(polygon, 0, &l->parts);
+        else GEOSGeom_destroy_r(ctx, polygon);
+      }
+    }
+    for (size_t i = 0; ok && i < l->parts.size(); ++i) {
+      const GEOSPreparedGeometry* prep = GEOSPrepare_r(ctx, l->parts[i]);
       if (!prep) { ok = false; break; }
       l->prepared.push_back(prep);
     }
@@ -230,6 +299,11 @@ struct AnnotationIndex::Impl {
 AnnotationIndex::AnnotationIndex(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 AnnotationIndex::~AnnotationIndex() = default;
 const std::vector<std::string>& AnnotationIndex::classes() const { return impl_->classes; }
+size_t AnnotationIndex::pieces() const {
+  size_t n = impl_->all.parts.size();
+  for (const Layer& l : impl_->by_class) n += l.parts.size();
+  return n;
+}
 
 Result<std::unique_ptr<AnnotationIndex>> AnnotationIndex::build(const Annotations& a, int64_t width_l0,
                                                                 int64_t height_l0) {

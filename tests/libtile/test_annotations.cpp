@@ -2,7 +2,11 @@
 // areas are known exactly (axis-aligned rectangles, a rectangle with a hole, a right triangle).
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "slide/tile/annotations.h"
 
@@ -125,6 +129,75 @@ TEST_CASE("AnnotationIndex: self-intersection and coordinates outside the slide"
   auto out = AnnotationIndex::build(*a, 300, 300);  // the triangle reaches x = 400
   REQUIRE_FALSE(out.ok());
   CHECK(out.status().message().find("outside the slide") != std::string::npos);
+}
+
+TEST_CASE("AnnotationIndex: a long outline is cut into pieces; every tile's coverage is the exact area") {
+  // A staircase "tumor" region y in [0, h_i] over the 7-px columns x in [7i, 7i + 7), 2000 columns
+  // of random integer heights: 4003 vertices, each tile's covered area a sum of rectangles, known
+  // exactly. A "stroma" rectangle overlaps it. Tiles of 97 px: not aligned with the columns.
+  std::mt19937 rng(11);
+  std::vector<int64_t> h(2000);
+  for (auto& v : h) v = 1000 + static_cast<int64_t>(rng() % 2000);
+  slide::tile::Annotations a;
+  a.source = "staircase";
+  a.classes = {"tumor", "stroma"};
+  slide::tile::AnnotationPolygon stairs{"tumor", {{}}};
+  auto& ring = stairs.rings[0];
+  ring.push_back({0, 0});
+  for (size_t i = 0; i < h.size(); ++i) {
+    ring.push_back({7.0 * static_cast<double>(i), static_cast<double>(h[i])});
+    ring.push_back({7.0 * static_cast<double>(i + 1), static_cast<double>(h[i])});
+  }
+  ring.push_back({14000, 0});
+  ring.push_back({0, 0});
+  a.polygons.push_back(stairs);
+  a.polygons.push_back({"stroma", {{{5000, 2500}, {9000, 2500}, {9000, 3900}, {5000, 3900}, {5000, 2500}}}});
+  auto index = AnnotationIndex::build(a, 15000, 4000);
+  REQUIRE_MESSAGE(index.ok(), index.status().to_string());
+  // Both unions of the staircase (all polygons, and "tumor") cut into pieces of 256 vertices or fewer.
+  CHECK((*index)->pieces() >= 2 * (4003 / 256));
+  const int64_t s = 97;
+  auto tumor_area = [&](int64_t x0, int64_t y0) {
+    int64_t area = 0;
+    for (int64_t i = std::max<int64_t>(0, x0 / 7); i < static_cast<int64_t>(h.size()) && 7 * i < x0 + s; ++i) {
+      const int64_t w = std::min(7 * i + 7, x0 + s) - std::max(7 * i, x0);
+      const int64_t d = std::min(h[static_cast<size_t>(i)], y0 + s) - y0;
+      if (w > 0 && d > 0) area += w * d;
+    }
+    return area;
+  };
+  auto overlap = [&](int64_t x0, int64_t y0, int64_t rx0, int64_t ry0, int64_t rx1, int64_t ry1) {
+    const int64_t w = std::min(x0 + s, rx1) - std::max(x0, rx0), d = std::min(y0 + s, ry1) - std::max(y0, ry0);
+    return w > 0 && d > 0 ? w * d : int64_t{0};
+  };
+  int64_t inside = 0, boundary = 0, wrong_roi = 0, wrong_label = 0;
+  for (int64_t y = 0; y + s <= 4000; y += s)
+    for (int64_t x = 0; x + s <= 15000; x += s) {
+      const int64_t t = tumor_area(x, y), r = overlap(x, y, 5000, 2500, 9000, 3900);
+      const int64_t both = std::min<int64_t>(t, r) > 0 ? [&] {  // the rectangle's part under the stairs
+        int64_t area = 0;
+        for (int64_t i = std::max<int64_t>(0, x / 7); i < static_cast<int64_t>(h.size()) && 7 * i < x + s; ++i) {
+          const int64_t w = std::min({7 * i + 7, x + s, int64_t{9000}}) - std::max({7 * i, x, int64_t{5000}});
+          const int64_t d = std::min({h[static_cast<size_t>(i)], y + s, int64_t{3900}}) - std::max(y, int64_t{2500});
+          if (w > 0 && d > 0) area += w * d;
+        }
+        return area;
+      }() : 0;
+      const double want_roi = static_cast<double>(t + r - both) / static_cast<double>(s * s);
+      const slide::tile::TileCoverage c = (*index)->cover(x, y, s, 0.25);
+      wrong_roi += std::abs(c.roi_fraction - want_roi) > 1e-12;
+      if (want_roi == 1) ++inside, wrong_roi += c.roi_fraction != 1.0;  // exactly, across the cuts
+      if (want_roi > 0 && want_roi < 1) ++boundary;
+      // The label: the larger of the two classes' areas among those covering 25 % (tumor first on a tie).
+      int want_label = -1;
+      if (t > 0 && 4 * t >= s * s) want_label = 0;
+      if (r > 0 && 4 * r >= s * s && (want_label < 0 || r > t)) want_label = 1;
+      wrong_label += c.label != want_label;
+    }
+  CHECK(inside > 500);
+  CHECK(boundary > 100);
+  CHECK(wrong_roi == 0);
+  CHECK(wrong_label == 0);
 }
 
 }  // namespace libtile_test_annotations

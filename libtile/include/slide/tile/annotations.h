@@ -68,11 +68,17 @@ class AnnotationIndex {
   // label: the class whose (unioned) polygons cover the largest area of the square among those
   // covering at least min_label_overlap of it, and more than none of it (at 0 too: a square touched
   // only by class-less polygons has no label); equal areas: the class listed first in the file.
-  // Squares whose bounding box misses every polygon are answered from prepared geometries
-  // without computing an intersection.
+  // Squares whose bounding box misses every polygon, or that one piece (pieces()) contains, are
+  // answered from prepared geometries without computing an intersection.
   TileCoverage cover(int64_t x_l0, int64_t y_l0, int64_t side_l0, double min_label_overlap) const;
 
   const std::vector<std::string>& classes() const;
+
+  // The prepared pieces the index queries, over the union of all polygons and the per-class
+  // unions: each union's disjoint parts, those of more than 256 vertices cut into pieces of at
+  // most 256 (annotations.cpp, subdivide), so that a tile on a long outline intersects a few
+  // hundred vertices, not the outline's.
+  size_t pieces() const;
 
  private:
   struct Impl;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <string>
@@ -88,6 +89,32 @@ TEST_CASE("cpu vs reference: batch norm training, inference, backward (+=)") {
   compare("bn dx", dx, 1e-4);
   compare("bn dgamma", dg, 1e-5);
   compare("bn dbeta", db, 1e-5);
+}
+
+TEST_CASE("relu maps NaN to 0 on both backends (oneDNN's relu; PyTorch's propagates it), its gradient there 0") {
+  for (const std::string name : {"reference", "cpu"}) {
+    CAPTURE(name);
+    auto be = make_backend(name);
+    REQUIRE(be.ok());
+    auto x = Tensor::empty({5}, DType::kF32, cpu_allocator());
+    auto y = Tensor::empty({5}, DType::kF32, cpu_allocator());
+    auto dy = Tensor::empty({5}, DType::kF32, cpu_allocator());
+    auto dx = Tensor::empty({5}, DType::kF32, cpu_allocator());
+    REQUIRE((x.ok() && y.ok() && dy.ok() && dx.ok()));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float in[5] = {nan, -1.0f, 2.0f, -0.0f, 0.5f};
+    std::copy(in, in + 5, x->data<float>());
+    std::fill_n(dy->data<float>(), 5, 3.0f);
+    REQUIRE((*be)->relu_forward(*x, *y).ok());
+    CHECK(y->data<float>()[0] == 0.0f);  // formulas::relu on reference, oneDNN's on cpu
+    CHECK(y->data<float>()[1] == 0.0f);
+    CHECK(y->data<float>()[2] == 2.0f);
+    CHECK(y->data<float>()[3] == 0.0f);
+    CHECK(y->data<float>()[4] == 0.5f);
+    REQUIRE((*be)->relu_backward(*y, *dy, *dx).ok());
+    const float want[5] = {0.0f, 0.0f, 3.0f, 0.0f, 3.0f};
+    for (int i = 0; i < 5; ++i) CHECK(dx->data<float>()[i] == want[i]);
+  }
 }
 
 TEST_CASE("cpu vs reference: relu, add, mul, max pool, global average pool") {

@@ -401,10 +401,13 @@ struct ActivationDesc {
   ~ActivationDesc() {
     if (d) (void)cudnnDestroyActivationDescriptor(d);
   }
-  // ReLU, NaN propagated (as torch.relu).
+  // ReLU, NaN not propagated: the op list's relu maps NaN to 0 on every other path (formulas::relu,
+  // which the reference, the unfused and the half-precision cuda paths run; oneDNN's relu on cpu),
+  // so the fused f32 convolution must not give NaN where cuda's own unfused fallback gives 0.
+  // (torch.relu propagates NaN; the op list follows oneDNN, the CPU backend's library.)
   Status set_relu() {
     SLIDE_CUDNN_CHECK(cudnnCreateActivationDescriptor(&d));
-    SLIDE_CUDNN_CHECK(cudnnSetActivationDescriptor(d, CUDNN_ACTIVATION_RELU, CUDNN_PROPAGATE_NAN, 0.0));
+    SLIDE_CUDNN_CHECK(cudnnSetActivationDescriptor(d, CUDNN_ACTIVATION_RELU, CUDNN_NOT_PROPAGATE_NAN, 0.0));
     return ok_status();
   }
 };
@@ -1652,7 +1655,15 @@ class CudaBackend final : public Backend {
     for (const AlgoCandidate& c : order) {
       if (key.math != ConvMath::kFma && c.math_type >= 0)
         SLIDE_CUDNN_CHECK(cudnnSetConvolutionMathType(ds.conv.d, static_cast<cudnnMathType_t>(c.math_type)));
-      SLIDE_ASSIGN_OR_RETURN(size_t bytes, workspace(c.algo));
+      // cuDNN may refuse the workspace query of a listed algorithm under the math type set above
+      // (CUDNN_STATUS_NOT_SUPPORTED: kUnimplemented): passed over as a refused run is.
+      Result<size_t> queried = workspace(c.algo);
+      if (!queried.ok()) {
+        if (queried.status().code() != StatusCode::kUnimplemented) return queried.status();
+        last = queried.status();
+        continue;
+      }
+      const size_t bytes = *queried;
       Tensor ws;
       if (bytes > 0) {
         auto t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, *st_->alloc, "cuDNN workspace");

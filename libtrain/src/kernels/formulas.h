@@ -116,7 +116,8 @@ SLIDE_HD double squared(T x) {
 }
 
 // --- Activations (backend.h: relu_*, tanh_*, sigmoid_*) -------------------------------------------
-// y = max(x, 0); NaN propagates as PyTorch's relu does not (x > 0 is false for NaN: y = 0).
+// y = max(x, 0), and 0 for NaN (x > 0 is false): as oneDNN's relu on the cpu backend (its JIT's max)
+// and cuDNN's under CUDNN_NOT_PROPAGATE_NAN; PyTorch's relu propagates NaN.
 template <typename T>
 SLIDE_HD T relu(T x) {
   return x > T(0) ? x : T(0);

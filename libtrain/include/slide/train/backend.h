@@ -370,7 +370,7 @@ class Backend {
   }
 
   // --- Element-wise ------------------------------------------------------------------------------
-  // y = max(x, 0); any shape. y may be x (in place).
+  // y = max(x, 0), 0 where x is NaN (formulas::relu; oneDNN's relu does the same); any shape. y may be x (in place).
   [[nodiscard]] virtual Status relu_forward(const Tensor& x, Tensor& y) = 0;
   // dx = dy where y > 0, else 0 (from the forward's output, so forward may run in place).
   [[nodiscard]] virtual Status relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;

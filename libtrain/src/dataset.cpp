@@ -59,11 +59,22 @@ Result<std::map<std::string, SlideLabelRow>> read_slide_labels_csv(const std::st
   return out;
 }
 
-std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed) {
+namespace {
+
+// 0 .. groups - 1 shuffled by std::shuffle with std::mt19937_64(seed): the plain split's and folds'
+// order.
+std::vector<uint32_t> shuffled_groups(uint32_t groups, uint64_t seed) {
   std::vector<uint32_t> order(groups);
   std::iota(order.begin(), order.end(), 0u);
   std::mt19937_64 rng(seed);
   std::shuffle(order.begin(), order.end(), rng);
+  return order;
+}
+
+}  // namespace
+
+std::vector<bool> split_groups(uint32_t groups, double val_fraction, uint64_t seed) {
+  const std::vector<uint32_t> order = shuffled_groups(groups, seed);
   size_t n_val = static_cast<size_t>(std::llround(val_fraction * static_cast<double>(order.size())));
   if (val_fraction > 0 && n_val == 0 && order.size() >= 2) n_val = 1;
   n_val = std::min(n_val, order.size());
@@ -99,10 +110,7 @@ std::vector<bool> split_groups_stratified(const std::vector<int32_t>& group_clas
 }
 
 std::vector<int> fold_groups(uint32_t groups, int folds, uint64_t seed) {
-  std::vector<uint32_t> order(groups);
-  std::iota(order.begin(), order.end(), 0u);
-  std::mt19937_64 rng(seed);
-  std::shuffle(order.begin(), order.end(), rng);
+  const std::vector<uint32_t> order = shuffled_groups(groups, seed);
   std::vector<int> fold_of(groups, 0);
   for (uint32_t k = 0; k < groups; ++k) fold_of[order[k]] = static_cast<int>(k % static_cast<uint32_t>(folds));
   return fold_of;

@@ -184,7 +184,8 @@ struct AnnotationIndex::Impl {
   // polygons), recursively: PostGIS's ST_Subdivide. The pieces are disjoint but for the cuts and
   // their union is the part, so their areas inside a tile add to the part's; level-0 tiles have
   // integer corners, and a cut at an integer coordinate through a tile inside the part splits it
-  // into rectangles whose areas add exactly. O(V log V) for V vertices. False when GEOS fails.
+  // into rectangles whose areas add exactly. O(V log V) for V vertices. A part GEOS cannot cut is
+  // kept whole. False when GEOS cannot count its vertices or bound it.
   bool subdivide(GEOSGeometry* part, int depth, std::vector<GEOSGeometry*>* out) const {
     const int vertices = GEOSGetNumCoordinates_r(ctx, part);
     double x0 = 0, y0 = 0, x1 = 0, y1 = 0;
@@ -198,22 +199,28 @@ struct AnnotationIndex::Impl {
       out->push_back(part);
       return vertices >= 0 && box_ok;
     }
-    bool ok = true;
-    for (int side = 0; ok && side < 2; ++side) {
+    std::vector<GEOSGeometry*> pieces;  // both halves' polygons
+    bool cut_ok = true;
+    for (int side = 0; cut_ok && side < 2; ++side) {
       // The half-boxes reach 1 px past the part's box, so no vertex lies on their outer edges.
       GEOSGeometry* half = across_x ? (side == 0 ? box(x0 - 1, y0 - 1, cut, y1 + 1) : box(cut, y0 - 1, x1 + 1, y1 + 1))
                                     : (side == 0 ? box(x0 - 1, y0 - 1, x1 + 1, cut) : box(x0 - 1, cut, x1 + 1, y1 + 1));
       GEOSGeometry* inter = half ? GEOSIntersection_r(ctx, part, half) : nullptr;
       if (half) GEOSGeom_destroy_r(ctx, half);
-      std::vector<GEOSGeometry*> pieces;
-      ok = inter != nullptr && polygons_of(inter, &pieces);
+      cut_ok = inter != nullptr && polygons_of(inter, &pieces);
       if (inter) GEOSGeom_destroy_r(ctx, inter);
-      for (GEOSGeometry* piece : pieces) {
-        if (ok) ok = subdivide(piece, depth + 1, out);
-        else GEOSGeom_destroy_r(ctx, piece);
-      }
+    }
+    if (!cut_ok) {  // GEOS could not cut it: the part is kept whole, as before the cuts
+      for (GEOSGeometry* piece : pieces) GEOSGeom_destroy_r(ctx, piece);
+      out->push_back(part);
+      return true;
     }
     GEOSGeom_destroy_r(ctx, part);
+    bool ok = true;
+    for (GEOSGeometry* piece : pieces) {
+      if (ok) ok = subdivide(piece, depth + 1, out);
+      else GEOSGeom_destroy_r(ctx, piece);
+    }
     return ok;
   }
 

@@ -3,6 +3,8 @@
 
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -31,10 +33,13 @@ namespace slide::train::testing {
 // holds when the object goes. mkdtemp makes the name unique: the plain suite and the sanitizer
 // builds' suites run the same cases at once under `ctest -j2`, and a fixed name would let one
 // process's files (or its clean-up) meet the other's, or a killed run's leftovers the next run.
+// Only the process that made it removes it: a forked child that exits normally (running static
+// destructors, as tests/cache/test_bag.cpp's does) leaves its parent's directories alone.
 class ScratchDir {
  public:
-  explicit ScratchDir(const std::string& tag) : path_(make(tag)) {}
+  explicit ScratchDir(const std::string& tag) : path_(make(tag)), owner_(::getpid()) {}
   ~ScratchDir() {
+    if (::getpid() != owner_) return;
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }
@@ -51,6 +56,7 @@ class ScratchDir {
     return dir;
   }
   std::string path_;
+  pid_t owner_;
 };
 
 inline slide::core::Status status_of(const slide::core::Status& s) { return s; }

@@ -76,8 +76,8 @@ class AnnotationIndex {
 
   // The prepared pieces the index queries, over the union of all polygons and the per-class
   // unions: each union's disjoint parts, those of more than 256 vertices cut into pieces of at
-  // most 256 (annotations.cpp, subdivide), so that a tile on a long outline intersects a few
-  // hundred vertices, not the outline's.
+  // most 256 (annotations.cpp, subdivide; a sliver under 2 px across stays whole), so that a tile
+  // on a long outline intersects a few hundred vertices, not the outline's.
   size_t pieces() const;
 
  private:

@@ -12,16 +12,23 @@
 
 namespace slide::apps {
 
+// `value` as a finite number (strtod's syntax, the whole text), into *v; false for anything else
+// (empty, trailing text, inf, nan). The numeric options' checks (here and train_common.h's
+// check_number_option) read their values through it.
+inline bool finite_number(const std::string& value, double* v) {
+  char* end = nullptr;
+  *v = std::strtod(value.c_str(), &end);
+  return !value.empty() && end != value.c_str() && *end == '\0' && std::isfinite(*v);
+}
+
 // A validator that passes a finite number above 0 (or at 0 too, with `allow_zero`); else the
 // message "must be <says>, not <value>" (CLI11 puts the option's name before it). `name` is what
 // --help shows after the option's type, CLI11's names kept (POSITIVE, NONNEGATIVE).
 inline CLI::Validator number_at_least_zero(bool allow_zero, const std::string& says, const std::string& name) {
   return CLI::Validator(
       [allow_zero, says](std::string& value) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(value.c_str(), &end);
-        const bool number = !value.empty() && end != value.c_str() && *end == '\0' && std::isfinite(v);
-        if (number && (allow_zero ? v >= 0 : v > 0)) return "";
+        double v = 0;
+        if (finite_number(value, &v) && (allow_zero ? v >= 0 : v > 0)) return "";
         return "must be " + says + ", not " + value;
       },
       name, name);

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "cli_checks.h"
 #include "report.h"
 #include "slide/core/file.h"
 #include "slide/train/model_registry.h"
@@ -67,11 +68,8 @@ std::string check_number_option(const std::string& option, const std::string& va
   const auto it = number_rules().find(option);
   if (it == number_rules().end()) return "";
   const NumberRule& r = it->second;
-  char* end = nullptr;
-  const double v = std::strtod(value.c_str(), &end);
-  const bool number = !value.empty() && end != value.c_str() && *end == '\0';
-  // Written so that NaN fails every comparison, hence the rule.
-  const bool in_range = number && std::isfinite(v) && (r.lo_open ? v > r.lo : v >= r.lo) &&
+  double v = 0;
+  const bool in_range = finite_number(value, &v) && (r.lo_open ? v > r.lo : v >= r.lo) &&
                         (r.hi_open ? v < r.hi : v <= r.hi) && (!r.integer || v == std::floor(v));
   if (in_range) return "";
   return "--" + option + " " + value + ": must be " + r.says;

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <functional>
 #include <numeric>
-#include <unistd.h>
 #include <random>
 #include <string>
 #include <utility>
@@ -335,25 +334,17 @@ void write_test_bag(const std::string& dir, const std::string& id, const std::st
   REQUIRE((*w)->commit().ok());
 }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    path = (fs::temp_directory_path() / ("mil_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++))).string();
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
+// A directory of bags for one test (test_util.h's ScratchDir).
+struct TempDir : testing::ScratchDir {
+  TempDir() : ScratchDir("mil_test") {}
 };
 
 }  // namespace
 
 TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals streamed, clear errors") {
   TempDir dir;
-  for (int i = 0; i < 6; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 3 + i, 5);
-  auto ds = BagDataset::open({dir.path});
+  for (int i = 0; i < 6; ++i) write_test_bag(dir.path(), "s" + std::to_string(i), i % 2 ? "b" : "a", 3 + i, 5);
+  auto ds = BagDataset::open({dir.path()});
   REQUIRE_MESSAGE(ds.ok(), ds.status().to_string());
   CHECK((*ds)->class_names() == std::vector<std::string>{"a", "b"});
   CHECK((*ds)->bags().size() == 6);
@@ -374,9 +365,9 @@ TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals s
   CHECK((*coords)[2 * 5 + 1] == 448);
 
   // A CSV with patients: s0+s1, s2+s3, s4+s5 are one patient each and never split.
-  const std::string csv = dir.path + "/labels.csv";
+  const std::string csv = dir.path() + "/labels.csv";
   REQUIRE(slide::core::write_file_atomic(csv, "slide_id,label,patient\ns0,x,p0\ns1,y,p0\ns2,x,p1\ns3,y,p1\ns4,x,p2\ns5,y,p2\n").ok());
-  auto by_patient = BagDataset::open({dir.path}, csv);
+  auto by_patient = BagDataset::open({dir.path()}, csv);
   REQUIRE(by_patient.ok());
   CHECK((*by_patient)->class_names() == std::vector<std::string>{"x", "y"});
   for (uint64_t seed = 0; seed < 5; ++seed) {
@@ -388,34 +379,34 @@ TEST_CASE("BagDataset: labels from bags or a CSV, split by patient, RAM equals s
 
   // A slide the CSV lacks is named.
   REQUIRE(slide::core::write_file_atomic(csv, "slide_id,label\ns0,x\ns1,y\n").ok());
-  auto missing = BagDataset::open({dir.path}, csv);
+  auto missing = BagDataset::open({dir.path()}, csv);
   CHECK(missing.status().code() == StatusCode::kInvalidArgument);
   CHECK(missing.status().message().find("no row for slide 's2'") != std::string::npos);
   // A bag of another feature width is named.
   TempDir mixed;
-  write_test_bag(mixed.path, "w5", "a", 3, 5);
-  write_test_bag(mixed.path, "w7", "b", 3, 7);
-  auto wrong_dim = BagDataset::open({mixed.path});
+  write_test_bag(mixed.path(), "w5", "a", 3, 5);
+  write_test_bag(mixed.path(), "w7", "b", 3, 7);
+  auto wrong_dim = BagDataset::open({mixed.path()});
   CHECK(wrong_dim.status().code() == StatusCode::kInvalidArgument);
   CHECK(wrong_dim.status().message().find("w7.h5 has 7 features per tile") != std::string::npos);
   // One class only: refused for training, fine against a model's class list.
   TempDir one;
-  write_test_bag(one.path, "o1", "b", 2, 5);
-  CHECK(BagDataset::open({one.path}).status().message().find("fewer than two classes") != std::string::npos);
-  auto against = BagDataset::open({one.path}, "", {"a", "b"});
+  write_test_bag(one.path(), "o1", "b", 2, 5);
+  CHECK(BagDataset::open({one.path()}).status().message().find("fewer than two classes") != std::string::npos);
+  auto against = BagDataset::open({one.path()}, "", {"a", "b"});
   REQUIRE(against.ok());
   CHECK((*against)->bags()[0].label == 1);
-  CHECK(BagDataset::open({one.path}, "", {"a", "c"}).status().message().find("not one of the model's") !=
+  CHECK(BagDataset::open({one.path()}, "", {"a", "c"}).status().message().find("not one of the model's") !=
         std::string::npos);
-  CHECK(BagDataset::open({dir.path + "/nope"}).status().code() == StatusCode::kNotFound);
+  CHECK(BagDataset::open({dir.path() + "/nope"}).status().code() == StatusCode::kNotFound);
 }
 
 TEST_CASE("BagDataset: bags of two encoders are refused, naming both; bags that do not say are taken") {
   TempDir a, b, plain;
-  for (int i = 0; i < 2; ++i) write_test_bag(a.path, "a" + std::to_string(i), i ? "b" : "a", 3, 4, "resnet50");
-  write_test_bag(b.path, "u0", "a", 3, 4, "uni");
-  write_test_bag(plain.path, "p0", "b", 3, 4);
-  auto one = BagDataset::open({a.path});
+  for (int i = 0; i < 2; ++i) write_test_bag(a.path(), "a" + std::to_string(i), i ? "b" : "a", 3, 4, "resnet50");
+  write_test_bag(b.path(), "u0", "a", 3, 4, "uni");
+  write_test_bag(plain.path(), "p0", "b", 3, 4);
+  auto one = BagDataset::open({a.path()});
   REQUIRE_MESSAGE(one.ok(), one.status().to_string());
   CHECK((*one)->encoder() == BagEncoder{"resnet50", "layer3", "resnet500123456789abcdef"});
   CHECK((*one)->encoder().describe() == "resnet50 layer3, weights sha256 resnet500123...");
@@ -423,33 +414,33 @@ TEST_CASE("BagDataset: bags of two encoders are refused, naming both; bags that 
   for (bool manifest : {false, true}) {
     CAPTURE(manifest);
     if (manifest) {
-      auto listed = slide::cache::list_bags(b.path);
+      auto listed = slide::cache::list_bags(b.path());
       REQUIRE(listed.ok());
-      REQUIRE(slide::cache::write_manifest(b.path, *listed).ok());
+      REQUIRE(slide::cache::write_manifest(b.path(), *listed).ok());
     }
-    auto two = BagDataset::open({a.path, b.path});
+    auto two = BagDataset::open({a.path(), b.path()});
     CHECK(two.status().code() == StatusCode::kInvalidArgument);
     CHECK(two.status().message().find("u0.h5 holds features of uni layer3, weights sha256 uni012345678...") !=
           std::string::npos);
     CHECK(two.status().message().find("a0.h5 of resnet50 layer3") != std::string::npos);
   }
   // Within one directory too.
-  write_test_bag(a.path, "u1", "a", 3, 4, "uni");
-  CHECK(BagDataset::open({a.path}).status().code() == StatusCode::kInvalidArgument);
-  fs::remove(a.path + "/" + slide::cache::bag_file_name("u1"));
+  write_test_bag(a.path(), "u1", "a", 3, 4, "uni");
+  CHECK(BagDataset::open({a.path()}).status().code() == StatusCode::kInvalidArgument);
+  fs::remove(a.path() + "/" + slide::cache::bag_file_name("u1"));
   // A bag without encoder attributes (another tool's) cannot be told apart: taken.
-  auto with_plain = BagDataset::open({a.path, plain.path});
+  auto with_plain = BagDataset::open({a.path(), plain.path()});
   REQUIRE_MESSAGE(with_plain.ok(), with_plain.status().to_string());
   CHECK((*with_plain)->encoder().model == "resnet50");
-  auto only_plain = BagDataset::open({plain.path}, "", {"a", "b"});
+  auto only_plain = BagDataset::open({plain.path()}, "", {"a", "b"});
   REQUIRE(only_plain.ok());
   CHECK_FALSE((*only_plain)->encoder().known());
 }
 
 TEST_CASE("MIL training stops at a non-finite loss before any update (issue 20)") {
   TempDir dir;
-  for (int i = 0; i < 4; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 3, 6);
-  auto ds = BagDataset::open({dir.path});
+  for (int i = 0; i < 4; ++i) write_test_bag(dir.path(), "s" + std::to_string(i), i % 2 ? "b" : "a", 3, 6);
+  auto ds = BagDataset::open({dir.path()});
   REQUIRE(ds.ok());
   AbmilConfig c;
   c.in_features = 6, c.hidden = 8, c.attention = 4, c.classes = 2;
@@ -486,9 +477,9 @@ TEST_CASE("MIL training stops at a non-finite loss before any update (issue 20)"
 
 TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals RAM, attention outputs") {
   TempDir dir;
-  for (int i = 0; i < 8; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i % 2 ? "b" : "a", 4 + i % 3, 6);
+  for (int i = 0; i < 8; ++i) write_test_bag(dir.path(), "s" + std::to_string(i), i % 2 ? "b" : "a", 4 + i % 3, 6);
   auto train = [&](bool ram, int prefetch, std::vector<float>* weights) {
-    auto ds = BagDataset::open({dir.path});
+    auto ds = BagDataset::open({dir.path()});
     REQUIRE(ds.ok());
     if (ram) REQUIRE((*ds)->cache_in_ram(cpu_allocator()).ok());
     AbmilConfig c;
@@ -555,13 +546,13 @@ TEST_CASE("MIL training on bags: the loss falls, streamed (with prefetch) equals
   // The attention file and heatmap.
   std::vector<float> att = {0.1f, 0.2f, 0.3f, 0.4f, 0.0f};
   std::vector<int32_t> xy = {0, 0, 448, 0, 896, 0, 1344, 0, 0, 448};
-  REQUIRE(write_attention_h5(dir.path + "/att.h5", "s", "a", "b", {0.25, 0.75}, att, xy).ok());
-  CHECK(fs::exists(dir.path + "/att.h5"));
-  CHECK(!fs::exists(dir.path + "/att.h5.partial"));
-  CHECK(write_attention_h5(dir.path + "/bad.h5", "s", "a", "b", {0.5, 0.5}, att, {0, 0}).code() ==
+  REQUIRE(write_attention_h5(dir.path() + "/att.h5", "s", "a", "b", {0.25, 0.75}, att, xy).ok());
+  CHECK(fs::exists(dir.path() + "/att.h5"));
+  CHECK(!fs::exists(dir.path() + "/att.h5.partial"));
+  CHECK(write_attention_h5(dir.path() + "/bad.h5", "s", "a", "b", {0.5, 0.5}, att, {0, 0}).code() ==
         StatusCode::kInvalidArgument);
-  REQUIRE(write_attention_heatmap(dir.path + "/h.png", att, xy, 0).ok());
-  auto bytes = slide::core::read_file(dir.path + "/h.png");
+  REQUIRE(write_attention_heatmap(dir.path() + "/h.png", att, xy, 0).ok());
+  auto bytes = slide::core::read_file(dir.path() + "/h.png");
   REQUIRE(bytes.ok());
   auto img = slide::tile::decode_png(std::vector<uint8_t>(bytes->begin(), bytes->end()));
   REQUIRE(img.ok());
@@ -680,8 +671,8 @@ TEST_CASE("MIL with class weights and label smoothing: a step's gradient is PyTo
   // d loss / d logit_bj = ((sum_c t_bc) p_bj - t_bj) / W, t_bc = (1 - s) w[y_b] [c == y_b] + (s / C) w[c],
   // W = sum_b w[y_b]. The classifier's bias gradient is its sum over the bags.
   TempDir dir;
-  for (int i = 0; i < 3; ++i) write_test_bag(dir.path, "s" + std::to_string(i), i == 1 ? "b" : "a", 4, 6);
-  auto ds = BagDataset::open({dir.path});
+  for (int i = 0; i < 3; ++i) write_test_bag(dir.path(), "s" + std::to_string(i), i == 1 ? "b" : "a", 4, 6);
+  auto ds = BagDataset::open({dir.path()});
   REQUIRE(ds.ok());
   AbmilConfig c;
   c.in_features = 6, c.hidden = 8, c.attention = 4, c.classes = 2;

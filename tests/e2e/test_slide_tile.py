@@ -342,10 +342,7 @@ class TestResume(Base):
         self.assertGreater(n_tiles, 1000)
         killed_mid_run = 0
         # Kill points as fractions of the reference run's time, so they land mid-run on any machine.
-        # Under the sanitizers (tests/sanitize) three of the five: each point is three runs of an
-        # instrumented slide-tile, alone (RUN_SERIAL), and the resume path is the same.
-        fractions = (0.02, 0.3, 0.6) if os.environ.get("SLIDE_E2E_SANITIZED") else (0.02, 0.2, 0.4, 0.6, 0.85)
-        for i, delay in enumerate(f * seconds for f in fractions):
+        for i, delay in enumerate(f * seconds for f in (0.02, 0.2, 0.4, 0.6, 0.85)):
             store = self.path("k%d" % i)
             p = subprocess.Popen([TILE] + RESUME_ARGS + ["-o", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(delay)

@@ -182,7 +182,7 @@ class TestEngine(Base):
     def test_resnet18_on_the_simulated_device_equals_host_and_torchvision(self):
         import torch
         torch.set_num_threads(2)
-        store = self.tile("lc64", "--patches", LC, "--tile-size", "64")
+        store = self.tile("lc32", "--patches", LC, "--tile-size", "32")
         model, weights = self.random_weights("resnet18", seed=5)
         ids = ["lung_aca/lungaca1", "lung_n/lungn10", "lung_scc/lungscc100"]
         feats = {}
@@ -211,7 +211,7 @@ class TestEngine(Base):
         unbudgeted run's bit for bit (no batch statistics at inference; the reference backend's rows
         do not depend on their batch). A budget that one tile alone exceeds fails every slide,
         naming the cause, and writes no bag."""
-        store = self.tile("lc64oom", "--patches", LC, "--tile-size", "64")
+        store = self.tile("lc32oom", "--patches", LC, "--tile-size", "32")
         _, weights = self.random_weights("resnet18", seed=7)
         ids = ["lung_aca/lungaca%d" % i for i in range(1, 7)] + ["lung_n/lungn%d" % i for i in range(10, 16)]
 

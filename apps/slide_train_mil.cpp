@@ -153,13 +153,15 @@ Result<EpochStats> write_attention_outputs(Backend& be, Abmil& model, const BagD
   auto write_bag = [&](size_t i, const float* p, const std::vector<float>& attention) -> Status {
     const BagRef& bag = ds.bags()[i];
     const auto pred = static_cast<size_t>(std::max_element(p, p + k) - p);
-    SLIDE_ASSIGN_OR_RETURN(std::vector<int32_t> coords, ds.coords(i));
+    // One open of the bag for its coordinates and its attributes (the heatmap's slide size).
+    SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
+    std::vector<int32_t> coords(static_cast<size_t>(reader->num_tiles()) * 2);
+    SLIDE_RETURN_IF_ERROR(reader->read_coords(0, reader->num_tiles(), coords));
     const std::string h5 = slide::cache::bag_file_name(bag.slide_id);
     const std::string png = fs::path(h5).stem().string() + ".png";
     const std::string label = bag.label == kNoLabel ? "" : classes[static_cast<size_t>(bag.label)];
     SLIDE_RETURN_IF_ERROR(write_attention_h5(dir + "/" + h5, bag.slide_id, label, classes[pred],
                                              std::vector<double>(p, p + k), attention, coords));
-    SLIDE_ASSIGN_OR_RETURN(auto reader, slide::cache::BagReader::open(bag.path));
     const auto path = paths.find(bag.slide_id);
     std::string heatmap = png;
     if (Status s = write_heatmap(dir + "/" + png, attention, coords, reader->info().attributes,

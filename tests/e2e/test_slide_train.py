@@ -32,10 +32,16 @@ class Base(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="slide_train_e2e_")
-        cls.store = os.path.join(cls.tmp, "lc")
-        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "48", "-o", cls.store, "-q"],
+        cls.store = cls.lc25000_store("lc", 48)
+
+    @classmethod
+    def lc25000_store(cls, name, px):
+        """The LC25000 subset tiled at `px` pixels into the class's directory `name`; its path."""
+        path = os.path.join(cls.tmp, name)
+        r = subprocess.run([TILE, "--patches", LC, "--tile-size", str(px), "-o", path, "-q"],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+        return path
 
     @classmethod
     def tearDownClass(cls):
@@ -383,10 +389,7 @@ class TestPrecision(Base):
         # Its own store at 16 px: the reference backend's exact loops are the cost here (this class
         # took 53 s at 32 px, 20 s at 16 px here, 2026-11-30).
         super().setUpClass()
-        cls.store = os.path.join(cls.tmp, "lc16")
-        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "16", "-o", cls.store, "-q"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+        cls.store = cls.lc25000_store("lc16", 16)
 
     def fp32_run(self):
         # The fp32 run both tests compare with, made once (2 epochs; the schedule is constant, so
@@ -688,10 +691,7 @@ class TestDevice(Base):
         # Its own store at 16 px, as TestPrecision's: the reference backend's exact loops are the
         # cost here (this class took 44 s on the 48-px store here, 2026-11-30).
         super().setUpClass()
-        cls.store = os.path.join(cls.tmp, "lc16")
-        r = subprocess.run([TILE, "--patches", LC, "--tile-size", "16", "-o", cls.store, "-q"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+        cls.store = cls.lc25000_store("lc16", 16)
 
     def run3(self, out, backend, epochs, *extra):
         args = [TRAIN, "--data", self.store, "--out", out, "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",

@@ -208,7 +208,7 @@ TEST_CASE("offload_refit on the simulated device: a step out of memory without o
   CHECK(segments > 0);
   // Offload saves little at micro-batch 1 (two segments' activations stay on the device: here 64 KiB
   // of 2.6 MiB at 128 px), so the real steps are held to the budget within 16 KiB (batch norm's
-  // small temporaries), half the gap between the two peaks.
+  // small temporaries), under half the gap between the two peaks (33 KiB).
   be.allocator().set_budget_bytes(budget + 16 * 1024);
   po.micro_batch = 1;
   const Status real = probe_step(be, *m, po, 1);
